@@ -1,0 +1,36 @@
+"""The one exception type for bad user input, and the CLI's way of reporting it.
+
+Every problem a user can fix (recipe, override, data row, model path, DeepSpeed file, reward
+function) is raised as ``UserError(where, what, fix)`` and printed as one line
+``error: <where>: <what>. <fix>`` on stderr with exit code 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """A mistake in the user's input: says where it is, what is wrong and how to fix it."""
+
+    def __init__(self, where: str, what: str, fix: str = "") -> None:
+        self.where, self.what, self.fix = where, what.rstrip("."), fix.rstrip(".")
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        fix = self.fix + ("" if self.fix.endswith(("?", "!")) else ".")
+        return f"{self.where}: {self.what}." + (f" {fix}" if self.fix else "")
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Turn a UserError into the one-line message and exit code 2 (for command-line entry points)."""
+    try:
+        yield
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)

@@ -1,0 +1,399 @@
+"""The recipe: schema (frozen dataclasses), JSON loading, overrides and validation.
+
+Every default lives here and nowhere else. Each field declares its documentation, and where it
+applies its allowed choices and numeric range, in ``field(metadata=...)``; validation, ``grpo_ds.check``
+and the README's key reference all read that one declaration.
+
+Load order (nothing touches a model): JSON file -> ``section.key=value`` overrides -> type, choice
+and range checks per field -> cross-field checks (batch algebra) -> a frozen ``Recipe``.
+The DeepSpeed side (``train_batch_size`` and friends) is resolved in ``grpo_ds.ds_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from grpo_ds.errors import UserError
+
+_MISSING = object()
+
+
+def opt(default: Any, doc: str, *, choices: tuple | None = None, low: float | None = None,
+        high: float | None = None, low_open: bool = False) -> Any:
+    """Declare a recipe field: its default, a one-line doc, and optionally allowed choices or a range.
+
+    ``low``/``high`` bound numbers inclusively; ``low_open`` makes the lower bound exclusive.
+    """
+    meta = {"doc": doc, "choices": choices, "low": low, "high": high, "low_open": low_open}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = opt("grpo", "Run name; the run folder is output_dir/name")
+    output_dir: str = opt("runs", "Folder that holds run folders (relative to the working directory)")
+    seed: int = opt(0, "Seed for data order, sampling and model init", low=0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = opt("builtin:tiny", '"builtin:tiny" (random tiny model, no download) or a local HF model folder')
+    dtype: str = opt("float32", "Training dtype of the policy", choices=("float32", "bfloat16", "float16"))
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory")
+    trust_remote_code: bool = opt(False, "Allow a local model folder to run its own modelling code")
+    tiny_hidden_size: int = opt(64, "builtin:tiny only: hidden size", low=8)
+    tiny_num_layers: int = opt(2, "builtin:tiny only: number of transformer layers", low=1)
+    tiny_num_heads: int = opt(4, "builtin:tiny only: attention heads (must divide tiny_hidden_size)", low=1)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = opt("builtin:arith", '"builtin:arith", a .jsonl/.json/.parquet file, or a saved HF dataset folder')
+    prompt_key: str = opt("prompt", "Column holding the prompt text")
+    answer_key: str = opt("answer", "Column holding the reference answer (passed to reward functions)")
+    chat_template: bool = opt(False, "Wrap each prompt as a user message with the tokenizer's chat template")
+    max_prompt_tokens: int = opt(512, "Longest prompt in tokens; longer rows are bad rows", low=1)
+    on_bad_row: str = opt("error", "Row without the prompt key, empty, or too long: stop, or skip and count",
+                          choices=("error", "skip"))
+    shuffle: bool = opt(True, "Shuffle prompts each pass over the data (seeded by run.seed)")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = opt("hf", "Generation engine: transformers generate (CPU/GPU) or vLLM (GPU)", choices=("hf", "vllm"))
+    prompts_per_step: int = opt(8, "Prompts sampled per training step (global, all ranks together)", low=1)
+    group_size: int = opt(8, "Completions sampled per prompt; advantages are computed within a group", low=2)
+    max_new_tokens: int = opt(256, "Longest completion in tokens; generation also stops at EOS", low=1)
+    temperature: float = opt(1.0, "Sampling temperature", low=0.0, low_open=True)
+    top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this much probability", low=0.0,
+                       high=1.0, low_open=True)
+    top_k: int = opt(0, "Keep only the k most likely tokens (0 = off)", low=0)
+    generation_batch_prompts: int = opt(64, "Prompts per generate() call on each rank (bounds rollout memory)",
+                                        low=1)
+    weight_sync_bucket_mb: float = opt(256.0, "Size of each bucket of gathered ZeRO-3 weights sent to the "
+                                       "rollout engine", low=0.0, low_open=True)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    functions: list = opt([{"name": "exact_match", "weight": 1.0}],
+                          'Reward functions: [{"name": builtin or "package.module:function", "weight": float}]')
+    on_error: str = opt("zero", "A function that raises, times out or returns a bad value: score 0 and count "
+                        "it, or stop the run", choices=("zero", "fail"))
+    timeout_s: float = opt(30.0, "Seconds one reward function call may take for a whole batch", low=0.0,
+                           low_open=True)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage: str = opt("grpo", "Advantage estimator", choices=("grpo",))
+    scale_rewards: bool = opt(True, "Divide group-centred rewards by the group std (false = Dr. GRPO style)")
+    policy_loss: str = opt("ppo_clip", "Policy loss", choices=("ppo_clip",))
+    clip_low: float = opt(0.2, "PPO ratio lower clip: ratio >= 1 - clip_low", low=0.0, high=1.0, low_open=True)
+    clip_high: float = opt(0.2, "PPO ratio upper clip: ratio <= 1 + clip_high (DAPO uses 0.28)", low=0.0,
+                           low_open=True)
+    kl_coef: float = opt(0.0, "Weight of the KL penalty against the frozen reference model (0 = no reference)",
+                         low=0.0)
+    kl_estimator: str = opt("k3", "KL estimator (Schulman's k3: exp(r) - r - 1, r = ref - policy log-prob)",
+                            choices=("k3",))
+    loss_agg: str = opt("token-mean", "How per-token losses become one number per optimizer step",
+                        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm"))
+    loss_agg_norm_tokens: int | None = opt(None, "Constant divisor of seq-mean-token-sum-norm (null = "
+                                           "rollout.max_new_tokens)", low=1)
+    entropy_coef: float = opt(0.0, "Entropy bonus weight (loss -= entropy_coef * entropy)", low=0.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = opt(100, "Training steps (one rollout each)", low=1)
+    samples_per_optimizer_step: int | None = opt(None, "Samples (completions) per optimizer step, global; must "
+                                                 "divide prompts_per_step * group_size (null = all of them)",
+                                                 low=1)
+    epochs_per_rollout: int = opt(1, "Passes over each step's samples", low=1)
+    micro_batch_samples_per_gpu: int = opt(4, "Samples per micro-batch per GPU in the policy update", low=1)
+    max_tokens_per_micro_batch: int | None = opt(None, "Dynamic batching: cap on padded tokens (samples x longest "
+                                                 "sequence) per micro-batch, all phases (null = off)", low=1)
+    logprob_micro_batch_samples_per_gpu: int = opt(8, "Samples per micro-batch per GPU in the old/ref log-prob "
+                                                   "passes", low=1)
+    lr: float = opt(1e-6, "Peak learning rate (AdamW)", low=0.0, low_open=True)
+    weight_decay: float = opt(0.0, "AdamW weight decay", low=0.0)
+    adam_betas: list = opt([0.9, 0.999], "AdamW betas [beta1, beta2]")
+    warmup_steps: int = opt(0, "Optimizer steps of linear learning-rate warm-up", low=0)
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (0 = off)", low=0.0)
+    max_nan_steps: int = opt(3, "Consecutive optimizer steps with a non-finite loss before the run stops", low=1)
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    backend: str = opt("auto", "Per-token math: auto picks the best available; torch is the reference",
+                       choices=("auto", "torch"))
+    logprob_chunk_tokens: int = opt(1024, "Tokens per chunk when computing log-probs and entropy", low=1)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every_steps: int = opt(1, "Print a metrics line every this many steps (metrics.jsonl gets every step)", low=1)
+    progress_bar: bool = opt(True, "Show a progress bar on rank 0")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    deepspeed: Any = field(default="ds_configs/zero3.json", metadata={
+        "doc": "DeepSpeed config: path to a JSON file (batch keys \"auto\") or an inline object"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    source_dir: str = field(default=".", compare=False, metadata={"internal": True})  # folder of the recipe file
+
+    @property
+    def samples_per_step(self) -> int:
+        """P x G: completions generated and trained on per step."""
+        return self.rollout.prompts_per_step * self.rollout.group_size
+
+    @property
+    def samples_per_optimizer_step(self) -> int:
+        return self.train.samples_per_optimizer_step or self.samples_per_step
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        return self.samples_per_step // self.samples_per_optimizer_step * self.train.epochs_per_rollout
+
+    @property
+    def loss_agg_norm_tokens(self) -> int:
+        return self.algorithm.loss_agg_norm_tokens or self.rollout.max_new_tokens
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("source_dir")
+        return out
+
+
+_RECIPE_HINTS = typing.get_type_hints(Recipe)
+SECTIONS: dict[str, type] = {f.name: _RECIPE_HINTS[f.name] for f in dataclasses.fields(Recipe)
+                             if dataclasses.is_dataclass(_RECIPE_HINTS[f.name])}
+TOP_LEVEL_VALUES = ("deepspeed",)
+
+
+def iter_fields():
+    """Yield (section, dataclasses.Field) for every user-facing key, in schema order (docs and tests)."""
+    for f in dataclasses.fields(Recipe):
+        if f.metadata.get("internal"):
+            continue
+        if f.name in SECTIONS:
+            for sub in dataclasses.fields(SECTIONS[f.name]):
+                yield f.name, sub
+        else:
+            yield None, f
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+def load_recipe(source: str | Path | dict, overrides: list[str] | dict | None = None) -> Recipe:
+    """Read a recipe (JSON path or dict), apply overrides, validate everything; raise UserError if bad."""
+    if isinstance(source, dict):
+        raw, where, source_dir = json.loads(json.dumps(source)), "recipe", "."
+    else:
+        path = Path(source)
+        where, source_dir = str(path), str(path.parent)
+        if not path.is_file():
+            raise UserError(where, "recipe file not found", "check the path, e.g. recipes/tiny_cpu.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where}:{err.lineno}:{err.colno}", f"invalid JSON ({err.msg})",
+                            "fix the JSON syntax") from None
+        if not isinstance(raw, dict):
+            raise UserError(where, "a recipe must be a JSON object of sections", 'start with {"run": {...}, ...}')
+    for key, value in _normalise_overrides(overrides):
+        _apply_override(raw, key, value)
+    recipe = _build(raw, where, source_dir)
+    validate(recipe)
+    return recipe
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``section.key=value``: the value is JSON when it parses, otherwise a plain string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {text!r}", "expected section.key=value", "e.g. train.lr=1e-5")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def _normalise_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]:
+    if not overrides:
+        return []
+    if isinstance(overrides, dict):
+        return list(overrides.items())
+    return [parse_override(o) for o in overrides]
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"did you mean {close[0]!r}?" if close else "valid keys: " + ", ".join(options)
+
+
+def _apply_override(raw: dict, key: str, value: Any) -> None:
+    where = f"override {key}"
+    parts = key.split(".")
+    if parts[0] in TOP_LEVEL_VALUES and len(parts) == 1:
+        raw[parts[0]] = value
+        return
+    if parts[0] == "deepspeed" and len(parts) > 1:  # deepspeed.zero_optimization.stage=2 edits an inline object
+        if not isinstance(raw.get("deepspeed"), dict):
+            raise UserError(where, "deepspeed is a file path, so its keys cannot be overridden one by one",
+                            "edit the file, or give an inline deepspeed object in the recipe")
+        target = raw["deepspeed"]
+        for p in parts[1:-1]:
+            target = target.setdefault(p, {})
+        target[parts[-1]] = value
+        return
+    if len(parts) != 2:
+        raise UserError(where, "overrides are section.key=value", "e.g. train.lr=1e-5")
+    section, name = parts
+    if section not in SECTIONS:
+        raise UserError(where, f"unknown section {section!r}", _suggest(section, list(SECTIONS) + ["deepspeed"]))
+    raw.setdefault(section, {})
+    if not isinstance(raw[section], dict):
+        raise UserError(section, "must be a JSON object", f'write "{section}": {{...}}')
+    raw[section][name] = value
+
+
+def _build(raw: dict, where: str, source_dir: str) -> Recipe:
+    values: dict[str, Any] = {"source_dir": source_dir}
+    for key, section_raw in raw.items():
+        if key in TOP_LEVEL_VALUES:
+            if not isinstance(section_raw, (str, dict)):
+                raise UserError(key, f"must be a path string or a JSON object, got {_type_name(section_raw)}",
+                                'e.g. "ds_configs/zero3.json"')
+            values[key] = section_raw
+            continue
+        if key not in SECTIONS:
+            raise UserError(f"{where}: {key}", "unknown section", _suggest(key, list(SECTIONS) + ["deepspeed"]))
+        if not isinstance(section_raw, dict):
+            raise UserError(key, f"must be a JSON object, got {_type_name(section_raw)}", f'write "{key}": {{...}}')
+        values[key] = _build_section(key, SECTIONS[key], section_raw)
+    return Recipe(**values)
+
+
+def _build_section(section: str, cls: type, raw: dict) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in raw.items():
+        if name not in known:
+            raise UserError(f"{section}.{name}", "unknown key", _suggest(name, known))
+        f = known[name]
+        kwargs[name] = _check_field(f"{section}.{name}", value, f)
+    return cls(**kwargs)
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _check_field(where: str, value: Any, f: dataclasses.Field) -> Any:
+    """Check one value against its declared type, choices and range; return it (ints widened to float)."""
+    hint = typing.get_type_hints(_owner_of(f))[f.name]
+    args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    nullable = type(None) in args
+    base = next(a for a in args if a is not type(None))
+    meta = f.metadata
+    if value is None:
+        if nullable:
+            return None
+        raise UserError(where, "must not be null", f"give a value like {f.default!r}")
+    ok = {bool: isinstance(value, bool),
+          int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str), list: isinstance(value, list), dict: isinstance(value, dict)}[base]
+    if not ok:
+        example = f"e.g. {json.dumps(f.default)}" if f.default is not dataclasses.MISSING else ""
+        raise UserError(where, f"expected {_type_name(base())}, got {_type_name(value)} {json.dumps(value)}", example)
+    if base is float:
+        value = float(value)
+    if meta.get("choices") and value not in meta["choices"]:
+        raise UserError(where, f"{value!r} is not one of {', '.join(map(repr, meta['choices']))}",
+                        _suggest(str(value), meta["choices"]) if isinstance(value, str) else "pick one of them")
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None and (value < low or (meta.get("low_open") and value == low)):
+        rule = f"> {low}" if meta.get("low_open") else f">= {low}"
+        raise UserError(where, f"{value} is out of range: must be {rule}" + (f" and <= {high}" if high else ""),
+                        f"e.g. {f.default}" if f.default is not None else "use a larger value")
+    if high is not None and value > high:
+        raise UserError(where, f"{value} is out of range: must be <= {high}", f"e.g. {f.default}")
+    return value
+
+
+_OWNERS: dict[int, type] = {}
+
+
+def _owner_of(f: dataclasses.Field) -> type:
+    if not _OWNERS:
+        for cls in SECTIONS.values():
+            for sub in dataclasses.fields(cls):
+                _OWNERS[id(sub)] = cls
+    return _OWNERS[id(f)]
+
+
+# -------------------------------------------------------------------------------------- validation
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(recipe: Recipe) -> None:
+    """Cross-field rules, above all the batch algebra; every message names the key and the fix."""
+    samples = recipe.samples_per_step
+    spos = recipe.train.samples_per_optimizer_step
+    if spos is not None and samples % spos:
+        near = sorted(_divisors(samples), key=lambda d: abs(d - spos))[:3]
+        raise UserError("train.samples_per_optimizer_step",
+                        f"{spos} does not divide the samples per step {samples} (= prompts_per_step "
+                        f"{recipe.rollout.prompts_per_step} x group_size {recipe.rollout.group_size})",
+                        f"use a divisor such as {', '.join(map(str, sorted(near)))}, or null for all {samples}")
+    if spos is not None and spos > samples:
+        raise UserError("train.samples_per_optimizer_step", f"{spos} is more than the {samples} samples per step",
+                        f"use at most {samples}")
+    m = recipe.model
+    if m.path == "builtin:tiny" and m.tiny_hidden_size % m.tiny_num_heads:
+        raise UserError("model.tiny_num_heads", f"{m.tiny_num_heads} does not divide tiny_hidden_size "
+                        f"{m.tiny_hidden_size}", "pick a divisor, e.g. 4")
+    betas = recipe.train.adam_betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise UserError("train.adam_betas", f"{betas} is not two numbers in [0, 1)", "e.g. [0.9, 0.999]")
+    _validate_reward_specs(recipe.reward.functions)
+
+
+def _validate_reward_specs(functions: list) -> None:
+    if not functions:
+        raise UserError("reward.functions", "is empty", 'add one, e.g. [{"name": "exact_match", "weight": 1.0}]')
+    for i, spec in enumerate(functions):
+        where = f"reward.functions[{i}]"
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise UserError(where, "must be an object with a string name", '{"name": "exact_match", "weight": 1.0}')
+        unknown = set(spec) - {"name", "weight"}
+        if unknown:
+            key = sorted(unknown)[0]
+            raise UserError(f"{where}.{key}", "unknown key", _suggest(key, ["name", "weight"]))
+        weight = spec.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise UserError(f"{where}.weight", f"expected a number, got {_type_name(weight)}", "e.g. 1.0")
