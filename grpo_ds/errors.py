@@ -8,8 +8,8 @@ function) is raised as ``UserError(where, what, fix)`` and printed as one line
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 EXIT_USER_ERROR = 2
 

@@ -42,6 +42,7 @@ class RunConfig:
     name: str = opt("grpo", "Run name; the run folder is output_dir/name")
     output_dir: str = opt("runs", "Folder that holds run folders (relative to the working directory)")
     seed: int = opt(0, "Seed for data order, sampling and model init", low=0)
+    overwrite: bool = opt(False, "Replace an existing run folder (otherwise a folder holding a run is an error)")
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = opt("hf", "Generation engine: transformers generate (CPU/GPU) or vLLM (GPU)", choices=("hf", "vllm"))
+    engine: str = opt("hf", "Generation engine: transformers generate on an unsharded policy copy", choices=("hf",))
     prompts_per_step: int = opt(8, "Prompts sampled per training step (global, all ranks together)", low=1)
     group_size: int = opt(8, "Completions sampled per prompt; advantages are computed within a group", low=2)
     max_new_tokens: int = opt(256, "Longest completion in tokens; generation also stops at EOS", low=1)
@@ -130,7 +131,6 @@ class TrainConfig:
     adam_betas: list = opt([0.9, 0.999], "AdamW betas [beta1, beta2]")
     warmup_steps: int = opt(0, "Optimizer steps of linear learning-rate warm-up", low=0)
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (0 = off)", low=0.0)
-    max_nan_steps: int = opt(3, "Consecutive optimizer steps with a non-finite loss before the run stops", low=1)
 
 
 @dataclass(frozen=True)

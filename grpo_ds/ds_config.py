@@ -1,0 +1,154 @@
+"""Resolve a plain DeepSpeed JSON file against a recipe and a world size.
+
+The recipe owns the batch algebra; the DeepSpeed file owns ZeRO settings. Keys the recipe derives
+are written as "auto" in ``ds_configs/*.json`` and filled here:
+
+    train_micro_batch_size_per_gpu = train.micro_batch_samples_per_gpu
+    gradient_accumulation_steps    = micro-batches per rank per optimizer step (static plan:
+                                     ceil(ceil(samples_per_optimizer_step / world) / micro))
+    train_batch_size               = micro x gradient_accumulation_steps x world_size
+
+A number in the file that contradicts the derived value is an error naming the number to change.
+The driver owns the optimizer-step boundary: ``managed_gradient_accumulation`` is false and
+``backward`` is called with ``scale_wrt_gas=False``, so a step may run any number of
+micro-batches (padding, dynamic batching) with exact loss scaling (see grpo_ds.loss).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from grpo_ds.errors import UserError
+from grpo_ds.recipe import Recipe
+
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # ds_configs/ sits beside grpo_ds/ in the repo
+
+
+def find_deepspeed_file(spec: str, source_dir: str) -> Path:
+    """Look for a DeepSpeed JSON path in the working directory, the recipe's folder, then the repo root."""
+    path = Path(spec)
+    candidates = [path] if path.is_absolute() else [path, Path(source_dir) / path, _PACKAGE_ROOT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise UserError("deepspeed", f"{spec} not found (looked in the working directory, the recipe's folder and "
+                    f"{_PACKAGE_ROOT})", "give a path to a DeepSpeed JSON file, e.g. ds_configs/zero3.json")
+
+
+def load_deepspeed_json(recipe: Recipe) -> tuple[dict, str]:
+    """Return (raw DeepSpeed dict, where-string for messages)."""
+    if isinstance(recipe.deepspeed, dict):
+        return copy.deepcopy(recipe.deepspeed), "deepspeed"
+    path = find_deepspeed_file(recipe.deepspeed, recipe.source_dir)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}:{err.colno}", f"invalid JSON ({err.msg})",
+                        "fix the JSON syntax") from None
+    if not isinstance(raw, dict):
+        raise UserError(str(path), "a DeepSpeed config must be a JSON object", 'e.g. {"zero_optimization": {...}}')
+    return raw, str(path)
+
+
+def static_micro_batches_per_rank(samples: int, world_size: int, micro_samples: int) -> int:
+    """Micro-batches each rank runs for `samples` samples with count-balanced shards (the largest shard decides)."""
+    return max(1, math.ceil(math.ceil(samples / world_size) / micro_samples))
+
+
+def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str = "cpu") -> dict[str, Any]:
+    """The DeepSpeed config grpo_ds passes to deepspeed.initialize (and writes into the run folder)."""
+    raw, where = load_deepspeed_json(recipe)
+    train = recipe.train
+    micro = train.micro_batch_samples_per_gpu
+    gas = static_micro_batches_per_rank(recipe.samples_per_optimizer_step, world_size, micro)
+    derived = {
+        "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_samples_per_gpu"),
+        "gradient_accumulation_steps": (gas, f"ceil(ceil(samples_per_optimizer_step {recipe.samples_per_optimizer_step}"
+                                             f" / world size {world_size}) / micro {micro})"),
+        "train_batch_size": (micro * gas * world_size, f"micro {micro} x gradient accumulation {gas} x world size "
+                                                       f"{world_size}"),
+        "gradient_clipping": (train.max_grad_norm, "train.max_grad_norm"),
+        "managed_gradient_accumulation": (False, "grpo_ds owns the optimizer-step boundary"),
+    }
+    out = copy.deepcopy(raw)
+    for key, (value, origin) in derived.items():
+        _fill(out, [key], value, origin, where)
+    dtype = recipe.model.dtype
+    for section, wanted in (("bf16", dtype == "bfloat16"), ("fp16", dtype == "float16")):
+        out.setdefault(section, {})
+        _fill(out, [section, "enabled"], wanted, f"model.dtype {dtype!r}", where)
+    _resolve_optimizer(out, recipe, device_type, where)
+    _resolve_scheduler(out, recipe, where)
+    out.setdefault("steps_per_print", 10**9)  # grpo_ds prints its own metrics
+    out.setdefault("wall_clock_breakdown", False)
+    leftover = _find_auto(out)
+    if leftover:
+        raise UserError(f"{where}: {leftover}", '"auto" is not a value grpo_ds can derive', "give a number")
+    return out
+
+
+def _fill(cfg: dict, keys: list[str], value: Any, origin: str, where: str) -> None:
+    """Set cfg[keys] to value when absent or "auto"; error when the file hard-codes a different value."""
+    node = cfg
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    current = node.get(keys[-1], "auto")
+    if current == "auto":
+        node[keys[-1]] = value
+        return
+    same = (current == value) if isinstance(value, bool) or isinstance(current, bool) else \
+        math.isclose(float(current), float(value), rel_tol=1e-9) if _is_number(current) and _is_number(value) else \
+        current == value
+    if not same:
+        dotted = ".".join(keys)
+        raise UserError(f"{where}: {dotted}", f"is {json.dumps(current)} but the recipe gives {json.dumps(value)} "
+                        f"({origin})", f'set {dotted} to "auto" (grpo_ds derives it) or to {json.dumps(value)}')
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) -> None:
+    train = recipe.train
+    opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if str(opt.get("type", "AdamW")).lower() not in ("adamw", "adam"):
+        raise UserError(f"{where}: optimizer.type", f"{opt.get('type')!r} is not supported", 'use "AdamW"')
+    opt["type"] = "AdamW"
+    params = opt.setdefault("params", {})
+    _fill(cfg, ["optimizer", "params", "lr"], train.lr, "train.lr", where)
+    _fill(cfg, ["optimizer", "params", "weight_decay"], train.weight_decay, "train.weight_decay", where)
+    current_betas = params.get("betas", "auto")
+    if current_betas != "auto" and list(current_betas) != list(train.adam_betas):
+        raise UserError(f"{where}: optimizer.params.betas", f"is {current_betas} but the recipe gives "
+                        f"{train.adam_betas} (train.adam_betas)", 'set it to "auto" or to the recipe value')
+    params["betas"] = list(train.adam_betas)
+    params.setdefault("eps", 1e-8)
+    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if device_type == "cpu" and offload in (None, "none"):
+        params.setdefault("torch_adam", True)  # DeepSpeed's fused Adam needs a GPU
+
+
+def _resolve_scheduler(cfg: dict, recipe: Recipe, where: str) -> None:
+    train = recipe.train
+    if "scheduler" not in cfg:
+        if train.warmup_steps == 0:
+            return
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {}}
+    _fill(cfg, ["scheduler", "params", "warmup_max_lr"], train.lr, "train.lr", where)
+    _fill(cfg, ["scheduler", "params", "warmup_num_steps"], train.warmup_steps, "train.warmup_steps", where)
+    cfg["scheduler"]["params"].setdefault("warmup_min_lr", 0.0)
+    cfg["scheduler"]["params"].setdefault("warmup_type", "linear")
+
+
+def _find_auto(node: Any, prefix: str = "") -> str | None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found = _find_auto(v, f"{prefix}.{k}" if prefix else k)
+            if found:
+                return found
+    return prefix if node == "auto" else None

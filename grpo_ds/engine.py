@@ -1,0 +1,88 @@
+"""DeepSpeed: process group, ZeRO-3 training engine, frozen reference engine.
+
+One rank or many, CPU (gloo) or GPU (nccl). A single `python -m grpo_ds.train` process is world
+size 1 with the same code path: the env vars the `deepspeed` launcher would set are filled in.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def device_type() -> str:
+    """"cuda" when a GPU is usable and DeepSpeed is not forced onto the CPU, else "cpu"."""
+    if os.environ.get("DS_ACCELERATOR", "") == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return "cuda"
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> Dist:
+    """Join (or, alone, create) the process group; idempotent so a notebook can train twice."""
+    kind = device_type()
+    if kind == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if "RANK" not in os.environ:  # plain `python -m grpo_ds.train` or a notebook: world size 1
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if kind == "cpu" else "nccl", auto_mpi_discovery=False,
+                                   verbose=False)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local_rank)
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def create_train_engine(model: torch.nn.Module, ds_config: dict):
+    """ZeRO-3 engine with the optimizer (and scheduler) described by the resolved config."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                          if p.requires_grad], config=ds_config)
+    return engine
+
+
+def create_reference_engine(model: torch.nn.Module, ds_config: dict):
+    """Frozen reference policy for the KL term: ZeRO sharded like the policy, no optimizer."""
+    import deepspeed
+
+    cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
+    cfg["managed_gradient_accumulation"] = True
+    model.requires_grad_(False)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+    engine.module.eval()
+    return engine

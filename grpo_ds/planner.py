@@ -1,0 +1,140 @@
+"""The micro-batch planner: pure functions, no torch.distributed.
+
+One step's samples (P x G completions) are split into
+
+    optimizer-step mini-batches  (samples_per_optimizer_step each, reshuffled every epoch)
+      -> per-rank shards         (balanced by token count; any sample count works with any world size)
+        -> micro-batches         (a sample count, or a cap on padded tokens = samples x longest sequence)
+
+Every rank runs the same number of micro-batches in every mini-batch, because ZeRO-3 gathers
+parameters collectively in each forward and backward: a rank with fewer real micro-batches is given
+padding micro-batches (``()``), which the driver runs on a dummy sequence with loss weight 0.
+"Only support equal chunk" is never the user's problem.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from grpo_ds.errors import UserError
+
+MicroBatch = tuple[int, ...]  # sample ids; () is a padding micro-batch
+
+
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    """One optimizer step: ``micro_batches[rank][i]`` are the sample ids of rank's i-th micro-batch."""
+
+    sample_ids: tuple[int, ...]
+    micro_batches: tuple[tuple[MicroBatch, ...], ...]
+
+    @property
+    def micro_batches_per_rank(self) -> int:
+        return len(self.micro_batches[0])
+
+    def padding_micro_batches(self) -> int:
+        return sum(1 for rank in self.micro_batches for mb in rank if not mb)
+
+
+def split_minibatches(num_samples: int, samples_per_minibatch: int, epochs: int, seed: int) -> list[list[int]]:
+    """Each epoch is a seeded permutation of the samples cut into equal mini-batches (size divides exactly)."""
+    if num_samples % samples_per_minibatch:
+        raise ValueError(f"{samples_per_minibatch} does not divide {num_samples}")
+    out: list[list[int]] = []
+    for epoch in range(epochs):
+        order = list(range(num_samples)) if epochs == 1 and samples_per_minibatch == num_samples \
+            else np.random.default_rng([seed, epoch]).permutation(num_samples).tolist()
+        out += [sorted(order[i:i + samples_per_minibatch]) for i in range(0, num_samples, samples_per_minibatch)]
+    return out
+
+
+def shard_by_tokens(sample_ids: list[int], tokens: dict[int, int], world_size: int,
+                    max_samples_per_rank: int | None = None) -> list[list[int]]:
+    """Greedy longest-first: each sample goes to the rank with the fewest tokens (that still has room).
+
+    With ``max_samples_per_rank = ceil(n / world)`` the sample counts stay balanced too, which keeps
+    the number of fixed-size micro-batches per rank minimal.
+    """
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for sid in sorted(sample_ids, key=lambda s: (-tokens[s], s)):
+        open_ranks = [r for r in range(world_size)
+                      if max_samples_per_rank is None or len(shards[r]) < max_samples_per_rank]
+        rank = min(open_ranks, key=lambda r: (load[r], len(shards[r]), r))
+        shards[rank].append(sid)
+        load[rank] += tokens[sid]
+    return [sorted(s, key=lambda x: (-tokens[x], x)) for s in shards]
+
+
+def pack_micro_batches(sample_ids: list[int], tokens: dict[int, int], *, max_samples: int | None = None,
+                       max_tokens: int | None = None) -> list[MicroBatch]:
+    """Cut one rank's shard into micro-batches of at most ``max_samples`` samples, or (dynamic batching)
+    of at most ``max_tokens`` padded tokens: len(micro-batch) x its longest sequence.
+
+    Dynamic batching packs longest-first (first-fit decreasing): similar lengths share a micro-batch,
+    so little is padding.
+    """
+    ordered = sorted(sample_ids, key=lambda s: (-tokens[s], s))
+    if max_tokens is None:
+        assert max_samples is not None and max_samples > 0
+        return [tuple(ordered[i:i + max_samples]) for i in range(0, len(ordered), max_samples)]
+    bins: list[list[int]] = []
+    for sid in ordered:
+        if tokens[sid] > max_tokens:
+            raise UserError("train.max_tokens_per_micro_batch", f"a sequence of {tokens[sid]} tokens (prompt + "
+                            f"completion) is longer than the cap {max_tokens}",
+                            f"raise the cap to at least {tokens[sid]} (max_prompt_tokens + max_new_tokens is safe)")
+        for b in bins:  # b[0] is the longest in its bin (longest-first order)
+            if (len(b) + 1) * tokens[b[0]] <= max_tokens:
+                b.append(sid)
+                break
+        else:
+            bins.append([sid])
+    return [tuple(b) for b in bins]
+
+
+def plan_minibatch(sample_ids: list[int], tokens: dict[int, int], world_size: int, *,
+                   max_samples: int | None = None, max_tokens: int | None = None) -> MiniBatchPlan:
+    """Shard one mini-batch over ranks and cut each shard into micro-batches; pad to equal counts."""
+    cap = None if max_tokens is not None else math.ceil(len(sample_ids) / world_size)
+    shards = shard_by_tokens(sample_ids, tokens, world_size, max_samples_per_rank=cap)
+    per_rank = [pack_micro_batches(s, tokens, max_samples=max_samples, max_tokens=max_tokens) for s in shards]
+    count = max(1, max(len(m) for m in per_rank))
+    padded = tuple(tuple(m) + ((),) * (count - len(m)) for m in per_rank)
+    return MiniBatchPlan(sample_ids=tuple(sorted(sample_ids)), micro_batches=padded)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """All of one step's work: the update mini-batches, and one pass for old/ref log-probs."""
+
+    minibatches: tuple[MiniBatchPlan, ...]
+    logprob_pass: MiniBatchPlan  # every sample once, with the log-prob phase's own micro size
+    needs_old_logprobs: bool
+
+
+def plan_step(tokens: list[int], world_size: int, *, samples_per_minibatch: int, epochs: int,
+              update_micro_samples: int, logprob_micro_samples: int, max_tokens: int | None,
+              seed: int) -> StepPlan:
+    """Plan one step for samples ``0..len(tokens)-1`` whose sequence lengths are ``tokens``.
+
+    The old-log-prob pass is needed only when the policy changes before a sample is trained on, i.e.
+    with more than one optimizer step per rollout; otherwise old log-probs equal the current ones.
+    """
+    token_map = dict(enumerate(tokens))
+    groups = split_minibatches(len(tokens), samples_per_minibatch, epochs, seed)
+    minibatches = tuple(plan_minibatch(ids, token_map, world_size, max_samples=update_micro_samples,
+                                       max_tokens=max_tokens) for ids in groups)
+    logprob_pass = plan_minibatch(list(range(len(tokens))), token_map, world_size,
+                                  max_samples=logprob_micro_samples, max_tokens=max_tokens)
+    return StepPlan(minibatches=minibatches, logprob_pass=logprob_pass, needs_old_logprobs=len(groups) > 1)
+
+
+def token_imbalance(plan: MiniBatchPlan, tokens: list[int] | dict[int, int]) -> float:
+    """max / mean of real tokens per rank (1.0 = perfectly balanced)."""
+    per_rank = [sum(tokens[s] for mb in rank for s in mb) for rank in plan.micro_batches]
+    mean = sum(per_rank) / len(per_rank)
+    return max(per_rank) / mean if mean else 1.0

@@ -1,0 +1,123 @@
+"""Turn the recipe's ``reward.functions`` specs into callables, reporting every mistake as a UserError.
+
+Everything here runs at recipe load time, before any model is loaded, so a misspelt name or a
+module that does not import stops the run at once with one line saying what to fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_ds.errors import UserError
+from grpo_ds.rewards.builtin import BUILTIN_REWARDS
+
+_SIGNATURE = "def my_reward(*, prompts, completions, completion_ids, **columns)"
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One reward term: ``weight * fn(...)`` is added to each sample's total reward."""
+
+    name: str  # the spec's name: a built-in name or "package.module:function"
+    weight: float
+    fn: Callable[..., Any]
+
+
+def load_reward_functions(specs: list[dict]) -> list[RewardFunction]:
+    """Resolve ``[{"name": ..., "weight": ...}, ...]`` (weight defaults to 1.0); raise UserError if any is bad."""
+    return [_load_one(i, spec) for i, spec in enumerate(specs)]
+
+
+def _load_one(i: int, spec: Any) -> RewardFunction:
+    where = f"reward.functions[{i}]"
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"].strip():
+        raise UserError(
+            where, "must be an object with a non-empty string name", '{"name": "exact_match", "weight": 1.0}'
+        )
+    unknown = sorted(set(spec) - {"name", "weight"})
+    if unknown:
+        raise UserError(f"{where}.{unknown[0]}", "unknown key", "a reward function has only name and weight")
+    weight = spec.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise UserError(f"{where}.weight", f"expected a finite number, got {weight!r}", "e.g. 1.0")
+    name = spec["name"].strip()
+    fn = _resolve(f"{where}.name", name)
+    _check_signature(f"{where}.name", name, fn)
+    return RewardFunction(name=name, weight=float(weight), fn=fn)
+
+
+def _resolve(where: str, name: str) -> Callable[..., Any]:
+    if ":" not in name:
+        if name in BUILTIN_REWARDS:
+            return BUILTIN_REWARDS[name]
+        builtins = ", ".join(BUILTIN_REWARDS)
+        close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UserError(
+            where,
+            f"unknown built-in reward {name!r}",
+            f"{hint}Built-ins are: {builtins}; or give your own as package.module:function",
+        )
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise UserError(where, f"{name!r} is not of the form package.module:function", 'e.g. "my_rewards:length"')
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError(
+            where,
+            f"cannot import module {module_name!r} ({_brief(err)})",
+            "check the module is installed or its folder is on PYTHONPATH",
+        ) from None
+    except Exception as err:  # the module's own code failed while importing
+        raise UserError(
+            where,
+            f"importing module {module_name!r} raised {type(err).__name__}: {_brief(err)}",
+            "fix the module so it imports cleanly (try: python -c 'import " + module_name + "')",
+        ) from None
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None)))
+            close = difflib.get_close_matches(part, public, n=1, cutoff=0.5)
+            fix = f"did you mean {module_name}:{close[0]}?" if close else "check the function name in the module"
+            raise UserError(where, f"module {module_name!r} has no attribute {attr!r}", fix)
+        target = getattr(target, part)
+    if not callable(target):
+        raise UserError(
+            where, f"{name!r} is a {type(target).__name__}, not a function", f"point at a function: {_SIGNATURE}"
+        )
+    return target
+
+
+def _check_signature(where: str, name: str, fn: Callable[..., Any]) -> None:
+    """Catch at load time a function that cannot accept the documented keyword arguments."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C callables have no signature: trust them
+        return
+    try:
+        sig.bind_partial(prompts=[], completions=[], completion_ids=[])
+        required_positional = [
+            p.name for p in sig.parameters.values() if p.kind is p.POSITIONAL_ONLY and p.default is p.empty
+        ]
+        if required_positional:
+            raise TypeError(f"positional-only parameter {required_positional[0]!r}")
+    except TypeError as err:
+        raise UserError(
+            where,
+            f"{name!r} cannot be called with the reward keyword arguments ({_brief(err)})",
+            f"use the signature {_SIGNATURE}",
+        ) from None
+
+
+def _brief(err: BaseException, limit: int = 200) -> str:
+    """An exception message on one short line, for a one-line UserError."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,70 @@
+"""The ``hf`` rollout engine: transformers ``generate`` on an unsharded copy of the policy.
+
+The copy lives on the training device and is refreshed after every optimizer step from the
+ZeRO-3 shards (see grpo_ds.rollout.weight_sync). Prompts are left-padded for batched generation;
+position ids come from the attention mask, so they match the unpadded sequences used in training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from grpo_ds.rollout.base import Rollouts, SamplingParams
+
+
+class HFRolloutEngine:
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        self.batch_prompts = batch_prompts  # prompts per generate() call
+        self._params = dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> Rollouts:
+        torch.manual_seed(sampling.seed)
+        parts = [self._generate_batch(prompts[i:i + self.batch_prompts], group_size, sampling)
+                 for i in range(0, len(prompts), self.batch_prompts)]
+        return Rollouts.concat(parts)
+
+    def _generate_batch(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> Rollouts:
+        if not prompts:
+            return Rollouts([], [], [], [])
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attention_mask[i, width - len(p):] = 1
+        config = GenerationConfig(
+            do_sample=True, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k or None, num_return_sequences=group_size,
+            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, output_scores=True,
+            return_dict_in_generate=True)
+        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                  generation_config=config)
+        new_tokens = out.sequences[:, width:].cpu()  # (N*G, T_new)
+        # scores are the processed logits actually sampled from: (T_new tensors of (N*G, V))
+        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
+        token_logprobs = logprobs.gather(-1, new_tokens[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
+        result = Rollouts([], [], [], [])
+        for row in range(new_tokens.shape[0]):
+            ids = new_tokens[row].tolist()
+            stop = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else None
+            length = stop if stop is not None else len(ids)
+            result.prompt_ids.append(list(prompts[row // group_size]))
+            result.response_ids.append(ids[:length])
+            result.sampler_logprobs.append(token_logprobs[row, :length].tolist())
+            result.finish_reason.append("stop" if stop is not None else "length")
+        return result
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+        count = 0
+        for name, tensor in named_tensors:
+            self._params[name].copy_(tensor)
+            count += 1
+        return count

@@ -1,0 +1,340 @@
+"""Train a policy with GRPO on DeepSpeed ZeRO-3: the CLI and the driver loop, top to bottom.
+
+    deepspeed --num_gpus 8 -m grpo_ds.train RECIPE.json [section.key=value ...]
+    python -m grpo_ds.train RECIPE.json [section.key=value ...]
+    grpo_ds.train("RECIPE.json", overrides={"train.steps": 10})   # returns the per-step metrics
+
+One step: rollout -> reward -> advantage -> plan -> old/ref log-probs -> loss -> backward -> step
+-> weight sync -> log. Rank 0 makes every global decision (prompts, rewards, advantages, the
+micro-batch plan); every rank computes its shard. Everything the user can get wrong is checked
+before a model loads or a file is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from grpo_ds.algo.advantages import grpo_advantages
+from grpo_ds.algo.aggregation import sequence_token_weights
+from grpo_ds.algo.kl import kl_k3
+from grpo_ds.algo.policy_loss import ppo_clip_loss
+from grpo_ds.batching import collate, response_logprobs, split_per_sample
+from grpo_ds.data import PromptSampler, load_rows, prepare_prompts
+from grpo_ds.ds_config import resolve_deepspeed_config
+from grpo_ds.engine import (
+    Dist,
+    create_reference_engine,
+    create_train_engine,
+    device_type,
+    init_distributed,
+    world_size_from_env,
+)
+from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.metrics import MetricsLogger
+from grpo_ds.models import check_model_path, load_model, load_tokenizer
+from grpo_ds.planner import MiniBatchPlan, StepPlan, plan_step, token_imbalance
+from grpo_ds.recipe import Recipe, load_recipe
+from grpo_ds.rewards import load_reward_functions, score
+from grpo_ds.rollout.base import Rollouts, SamplingParams
+from grpo_ds.rollout.hf import HFRolloutEngine
+from grpo_ds.rollout.weight_sync import gathered_named_parameters
+
+
+def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
+    """Run a recipe to the end; return one metrics dict per step (on every rank)."""
+    # ---- 1. validate everything before any model loads or any file is written
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, overrides)
+    ds_config = resolve_deepspeed_config(recipe, world_size_from_env(), device_type())
+    check_model_path(recipe.model)
+    tokenizer = load_tokenizer(recipe.model)
+    reward_functions = load_reward_functions(recipe.reward.functions)
+    prompts, skipped_rows = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
+                                            where=f"data.train {recipe.data.train}")
+    run_dir = Path(recipe.run.output_dir) / recipe.run.name
+    if (run_dir / "metrics.jsonl").exists() and not recipe.run.overwrite:
+        raise UserError("run.name", f"the run folder {run_dir} already holds a run",
+                        "choose another run.name, delete the folder, or set run.overwrite=true")
+
+    # ---- 2. processes, run folder, models
+    dist = init_distributed()
+    if dist.is_main:
+        _prepare_run_dir(run_dir, recipe, ds_config)
+    _barrier(dist)
+    torch.manual_seed(recipe.run.seed)
+    policy = load_model(recipe.model, len(tokenizer), recipe.run.seed)
+    rollout = HFRolloutEngine(_unsharded_copy(policy).to(dist.device), tokenizer.pad_token_id,
+                              tokenizer.eos_token_id, recipe.rollout.generation_batch_prompts)
+    engine = create_train_engine(policy, ds_config)
+    reference = create_reference_engine(load_model(recipe.model, len(tokenizer), recipe.run.seed), ds_config) \
+        if recipe.algorithm.kl_coef > 0 else None
+    sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
+    logger = MetricsLogger(run_dir if dist.is_main else None, recipe.train.steps, recipe.logging.every_steps,
+                           recipe.logging.progress_bar)
+    rank_log = run_dir / "ranks" / f"rank{dist.rank}.jsonl"
+    rank_log.parent.mkdir(parents=True, exist_ok=True)
+    P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
+    bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
+
+    for step in range(1, recipe.train.steps + 1):
+        times = {}
+        # ---- rollout: rank 0 picks the prompts; each rank generates a contiguous slice of them
+        t = time.perf_counter()
+        prompt_index = _broadcast(sampler.next_indices(P) if dist.is_main else None, dist)
+        lo, hi = _slice(P, dist)
+        sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p,
+                                  recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003 + step * 1_009 + dist.rank)
+        local = rollout.generate([prompts[i].prompt_ids for i in prompt_index[lo:hi]], G, sampling)
+        rollouts = Rollouts.concat(_all_gather(local, dist))
+        times["rollout"] = time.perf_counter() - t
+
+        # ---- reward, advantage, plan: decided on rank 0, received by every rank
+        t = time.perf_counter()
+        decision = None
+        if dist.is_main:
+            rows = [prompts[i] for i in prompt_index for _ in range(G)]
+            columns = {k: [r.columns.get(k) for r in rows] for k in rows[0].columns}
+            columns["answer"] = [r.columns.get(recipe.data.answer_key) for r in rows]  # what exact_match reads
+            scored = score(reward_functions, prompts=[r.prompt_text for r in rows],
+                           completions=tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True),
+                           completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
+                           timeout_s=recipe.reward.timeout_s)
+            rewards = torch.tensor(scored.total, dtype=torch.float32)
+            advantages = grpo_advantages(rewards, G, recipe.algorithm.scale_rewards)
+            plan = _plan(recipe, rollouts, dist.world_size, step)
+            decision = (advantages.tolist(), plan, _reward_metrics(rewards, scored))
+        advantages, plan, metrics = _broadcast(decision, dist)
+        times["reward"] = time.perf_counter() - t
+
+        # ---- old / reference log-probs, each pass with the log-prob phase's own micro size
+        t = time.perf_counter()
+        old_logprobs = _logprob_pass(engine, rollouts, plan.logprob_pass, recipe, tokenizer, dist) \
+            if plan.needs_old_logprobs else None
+        ref_logprobs = _logprob_pass(reference, rollouts, plan.logprob_pass, recipe, tokenizer, dist) \
+            if reference is not None else None
+        times["logprob"] = time.perf_counter() - t
+
+        # ---- policy update: one optimizer step per mini-batch
+        t = time.perf_counter()
+        engine.train()
+        totals = torch.zeros(6, dtype=torch.float64)
+        grad_norms = []
+        for minibatch in plan.minibatches:
+            totals += _optimizer_step(engine, rollouts, minibatch, advantages, old_logprobs, ref_logprobs,
+                                      recipe, tokenizer, dist)
+            grad_norms.append(_grad_norm(engine))
+        times["update"] = time.perf_counter() - t
+
+        # ---- weight sync: ZeRO-3 shards -> full weights, bucket by bucket, into the rollout engine
+        t = time.perf_counter()
+        rollout.update_weights(gathered_named_parameters(engine.module, bucket_bytes))
+        times["sync"] = time.perf_counter() - t
+
+        # ---- log
+        _all_reduce_sum(totals, dist)
+        loss_sum, kl_sum, entropy_sum, clipped, response_tokens, seq_tokens = totals.tolist()
+        response_lengths = [len(r) for r in rollouts.response_ids]
+        metrics.update(
+            step=step, loss=loss_sum / len(plan.minibatches), kl=kl_sum / response_tokens,
+            entropy=entropy_sum / response_tokens, clip_frac=clipped / response_tokens,
+            grad_norm=sum(grad_norms) / len(grad_norms), lr=engine.get_lr()[0],
+            response_len_mean=sum(response_lengths) / len(response_lengths),
+            stop_frac=rollouts.finish_reason.count("stop") / len(rollouts),
+            optimizer_steps=len(plan.minibatches), skipped_rows=skipped_rows,
+            padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),
+            token_imbalance=max(token_imbalance(m, _sequence_tokens(rollouts)) for m in plan.minibatches),
+            tokens_per_s=seq_tokens / times["update"], generated_tokens_per_s=sum(response_lengths) / times["rollout"],
+            time_step_s=sum(times.values()), **{f"time_{k}_s": v for k, v in times.items()})
+        logger.log(metrics)
+        _append_json(rank_log, {"step": step, "trained_sample_ids": sorted(
+            s for m in plan.minibatches for mb in m.micro_batches[dist.rank] for s in mb)})
+
+    _append_json(rank_log, {"final_weights_sha256": _weights_sha256(rollout.model)})
+    logger.close()
+    _barrier(dist)
+    return logger.history
+
+
+# ----------------------------------------------------------------------------------------- phases
+
+def _plan(recipe: Recipe, rollouts: Rollouts, world_size: int, step: int) -> StepPlan:
+    train = recipe.train
+    return plan_step(_sequence_tokens(rollouts), world_size, samples_per_minibatch=recipe.samples_per_optimizer_step,
+                     epochs=train.epochs_per_rollout, update_micro_samples=train.micro_batch_samples_per_gpu,
+                     logprob_micro_samples=train.logprob_micro_batch_samples_per_gpu,
+                     max_tokens=train.max_tokens_per_micro_batch, seed=recipe.run.seed * 7919 + step)
+
+
+@torch.no_grad()
+def _logprob_pass(engine, rollouts: Rollouts, plan: MiniBatchPlan, recipe: Recipe, tokenizer, dist: Dist
+                  ) -> dict[int, torch.Tensor]:
+    """Per-token log-probs of every sample under `engine`'s current weights: {sample id: (L_i,)}."""
+    engine.eval()
+    mine: dict[int, torch.Tensor] = {}
+    for ids in plan.micro_batches[dist.rank]:
+        mb = collate(rollouts, list(ids) or [plan.sample_ids[0]], tokenizer.pad_token_id, dist.device)
+        logprobs, _ = response_logprobs(engine, mb, recipe.rollout.temperature, recipe.kernels.logprob_chunk_tokens)
+        if ids:  # a padding micro-batch only keeps ZeRO-3's collective gathers in step
+            mine.update(split_per_sample(logprobs, mb))
+    merged: dict[int, torch.Tensor] = {}
+    for part in _all_gather(mine, dist):
+        merged.update(part)
+    return merged
+
+
+def _optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advantages: list[float],
+                    old_logprobs: dict | None, ref_logprobs: dict | None, recipe: Recipe, tokenizer,
+                    dist: Dist) -> torch.Tensor:
+    """Backward over this rank's micro-batches, then one optimizer step.
+
+    Each micro-batch contributes sum_i w_i sum_t loss_it, with w_i from the whole mini-batch's lengths
+    (grpo_ds.algo.aggregation), so the step's loss is independent of world size, micro size and padding.
+    DeepSpeed averages gradients over ranks, so each rank's loss is multiplied by the world size.
+    Returns this rank's partial sums: loss, kl, entropy, clipped tokens, response tokens, sequence tokens.
+    """
+    algo = recipe.algorithm
+    lengths = [len(rollouts.response_ids[s]) for s in minibatch.sample_ids]
+    weights = sequence_token_weights(lengths, algo.loss_agg, recipe.loss_agg_norm_tokens).tolist()
+    weights = dict(zip(minibatch.sample_ids, weights, strict=True))
+    totals = torch.zeros(6, dtype=torch.float64)
+    for ids in minibatch.micro_batches[dist.rank]:
+        mb = collate(rollouts, list(ids) or [minibatch.sample_ids[0]], tokenizer.pad_token_id, dist.device)
+        logprobs, entropy = response_logprobs(engine, mb, recipe.rollout.temperature,
+                                              recipe.kernels.logprob_chunk_tokens)  # (N_tok,)
+        old = _gather_tokens(old_logprobs, mb) if old_logprobs is not None else logprobs.detach()
+        token_adv = torch.tensor(advantages, dtype=torch.float32, device=dist.device)[
+            torch.tensor(mb.sample_ids, device=dist.device)[mb.seq_index]]
+        per_token, clipped = ppo_clip_loss(logprobs, old, token_adv, algo.clip_low, algo.clip_high)
+        kl = kl_k3(logprobs, _gather_tokens(ref_logprobs, mb)) if ref_logprobs is not None else torch.zeros_like(
+            logprobs)
+        per_token = per_token + algo.kl_coef * kl - algo.entropy_coef * entropy
+        token_weight = torch.tensor([weights[s] if ids else 0.0 for s in mb.sample_ids], dtype=torch.float32,
+                                    device=dist.device)[mb.seq_index]
+        loss = (per_token * token_weight).sum()
+        engine.backward(loss * dist.world_size, scale_wrt_gas=False)
+        if ids:
+            seq_tokens = int(mb.attention_mask.sum())
+            totals += torch.tensor([loss.item(), kl.sum().item(), entropy.sum().item(), clipped.sum().item(),
+                                    mb.num_tokens, seq_tokens], dtype=torch.float64)
+    engine.step()
+    return totals
+
+
+def _gather_tokens(per_sample: dict[int, torch.Tensor], mb) -> torch.Tensor:
+    return torch.cat([per_sample[s] for s in mb.sample_ids]).to(mb.target_ids.device)
+
+
+def _sequence_tokens(rollouts: Rollouts) -> list[int]:
+    return [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
+
+
+def _reward_metrics(rewards: torch.Tensor, scored) -> dict:
+    out = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0}
+    for name, values in scored.per_function.items():
+        out[f"reward/{name}"] = sum(values) / len(values)
+        out[f"reward_errors/{name}"] = scored.errors.get(name, 0)
+    return out
+
+
+def _grad_norm(engine) -> float:
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
+
+
+# ------------------------------------------------------------------------------------ plumbing
+
+def _unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def _slice(count: int, dist: Dist) -> tuple[int, int]:
+    """Contiguous, near-equal slice of `count` items for this rank."""
+    base, extra = divmod(count, dist.world_size)
+    lo = dist.rank * base + min(dist.rank, extra)
+    return lo, lo + base + (dist.rank < extra)
+
+
+def _broadcast(obj, dist: Dist):
+    if dist.world_size == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj, dist: Dist) -> list:
+    if dist.world_size == 1:
+        return [obj]
+    out = [None] * dist.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _all_reduce_sum(tensor: torch.Tensor, dist: Dist) -> None:
+    if dist.world_size > 1:
+        moved = tensor.to(dist.device)
+        torch.distributed.all_reduce(moved)
+        tensor.copy_(moved.cpu())
+
+
+def _barrier(dist: Dist) -> None:
+    if dist.world_size > 1:
+        torch.distributed.barrier()
+
+
+def _prepare_run_dir(run_dir: Path, recipe: Recipe, ds_config: dict) -> None:
+    if run_dir.exists() and recipe.run.overwrite:
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
+    (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+
+
+def _append_json(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _weights_sha256(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="grpo_ds.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="path to a recipe JSON file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as JSON when it parses)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
+    args = parser.parse_args(argv)
+    with exit_on_user_error():
+        run(args.recipe, args.overrides)
+
+
+class _CallableModule(types.ModuleType):
+    """Lets `grpo_ds.train(...)` be called although `grpo_ds.train` is also the CLI module."""
+
+    def __call__(self, recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
+        return run(recipe, overrides)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+import math
+
+import pytest
+import torch
+
+from grpo_ds.algo.policy_loss import ppo_clip_loss
+
+# All tensors are float64 and the ratio is rebuilt from exp(log(ratio) + c - c), exact to ~1e-16 relative, so
+# assert_close's float64 defaults (rtol 1e-7, atol 1e-7) are ample yet far below any hand-value difference.
+
+F64 = torch.float64
+
+
+def _run(ratios, advantages, clip_low, clip_high):
+    old = torch.full((len(ratios),), -1.3, dtype=F64)  # (n,) arbitrary old log-probs
+    logprobs = (old + torch.tensor([math.log(r) for r in ratios], dtype=F64)).requires_grad_(True)  # (n,)
+    adv = torch.tensor(advantages, dtype=F64)  # (n,)
+    loss, clipped = ppo_clip_loss(logprobs, old, adv, clip_low, clip_high)
+    loss.sum().backward()
+    return loss.detach(), clipped, logprobs.grad
+
+
+def test_hand_values_clip_indicator_and_gradient():
+    # clip range [0.8, 1.28]. Per token: ratio, A -> loss, clipped, d loss / d logprob (= -A * ratio if unclipped)
+    #   1.1,  2 -> max(-2.2, -2.2)   = -2.2,  0, -2.2    (inside the range)
+    #   1.5,  1 -> max(-1.5, -1.28)  = -1.28, 1,  0      (above 1 + clip_high, A > 0)
+    #   0.5, -1 -> max( 0.5,  0.8)   =  0.8,  1,  0      (below 1 - clip_low, A < 0)
+    #   1.5, -1 -> max( 1.5,  1.28)  =  1.5,  0,  1.5    (above the range but A < 0: not clipped)
+    #   0.5,  1 -> max(-0.5, -0.8)   = -0.5,  0, -0.5    (below the range but A > 0: not clipped)
+    #   1.5,  0 -> 0,                         0,  0
+    loss, clipped, grad = _run([1.1, 1.5, 0.5, 1.5, 0.5, 1.5], [2.0, 1.0, -1.0, -1.0, 1.0, 0.0], 0.2, 0.28)
+    torch.testing.assert_close(loss, torch.tensor([-2.2, -1.28, 0.8, 1.5, -0.5, 0.0], dtype=F64))
+    assert torch.equal(clipped, torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 0.0], dtype=F64))
+    torch.testing.assert_close(grad, torch.tensor([-2.2, 0.0, 0.0, 1.5, -0.5, 0.0], dtype=F64))
+
+
+@pytest.mark.parametrize(("clip_low", "clip_high", "expected_loss", "expected_clipped", "expected_grad"), [
+    # ratio 1.25 with A = 1 and ratio 0.75 with A = -1.
+    (0.2, 0.2, [-1.2, 0.8], [1.0, 1.0], [0.0, 0.0]),  # symmetric: both outside [0.8, 1.2]
+    (0.2, 0.28, [-1.25, 0.8], [0.0, 1.0], [-1.25, 0.0]),  # clip-higher: 1.25 < 1.28 no longer clipped
+    (0.3, 0.2, [-1.2, 0.75], [1.0, 0.0], [0.0, 0.75]),  # wider low side: 0.75 > 0.7 no longer clipped
+])
+def test_asymmetric_clip(clip_low, clip_high, expected_loss, expected_clipped, expected_grad):
+    loss, clipped, grad = _run([1.25, 0.75], [1.0, -1.0], clip_low, clip_high)
+    torch.testing.assert_close(loss, torch.tensor(expected_loss, dtype=F64))
+    assert torch.equal(clipped, torch.tensor(expected_clipped, dtype=F64))
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=F64))
+
+
+def test_gradient_only_through_logprobs():
+    old = torch.tensor([-1.0, -2.0], dtype=F64, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0], dtype=F64, requires_grad=True)
+    logprobs = torch.tensor([-0.9, -2.2], dtype=F64, requires_grad=True)
+    loss, _ = ppo_clip_loss(logprobs, old, adv, 0.2, 0.2)
+    loss.sum().backward()
+    assert old.grad is None and adv.grad is None
+    assert logprobs.grad is not None
+
+
+def test_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="same shape"):
+        ppo_clip_loss(torch.zeros(3), torch.zeros(3), torch.zeros(1), 0.2, 0.2)

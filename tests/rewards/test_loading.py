@@ -1,0 +1,121 @@
+"""load_reward_functions: built-ins, package.module:function, and a UserError for every mistake."""
+
+import sys
+import textwrap
+
+import pytest
+
+from grpo_ds.errors import UserError
+from grpo_ds.rewards import RewardFunction, load_reward_functions
+from grpo_ds.rewards.builtin import exact_match, format_reward
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """Write tmp_path/<name>.py and put tmp_path on sys.path; the module is unloaded afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = []
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        names.append(name)
+        return name
+
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def load_error(specs) -> UserError:
+    with pytest.raises(UserError) as info:
+        load_reward_functions(specs)
+    return info.value
+
+
+def test_builtins_by_name_with_default_weight():
+    funcs = load_reward_functions([{"name": "exact_match", "weight": 2}, {"name": "format"}])
+    assert funcs == [RewardFunction("exact_match", 2.0, exact_match), RewardFunction("format", 1.0, format_reward)]
+    assert isinstance(funcs[0].weight, float)
+
+
+def test_user_function_by_module_path(user_module):
+    mod = user_module(
+        "rw_ok_mod",
+        """
+        def length(*, completions, **kwargs):
+            return [float(len(c)) for c in completions]
+    """,
+    )
+    (func,) = load_reward_functions([{"name": f"{mod}:length", "weight": 0.5}])
+    assert func.name == "rw_ok_mod:length" and func.weight == 0.5
+    assert func.fn(prompts=["p"], completions=["abc"], completion_ids=[[1]]) == [3.0]
+
+
+def test_unknown_builtin_suggests_the_nearest():
+    err = load_error([{"name": "exact_mach"}])
+    assert "reward.functions[0]" in err.where
+    assert "unknown built-in reward 'exact_mach'" in err.what
+    assert "did you mean 'exact_match'?" in err.fix and "format" in err.fix
+
+
+def test_unimportable_module(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = load_error([{"name": "no_such_reward_module_xyz:fn"}])
+    assert "reward.functions[0]" in err.where
+    assert "no_such_reward_module_xyz" in err.what and "PYTHONPATH" in err.fix
+
+
+def test_missing_attribute_suggests_the_nearest(user_module):
+    mod = user_module("rw_attr_mod", "def length(**kwargs):\n    return []\n")
+    err = load_error([{"name": f"{mod}:lenght"}])
+    assert "reward.functions[0]" in err.where and "no attribute 'lenght'" in err.what
+    assert "rw_attr_mod:length" in err.fix
+
+
+def test_not_callable(user_module):
+    mod = user_module("rw_const_mod", "SCORE = 1.0\n")
+    err = load_error([{"name": f"{mod}:SCORE"}])
+    assert "reward.functions[0]" in err.where and "not a function" in err.what
+
+
+def test_module_raising_on_import(user_module):
+    mod = user_module("rw_boom_mod", "raise RuntimeError('config file missing')\n")
+    err = load_error([{"name": f"{mod}:fn"}])
+    assert "reward.functions[0]" in err.where
+    assert "RuntimeError: config file missing" in err.what
+
+
+def test_module_with_syntax_error(user_module):
+    mod = user_module("rw_syntax_mod", "def fn(:\n")
+    err = load_error([{"name": f"{mod}:fn"}])
+    assert "reward.functions[0]" in err.where and "SyntaxError" in err.what
+
+
+def test_signature_without_kwargs_is_caught_at_load(user_module):
+    mod = user_module("rw_sig_mod", "def strict(completions, answer):\n    return []\n")
+    err = load_error([{"name": f"{mod}:strict"}])
+    assert "reward.functions[0]" in err.where and "prompts" in err.what and "**columns" in err.fix
+
+
+def test_index_in_where_points_at_the_bad_entry():
+    err = load_error([{"name": "format"}, {"name": "nope"}])
+    assert err.where == "reward.functions[1].name"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"weight": 1.0},
+        "exact_match",
+        {"name": "format", "weight": "1"},
+        {"name": "format", "weight": float("nan")},
+        {"name": "format", "wieght": 1},
+    ],
+)
+def test_malformed_specs(spec):
+    assert load_error([spec]).where.startswith("reward.functions[0]")
+
+
+def test_message_is_one_line():
+    err = load_error([{"name": "a.b:c"}])  # module "a" does not exist
+    assert "\n" not in str(err)

@@ -1,0 +1,121 @@
+"""Loading the policy: builtin:tiny, local HF folders (saved here, never downloaded), and path errors."""
+
+import json
+
+import pytest
+import torch
+
+from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.errors import UserError
+from grpo_ds.models import check_model_path, load_model, load_tokenizer, torch_dtype
+from grpo_ds.recipe import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def saved_folder(tmp_path_factory):
+    """A builtin tiny model and its tokenizer saved as an ordinary HF model folder."""
+    folder = tmp_path_factory.mktemp("tiny_hf")
+    tok = build_tiny_tokenizer()
+    build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, seed=5).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_torch_dtype():
+    assert torch_dtype("float32") is torch.float32
+    assert torch_dtype("bfloat16") is torch.bfloat16
+    assert torch_dtype("float16") is torch.float16
+    with pytest.raises(UserError) as err:
+        torch_dtype("fp8")
+    assert err.value.where == "model.dtype"
+
+
+def test_builtin_tokenizer_and_model():
+    cfg = ModelConfig(path="builtin:tiny", tiny_hidden_size=16, tiny_num_layers=1, tiny_num_heads=2)
+    check_model_path(cfg)
+    tok = load_tokenizer(cfg)
+    assert tok.pad_token_id == 0 and tok.padding_side == "left"
+    model = load_model(cfg, vocab_size=len(tok), seed=0)
+    assert model.config.hidden_size == 16 and model.config.num_hidden_layers == 1
+    assert model.config.vocab_size == len(tok)
+    again = load_model(cfg, vocab_size=len(tok), seed=0)
+    assert torch.equal(model.lm_head.weight, again.lm_head.weight)
+
+
+def test_builtin_dtype_and_gradient_checkpointing():
+    cfg = ModelConfig(dtype="bfloat16", gradient_checkpointing=True, tiny_hidden_size=16, tiny_num_layers=1,
+                      tiny_num_heads=2)
+    model = load_model(cfg, vocab_size=40, seed=0)
+    assert model.dtype == torch.bfloat16
+    assert model.config.use_cache is False
+    assert model.model.gradient_checkpointing is True
+    model.train()
+    out = model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]]))
+    out.loss.backward()  # checkpointed backward works
+    assert model.lm_head.weight.grad is not None
+
+
+def test_missing_folder(tmp_path):
+    cfg = ModelConfig(path=str(tmp_path / "nope"))
+    for fn in (check_model_path, load_tokenizer):
+        with pytest.raises(UserError) as err:
+            fn(cfg)
+        assert err.value.where == "model.path"
+        assert err.value.what == f"{tmp_path / 'nope'} does not exist"
+        assert "builtin:tiny" in err.value.fix
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = ModelConfig(path=str(tmp_path))
+    for fn in (check_model_path, load_tokenizer, lambda c: load_model(c, 10, 0)):
+        with pytest.raises(UserError) as err:
+            fn(cfg)
+        assert err.value.where == "model.path"
+        assert "not a Hugging Face model folder" in err.value.what and "config.json" in err.value.what
+
+
+def test_unknown_builtin_model():
+    with pytest.raises(UserError) as err:
+        check_model_path(ModelConfig(path="builtin:huge"))
+    assert "builtin:huge" in err.value.what and "builtin:tiny" in err.value.fix
+
+
+def test_folder_without_tokenizer_files(tmp_path):
+    # transformers 5 would silently build an empty 1-token tokenizer here; we refuse instead.
+    (tmp_path / "config.json").write_text(json.dumps(build_tiny_model(20, hidden_size=16, num_heads=2)
+                                                     .config.to_dict()))
+    with pytest.raises(UserError) as err:
+        load_tokenizer(ModelConfig(path=str(tmp_path)))
+    assert "no tokenizer files" in err.value.what
+
+
+def test_folder_without_weights(tmp_path, saved_folder):
+    (tmp_path / "config.json").write_text((saved_folder / "config.json").read_text())
+    with pytest.raises(UserError) as err:
+        load_model(ModelConfig(path=str(tmp_path)), 10, 0)
+    assert err.value.where == "model.path" and "cannot load" in err.value.what
+
+
+def test_saved_folder_round_trip(saved_folder):
+    cfg = ModelConfig(path=str(saved_folder), dtype="bfloat16")
+    tok = load_tokenizer(cfg)
+    text = "a b\n\tc  "
+    assert tok.decode(tok(text)["input_ids"]) == text  # the char-level pipeline survives save/load
+    assert tok.padding_side == "left" and tok.pad_token_id == 0
+    model = load_model(cfg, vocab_size=0, seed=99)  # vocab_size and seed only shape builtin models
+    expected = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, seed=5)
+    assert model.dtype == torch.bfloat16
+    assert torch.equal(model.lm_head.weight, expected.lm_head.weight.to(torch.bfloat16))
+
+
+def test_folder_tokenizer_without_pad_uses_eos(tmp_path, saved_folder):
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
+        (tmp_path / name).write_text((saved_folder / name).read_text())
+    tok_cfg = json.loads((saved_folder / "tokenizer_config.json").read_text())
+    tok_cfg.pop("pad_token")
+    tok_cfg["padding_side"] = "right"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    tok = load_tokenizer(ModelConfig(path=str(tmp_path)))
+    assert tok.pad_token == "<eos>" and tok.pad_token_id == 1
+    assert tok.padding_side == "left"
