@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +26,34 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    # Collectives for the driver's small objects; no-ops at world size 1. Kernels never communicate.
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list:
+        """Every rank's `obj`, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """In-place sum over ranks."""
+        if self.world_size > 1:
+            moved = tensor.to(self.device)
+            torch.distributed.all_reduce(moved)
+            tensor.copy_(moved.cpu())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
 
 
 def device_type() -> str:

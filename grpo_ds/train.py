@@ -24,10 +24,6 @@ from pathlib import Path
 import torch
 
 from grpo_ds.algo.advantages import grpo_advantages
-from grpo_ds.algo.aggregation import sequence_token_weights
-from grpo_ds.algo.kl import kl_k3
-from grpo_ds.algo.policy_loss import ppo_clip_loss
-from grpo_ds.batching import collate, response_logprobs, split_per_sample
 from grpo_ds.data import PromptSampler, load_rows, prepare_prompts
 from grpo_ds.ds_config import resolve_deepspeed_config
 from grpo_ds.engine import (
@@ -41,12 +37,13 @@ from grpo_ds.engine import (
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.metrics import MetricsLogger
 from grpo_ds.models import check_model_path, load_model, load_tokenizer
-from grpo_ds.planner import MiniBatchPlan, StepPlan, plan_step, token_imbalance
+from grpo_ds.planner import StepPlan, plan_step, token_imbalance
 from grpo_ds.recipe import Recipe, load_recipe
 from grpo_ds.rewards import load_reward_functions, score
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
+from grpo_ds.update import TOTALS, UpdateSettings, logprob_pass, optimizer_step
 
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
@@ -69,7 +66,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     dist = init_distributed()
     if dist.is_main:
         _prepare_run_dir(run_dir, recipe, ds_config)
-    _barrier(dist)
+    dist.barrier()
     torch.manual_seed(recipe.run.seed)
     policy = load_model(recipe.model, len(tokenizer), recipe.run.seed)
     rollout = HFRolloutEngine(_unsharded_copy(policy).to(dist.device), tokenizer.pad_token_id,
@@ -84,17 +81,18 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
+    settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id)
 
     for step in range(1, recipe.train.steps + 1):
         times = {}
         # ---- rollout: rank 0 picks the prompts; each rank generates a contiguous slice of them
         t = time.perf_counter()
-        prompt_index = _broadcast(sampler.next_indices(P) if dist.is_main else None, dist)
+        prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
         lo, hi = _slice(P, dist)
         sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p,
                                   recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003 + step * 1_009 + dist.rank)
         local = rollout.generate([prompts[i].prompt_ids for i in prompt_index[lo:hi]], G, sampling)
-        rollouts = Rollouts.concat(_all_gather(local, dist))
+        rollouts = Rollouts.concat(dist.all_gather(local))
         times["rollout"] = time.perf_counter() - t
 
         # ---- reward, advantage, plan: decided on rank 0, received by every rank
@@ -112,25 +110,24 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             advantages = grpo_advantages(rewards, G, recipe.algorithm.scale_rewards)
             plan = _plan(recipe, rollouts, dist.world_size, step)
             decision = (advantages.tolist(), plan, _reward_metrics(rewards, scored))
-        advantages, plan, metrics = _broadcast(decision, dist)
+        advantages, plan, metrics = dist.broadcast(decision)
         times["reward"] = time.perf_counter() - t
 
         # ---- old / reference log-probs, each pass with the log-prob phase's own micro size
         t = time.perf_counter()
-        old_logprobs = _logprob_pass(engine, rollouts, plan.logprob_pass, recipe, tokenizer, dist) \
+        old_logprobs = logprob_pass(engine, rollouts, plan.logprob_pass, settings, dist) \
             if plan.needs_old_logprobs else None
-        ref_logprobs = _logprob_pass(reference, rollouts, plan.logprob_pass, recipe, tokenizer, dist) \
+        ref_logprobs = logprob_pass(reference, rollouts, plan.logprob_pass, settings, dist) \
             if reference is not None else None
         times["logprob"] = time.perf_counter() - t
 
         # ---- policy update: one optimizer step per mini-batch
         t = time.perf_counter()
-        engine.train()
-        totals = torch.zeros(6, dtype=torch.float64)
+        totals = torch.zeros(len(TOTALS), dtype=torch.float64)
         grad_norms = []
         for minibatch in plan.minibatches:
-            totals += _optimizer_step(engine, rollouts, minibatch, advantages, old_logprobs, ref_logprobs,
-                                      recipe, tokenizer, dist)
+            totals += optimizer_step(engine, rollouts, minibatch, advantages, old_logprobs, ref_logprobs, settings,
+                                     dist)
             grad_norms.append(_grad_norm(engine))
         times["update"] = time.perf_counter() - t
 
@@ -140,7 +137,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         times["sync"] = time.perf_counter() - t
 
         # ---- log
-        _all_reduce_sum(totals, dist)
+        dist.all_reduce_sum(totals)
         loss_sum, kl_sum, entropy_sum, clipped, response_tokens, seq_tokens = totals.tolist()
         response_lengths = [len(r) for r in rollouts.response_ids]
         metrics.update(
@@ -160,7 +157,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 
     _append_json(rank_log, {"final_weights_sha256": _weights_sha256(rollout.model)})
     logger.close()
-    _barrier(dist)
+    dist.barrier()
     return logger.history
 
 
@@ -172,65 +169,6 @@ def _plan(recipe: Recipe, rollouts: Rollouts, world_size: int, step: int) -> Ste
                      epochs=train.epochs_per_rollout, update_micro_samples=train.micro_batch_samples_per_gpu,
                      logprob_micro_samples=train.logprob_micro_batch_samples_per_gpu,
                      max_tokens=train.max_tokens_per_micro_batch, seed=recipe.run.seed * 7919 + step)
-
-
-@torch.no_grad()
-def _logprob_pass(engine, rollouts: Rollouts, plan: MiniBatchPlan, recipe: Recipe, tokenizer, dist: Dist
-                  ) -> dict[int, torch.Tensor]:
-    """Per-token log-probs of every sample under `engine`'s current weights: {sample id: (L_i,)}."""
-    engine.eval()
-    mine: dict[int, torch.Tensor] = {}
-    for ids in plan.micro_batches[dist.rank]:
-        mb = collate(rollouts, list(ids) or [plan.sample_ids[0]], tokenizer.pad_token_id, dist.device)
-        logprobs, _ = response_logprobs(engine, mb, recipe.rollout.temperature, recipe.kernels.logprob_chunk_tokens)
-        if ids:  # a padding micro-batch only keeps ZeRO-3's collective gathers in step
-            mine.update(split_per_sample(logprobs, mb))
-    merged: dict[int, torch.Tensor] = {}
-    for part in _all_gather(mine, dist):
-        merged.update(part)
-    return merged
-
-
-def _optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advantages: list[float],
-                    old_logprobs: dict | None, ref_logprobs: dict | None, recipe: Recipe, tokenizer,
-                    dist: Dist) -> torch.Tensor:
-    """Backward over this rank's micro-batches, then one optimizer step.
-
-    Each micro-batch contributes sum_i w_i sum_t loss_it, with w_i from the whole mini-batch's lengths
-    (grpo_ds.algo.aggregation), so the step's loss is independent of world size, micro size and padding.
-    DeepSpeed averages gradients over ranks, so each rank's loss is multiplied by the world size.
-    Returns this rank's partial sums: loss, kl, entropy, clipped tokens, response tokens, sequence tokens.
-    """
-    algo = recipe.algorithm
-    lengths = [len(rollouts.response_ids[s]) for s in minibatch.sample_ids]
-    weights = sequence_token_weights(lengths, algo.loss_agg, recipe.loss_agg_norm_tokens).tolist()
-    weights = dict(zip(minibatch.sample_ids, weights, strict=True))
-    totals = torch.zeros(6, dtype=torch.float64)
-    for ids in minibatch.micro_batches[dist.rank]:
-        mb = collate(rollouts, list(ids) or [minibatch.sample_ids[0]], tokenizer.pad_token_id, dist.device)
-        logprobs, entropy = response_logprobs(engine, mb, recipe.rollout.temperature,
-                                              recipe.kernels.logprob_chunk_tokens)  # (N_tok,)
-        old = _gather_tokens(old_logprobs, mb) if old_logprobs is not None else logprobs.detach()
-        token_adv = torch.tensor(advantages, dtype=torch.float32, device=dist.device)[
-            torch.tensor(mb.sample_ids, device=dist.device)[mb.seq_index]]
-        per_token, clipped = ppo_clip_loss(logprobs, old, token_adv, algo.clip_low, algo.clip_high)
-        kl = kl_k3(logprobs, _gather_tokens(ref_logprobs, mb)) if ref_logprobs is not None else torch.zeros_like(
-            logprobs)
-        per_token = per_token + algo.kl_coef * kl - algo.entropy_coef * entropy
-        token_weight = torch.tensor([weights[s] if ids else 0.0 for s in mb.sample_ids], dtype=torch.float32,
-                                    device=dist.device)[mb.seq_index]
-        loss = (per_token * token_weight).sum()
-        engine.backward(loss * dist.world_size, scale_wrt_gas=False)
-        if ids:
-            seq_tokens = int(mb.attention_mask.sum())
-            totals += torch.tensor([loss.item(), kl.sum().item(), entropy.sum().item(), clipped.sum().item(),
-                                    mb.num_tokens, seq_tokens], dtype=torch.float64)
-    engine.step()
-    return totals
-
-
-def _gather_tokens(per_sample: dict[int, torch.Tensor], mb) -> torch.Tensor:
-    return torch.cat([per_sample[s] for s in mb.sample_ids]).to(mb.target_ids.device)
 
 
 def _sequence_tokens(rollouts: Rollouts) -> list[int]:
@@ -263,34 +201,6 @@ def _slice(count: int, dist: Dist) -> tuple[int, int]:
     base, extra = divmod(count, dist.world_size)
     lo = dist.rank * base + min(dist.rank, extra)
     return lo, lo + base + (dist.rank < extra)
-
-
-def _broadcast(obj, dist: Dist):
-    if dist.world_size == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_gather(obj, dist: Dist) -> list:
-    if dist.world_size == 1:
-        return [obj]
-    out = [None] * dist.world_size
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _all_reduce_sum(tensor: torch.Tensor, dist: Dist) -> None:
-    if dist.world_size > 1:
-        moved = tensor.to(dist.device)
-        torch.distributed.all_reduce(moved)
-        tensor.copy_(moved.cpu())
-
-
-def _barrier(dist: Dist) -> None:
-    if dist.world_size > 1:
-        torch.distributed.barrier()
 
 
 def _prepare_run_dir(run_dir: Path, recipe: Recipe, ds_config: dict) -> None:

@@ -1,0 +1,114 @@
+"""The two training-side phases of a step: log-prob passes and the policy update.
+
+``logprob_pass`` scores every sample under an engine's current weights (old policy, or the frozen
+reference) with the log-prob phase's own micro-batches. ``optimizer_step`` runs one rank's
+micro-batches of one mini-batch through the loss, backward, and one optimizer step.
+
+Loss contract (DESIGN.md): the loss of an optimizer step is sum_i w_i sum_t loss_it over the whole
+global mini-batch, with w_i from grpo_ds.algo.aggregation computed on all of its sequences' lengths.
+Each micro-batch contributes its partial sum; DeepSpeed averages gradients over ranks, so each
+rank's partial loss is multiplied by the world size; ``backward(scale_wrt_gas=False)`` stops
+DeepSpeed from dividing by accumulation steps. The result does not depend on world size,
+micro-batch size, dynamic batching or padding micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo_ds.algo.aggregation import sequence_token_weights
+from grpo_ds.algo.kl import kl_k3
+from grpo_ds.algo.policy_loss import ppo_clip_loss
+from grpo_ds.batching import MicroBatchTensors, collate, response_logprobs, split_per_sample
+from grpo_ds.engine import Dist
+from grpo_ds.planner import MiniBatchPlan
+from grpo_ds.recipe import Recipe
+from grpo_ds.rollout.base import Rollouts
+
+# Partial sums an optimizer step returns, in this order (summed over ranks by the driver).
+TOTALS = ("loss", "kl", "entropy", "clipped_tokens", "response_tokens", "sequence_tokens")
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What the update phases need from the recipe."""
+
+    temperature: float
+    chunk_tokens: int
+    pad_id: int
+    loss_agg: str
+    loss_agg_norm_tokens: int
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    entropy_coef: float
+
+    @staticmethod
+    def from_recipe(recipe: Recipe, pad_id: int) -> UpdateSettings:
+        a = recipe.algorithm
+        return UpdateSettings(recipe.rollout.temperature, recipe.kernels.logprob_chunk_tokens, pad_id, a.loss_agg,
+                              recipe.loss_agg_norm_tokens, a.clip_low, a.clip_high, a.kl_coef, a.entropy_coef)
+
+
+def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, settings: UpdateSettings,
+                 dist: Dist) -> MicroBatchTensors:
+    # A padding micro-batch () runs a real sample with weight 0: every rank must run the same
+    # forwards and backwards, because ZeRO-3 gathers parameters collectively inside them.
+    return collate(rollouts, list(ids) or [plan.sample_ids[0]], settings.pad_id, dist.device)
+
+
+@torch.no_grad()
+def logprob_pass(engine, rollouts: Rollouts, plan: MiniBatchPlan, settings: UpdateSettings, dist: Dist
+                 ) -> dict[int, torch.Tensor]:
+    """Per-token log-probs of every sample under `engine`'s current weights: {sample id: (L_i,)} on every rank."""
+    engine.eval()
+    mine: dict[int, torch.Tensor] = {}
+    for ids in plan.micro_batches[dist.rank]:
+        mb = _micro_batch(rollouts, ids, plan, settings, dist)
+        logprobs, _ = response_logprobs(engine, mb, settings.temperature, settings.chunk_tokens)
+        if ids:
+            mine.update(split_per_sample(logprobs, mb))
+    merged: dict[int, torch.Tensor] = {}
+    for part in dist.all_gather(mine):
+        merged.update(part)
+    return merged
+
+
+def optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advantages: list[float],
+                   old_logprobs: dict | None, ref_logprobs: dict | None, settings: UpdateSettings,
+                   dist: Dist) -> torch.Tensor:
+    """Backward over this rank's micro-batches of `minibatch`, then one optimizer step.
+
+    old_logprobs None means the policy has not changed since the rollout (one optimizer step per
+    rollout), so the old log-probs are the current ones, detached. Returns this rank's TOTALS.
+    """
+    engine.train()
+    lengths = [len(rollouts.response_ids[s]) for s in minibatch.sample_ids]
+    weights = sequence_token_weights(lengths, settings.loss_agg, settings.loss_agg_norm_tokens).tolist()
+    weight_of = dict(zip(minibatch.sample_ids, weights, strict=True))
+    advantage = torch.tensor(advantages, dtype=torch.float32, device=dist.device)  # (P*G,)
+    totals = torch.zeros(len(TOTALS), dtype=torch.float64)
+    for ids in minibatch.micro_batches[dist.rank]:
+        mb = _micro_batch(rollouts, ids, minibatch, settings, dist)
+        sample_ids = torch.tensor(mb.sample_ids, device=dist.device)
+        logprobs, entropy = response_logprobs(engine, mb, settings.temperature, settings.chunk_tokens)  # (N_tok,)
+        old = _per_token(old_logprobs, mb) if old_logprobs is not None else logprobs.detach()
+        per_token, clipped = ppo_clip_loss(logprobs, old, advantage[sample_ids][mb.seq_index], settings.clip_low,
+                                           settings.clip_high)
+        kl = kl_k3(logprobs, _per_token(ref_logprobs, mb)) if ref_logprobs is not None else torch.zeros_like(logprobs)
+        per_token = per_token + settings.kl_coef * kl - settings.entropy_coef * entropy
+        sample_weight = torch.tensor([weight_of[s] if ids else 0.0 for s in mb.sample_ids], dtype=torch.float32,
+                                     device=dist.device)
+        loss = (per_token * sample_weight[mb.seq_index]).sum()
+        engine.backward(loss * dist.world_size, scale_wrt_gas=False)
+        if ids:
+            totals += torch.tensor([loss.item(), kl.sum().item(), entropy.sum().item(), clipped.sum().item(),
+                                    mb.num_tokens, int(mb.attention_mask.sum())], dtype=torch.float64)
+    engine.step()
+    return totals
+
+
+def _per_token(per_sample: dict[int, torch.Tensor], mb: MicroBatchTensors) -> torch.Tensor:
+    return torch.cat([per_sample[s] for s in mb.sample_ids]).to(mb.target_ids.device)

@@ -1,0 +1,68 @@
+"""Run ONE optimizer step on fixed rollouts and save the full parameters (launched by `deepspeed`).
+
+Used by tests/test_update.py to check the loss contract: the parameters after one step must not
+depend on world size, micro-batch size, dynamic batching or padding. AdamW is given eps = lr = 1e4, so
+its first update is lr * g / (|g| + eps) ~= g: a plain gradient step, sensitive to the gradient's scale
+(with a small eps, Adam's first step is ~lr * sign(g) and would hide a normalisation error).
+
+    deepspeed --num_gpus W tests/scripts/one_step.py OUT_DIR CONFIGS_JSON
+CONFIGS_JSON: list of {"loss_agg": ..., "micro": int, "max_tokens": int | null}; one file OUT_DIR/<i>.pt each.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from grpo_ds.builtin_tiny import build_tiny_model
+from grpo_ds.ds_config import resolve_deepspeed_config
+from grpo_ds.engine import create_train_engine, init_distributed
+from grpo_ds.planner import plan_minibatch
+from grpo_ds.recipe import load_recipe
+from grpo_ds.rollout.base import Rollouts
+from grpo_ds.rollout.weight_sync import gathered_named_parameters
+from grpo_ds.update import UpdateSettings, optimizer_step
+
+VOCAB = 64
+
+
+def fixed_rollouts(num_samples: int = 9, seed: int = 0) -> tuple[Rollouts, list[float]]:
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(3, 7, (num_samples,), generator=g).tolist()
+    response_len = torch.randint(1, 13, (num_samples,), generator=g).tolist()
+    prompts = [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in prompt_len]
+    responses = [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in response_len]
+    advantages = torch.randn(num_samples, generator=g).tolist()
+    return Rollouts(prompts, responses, [[0.0] * n for n in response_len], ["length"] * num_samples), advantages
+
+
+def main(out_dir: str, configs: list[dict]) -> None:
+    dist = init_distributed()
+    rollouts, advantages = fixed_rollouts()
+    tokens = {i: len(p) + len(r) for i, (p, r) in enumerate(zip(rollouts.prompt_ids, rollouts.response_ids))}
+    for index, cfg in enumerate(configs):
+        recipe = load_recipe({
+            "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12},
+            "algorithm": {"loss_agg": cfg["loss_agg"]},
+            "train": {"micro_batch_samples_per_gpu": cfg["micro"], "max_tokens_per_micro_batch": cfg["max_tokens"],
+                      "lr": 1e4, "max_grad_norm": 0.0},
+            "deepspeed": {"zero_optimization": {"stage": 3}, "optimizer": {"params": {"eps": 1e4}}},
+        })
+        engine = create_train_engine(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0),
+                                     resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
+        plan = plan_minibatch(list(tokens), tokens, dist.world_size, max_samples=cfg["micro"],
+                              max_tokens=cfg["max_tokens"])
+        settings = UpdateSettings.from_recipe(recipe, pad_id=0)
+        optimizer_step(engine, rollouts, plan, advantages, None, None, settings, dist)
+        params = {name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)}
+        if dist.is_main:
+            torch.save({"params": params, "micro_batches": plan.micro_batches,
+                        "padding": plan.padding_micro_batches()}, Path(out_dir) / f"{index}.pt")
+        del engine
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(args[0], json.loads(args[1]))
