@@ -7,6 +7,7 @@ function) is raised as ``UserError(where, what, fix)`` and printed as one line
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,9 @@ class UserError(Exception):
         self.where, self.what, self.fix = where, what.rstrip("."), fix.rstrip(".")
         super().__init__(str(self))
 
+    def __reduce__(self):  # picklable, so rank 0 can send it to the other ranks
+        return (UserError, (self.where, self.what, self.fix))
+
     def __str__(self) -> str:
         fix = self.fix + ("" if self.fix.endswith(("?", "!")) else ".")
         return f"{self.where}: {self.what}." + (f" {fix}" if self.fix else "")
@@ -32,5 +36,6 @@ def exit_on_user_error() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # every rank raises the same error; one line is enough
+            print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)

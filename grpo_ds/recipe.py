@@ -373,6 +373,12 @@ def validate(recipe: Recipe) -> None:
     if spos is not None and spos > samples:
         raise UserError("train.samples_per_optimizer_step", f"{spos} is more than the {samples} samples per step",
                         f"use at most {samples}")
+    cap = recipe.train.max_tokens_per_micro_batch
+    longest = recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
+    if cap is not None and cap < longest:
+        raise UserError("train.max_tokens_per_micro_batch", f"{cap} is less than the longest possible sequence "
+                        f"{longest} (data.max_prompt_tokens {recipe.data.max_prompt_tokens} + rollout.max_new_tokens "
+                        f"{recipe.rollout.max_new_tokens})", f"raise it to at least {longest}, or lower those limits")
     m = recipe.model
     if m.path == "builtin:tiny" and m.tiny_hidden_size % m.tiny_num_heads:
         raise UserError("model.tiny_num_heads", f"{m.tiny_num_heads} does not divide tiny_hidden_size "

@@ -13,6 +13,7 @@ before a model loads or a file is written.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import shutil
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 
 from grpo_ds.algo.advantages import grpo_advantages
-from grpo_ds.data import PromptSampler, load_rows, prepare_prompts
-from grpo_ds.ds_config import resolve_deepspeed_config
+from grpo_ds.check import Inputs, prepare_inputs
+from grpo_ds.data import PromptSampler
 from grpo_ds.engine import (
     Dist,
     create_reference_engine,
@@ -36,10 +37,10 @@ from grpo_ds.engine import (
 )
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.metrics import MetricsLogger
-from grpo_ds.models import check_model_path, load_model, load_tokenizer
+from grpo_ds.models import load_model
 from grpo_ds.planner import StepPlan, plan_step, token_imbalance
-from grpo_ds.recipe import Recipe, load_recipe
-from grpo_ds.rewards import load_reward_functions, score
+from grpo_ds.recipe import Recipe
+from grpo_ds.rewards import score
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
@@ -49,14 +50,8 @@ from grpo_ds.update import TOTALS, UpdateSettings, logprob_pass, optimizer_step
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
     """Run a recipe to the end; return one metrics dict per step (on every rank)."""
     # ---- 1. validate everything before any model loads or any file is written
-    if not isinstance(recipe, Recipe):
-        recipe = load_recipe(recipe, overrides)
-    ds_config = resolve_deepspeed_config(recipe, world_size_from_env(), device_type())
-    check_model_path(recipe.model)
-    tokenizer = load_tokenizer(recipe.model)
-    reward_functions = load_reward_functions(recipe.reward.functions)
-    prompts, skipped_rows = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
-                                            where=f"data.train {recipe.data.train}")
+    inputs = prepare_inputs(recipe, overrides, world_size_from_env(), device_type())
+    recipe, ds_config, tokenizer, prompts = inputs.recipe, inputs.ds_config, inputs.tokenizer, inputs.prompts
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     if (run_dir / "metrics.jsonl").exists() and not recipe.run.overwrite:
         raise UserError("run.name", f"the run folder {run_dir} already holds a run",
@@ -69,7 +64,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     dist.barrier()
     torch.manual_seed(recipe.run.seed)
     policy = load_model(recipe.model, len(tokenizer), recipe.run.seed)
-    rollout = HFRolloutEngine(_unsharded_copy(policy).to(dist.device), tokenizer.pad_token_id,
+    rollout = HFRolloutEngine(copy.deepcopy(policy).to(dist.device), tokenizer.pad_token_id,
                               tokenizer.eos_token_id, recipe.rollout.generation_batch_prompts)
     engine = create_train_engine(policy, ds_config)
     reference = create_reference_engine(load_model(recipe.model, len(tokenizer), recipe.run.seed), ds_config) \
@@ -97,20 +92,8 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 
         # ---- reward, advantage, plan: decided on rank 0, received by every rank
         t = time.perf_counter()
-        decision = None
-        if dist.is_main:
-            rows = [prompts[i] for i in prompt_index for _ in range(G)]
-            columns = {k: [r.columns.get(k) for r in rows] for k in rows[0].columns}
-            columns["answer"] = [r.columns.get(recipe.data.answer_key) for r in rows]  # what exact_match reads
-            scored = score(reward_functions, prompts=[r.prompt_text for r in rows],
-                           completions=tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True),
-                           completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
-                           timeout_s=recipe.reward.timeout_s)
-            rewards = torch.tensor(scored.total, dtype=torch.float32)
-            advantages = grpo_advantages(rewards, G, recipe.algorithm.scale_rewards)
-            plan = _plan(recipe, rollouts, dist.world_size, step)
-            decision = (advantages.tolist(), plan, _reward_metrics(rewards, scored))
-        advantages, plan, metrics = dist.broadcast(decision)
+        decision = _decide(recipe, inputs, prompt_index, rollouts, dist.world_size, step) if dist.is_main else None
+        advantages, plan, metrics = _receive(dist.broadcast(decision))
         times["reward"] = time.perf_counter() - t
 
         # ---- old / reference log-probs, each pass with the log-prob phase's own micro size
@@ -146,7 +129,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             grad_norm=sum(grad_norms) / len(grad_norms), lr=engine.get_lr()[0],
             response_len_mean=sum(response_lengths) / len(response_lengths),
             stop_frac=rollouts.finish_reason.count("stop") / len(rollouts),
-            optimizer_steps=len(plan.minibatches), skipped_rows=skipped_rows,
+            optimizer_steps=len(plan.minibatches), skipped_rows=inputs.skipped_rows,
             padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),
             token_imbalance=max(token_imbalance(m, _sequence_tokens(rollouts)) for m in plan.minibatches),
             tokens_per_s=seq_tokens / times["update"], generated_tokens_per_s=sum(response_lengths) / times["rollout"],
@@ -162,6 +145,32 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 
 
 # ----------------------------------------------------------------------------------------- phases
+
+def _decide(recipe: Recipe, inputs: Inputs, prompt_index: list[int], rollouts: Rollouts, world_size: int,
+            step: int) -> tuple:
+    """Rank 0: rewards, advantages and the micro-batch plan. A failure is sent to every rank (no hang)."""
+    try:
+        G = recipe.rollout.group_size
+        rows = [inputs.prompts[i] for i in prompt_index for _ in range(G)]
+        columns = {k: [r.columns.get(k) for r in rows] for k in rows[0].columns}
+        columns["answer"] = [r.columns.get(recipe.data.answer_key) for r in rows]  # what exact_match reads
+        scored = score(inputs.reward_functions, prompts=[r.prompt_text for r in rows],
+                       completions=inputs.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True),
+                       completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
+                       timeout_s=recipe.reward.timeout_s)
+        rewards = torch.tensor(scored.total, dtype=torch.float32)
+        advantages = grpo_advantages(rewards, G, recipe.algorithm.scale_rewards)
+        return "ok", (advantages.tolist(), _plan(recipe, rollouts, world_size, step), _reward_metrics(rewards, scored))
+    except Exception as err:  # noqa: BLE001 - re-raised on every rank by _receive
+        return "failed", err
+
+
+def _receive(decision: tuple) -> tuple:
+    status, payload = decision
+    if status == "failed":
+        raise payload
+    return payload
+
 
 def _plan(recipe: Recipe, rollouts: Rollouts, world_size: int, step: int) -> StepPlan:
     train = recipe.train
@@ -189,12 +198,6 @@ def _grad_norm(engine) -> float:
 
 
 # ------------------------------------------------------------------------------------ plumbing
-
-def _unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
-    import copy
-
-    return copy.deepcopy(model)
-
 
 def _slice(count: int, dist: Dist) -> tuple[int, int]:
     """Contiguous, near-equal slice of `count` items for this rank."""
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", help="path to a recipe JSON file")
     parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as JSON when it parses)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     with exit_on_user_error():
         run(args.recipe, args.overrides)
 

@@ -40,7 +40,8 @@ def fixed_rollouts(num_samples: int = 9, seed: int = 0) -> tuple[Rollouts, list[
 def main(out_dir: str, configs: list[dict]) -> None:
     dist = init_distributed()
     rollouts, advantages = fixed_rollouts()
-    tokens = {i: len(p) + len(r) for i, (p, r) in enumerate(zip(rollouts.prompt_ids, rollouts.response_ids))}
+    pairs = zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)
+    tokens = {i: len(p) + len(r) for i, (p, r) in enumerate(pairs)}
     for index, cfg in enumerate(configs):
         recipe = load_recipe({
             "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12},

@@ -1,0 +1,172 @@
+"""Dry run: validate a recipe for a world size and print the batch plan, without loading a model.
+
+    python -m grpo_ds.check RECIPE.json --world-size 8 [section.key=value ...]
+
+``prepare_inputs`` is also the first thing ``grpo_ds.train`` does: every user input (recipe, overrides,
+DeepSpeed file, model path, tokenizer, reward functions, dataset rows) is checked here, before any
+model is loaded or any file is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from grpo_ds.data import PromptRow, load_rows, prepare_prompts
+from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
+from grpo_ds.engine import device_type
+from grpo_ds.errors import exit_on_user_error
+from grpo_ds.models import check_model_path, load_tokenizer
+from grpo_ds.planner import plan_step, token_imbalance
+from grpo_ds.recipe import Recipe, load_recipe
+from grpo_ds.rewards import RewardFunction, load_reward_functions
+
+
+@dataclass
+class Inputs:
+    recipe: Recipe
+    ds_config: dict
+    tokenizer: object
+    reward_functions: list[RewardFunction]
+    prompts: list[PromptRow]
+    skipped_rows: int
+
+
+def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
+                   device_type: str) -> Inputs:
+    """Check everything the user controls; raise UserError on the first problem. Loads no model."""
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, overrides)
+    ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
+    check_model_path(recipe.model)
+    tokenizer = load_tokenizer(recipe.model)
+    reward_functions = load_reward_functions(recipe.reward.functions)
+    prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
+                                       where=f"data.train {recipe.data.train}")
+    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped)
+
+
+def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
+    """Sequence lengths (prompt + completion) for one step: real prompt lengths from the dataset, completions
+    uniform in [1, max_new_tokens] ("uniform") or all at max_new_tokens ("max")."""
+    recipe = inputs.recipe
+    rng = np.random.default_rng(recipe.run.seed)
+    prompt_lengths = [len(p.prompt_ids) for p in inputs.prompts]
+    out = []
+    for _ in range(recipe.rollout.prompts_per_step):
+        prompt = prompt_lengths[int(rng.integers(len(prompt_lengths)))]
+        for _ in range(recipe.rollout.group_size):
+            top = recipe.rollout.max_new_tokens
+            new = top if mode == "max" else int(rng.integers(1, top + 1))
+            out.append(prompt + new)
+    return out
+
+
+def parameter_count(recipe: Recipe, vocab_size: int) -> int:
+    """Exact parameter count from the model config, built on the meta device (no weights, no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_ds.builtin_tiny import build_tiny_model
+    from grpo_ds.models import BUILTIN_TINY
+
+    m = recipe.model
+    with torch.device("meta"):
+        if m.path == BUILTIN_TINY:
+            model = build_tiny_model(vocab_size, m.tiny_hidden_size, m.tiny_num_layers, m.tiny_num_heads)
+        else:
+            config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def memory_estimate_gib(recipe: Recipe, params: int, world_size: int) -> dict[str, float]:
+    """Per-GPU bytes of model states under ZeRO-3 (activations not included)."""
+    width = 4 if recipe.model.dtype == "float32" else 2
+    master = 0 if width == 4 else 4  # fp32 master copy in mixed precision
+    gib = 2**30
+    out = {"policy weights + grads (sharded)": params * 2 * width / world_size / gib,
+           "optimizer states (sharded, fp32 Adam m, v" + (", master" if master else "") + ")":
+               params * (8 + master) / world_size / gib,
+           "rollout copy (hf engine, unsharded)": params * width / gib}
+    if recipe.algorithm.kl_coef > 0:
+        out["reference model (sharded)"] = params * width / world_size / gib
+    return out
+
+
+def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
+    r = inputs.recipe
+    lengths = simulated_lengths(inputs, lengths_mode)
+    t = r.train
+    plan = plan_step(lengths, world_size, samples_per_minibatch=r.samples_per_optimizer_step,
+                     epochs=t.epochs_per_rollout, update_micro_samples=t.micro_batch_samples_per_gpu,
+                     logprob_micro_samples=t.logprob_micro_batch_samples_per_gpu,
+                     max_tokens=t.max_tokens_per_micro_batch, seed=r.run.seed)
+    ds = inputs.ds_config
+    _, ds_where = load_deepspeed_json(r)
+    first = plan.minibatches[0]
+    micro_rule = f"<= {t.max_tokens_per_micro_batch} padded tokens (dynamic)" if t.max_tokens_per_micro_batch \
+        else f"{t.micro_batch_samples_per_gpu} samples"
+    lp_rule = f"<= {t.max_tokens_per_micro_batch} padded tokens (dynamic)" if t.max_tokens_per_micro_batch \
+        else f"{t.logprob_micro_batch_samples_per_gpu} samples"
+    lines = [
+        f"recipe is valid for world size {world_size}",
+        "",
+        "batch algebra",
+        f"  samples per step             {r.samples_per_step} = prompts_per_step {r.rollout.prompts_per_step}"
+        f" x group_size {r.rollout.group_size}",
+        f"  samples per optimizer step   {r.samples_per_optimizer_step}",
+        f"  optimizer steps per rollout  {r.optimizer_steps_per_rollout} = {r.samples_per_step} / "
+        f"{r.samples_per_optimizer_step} x epochs_per_rollout {t.epochs_per_rollout}",
+        f"  update micro-batch           {micro_rule} per GPU",
+        f"  log-prob micro-batch         {lp_rule} per GPU",
+        "  old-log-prob pass            " + ("runs (policy changes within a rollout)" if plan.needs_old_logprobs
+                                             else "skipped (one optimizer step per rollout: old = current)"),
+        "  reference log-prob pass      " + (f"runs (kl_coef {r.algorithm.kl_coef})" if r.algorithm.kl_coef > 0
+                                             else "off (kl_coef 0)"),
+        "",
+        f"per-rank shards of optimizer step 1 (simulated lengths: {lengths_mode}; prompt lengths from the data)",
+    ]
+    for rank, micro in enumerate(first.micro_batches):
+        ids = [s for mb in micro for s in mb]
+        padding = sum(1 for mb in micro if not mb)
+        lines.append(f"  rank {rank:>3}: {len(ids):>5} samples {sum(lengths[s] for s in ids):>8} tokens  "
+                     f"{len(micro)} update micro-batches ({padding} padding)  "
+                     f"{len(plan.logprob_pass.micro_batches[rank])} log-prob micro-batches")
+    lines += [f"  token imbalance (max/mean over ranks): {token_imbalance(first, lengths):.3f}", "",
+              f"DeepSpeed (resolved from {ds_where})",
+              f"  train_micro_batch_size_per_gpu  {ds['train_micro_batch_size_per_gpu']}",
+              f"  gradient_accumulation_steps     {ds['gradient_accumulation_steps']} (static plan; grpo_ds owns the "
+              f"step boundary, so padding and dynamic batches need no change here)",
+              f"  train_batch_size                {ds['train_batch_size']} = {ds['train_micro_batch_size_per_gpu']}"
+              f" x {ds['gradient_accumulation_steps']} x world size {world_size}",
+              f"  zero stage                      {ds.get('zero_optimization', {}).get('stage', 0)}"]
+    params = parameter_count(r, len(inputs.tokenizer))
+    lines += ["", f"memory estimate per GPU (model states only; {params / 1e6:.2f} M parameters, {r.model.dtype})"]
+    for name, value in memory_estimate_gib(r, params, world_size).items():
+        lines.append(f"  {name:<52} {value:8.3f} GiB")
+    lines.append(f"dataset: {len(inputs.prompts)} prompts ({inputs.skipped_rows} bad rows skipped)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="grpo_ds.check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="path to a recipe JSON file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    parser.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs) to plan for")
+    parser.add_argument("--lengths", choices=("uniform", "max"), default="uniform",
+                        help="completion lengths to simulate: uniform in [1, max_new_tokens], or all at the maximum")
+    args = parser.parse_intermixed_args(argv)
+    if args.world_size < 1:
+        parser.error("--world-size must be >= 1")
+    with exit_on_user_error():
+        inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type())
+        print(report(inputs, args.world_size, args.lengths))
+
+
+if __name__ == "__main__":
+    main()
