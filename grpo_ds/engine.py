@@ -10,6 +10,7 @@ import copy
 import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,14 +81,18 @@ def init_distributed() -> Dist:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
+    # DeepSpeed calls collectives that torch has renamed; the warning is DeepSpeed's to fix, not the user's.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    if "RANK" not in os.environ:  # plain `python -m grpo_ds.train` or a notebook: world size 1
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if kind == "cpu" else "nccl", auto_mpi_discovery=False,
-                                   verbose=False)
+        backend = "gloo" if kind == "cpu" else "nccl"
+        if "RANK" in os.environ:  # started by the `deepspeed` launcher (or torchrun)
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        else:  # plain `python -m grpo_ds.train` or a notebook: a group of one on a free port
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts it; RANK/MASTER_PORT stay unset
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, rank=0,
+                                       world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local_rank)

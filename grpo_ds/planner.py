@@ -14,7 +14,6 @@ padding micro-batches (``()``), which the driver runs on a dummy sequence with l
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,18 +51,24 @@ def split_minibatches(num_samples: int, samples_per_minibatch: int, epochs: int,
 
 
 def shard_by_tokens(sample_ids: list[int], tokens: dict[int, int], world_size: int,
-                    max_samples_per_rank: int | None = None) -> list[list[int]]:
+                    balance_counts: bool = False) -> list[list[int]]:
     """Greedy longest-first: each sample goes to the rank with the fewest tokens (that still has room).
 
-    With ``max_samples_per_rank = ceil(n / world)`` the sample counts stay balanced too, which keeps
-    the number of fixed-size micro-batches per rank minimal.
+    With ``balance_counts`` every rank gets floor(n / world) or ceil(n / world) samples, which keeps the
+    number of fixed-size micro-batches per rank minimal; the token greedy decides which ranks get the extra.
     """
     shards: list[list[int]] = [[] for _ in range(world_size)]
     load = [0] * world_size
+    base, extra = divmod(len(sample_ids), world_size)
+
+    def has_room(r: int) -> bool:
+        if not balance_counts or len(shards[r]) < base:
+            return True
+        above_base = sum(1 for s in shards if len(s) > base)
+        return len(shards[r]) == base and above_base < extra
+
     for sid in sorted(sample_ids, key=lambda s: (-tokens[s], s)):
-        open_ranks = [r for r in range(world_size)
-                      if max_samples_per_rank is None or len(shards[r]) < max_samples_per_rank]
-        rank = min(open_ranks, key=lambda r: (load[r], len(shards[r]), r))
+        rank = min((r for r in range(world_size) if has_room(r)), key=lambda r: (load[r], len(shards[r]), r))
         shards[rank].append(sid)
         load[rank] += tokens[sid]
     return [sorted(s, key=lambda x: (-tokens[x], x)) for s in shards]
@@ -99,8 +104,7 @@ def pack_micro_batches(sample_ids: list[int], tokens: dict[int, int], *, max_sam
 def plan_minibatch(sample_ids: list[int], tokens: dict[int, int], world_size: int, *,
                    max_samples: int | None = None, max_tokens: int | None = None) -> MiniBatchPlan:
     """Shard one mini-batch over ranks and cut each shard into micro-batches; pad to equal counts."""
-    cap = None if max_tokens is not None else math.ceil(len(sample_ids) / world_size)
-    shards = shard_by_tokens(sample_ids, tokens, world_size, max_samples_per_rank=cap)
+    shards = shard_by_tokens(sample_ids, tokens, world_size, balance_counts=max_tokens is None)
     per_rank = [pack_micro_batches(s, tokens, max_samples=max_samples, max_tokens=max_tokens) for s in shards]
     count = max(1, max(len(m) for m in per_rank))
     padded = tuple(tuple(m) + ((),) * (count - len(m)) for m in per_rank)

@@ -45,6 +45,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
     for index, cfg in enumerate(configs):
         recipe = load_recipe({
             "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12},
+            "data": {"max_prompt_tokens": 6},
             "algorithm": {"loss_agg": cfg["loss_agg"]},
             "train": {"micro_batch_samples_per_gpu": cfg["micro"], "max_tokens_per_micro_batch": cfg["max_tokens"],
                       "lr": 1e4, "max_grad_norm": 0.0},

@@ -1,0 +1,36 @@
+"""Run commands through the real `deepspeed` launcher on CPU (shared by the distributed tests)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def clean_env() -> dict:
+    """The test process's environment without any process-group variables an in-process run may have set."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["DS_ACCELERATOR"] = "cpu"
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def deepspeed_launch(num_ranks: int, args: list[str], cwd: Path = REPO, timeout: int = 600) -> str:
+    """`deepspeed --num_gpus N ARGS...`; fails the test with the output when it fails."""
+    launcher = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(num_ranks),
+           "--master_port", str(_free_port()), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

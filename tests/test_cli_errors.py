@@ -1,0 +1,124 @@
+"""The bad-input contract, through real processes: one line `error: <where>: <what>. <fix>` on stderr,
+exit code 2, no traceback, nothing written (DESIGN.md, "What bad input gets").
+
+Each case runs `python -m grpo_ds.train` (or `grpo_ds.check`) in its own empty working directory with
+run.output_dir pointing inside it. The processes import torch, so they run two at a time, once per module.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "recipes" / "tiny_cpu.json")
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Case:
+    argv: list  # after `python -m`; {dir} is replaced by the case's working directory
+    where: str  # the expected <where>; {dir} as above
+    fragment: str  # part of <what>. <fix>
+    files: dict | None = None  # name -> text, written into the working directory first
+
+
+def _train(*overrides: str) -> list:
+    return ["grpo_ds.train", RECIPE, "run.output_dir={dir}/out", *overrides]
+
+
+# samples per step 400 = 25 x 16, micro 100, world size 1: gas 4, train_batch_size 400
+CASES = {
+    "unknown_key": Case(_train("train.lrr=1"), "train.lrr", "unknown key. did you mean 'lr'?"),
+    "unknown_section": Case(_train("trian.lr=1"), "override trian.lr", "did you mean 'train'?"),
+    "wrong_type": Case(_train("train.lr=fast"), "train.lr", 'expected a number, got a string "fast"'),
+    "out_of_range": Case(_train("rollout.top_p=1.5"), "rollout.top_p", "1.5 is out of range: must be <= 1.0"),
+    "samples_per_optimizer_step": Case(_train("train.samples_per_optimizer_step=7"),
+                                       "train.samples_per_optimizer_step", "7 does not divide the samples per step 400"),
+    "deepspeed_train_batch_size": Case(
+        _train("deepspeed={dir}/ds.json"), "{dir}/ds.json: train_batch_size",
+        'is 7 but the recipe gives 400 (micro 100 x gradient accumulation 4 x world size 1). set train_batch_size to '
+        '"auto" (grpo_ds derives it) or to 400.',
+        files={"ds.json": json.dumps({"train_batch_size": 7, "zero_optimization": {"stage": 3}})}),
+    "model_path": Case(_train("model.path=/nonexistent"), "model.path", "/nonexistent does not exist"),
+    "data_file_missing": Case(_train("data.train={dir}/missing.jsonl"), "data.train",
+                              "{dir}/missing.jsonl not found"),
+    "data_row_without_prompt": Case(
+        _train("data.train={dir}/rows.jsonl"), "data.train {dir}/rows.jsonl row 2",
+        "no 'prompt' key (keys: question, answer). set data.prompt_key to one of them",
+        files={"rows.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n'}),
+    "reward_not_importable": Case(_train('reward.functions=[{"name": "no_such_module_xyz:f"}]'),
+                                  "reward.functions[0].name", "cannot import module 'no_such_module_xyz'"),
+    "check_bad_override": Case(["grpo_ds.check", RECIPE, "--world-size", "2", "train.lrr=1"], "train.lrr",
+                               "did you mean 'lr'?"),
+    "recipe_missing": Case(["grpo_ds.train", "{dir}/nope.json", "run.output_dir={dir}/out"], "{dir}/nope.json",
+                           "recipe file not found"),
+    "recipe_invalid_json": Case(["grpo_ds.train", "{dir}/broken.json", "run.output_dir={dir}/out"],
+                                "{dir}/broken.json:2:", "invalid JSON",
+                                files={"broken.json": '{\n  "run": {"output_dir": "out",}\n}\n'}),
+}
+
+
+@dataclass
+class Result:
+    returncode: int
+    stderr: str
+    stdout: str
+    workdir: Path
+    files_before: set
+    files_after: set
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # a plain single process, as a user would start it
+    return env
+
+
+def _run(workdir: Path, case: Case) -> Result:
+    workdir.mkdir()
+    for name, text in (case.files or {}).items():
+        (workdir / name).write_text(text)
+    before = {p.relative_to(workdir) for p in workdir.rglob("*")}
+    argv = [a.replace("{dir}", str(workdir)) for a in case.argv]
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=workdir, env=_env(), capture_output=True, text=True,
+                          timeout=180)
+    after = {p.relative_to(workdir) for p in workdir.rglob("*")}
+    return Result(proc.returncode, proc.stderr, proc.stdout, workdir, before, after)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, Result]:
+    base = tmp_path_factory.mktemp("cli_errors")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_run, base / name, case) for name, case in CASES.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_gets_one_error_line(results, name):
+    case, result = CASES[name], results[name]
+    lines = result.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(errors) == 1, result.stderr
+    where = case.where.replace("{dir}", str(result.workdir))
+    assert errors[0].startswith(f"error: {where}"), errors[0]
+    assert case.fragment.replace("{dir}", str(result.workdir)) in errors[0]
+    assert errors[0].endswith((".", "?")), errors[0]  # the fix sentence is complete
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_writes_nothing(results, name):
+    result = results[name]
+    assert not (result.workdir / "out").exists()
+    assert result.files_after == result.files_before  # not even a default runs/ folder in the working directory
+    assert result.stdout == ""
