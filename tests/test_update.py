@@ -13,7 +13,9 @@ import torch
 
 import grpo_ds.train as train_module
 from grpo_ds.algo.aggregation import LOSS_AGG_MODES
+from grpo_ds.builtin_tiny import build_tiny_model
 from tests.launch import REPO, deepspeed_launch
+from tests.scripts.one_step import VOCAB
 
 SCRIPT = str(REPO / "tests" / "scripts" / "one_step.py")
 
@@ -28,8 +30,6 @@ def test_one_optimizer_step_is_independent_of_the_parallel_layout(tmp_path):
     deepspeed_launch(1, [SCRIPT, str(tmp_path / "w1"), json.dumps(single)])
     deepspeed_launch(2, [SCRIPT, str(tmp_path / "w2"), json.dumps(split)])
 
-    from tests.scripts.one_step import VOCAB
-    from grpo_ds.builtin_tiny import build_tiny_model
     initial = dict(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0).named_parameters())
     baselines = [torch.load(tmp_path / "w1" / f"{i}.pt") for i in range(len(single))]
     for i, cfg in enumerate(split):
