@@ -98,6 +98,8 @@ def _load_file(path: Path, builder: str) -> list[dict]:
 
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs parse errors itself; we report them once
+    bars_were_off = datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # a bar per small file is noise (and lands on stderr before an error line)
     try:
         dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as err:  # datasets/pyarrow raise many types for a malformed file; all mean "fix the file"
@@ -105,6 +107,8 @@ def _load_file(path: Path, builder: str) -> list[dict]:
                         "check that the file is valid and every row has the same column types") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
     return dataset.to_list()
 
 

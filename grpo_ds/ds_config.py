@@ -79,7 +79,6 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
         _fill(out, [key], value, origin, where)
     dtype = recipe.model.dtype
     for section, wanted in (("bf16", dtype == "bfloat16"), ("fp16", dtype == "float16")):
-        out.setdefault(section, {})
         _fill(out, [section, "enabled"], wanted, f"model.dtype {dtype!r}", where)
     _resolve_optimizer(out, recipe, device_type, where)
     _resolve_scheduler(out, recipe, where)
@@ -94,8 +93,12 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
 def _fill(cfg: dict, keys: list[str], value: Any, origin: str, where: str) -> None:
     """Set cfg[keys] to value when absent or "auto"; error when the file hard-codes a different value."""
     node = cfg
-    for k in keys[:-1]:
+    for depth, k in enumerate(keys[:-1], start=1):
         node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            dotted = ".".join(keys[:depth])
+            raise UserError(f"{where}: {dotted}", f"must be a JSON object, got {json.dumps(node)}",
+                            f'e.g. "{dotted}": {{"{keys[depth]}": "auto"}}')
     current = node.get(keys[-1], "auto")
     if current == "auto":
         node[keys[-1]] = value
@@ -115,17 +118,17 @@ def _is_number(x: Any) -> bool:
 
 def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) -> None:
     train = recipe.train
-    opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})  # DeepSpeed's Adam is AdamW by default
     if str(opt.get("type", "AdamW")).lower() not in ("adamw", "adam"):
         raise UserError(f"{where}: optimizer.type", f"{opt.get('type')!r} is not supported", 'use "AdamW"')
-    opt["type"] = "AdamW"
     params = opt.setdefault("params", {})
     _fill(cfg, ["optimizer", "params", "lr"], train.lr, "train.lr", where)
     _fill(cfg, ["optimizer", "params", "weight_decay"], train.weight_decay, "train.weight_decay", where)
     current_betas = params.get("betas", "auto")
     if current_betas != "auto" and list(current_betas) != list(train.adam_betas):
         raise UserError(f"{where}: optimizer.params.betas", f"is {current_betas} but the recipe gives "
-                        f"{train.adam_betas} (train.adam_betas)", 'set it to "auto" or to the recipe value')
+                        f"{train.adam_betas} (train.adam_betas)",
+                        f'set optimizer.params.betas to "auto" or to {json.dumps(list(train.adam_betas))}')
     params["betas"] = list(train.adam_betas)
     params.setdefault("eps", 1e-8)
     offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")

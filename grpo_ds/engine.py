@@ -79,6 +79,9 @@ def init_distributed() -> Dist:
     kind = device_type()
     if kind == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        local_ranks = int(os.environ.get("LOCAL_SIZE", "1"))  # set by the `deepspeed` launcher
+        if local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks sharing cores must not oversubscribe
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
     import deepspeed
 
     # DeepSpeed calls collectives that torch has renamed; the warning is DeepSpeed's to fix, not the user's.

@@ -246,9 +246,9 @@ def _normalise_overrides(overrides: list[str] | dict | None) -> list[tuple[str, 
     return [parse_override(o) for o in overrides]
 
 
-def _suggest(name: str, options) -> str:
+def _suggest(name: str, options, label: str = "valid keys") -> str:
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f"did you mean {close[0]!r}?" if close else "valid keys: " + ", ".join(options)
+    return f"did you mean {close[0]!r}?" if close else f"{label}: " + ", ".join(options)
 
 
 def _apply_override(raw: dict, key: str, value: Any) -> None:
@@ -262,8 +262,11 @@ def _apply_override(raw: dict, key: str, value: Any) -> None:
             raise UserError(where, "deepspeed is a file path, so its keys cannot be overridden one by one",
                             "edit the file, or give an inline deepspeed object in the recipe")
         target = raw["deepspeed"]
-        for p in parts[1:-1]:
+        for depth, p in enumerate(parts[1:-1], start=1):
             target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise UserError(where, f"deepspeed.{'.'.join(parts[1:depth + 1])} is not an object",
+                                "override the key itself, e.g. deepspeed.train_batch_size=\"auto\"")
         target[parts[-1]] = value
         return
     if len(parts) != 2:
@@ -317,29 +320,31 @@ def _check_field(where: str, value: Any, f: dataclasses.Field) -> Any:
     nullable = type(None) in args
     base = next(a for a in args if a is not type(None))
     meta = f.metadata
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
     if value is None:
         if nullable:
             return None
-        raise UserError(where, "must not be null", f"give a value like {f.default!r}")
+        raise UserError(where, "must not be null", f"give a value like {json.dumps(default)}")
     ok = {bool: isinstance(value, bool),
           int: isinstance(value, int) and not isinstance(value, bool),
           float: isinstance(value, (int, float)) and not isinstance(value, bool),
           str: isinstance(value, str), list: isinstance(value, list), dict: isinstance(value, dict)}[base]
     if not ok:
-        example = f"e.g. {json.dumps(f.default)}" if f.default is not dataclasses.MISSING else ""
-        raise UserError(where, f"expected {_type_name(base())}, got {_type_name(value)} {json.dumps(value)}", example)
+        raise UserError(where, f"expected {_type_name(base())}, got {_type_name(value)} {json.dumps(value)}",
+                        f"e.g. {json.dumps(default)}")
     if base is float:
         value = float(value)
     if meta.get("choices") and value not in meta["choices"]:
         raise UserError(where, f"{value!r} is not one of {', '.join(map(repr, meta['choices']))}",
-                        _suggest(str(value), meta["choices"]) if isinstance(value, str) else "pick one of them")
+                        _suggest(str(value), meta["choices"], "valid values") if isinstance(value, str)
+                        else "pick one of them")
     low, high = meta.get("low"), meta.get("high")
     if low is not None and (value < low or (meta.get("low_open") and value == low)):
         rule = f"> {low}" if meta.get("low_open") else f">= {low}"
         raise UserError(where, f"{value} is out of range: must be {rule}" + (f" and <= {high}" if high else ""),
-                        f"e.g. {f.default}" if f.default is not None else "use a larger value")
+                        f"e.g. {default}" if default is not None else "use a larger value")
     if high is not None and value > high:
-        raise UserError(where, f"{value} is out of range: must be <= {high}", f"e.g. {f.default}")
+        raise UserError(where, f"{value} is out of range: must be <= {high}", f"e.g. {default}")
     return value
 
 
@@ -364,15 +369,15 @@ def validate(recipe: Recipe) -> None:
     """Cross-field rules, above all the batch algebra; every message names the key and the fix."""
     samples = recipe.samples_per_step
     spos = recipe.train.samples_per_optimizer_step
+    if spos is not None and spos > samples:
+        raise UserError("train.samples_per_optimizer_step", f"{spos} is more than the {samples} samples per step",
+                        f"use at most {samples}")
     if spos is not None and samples % spos:
         near = sorted(_divisors(samples), key=lambda d: abs(d - spos))[:3]
         raise UserError("train.samples_per_optimizer_step",
                         f"{spos} does not divide the samples per step {samples} (= prompts_per_step "
                         f"{recipe.rollout.prompts_per_step} x group_size {recipe.rollout.group_size})",
                         f"use a divisor such as {', '.join(map(str, sorted(near)))}, or null for all {samples}")
-    if spos is not None and spos > samples:
-        raise UserError("train.samples_per_optimizer_step", f"{spos} is more than the {samples} samples per step",
-                        f"use at most {samples}")
     cap = recipe.train.max_tokens_per_micro_batch
     longest = recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
     if cap is not None and cap < longest:
@@ -384,7 +389,8 @@ def validate(recipe: Recipe) -> None:
         raise UserError("model.tiny_num_heads", f"{m.tiny_num_heads} does not divide tiny_hidden_size "
                         f"{m.tiny_hidden_size}", "pick a divisor, e.g. 4")
     betas = recipe.train.adam_betas
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                  for b in betas):
         raise UserError("train.adam_betas", f"{betas} is not two numbers in [0, 1)", "e.g. [0.9, 0.999]")
     _validate_reward_specs(recipe.reward.functions)
 

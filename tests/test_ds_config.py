@@ -122,8 +122,6 @@ def test_contradicting_betas(tmp_path):
     assert "[0.8, 0.99]" in info.value.what and "[0.9, 0.999]" in info.value.what
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: ds_config.py _resolve_optimizer's betas fix says 'the recipe value' without the number")
 def test_contradicting_betas_fix_names_the_value():
     with pytest.raises(UserError) as info:
         resolve({"optimizer": {"params": {"betas": [0.8, 0.99]}}})
@@ -166,8 +164,6 @@ def test_precision_contradiction():
     assert resolve({"bf16": {"enabled": True}}, model={"dtype": "bfloat16"})["bf16"]["enabled"] is True
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason='bug: ds_config.py _fill crashes with AttributeError on "bf16": true (not an object)')
 def test_precision_section_that_is_not_an_object_is_a_user_error():
     resolve_error({"bf16": True})
 

@@ -1,0 +1,131 @@
+"""grpo_ds.check: the dry run validates a recipe for a world size and prints the batch plan, loading no model."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from grpo_ds import check
+from grpo_ds.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "tiny_cpu.json"
+RANK_LINE = re.compile(r"^\s+rank\s+(\d+):\s+(\d+) samples\s+(\d+) tokens\s+(\d+) update micro-batches "
+                       r"\((\d+) padding\)\s+(\d+) log-prob micro-batches$", re.MULTILINE)
+
+# name -> arguments after the recipe path
+RUNS = {
+    "world3": ["--world-size", "3"],
+    "world2_minibatches": ["--world-size", "2", "train.samples_per_optimizer_step=200"],
+    # dynamic batching needs a cap >= max_prompt_tokens + max_new_tokens; arith prompts are a few tokens
+    "dynamic": ["train.max_tokens_per_micro_batch=64", "--lengths", "max", "data.max_prompt_tokens=16"],
+}
+
+
+def rank_lines(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(x) for x in m) for m in RANK_LINE.findall(text)]
+
+
+def line_of(text: str, label: str) -> str:
+    found = [line for line in text.splitlines() if line.strip().startswith(label)]
+    assert len(found) == 1, f"no single line {label!r} in:\n{text}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        workdir = tmp_path_factory.mktemp(name)
+        proc = subprocess.run([sys.executable, "-m", "grpo_ds.check", str(RECIPE), *RUNS[name]], cwd=workdir,
+                              env=env, capture_output=True, text=True, timeout=180)
+        proc.workdir_files = sorted(workdir.iterdir())  # the dry run writes nothing
+        return proc
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(RUNS, pool.map(run, RUNS), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_check_succeeds_quietly(outputs, name):
+    proc = outputs[name]
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "error:" not in proc.stderr
+    assert proc.workdir_files == []
+
+
+@pytest.mark.slow
+def test_world_size_3_plan(outputs):
+    out = outputs["world3"].stdout
+    r = load_recipe(RECIPE)
+    samples = r.rollout.prompts_per_step * r.rollout.group_size
+    assert samples == 400
+    assert out.startswith("recipe is valid for world size 3")
+    assert re.search(rf"samples per step\s+{samples} = prompts_per_step 25 x group_size 16", out)
+    assert re.search(rf"optimizer steps per rollout\s+1 = {samples} / {samples} x epochs_per_rollout 1", out)
+    assert "skipped" in line_of(out, "old-log-prob pass")
+
+    ranks = rank_lines(out)
+    assert [rank[0] for rank in ranks] == [0, 1, 2]
+    assert sum(rank[1] for rank in ranks) == samples  # 400 does not divide by 3; nothing is lost
+    assert len({rank[3] for rank in ranks}) == 1  # every rank runs the same number of update micro-batches
+    imbalance = float(line_of(out, "token imbalance").rsplit(" ", 1)[1])
+    assert 1.0 <= imbalance < 1.1
+
+    micro = r.train.micro_batch_samples_per_gpu
+    gas = math.ceil(math.ceil(samples / 3) / micro)
+    assert (micro, gas) == (100, 2)
+    assert re.search(rf"train_micro_batch_size_per_gpu\s+{micro}\n", out)
+    assert re.search(rf"gradient_accumulation_steps\s+{gas} ", out)
+    assert re.search(rf"train_batch_size\s+{micro * gas * 3} = {micro} x {gas} x world size 3\n", out)
+
+
+@pytest.mark.slow
+def test_several_optimizer_steps_run_the_old_logprob_pass(outputs):
+    out = outputs["world2_minibatches"].stdout
+    assert out.startswith("recipe is valid for world size 2")  # --world-size mixed with overrides
+    assert re.search(r"samples per optimizer step\s+200\n", out)
+    assert re.search(r"optimizer steps per rollout\s+2 = 400 / 200", out)
+    assert "runs" in line_of(out, "old-log-prob pass")
+    ranks = rank_lines(out)
+    assert len(ranks) == 2 and sum(rank[1] for rank in ranks) == 200  # shards of the first optimizer step
+    gas = math.ceil(math.ceil(200 / 2) / 100)
+    assert re.search(rf"train_batch_size\s+{100 * gas * 2} = 100 x {gas} x world size 2\n", out)
+
+
+@pytest.mark.slow
+def test_dynamic_batching_is_shown(outputs):
+    out = outputs["dynamic"].stdout
+    assert "<= 64 padded tokens (dynamic)" in line_of(out, "update micro-batch")
+    assert "<= 64 padded tokens (dynamic)" in line_of(out, "log-prob micro-batch")
+    ((_, samples, _, update_mbs, _, _),) = rank_lines(out)
+    assert samples == 400
+    assert update_mbs > 400 // 100  # a 64-token cap splits finer than the 100-sample micro-batches would
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 7])
+def test_report_shards_cover_every_sample(world_size):
+    inputs = check.prepare_inputs(RECIPE, None, world_size, "cpu")
+    out = check.report(inputs, world_size, "max")
+    r = inputs.recipe
+    ranks = rank_lines(out)
+    assert [rank[0] for rank in ranks] == list(range(world_size))
+    assert sum(rank[1] for rank in ranks) == r.rollout.prompts_per_step * r.rollout.group_size
+    assert len({rank[3] for rank in ranks}) == 1  # equal micro-batch count on every rank (ZeRO-3 collectives)
+    assert inputs.ds_config["train_batch_size"] == (inputs.ds_config["train_micro_batch_size_per_gpu"]
+                                                    * inputs.ds_config["gradient_accumulation_steps"] * world_size)
+
+
+def test_report_with_overrides_in_process():
+    inputs = check.prepare_inputs(RECIPE, ["train.samples_per_optimizer_step=100", "train.epochs_per_rollout=2"],
+                                  2, "cpu")
+    out = check.report(inputs, 2, "uniform")
+    assert re.search(r"optimizer steps per rollout\s+8 = 400 / 100 x epochs_per_rollout 2", out)
+    assert sum(rank[1] for rank in rank_lines(out)) == 100

@@ -1,0 +1,147 @@
+"""The driver end to end: pinned first-step numbers, the tiny recipe learning, several ranks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import grpo_ds
+from tests.launch import REPO, clean_env, deepspeed_launch
+
+TINY = str(REPO / "recipes" / "tiny_cpu.json")
+
+REWARDS_MODULE = '''
+def first_char(completions, **kwargs):
+    """A dense, deterministic reward so advantages are non-zero from the first step."""
+    return [(ord(c[0]) % 7) / 7 if c else 0.0 for c in completions]
+
+
+def broken(completions, **kwargs):
+    raise ValueError("this reward function is broken")
+'''
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "pin_rewards.py").write_text(REWARDS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "pin_rewards"
+
+
+def _small(tmp_path, **overrides):
+    base = {"run.output_dir": str(tmp_path / "runs"), "train.steps": 3, "rollout.prompts_per_step": 4,
+            "rollout.group_size": 4, "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False}
+    base.update(overrides)
+    return base
+
+
+# Pinned from a run of this commit's math (CPU, fp32). Two optimizer steps per rollout (so the PPO ratio
+# moves and clips), a k3 KL term and an entropy bonus: every term of the loss contributes. A refactor that
+# changes any of them changes these numbers. Tolerance: float32 reductions in another order (~1e-6).
+PINNED = [
+    {"reward_mean": 0.4285714328289032, "loss": -0.06530516967177391, "kl": 0.008044656366109848,
+     "entropy": 4.626175880432129, "clip_frac": 0.0625, "grad_norm": 2.03507994168229},
+    {"reward_mean": 0.473214328289032, "loss": -0.042945846915245056, "kl": 0.016601670533418655,
+     "entropy": 4.616047501564026, "clip_frac": 0.0625, "grad_norm": 1.4666544585944168},
+    {"reward_mean": 0.5, "loss": -0.05892714112997055, "kl": 0.02715073525905609,
+     "entropy": 4.604264140129089, "clip_frac": 0.0625, "grad_norm": 1.2821138620032515},
+]
+
+
+@pytest.mark.slow
+def test_first_steps_are_pinned(tmp_path, reward_module):
+    metrics = grpo_ds.train(TINY, _small(
+        tmp_path, **{"reward.functions": [{"name": f"{reward_module}:first_char"}],
+                     "train.samples_per_optimizer_step": 8, "algorithm.kl_coef": 0.1,
+                     "algorithm.entropy_coef": 0.01, "train.lr": 0.01}))
+    assert len(metrics) == 3
+    for got, want in zip(metrics, PINNED, strict=True):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (got["step"], key)
+
+
+@pytest.mark.slow
+def test_tiny_recipe_learns_from_the_command_line(tmp_path):
+    """The README's run: reward rises from ~0 to >= 0.6 (mean of the last 10 steps), on console and on disk."""
+    proc = subprocess.run([sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}"],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, 251))
+    first = sum(m["reward_mean"] for m in lines[:10]) / 10
+    last = sum(m["reward_mean"] for m in lines[-10:]) / 10
+    assert first < 0.1
+    assert last >= 0.6, f"reward of the last 10 steps {last:.3f}"
+    assert "step  250 reward_mean=" in proc.stdout + proc.stderr  # the console line of the last step
+    written = json.loads((tmp_path / "tiny_cpu" / "recipe.json").read_text())
+    assert written["rollout"]["group_size"] == 16
+    assert json.loads((tmp_path / "tiny_cpu" / "deepspeed.json").read_text())["train_batch_size"] == 400
+
+
+@pytest.mark.slow
+def test_a_broken_reward_function_is_contained(tmp_path, reward_module):
+    metrics = grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 2, "reward.functions": [
+        {"name": "exact_match", "weight": 1.0}, {"name": f"{reward_module}:broken", "weight": 1.0}]}))
+    assert len(metrics) == 2  # the run went on
+    assert all(m[f"reward_errors/{reward_module}:broken"] == 16 for m in metrics)  # every sample counted
+
+
+@pytest.mark.slow
+def test_existing_run_folder_is_not_overwritten(tmp_path):
+    grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.overwrite": False}))
+    from grpo_ds.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.overwrite": False}))
+    assert err.value.where == "run.name"
+
+
+def _rank_logs(run_dir, world):
+    logs = []
+    for rank in range(world):
+        records = [json.loads(line) for line in (run_dir / "ranks" / f"rank{rank}.jsonl").read_text().splitlines()]
+        logs.append(records)
+    return logs
+
+
+@pytest.mark.slow
+def test_two_ranks_train_different_samples_and_end_identical(tmp_path):
+    deepspeed_launch(2, ["--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}", "train.steps=3",
+                         "logging.progress_bar=false"])
+    logs = _rank_logs(tmp_path / "tiny_cpu", 2)
+    for step in range(3):
+        a, b = (set(logs[r][step]["trained_sample_ids"]) for r in range(2))
+        assert a and b and not a & b  # different samples of the same step
+        assert a | b == set(range(400))  # together: every sample of the step
+    assert logs[0][-1]["final_weights_sha256"] == logs[1][-1]["final_weights_sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, prompts, group, micro", [(2, 3, 3, 2), (3, 5, 4, 3)])
+def test_sample_counts_that_do_not_divide_the_world_size(tmp_path, world, prompts, group, micro):
+    deepspeed_launch(world, ["--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}", "train.steps=2",
+                             f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
+                             f"train.micro_batch_samples_per_gpu={micro}", "logging.progress_bar=false"])
+    metrics = [json.loads(line) for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(m["padding_micro_batches"] >= 1 for m in metrics)  # uneven shards were padded, not refused
+    logs = _rank_logs(tmp_path / "tiny_cpu", world)
+    for step in range(2):
+        trained = [s for r in range(world) for s in logs[r][step]["trained_sample_ids"]]
+        assert sorted(trained) == list(range(prompts * group))
+    assert len({logs[r][-1]["final_weights_sha256"] for r in range(world)}) == 1
+
+
+@pytest.mark.slow
+def test_a_failure_on_rank_0_stops_every_rank(tmp_path, reward_module):
+    """reward.on_error=fail raises on rank 0 during the decision; rank 1 must not hang in a collective."""
+    env = clean_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run(
+        ["deepspeed", "--num_gpus", "2", "--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}",
+         "train.steps=2", "reward.on_error=fail", f'reward.functions=[{{"name": "{reward_module}:broken"}}]'],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "RewardFailure" in output and "this reward function is broken" in output
