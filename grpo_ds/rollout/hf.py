@@ -41,7 +41,7 @@ class HFRolloutEngine:
             attention_mask[i, width - len(p):] = 1
         config = GenerationConfig(
             do_sample=True, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-            top_p=sampling.top_p, top_k=sampling.top_k or None, num_return_sequences=group_size,
+            top_p=sampling.top_p, top_k=sampling.top_k, num_return_sequences=group_size,  # 0 = off, not 50
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, output_scores=True,
             return_dict_in_generate=True)
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
