@@ -19,6 +19,7 @@ from grpo_ds.data import PromptRow, load_rows, prepare_prompts
 from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
 from grpo_ds.engine import device_type
 from grpo_ds.errors import exit_on_user_error
+from grpo_ds.metrics import check_logging_extras
 from grpo_ds.models import check_model_path, load_tokenizer
 from grpo_ds.planner import plan_step, token_imbalance
 from grpo_ds.recipe import Recipe, load_recipe
@@ -44,6 +45,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     check_model_path(recipe.model)
     tokenizer = load_tokenizer(recipe.model)
     reward_functions = load_reward_functions(recipe.reward.functions)
+    check_logging_extras(recipe.logging)
     prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
                                        where=f"data.train {recipe.data.train}")
     return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped)

@@ -1,12 +1,27 @@
-"""Per-step metrics: metrics.jsonl in the run folder, a console line, a progress bar (rank 0 only)."""
+"""Per-step metrics: metrics.jsonl in the run folder, a console line, a progress bar, and optionally
+TensorBoard and Weights & Biases (rank 0 only)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from grpo_ds.errors import UserError
+from grpo_ds.recipe import LoggingConfig
+
+
+def check_logging_extras(cfg: LoggingConfig) -> None:
+    """Fail before any model loads when a requested logger is not installed."""
+    wanted = [("logging.tensorboard", "tensorboard", cfg.tensorboard),
+              ("logging.wandb_project", "wandb", cfg.wandb_project is not None and cfg.wandb_mode != "disabled")]
+    for key, package, on in wanted:
+        if on and importlib.util.find_spec(package) is None:
+            raise UserError(key, f"needs the {package} package, which is not installed",
+                            f'pip install -e ".[{package}]", or turn it off')
 
 # Shown on the console line, in this order, when present.
 CONSOLE_KEYS = ("reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "clip_frac",
@@ -14,12 +29,25 @@ CONSOLE_KEYS = ("reward_mean", "reward_std", "response_len_mean", "loss", "kl", 
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path | None, total_steps: int, every_steps: int, progress_bar: bool) -> None:
+    """Writes on the rank given a run folder (rank 0); every rank keeps the history."""
+
+    def __init__(self, run_dir: Path | None, total_steps: int, cfg: LoggingConfig, run_name: str = "",
+                 config: dict | None = None) -> None:
         self.path = run_dir / "metrics.jsonl" if run_dir else None
-        self.every_steps = every_steps
+        self.every_steps = cfg.every_steps
         self.history: list[dict] = []
         self.bar = tqdm(total=total_steps, desc="grpo_ds", unit="step", dynamic_ncols=True) \
-            if progress_bar and run_dir else None
+            if cfg.progress_bar and run_dir else None
+        self.tensorboard = self.wandb = None
+        if run_dir and cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if run_dir and cfg.wandb_project is not None:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(run_dir), mode=cfg.wandb_mode,
+                                    config=config)
 
     def log(self, metrics: dict) -> None:
         self.history.append(metrics)
@@ -27,6 +55,12 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tensorboard:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, metrics["step"])
+        if self.wandb:
+            self.wandb.log(numbers, step=metrics["step"])
         line = f"step {metrics['step']:>4} " + " ".join(
             f"{k}={_fmt(metrics[k])}" for k in CONSOLE_KEYS if k in metrics)
         if metrics["step"] % self.every_steps == 0 or metrics["step"] == 1:
@@ -38,6 +72,10 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar:
             self.bar.close()
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 def _fmt(x) -> str:

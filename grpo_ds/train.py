@@ -70,8 +70,8 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     reference = create_reference_engine(load_model(recipe.model, len(tokenizer), recipe.run.seed), ds_config) \
         if recipe.algorithm.kl_coef > 0 else None
     sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
-    logger = MetricsLogger(run_dir if dist.is_main else None, recipe.train.steps, recipe.logging.every_steps,
-                           recipe.logging.progress_bar)
+    logger = MetricsLogger(run_dir if dist.is_main else None, recipe.train.steps, recipe.logging, recipe.run.name,
+                           recipe.to_dict())
     rank_log = run_dir / "ranks" / f"rank{dist.rank}.jsonl"
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size

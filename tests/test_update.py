@@ -56,6 +56,7 @@ class _Recorder:
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[str, bool, int]] = []
+        self.engines: dict = {}
         for factory, label in (("create_train_engine", "policy"), ("create_reference_engine", "reference")):
             real = getattr(train_module, factory)
             monkeypatch.setattr(train_module, factory, self._wrap(real, label))
@@ -63,6 +64,7 @@ class _Recorder:
     def _wrap(self, real, label):
         def factory(model, ds_config):
             engine = real(model, ds_config)
+            self.engines[label] = engine
             engine.module.register_forward_pre_hook(
                 lambda _m, _a, kw: self.calls.append((label, torch.is_grad_enabled(), kw["input_ids"].shape[0])),
                 with_kwargs=True)
@@ -98,6 +100,10 @@ def test_each_phase_uses_its_own_micro_size(tmp_path, monkeypatch):
     assert rec.sizes("policy", grad=False) == [8, 8]  # old-log-prob pass: log-prob micro size
     assert rec.sizes("reference", grad=False) == [8, 8]  # reference pass: log-prob micro size
     assert rec.sizes("policy", grad=True) == [2] * 8  # update: 2 optimizer steps x 4 micro-batches of 2
+    reference = rec.engines["reference"]
+    assert type(reference.optimizer).__name__ == "DeepSpeedZeRoOffload"  # ZeRO-3 parameter manager, no optimizer
+    params = list(reference.module.parameters())
+    assert all(hasattr(p, "ds_id") and not p.requires_grad for p in params)  # frozen, ZeRO-3 partitioned
 
 
 @pytest.mark.slow

@@ -1,0 +1,70 @@
+"""Metrics sinks: metrics.jsonl, console, TensorBoard, Weights & Biases."""
+
+import json
+import sys
+import types
+
+import pytest
+
+from grpo_ds.errors import UserError
+from grpo_ds.metrics import MetricsLogger, check_logging_extras
+from grpo_ds.recipe import LoggingConfig
+
+
+def _steps(logger, n=3):
+    for step in range(1, n + 1):
+        logger.log({"step": step, "reward_mean": step / 10, "loss": -step / 100, "note": "text is not a scalar"})
+    logger.close()
+
+
+def test_jsonl_and_console(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, 3, LoggingConfig(every_steps=2, progress_bar=False))
+    _steps(logger)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3] and lines[2]["reward_mean"] == pytest.approx(0.3)
+    printed = capsys.readouterr().out
+    assert "step    1 reward_mean=0.1" in printed and "step    2" in printed and "step    3" not in printed
+    assert logger.history == lines
+
+
+def test_rank_without_run_folder_writes_nothing(tmp_path):
+    logger = MetricsLogger(None, 3, LoggingConfig(progress_bar=False, tensorboard=True))
+    _steps(logger)
+    assert len(logger.history) == 3 and not list(tmp_path.iterdir())
+
+
+def test_tensorboard_event_files(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _steps(MetricsLogger(tmp_path, 3, LoggingConfig(progress_bar=False, tensorboard=True)))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {"reward_mean", "loss"} <= set(events.Tags()["scalars"])
+    assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_wandb_gets_every_step(tmp_path, monkeypatch):
+    calls = []
+    run = types.SimpleNamespace(log=lambda data, step: calls.append(("log", step, data)),
+                                finish=lambda: calls.append(("finish",)))
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or run
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = LoggingConfig(progress_bar=False, wandb_project="grpo", wandb_mode="offline")
+    _steps(MetricsLogger(tmp_path, 3, cfg, run_name="r1", config={"train": {"lr": 1.0}}))
+    assert calls[0] == ("init", {"project": "grpo", "name": "r1", "dir": str(tmp_path), "mode": "offline",
+                                 "config": {"train": {"lr": 1.0}}})
+    assert [c[1] for c in calls if c[0] == "log"] == [1, 2, 3]
+    assert "note" not in calls[1][2] and calls[1][2]["loss"] == pytest.approx(-0.01)
+    assert calls[-1] == ("finish",)
+
+
+def test_missing_logging_package_is_a_user_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    with pytest.raises(UserError) as err:
+        check_logging_extras(LoggingConfig(wandb_project="p"))
+    assert err.value.where == "logging.wandb_project" and "[wandb]" in err.value.fix
+    check_logging_extras(LoggingConfig(wandb_project="p", wandb_mode="disabled"))  # off: no package needed
