@@ -1,7 +1,7 @@
 """grpo_ds: GRPO-family RL post-training on DeepSpeed ZeRO-3.
 
 ``grpo_ds.train("recipe.json", overrides={...})`` runs a recipe from Python and returns its metrics;
-``python -m grpo_ds.train`` and ``deepspeed -m grpo_ds.train`` are the same run from the shell.
+``python -m grpo_ds.train`` and ``deepspeed --module grpo_ds.train`` are the same run from the shell.
 """
 
 __version__ = "0.1.0"

@@ -43,6 +43,7 @@ class RunConfig:
     output_dir: str = opt("runs", "Folder that holds run folders (relative to the working directory)")
     seed: int = opt(0, "Seed for data order, sampling and model init", low=0)
     overwrite: bool = opt(False, "Replace an existing run folder (otherwise a folder holding a run is an error)")
+    save_final_model: bool = opt(True, "Save the trained policy and tokenizer as a HF folder <run folder>/final_model")
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,6 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class KernelsConfig:
-    backend: str = opt("auto", "Per-token math: auto picks the best available; torch is the reference",
-                       choices=("auto", "torch"))
     logprob_chunk_tokens: int = opt(1024, "Tokens per chunk when computing log-probs and entropy", low=1)
 
 

@@ -1,6 +1,6 @@
 """Train a policy with GRPO on DeepSpeed ZeRO-3: the CLI and the driver loop, top to bottom.
 
-    deepspeed --num_gpus 8 -m grpo_ds.train RECIPE.json [section.key=value ...]
+    deepspeed --num_gpus 8 --module grpo_ds.train RECIPE.json [section.key=value ...]
     python -m grpo_ds.train RECIPE.json [section.key=value ...]
     grpo_ds.train("RECIPE.json", overrides={"train.steps": 10})   # returns the per-step metrics
 
@@ -139,6 +139,9 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             s for m in plan.minibatches for mb in m.micro_batches[dist.rank] for s in mb)})
 
     _append_json(rank_log, {"final_weights_sha256": _weights_sha256(rollout.model)})
+    if dist.is_main and recipe.run.save_final_model:  # the rollout copy holds the full, synced weights
+        rollout.model.save_pretrained(run_dir / "final_model")
+        tokenizer.save_pretrained(run_dir / "final_model")
     logger.close()
     dist.barrier()
     return logger.history
@@ -189,6 +192,7 @@ def _reward_metrics(rewards: torch.Tensor, scored) -> dict:
     for name, values in scored.per_function.items():
         out[f"reward/{name}"] = sum(values) / len(values)
         out[f"reward_errors/{name}"] = scored.errors.get(name, 0)
+        out[f"reward_none/{name}"] = scored.nones.get(name, 0)
     return out
 
 

@@ -145,3 +145,24 @@ def test_a_failure_on_rank_0_stops_every_rank(tmp_path, reward_module):
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "RewardFailure" in output and "this reward function is broken" in output
+
+
+@pytest.mark.slow
+def test_final_model_is_a_local_hf_folder_to_train_from(tmp_path):
+    grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 2, "run.name": "first"}))
+    folder = tmp_path / "runs" / "first" / "final_model"
+    from grpo_ds.models import load_model, load_tokenizer
+    from grpo_ds.recipe import ModelConfig
+
+    tokenizer = load_tokenizer(ModelConfig(path=str(folder)))
+    assert tokenizer.decode(tokenizer.encode("3+4=")) == "3+4="
+    model = load_model(ModelConfig(path=str(folder)), len(tokenizer), seed=0)
+    digest = __import__("hashlib").sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().float().contiguous().numpy().tobytes())
+    rank_log = (tmp_path / "runs" / "first" / "ranks" / "rank0.jsonl").read_text().splitlines()
+    assert json.loads(rank_log[-1])["final_weights_sha256"] == digest.hexdigest()  # the trained weights
+    metrics = grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.name": "second",
+                                                      "model.path": str(folder)}))
+    assert len(metrics) == 1
