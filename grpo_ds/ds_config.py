@@ -119,7 +119,7 @@ def _is_number(x: Any) -> bool:
 def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) -> None:
     train = recipe.train
     opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})  # DeepSpeed's Adam is AdamW by default
-    if str(opt.get("type", "AdamW")).lower() not in ("adamw", "adam"):
+    if str(opt.setdefault("type", "AdamW")).lower() not in ("adamw", "adam"):
         raise UserError(f"{where}: optimizer.type", f"{opt.get('type')!r} is not supported", 'use "AdamW"')
     params = opt.setdefault("params", {})
     _fill(cfg, ["optimizer", "params", "lr"], train.lr, "train.lr", where)

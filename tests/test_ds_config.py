@@ -244,3 +244,9 @@ def test_working_directory_is_looked_in_first(tmp_path, monkeypatch):
     recipe_path = write_json(folder / "r.json", {**BASE, "deepspeed": "my_ds.json"})
     monkeypatch.chdir(tmp_path)
     assert resolve_deepspeed_config(load_recipe(recipe_path), 1)["zero_optimization"]["stage"] == 1
+
+
+def test_optimizer_block_without_type_is_adamw():
+    """An inline block that only tunes eps must still give DeepSpeed an optimizer (else it builds none)."""
+    cfg = resolve_deepspeed_config(load_recipe({"deepspeed": {"optimizer": {"params": {"eps": 1e-6}}}}), 1, "cpu")
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["optimizer"]["params"]["eps"] == 1e-6
