@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import Recipe
+from grpo_ds.recipe import Recipe, read_json_object
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # ds_configs/ sits beside grpo_ds/ in the repo
 
@@ -44,14 +44,7 @@ def load_deepspeed_json(recipe: Recipe) -> tuple[dict, str]:
     if isinstance(recipe.deepspeed, dict):
         return copy.deepcopy(recipe.deepspeed), "deepspeed"
     path = find_deepspeed_file(recipe.deepspeed, recipe.source_dir)
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{err.lineno}:{err.colno}", f"invalid JSON ({err.msg})",
-                        "fix the JSON syntax") from None
-    if not isinstance(raw, dict):
-        raise UserError(str(path), "a DeepSpeed config must be a JSON object", 'e.g. {"zero_optimization": {...}}')
-    return raw, str(path)
+    return read_json_object(path, "a DeepSpeed config", '{"zero_optimization": {...}}'), str(path)
 
 
 def static_micro_batches_per_rank(samples: int, world_size: int, micro_samples: int) -> int:

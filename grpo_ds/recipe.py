@@ -216,18 +216,24 @@ def load_recipe(source: str | Path | dict, overrides: list[str] | dict | None = 
         where, source_dir = str(path), str(path.parent)
         if not path.is_file():
             raise UserError(where, "recipe file not found", "check the path, e.g. recipes/tiny_cpu.json")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise UserError(f"{where}:{err.lineno}:{err.colno}", f"invalid JSON ({err.msg})",
-                            "fix the JSON syntax") from None
-        if not isinstance(raw, dict):
-            raise UserError(where, "a recipe must be a JSON object of sections", 'start with {"run": {...}, ...}')
+        raw = read_json_object(path, "a recipe", '{"run": {...}, ...}')
     for key, value in _normalise_overrides(overrides):
         _apply_override(raw, key, value)
     recipe = _build(raw, where, source_dir)
     validate(recipe)
     return recipe
+
+
+def read_json_object(path: Path, what: str, example: str) -> dict:
+    """A JSON file that must hold one object; syntax errors point at line and column."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        where = f"{path}:{err.lineno}:{err.colno}"
+        raise UserError(where, f"invalid JSON ({err.msg})", "fix the JSON syntax") from None
+    if not isinstance(raw, dict):
+        raise UserError(str(path), f"{what} must be a JSON object", f"e.g. {example}")
+    return raw
 
 
 def parse_override(text: str) -> tuple[str, Any]:
