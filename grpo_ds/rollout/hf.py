@@ -43,7 +43,7 @@ class HFRolloutEngine:
             do_sample=True, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, top_k=sampling.top_k, num_return_sequences=group_size,  # 0 = off, not 50
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, output_scores=True,
-            return_dict_in_generate=True)
+            return_dict_in_generate=True, use_cache=True)  # the policy's config may turn the cache off for training
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                   generation_config=config)
         new_tokens = out.sequences[:, width:].cpu()  # (N*G, T_new)

@@ -75,3 +75,13 @@ def test_concat_keeps_order():
     b = Rollouts([[4]], [[5]], [[-0.3]], ["length"])
     both = Rollouts.concat([a, b])
     assert both.prompt_ids == [[1], [4]] and both.finish_reason == ["stop", "length"]
+
+
+def test_generation_uses_the_kv_cache_even_when_training_turned_it_off():
+    engine, tok = _engine()
+    engine.model.config.use_cache = False  # what gradient checkpointing sets on the policy's config
+    lengths = []
+    engine.model.register_forward_pre_hook(lambda _m, _a, kw: lengths.append(kw["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    engine.generate([tok.encode("1+1=")], 1, SamplingParams(max_new_tokens=4, seed=0))
+    assert lengths[0] == 4 and all(n == 1 for n in lengths[1:])  # with a cache, later steps feed one token
