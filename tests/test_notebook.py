@@ -60,7 +60,7 @@ def test_notebook_trains_tiny_recipe_from_its_folder(tmp_path):
     ]
     assert len(lines) == 1, f"report cell printed no result: {nb.cells[-1].outputs}"
     result = json.loads(lines[0].removeprefix(MARKER))
-    assert result["steps"] == 250, "the notebook should run the whole tiny recipe"
+    assert result["steps"] == 400, "the notebook should run the whole tiny recipe"
     printed = "".join(o.get("text", "") for o in nb.cells[-2].outputs if o.get("output_type") == "stream")
     assert "mean reward of the last 10 steps" in printed
     run_dir = Path(result["run_dir"])
