@@ -23,7 +23,7 @@ from grpo_ds.metrics import check_logging_extras
 from grpo_ds.models import check_model_path, load_tokenizer
 from grpo_ds.planner import plan_step, token_imbalance
 from grpo_ds.recipe import Recipe, load_recipe
-from grpo_ds.rewards import RewardFunction, load_reward_functions
+from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 
 
 @dataclass
@@ -48,6 +48,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     check_logging_extras(recipe.logging)
     prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
                                        where=f"data.train {recipe.data.train}")
+    check_columns({key for row in prompts for key in row.columns})
     return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped)
 
 

@@ -129,3 +129,14 @@ def test_report_with_overrides_in_process():
     out = check.report(inputs, 2, "uniform")
     assert re.search(r"optimizer steps per rollout\s+8 = 400 / 100 x epochs_per_rollout 2", out)
     assert sum(rank[1] for rank in rank_lines(out)) == 100
+
+
+def test_a_column_named_like_a_reward_argument_is_caught_before_any_model_loads(tmp_path):
+    from grpo_ds.check import prepare_inputs
+    from grpo_ds.errors import UserError
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2", "completions": "x"}\n')
+    with pytest.raises(UserError) as err:
+        prepare_inputs({"data": {"train": str(data)}}, None, 1, "cpu")
+    assert err.value.where == "data" and "'completions'" in err.value.what

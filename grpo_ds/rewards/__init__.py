@@ -52,9 +52,10 @@ keyword arguments) are reported as one-line errors before any model is loaded.
 
 from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 from grpo_ds.rewards.loading import RewardFunction, load_reward_functions
-from grpo_ds.rewards.scoring import RewardFailure, RewardResult, score, unique_names
+from grpo_ds.rewards.scoring import RewardFailure, RewardResult, check_columns, score, unique_names
 
 __all__ = [
+    "check_columns",
     "BUILTIN_REWARDS",
     "RewardFailure",
     "RewardFunction",

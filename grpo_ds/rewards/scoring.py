@@ -58,6 +58,17 @@ def unique_names(functions: list[RewardFunction]) -> list[str]:
     return keys
 
 
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def check_columns(column_names) -> None:
+    """Dataset columns are passed to reward functions as keywords, so none may take a reward argument's name."""
+    for reserved in REWARD_ARGUMENTS:
+        if reserved in column_names:
+            raise UserError("data", f"the dataset has a column named {reserved!r}, which is a reward argument's name",
+                            "rename that column")
+
+
 def score(
     functions: list[RewardFunction],
     *,
@@ -84,13 +95,7 @@ def score(
     for what, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
         if len(values) != n:
             raise ValueError(f"{what} has {len(values)} entries for {n} completions; every input must be aligned")
-    for reserved in ("prompts", "completions", "completion_ids"):
-        if reserved in columns:
-            raise UserError(
-                "data",
-                f"the dataset has a column named {reserved!r}, which is a reward argument's name",
-                "rename that column",
-            )
+    check_columns(columns)
 
     keys = unique_names(functions)
     total = [0.0] * n
