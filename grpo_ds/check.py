@@ -20,7 +20,7 @@ from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
 from grpo_ds.engine import device_type
 from grpo_ds.errors import exit_on_user_error
 from grpo_ds.metrics import check_logging_extras
-from grpo_ds.models import check_model_path, load_tokenizer
+from grpo_ds.models import load_tokenizer
 from grpo_ds.planner import plan_step, token_imbalance
 from grpo_ds.recipe import Recipe, load_recipe
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
@@ -42,8 +42,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
-    check_model_path(recipe.model)
-    tokenizer = load_tokenizer(recipe.model)
+    tokenizer = load_tokenizer(recipe.model)  # checks model.path first
     reward_functions = load_reward_functions(recipe.reward.functions)
     check_logging_extras(recipe.logging)
     prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,

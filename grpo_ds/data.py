@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from grpo_ds.errors import UserError
+from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import DataConfig
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def _load_file(path: Path, builder: str) -> list[dict]:
     try:
         dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as err:  # datasets/pyarrow raise many types for a malformed file; all mean "fix the file"
-        raise UserError(f"{path}", f"cannot read it as {builder} ({_first_line(_root_cause(err))})",
+        raise UserError(f"{path}", f"cannot read it as {builder} ({first_line(_root_cause(err))})",
                         "check that the file is valid and every row has the same column types") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
@@ -118,7 +118,7 @@ def _load_saved_dataset(path: Path) -> list[dict]:
     try:
         dataset = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError, OSError) as err:
-        raise UserError("data.train", f"{path} is a folder but not a saved HF dataset ({_first_line(err)})",
+        raise UserError("data.train", f"{path} is a folder but not a saved HF dataset ({first_line(err)})",
                         "give a folder written by Dataset.save_to_disk, or a .jsonl/.json/.parquet file") from None
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
@@ -134,10 +134,6 @@ def _root_cause(err: BaseException) -> BaseException:
         err = err.__cause__ or err.__context__
     return err
 
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0].rstrip(".") if lines else type(err).__name__
 
 # ------------------------------------------------------------------------------------------ prompts
 

@@ -30,6 +30,12 @@ class UserError(Exception):
         return f"{self.where}: {self.what}." + (f" {fix}" if self.fix else "")
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (library errors can run to pages), for a one-line UserError."""
+    lines = str(err).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(err).__name__
+
+
 @contextmanager
 def exit_on_user_error() -> Iterator[None]:
     """Turn a UserError into the one-line message and exit code 2 (for command-line entry points)."""

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
-from grpo_ds.errors import UserError
+from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import ModelConfig
 
 BUILTIN_TINY = "builtin:tiny"
@@ -58,7 +58,7 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code,
                                                   local_files_only=True)
     except (OSError, ValueError) as err:
-        raise UserError("model.path", f"cannot load a tokenizer from {model_cfg.path} ({_first_line(err)})",
+        raise UserError("model.path", f"cannot load a tokenizer from {model_cfg.path} ({first_line(err)})",
                         "save the tokenizer into the model folder (tokenizer.save_pretrained(folder))") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -81,7 +81,7 @@ def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrained
             model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype, local_files_only=True,
                                                          trust_remote_code=model_cfg.trust_remote_code)
         except (OSError, ValueError) as err:
-            raise UserError("model.path", f"cannot load a causal LM from {model_cfg.path} ({_first_line(err)})",
+            raise UserError("model.path", f"cannot load a causal LM from {model_cfg.path} ({first_line(err)})",
                             "the folder needs config.json and the weights (*.safetensors); set "
                             "model.trust_remote_code=true only if it ships its own modelling code") from None
     if model_cfg.gradient_checkpointing:
@@ -92,8 +92,3 @@ def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrained
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # the KV cache is useless when activations are recomputed
     return model
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return text[0].rstrip(".") if text else type(err).__name__

@@ -123,6 +123,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         dist.all_reduce_sum(totals)
         loss_sum, kl_sum, entropy_sum, clipped, response_tokens, seq_tokens = totals.tolist()
         response_lengths = [len(r) for r in rollouts.response_ids]
+        sequence_tokens = _sequence_tokens(rollouts)
         metrics.update(
             step=step, loss=loss_sum / len(plan.minibatches), kl=kl_sum / response_tokens,
             entropy=entropy_sum / response_tokens, clip_frac=clipped / response_tokens,
@@ -131,7 +132,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             stop_frac=rollouts.finish_reason.count("stop") / len(rollouts),
             optimizer_steps=len(plan.minibatches), skipped_rows=inputs.skipped_rows,
             padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),
-            token_imbalance=max(token_imbalance(m, _sequence_tokens(rollouts)) for m in plan.minibatches),
+            token_imbalance=max(token_imbalance(m, sequence_tokens) for m in plan.minibatches),
             tokens_per_s=seq_tokens / times["update"], generated_tokens_per_s=sum(response_lengths) / times["rollout"],
             time_step_s=sum(times.values()), **{f"time_{k}_s": v for k, v in times.items()})
         logger.log(metrics)
