@@ -17,8 +17,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor,
-                                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rows_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor,
+                              temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formula on one chunk of rows: (logprobs (n,), entropy (n,)) float32; makes float32 (n, V) temporaries."""
     scaled = logits.to(torch.float32) / temperature  # (n, V)
     lse = torch.logsumexp(scaled, dim=-1)  # (n,)
     logprobs = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1) - lse  # (n,)
@@ -52,10 +53,10 @@ def token_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, c
     # single concatenation rather than one full-size zero tensor per chunk.
     for logit_chunk, target_chunk in zip(logits.split(chunk_tokens), target_ids.split(chunk_tokens), strict=True):
         if recompute:
-            lp, ent = checkpoint(_chunk_logprobs_and_entropy, logit_chunk, target_chunk, temperature,
+            lp, ent = checkpoint(rows_logprobs_and_entropy, logit_chunk, target_chunk, temperature,
                                  use_reentrant=False, preserve_rng_state=False)
         else:
-            lp, ent = _chunk_logprobs_and_entropy(logit_chunk, target_chunk, temperature)
+            lp, ent = rows_logprobs_and_entropy(logit_chunk, target_chunk, temperature)
         logprob_chunks.append(lp)
         entropy_chunks.append(ent)
     return torch.cat(logprob_chunks), torch.cat(entropy_chunks)  # (N,), (N,)

@@ -1,0 +1,202 @@
+"""The per-token math behind one backend switch: Triton kernels on CUDA, the chunked PyTorch path elsewhere.
+
+Public operations (each has a Triton kernel and a chunked PyTorch path; both follow grpo_ds/algo exactly):
+
+    group_advantages         rewards (P*G,) -> advantages (P*G,)
+    logprobs_from_logits     logits (M, V), target ids -> per-token log-prob and entropy   (fwd + bwd)
+    logprobs_from_hidden     hidden (N, H) and lm_head weight (V, H) -> the same, full logits never exist
+    policy_loss_from_hidden  hidden, weight, loss inputs -> sum_t w_t l_t and per-token statistics
+    masked_policy_loss       (B, T) log-probs and mask -> per-sequence sums for every loss_agg mode
+
+``backend`` is "triton" or "torch" (resolve "auto" with ``resolve_backend`` first). Triton modules are
+imported only when the Triton backend is used, so the CPU path never needs Triton. No kernel communicates:
+cross-rank sums belong to the driver.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import NamedTuple
+
+import torch
+
+from grpo_ds.algo.advantages import check_arguments
+from grpo_ds.algo.advantages import group_advantages as reference_advantages
+from grpo_ds.algo.policy_loss import LossConfig, token_losses
+from grpo_ds.kernels import chunked
+
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+
+
+def triton_problem(device_type: str) -> str | None:
+    """Why the Triton backend cannot run on ``device_type`` here, or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"Triton kernels need a CUDA GPU and this run is on {device_type} "
+                "(TRITON_INTERPRET=1 runs them, slowly, through Triton's interpreter)")
+    return None
+
+
+def resolve_backend(requested: str, device_type: str) -> str:
+    """"auto" -> "triton" on CUDA when Triton is importable, else "torch"; "triton" where it cannot run raises."""
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown kernels backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+    if requested == "torch":
+        return "torch"
+    problem = triton_problem(device_type)
+    if requested == "auto":
+        return "triton" if device_type == "cuda" and problem is None else "torch"
+    if problem is not None:
+        raise ValueError(problem)
+    return "triton"
+
+
+class LossInputs(NamedTuple):
+    """Per-token inputs of the policy loss, each (N,): the sampled token, its sequence's advantage, its weight
+    w_t in the step loss (grpo_ds.algo.aggregation; 0 for padding), and optional old / reference log-probs
+    (None: on-policy / no reference model)."""
+
+    targets: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+
+class PolicyLossOutput(NamedTuple):
+    loss: torch.Tensor  # () sum_t w_t l_t, differentiable
+    logprobs: torch.Tensor  # (N,) float32, detached
+    entropy: torch.Tensor  # (N,)
+    kl: torch.Tensor  # (N,)
+    clipped: torch.Tensor  # (N,) 1.0 where a clip changed the loss
+
+
+class SequenceSums(NamedTuple):
+    """Per-sequence sums over masked-in tokens, each (B,) float32; only ``loss`` is differentiable."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    clipped: torch.Tensor
+    tokens: torch.Tensor
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "group_mean", scale: str = "group",
+                     eps: float = 1e-6, backend: str = "torch") -> torch.Tensor:
+    """Advantages (P*G,) float32; see grpo_ds.algo.advantages for the formulas."""
+    if backend == "torch":
+        return reference_advantages(rewards, group_size, baseline, scale, eps)
+    from grpo_ds.kernels import advantages as triton_advantages
+
+    check_arguments(rewards, group_size, baseline, scale)
+    return triton_advantages.group_advantages(rewards, group_size, baseline, scale, eps)
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None,
+                         temperature: float = 1.0, chunk_tokens: int = 1024, backend: str = "torch"
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob (N,), entropy (N,)) float32 of softmax(logits[rows] / temperature) at ``targets``.
+
+    ``logits`` (M, V) in any float dtype; ``rows`` (N,) distinct row indices (None: all M rows, N = M).
+    Differentiable w.r.t. the logits; rows that are not scored get gradient 0.
+    """
+    _check_common(logits, targets, temperature, chunk_tokens)
+    rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows.to(logits.device).long()
+    if rows.shape != targets.shape:
+        raise ValueError(f"rows {tuple(rows.shape)} and targets {tuple(targets.shape)} must both be (N,)")
+    if backend == "torch":
+        return chunked.LogprobsFromLogits.apply(logits, rows, targets, temperature, chunk_tokens)
+    from grpo_ds.kernels import logprobs as triton_logprobs
+
+    if rows.numel() != torch.unique(rows).numel():
+        raise ValueError("rows must be distinct (each logits row is scored at most once)")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    return triton_logprobs.LogprobsFromLogits.apply(logits, rows.contiguous(), targets.contiguous(), temperature)
+
+
+def logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                         chunk_tokens: int = 1024, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob (N,), entropy (N,)) float32 of softmax(hidden @ weight.T / temperature) at ``targets``.
+
+    hidden (N, H), weight (V, H) (the lm_head). Differentiable w.r.t. both; logits exist one chunk at a time.
+    """
+    _check_hidden(hidden, weight, targets, temperature, chunk_tokens)
+    if backend == "torch":
+        return chunked.LogprobsFromHidden.apply(hidden, weight, targets, temperature, chunk_tokens)
+    from grpo_ds.kernels import fused_linear
+
+    return fused_linear.LogprobsFromHidden.apply(hidden.contiguous(), weight, targets.contiguous(), temperature,
+                                                 chunk_tokens)
+
+
+def policy_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, inputs: LossInputs, cfg: LossConfig,
+                            temperature: float = 1.0, chunk_tokens: int = 1024, backend: str = "torch"
+                            ) -> PolicyLossOutput:
+    """The step-loss contribution sum_t w_t l_t of N tokens, from hidden states and the lm_head weight."""
+    _check_hidden(hidden, weight, inputs.targets, temperature, chunk_tokens)
+    for name, value in zip(LossInputs._fields[1:], inputs[1:], strict=True):
+        if value is not None and value.shape != inputs.targets.shape:
+            raise ValueError(f"{name} must be (N,) = {tuple(inputs.targets.shape)}, got {tuple(value.shape)}")
+    if backend == "torch":
+        logprobs, entropy = chunked.LogprobsFromHidden.apply(hidden, weight, inputs.targets, temperature, chunk_tokens)
+        per_token, kl, clipped = token_losses(logprobs, inputs.old_logprobs, inputs.advantages.float(),
+                                              inputs.ref_logprobs, entropy, cfg)
+        loss = (per_token * inputs.weights.float()).sum()
+        return PolicyLossOutput(loss, logprobs.detach(), entropy.detach(), kl.detach(), clipped)
+    from grpo_ds.kernels import fused_linear
+
+    loss, stats = fused_linear.PolicyLossFromHidden.apply(
+        hidden.contiguous(), weight, inputs.targets.contiguous(), inputs.old_logprobs, inputs.ref_logprobs,
+        inputs.advantages, inputs.weights, cfg, temperature, chunk_tokens)
+    return PolicyLossOutput(loss, stats[0], stats[1], stats[2], stats[3])
+
+
+def masked_policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
+                       old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+                       entropy: torch.Tensor | None = None, backend: str = "torch") -> SequenceSums:
+    """Per-sequence sums of l_t over a (B, T) batch where ``mask`` is 1; advantages (B,)."""
+    if logprobs.dim() != 2 or mask.shape != logprobs.shape or advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and mask {tuple(mask.shape)} must be (B, T) and "
+                         f"advantages {tuple(advantages.shape)} must be (B,)")
+    for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+        if value is not None and value.shape != logprobs.shape:
+            raise ValueError(f"{name} must be (B, T) = {tuple(logprobs.shape)}, got {tuple(value.shape)}")
+    if backend == "torch":
+        keep = mask.bool()  # (B, T)
+        per_token, kl, clipped = token_losses(logprobs, old_logprobs, advantages.float()[:, None].expand_as(logprobs),
+                                              ref_logprobs, entropy, cfg)
+        ent = entropy.detach() if entropy is not None else torch.zeros_like(per_token)
+
+        def row_sum(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(keep, values.float(), 0.0).sum(dim=1)  # (B,)
+
+        return SequenceSums(row_sum(per_token), row_sum(kl.detach()), row_sum(ent), row_sum(clipped),
+                            keep.sum(dim=1).float())
+    from grpo_ds.kernels import policy_loss as triton_policy_loss
+
+    sums = triton_policy_loss.MaskedPolicyLoss.apply(logprobs, old_logprobs, ref_logprobs, entropy, advantages, mask,
+                                                     cfg)
+    return SequenceSums(sums[0], sums[1].detach(), sums[2].detach(), sums[3].detach(), sums[4].detach())
+
+
+def _check_common(logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (M, V), got shape {tuple(logits.shape)}")
+    if targets.dim() != 1:
+        raise ValueError(f"targets must be (N,), got shape {tuple(targets.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _check_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  chunk_tokens: int) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be (N, H) and weight (V, H), got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be (N,) = ({hidden.shape[0]},), got {tuple(targets.shape)}")
+    _check_common(hidden, targets, temperature, chunk_tokens)
