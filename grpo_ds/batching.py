@@ -1,18 +1,27 @@
-"""From sample ids to tensors, and from a model forward to per-token log-probs.
+"""From sample ids to tensors, and from a model forward to per-token log-probs and the policy loss.
 
 A training sequence is prompt + response with no padding inside it, right-padded to the longest
 sequence of its micro-batch; the logits at position p-1 predict the token at p, so response token t of
 a sample with prompt length P is scored by the logits at P + t - 1. Per-token tensors are flat over
 all response tokens of the micro-batch, with ``seq_index`` saying which sample each token belongs to.
+
+The per-token math runs through grpo_ds.kernels with the run's backend. With ``fused_lm_head`` (the
+default) the model's lm_head is swapped, for one forward, for a function of the hidden states that calls
+the fused-linear kernels: full (tokens x vocab) logits never exist. The swap happens inside the lm_head
+module's call, so DeepSpeed's ZeRO-3 hooks gather the (partitioned) weight for it as for any forward, and
+gather it again for the backward. Without it the model computes full logits and the logits kernels score
+the response rows.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from grpo_ds.algo.logprobs import token_logprobs_and_entropy
+from grpo_ds import kernels
+from grpo_ds.algo.policy_loss import LossConfig
 from grpo_ds.rollout.base import Rollouts
 
 
@@ -25,10 +34,18 @@ class MicroBatchTensors:
     logit_pos: torch.Tensor  # (N_tok,) position whose logits predict the token
     target_ids: torch.Tensor  # (N_tok,)
     seq_index: torch.Tensor  # (N_tok,) index into sample_ids
+    col: torch.Tensor  # (N_tok,) index of the token within its response
 
     @property
     def num_tokens(self) -> int:
         return int(self.target_ids.numel())
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    backend: str  # resolved: "triton" or "torch"
+    chunk_tokens: int
+    fused_lm_head: bool
 
 
 def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torch.device) -> MicroBatchTensors:
@@ -36,27 +53,67 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    row, pos, seq_index = [], [], []
+    row, pos, col = [], [], []
     for b, (sid, seq) in enumerate(zip(sample_ids, seqs, strict=True)):
         input_ids[b, : len(seq)] = torch.tensor(seq)
         attention_mask[b, : len(seq)] = 1
         p, r = len(rollouts.prompt_ids[sid]), len(rollouts.response_ids[sid])
         row += [b] * r
         pos += list(range(p - 1, p + r - 1))
-        seq_index += [b] * r
+        col += list(range(r))
     row_t, pos_t = torch.tensor(row, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
     return MicroBatchTensors(sample_ids=list(sample_ids), input_ids=input_ids.to(device),
                              attention_mask=attention_mask.to(device), row=row_t.to(device), logit_pos=pos_t.to(device),
-                             target_ids=input_ids[row_t, pos_t + 1].to(device),
-                             seq_index=torch.tensor(seq_index, dtype=torch.long).to(device))
+                             target_ids=input_ids[row_t, pos_t + 1].to(device), seq_index=row_t.to(device),
+                             col=torch.tensor(col, dtype=torch.long).to(device))
 
 
-def response_logprobs(model, mb: MicroBatchTensors, temperature: float, chunk_tokens: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, entropies) of the response tokens, each (N_tok,) float32, under softmax(logits / T)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits  # (B, T, V)
-    rows = logits[mb.row, mb.logit_pos]  # (N_tok, V)
-    return token_logprobs_and_entropy(rows, mb.target_ids, chunk_tokens=chunk_tokens, temperature=temperature)
+def response_logprobs(model, mb: MicroBatchTensors, temperature: float, ks: KernelSettings) -> torch.Tensor:
+    """Log-probs (N_tok,) float32 of the response tokens under softmax(logits / T); no gradient."""
+    with torch.no_grad():
+        if _use_fused(model, ks):
+            def head(module, hidden):  # (B, T, H) -> (N_tok,)
+                return kernels.logprobs_from_hidden(hidden[mb.row, mb.logit_pos], module.weight, mb.target_ids,
+                                                    temperature, ks.chunk_tokens, ks.backend)[0]
+            return _forward_with_head(model, mb, head)
+        logits = _logits(model, mb)  # (B*T, V)
+        return kernels.logprobs_from_logits(logits, mb.target_ids, _logit_rows(mb), temperature, ks.chunk_tokens,
+                                            ks.backend)[0]
+
+
+def response_policy_loss(model, mb: MicroBatchTensors, inputs: kernels.LossInputs, cfg: LossConfig,
+                         temperature: float, ks: KernelSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_t w_t l_t, differentiable; [KL sum, entropy sum, clipped count] (3,) float64 over w_t > 0 tokens)."""
+    counted = inputs.weights > 0  # (N_tok,)
+    if _use_fused(model, ks):
+        stats = {}
+
+        def head(module, hidden):  # (B, T, H) -> () loss; the hooks of ZeRO-3 wrap what this returns
+            out = kernels.policy_loss_from_hidden(hidden[mb.row, mb.logit_pos], module.weight, inputs, cfg,
+                                                  temperature, ks.chunk_tokens, ks.backend)
+            stats["sums"] = torch.stack([torch.where(counted, t, 0.0).sum() for t in (out.kl, out.entropy,
+                                                                                      out.clipped)])
+            return out.loss
+
+        loss = _forward_with_head(model, mb, head)
+        return loss, stats["sums"].detach().double().cpu()
+    logits = _logits(model, mb)  # (B*T, V)
+    logprobs, entropy = kernels.logprobs_from_logits(logits, mb.target_ids, _logit_rows(mb), temperature,
+                                                     ks.chunk_tokens, ks.backend)  # (N_tok,)
+    rows = len(mb.sample_ids), int(mb.col.max()) + 1 if mb.num_tokens else 0
+    mask = _to_rows(torch.ones_like(logprobs), mb, rows)  # (B, R)
+
+    def as_rows(values):
+        return None if values is None else _to_rows(values.float(), mb, rows)
+
+    sums = kernels.masked_policy_loss(as_rows(logprobs), _sequence_values(inputs.advantages, mb), mask, cfg,
+                                      as_rows(inputs.old_logprobs), as_rows(inputs.ref_logprobs), as_rows(entropy),
+                                      ks.backend)
+    sequence_weight = _sequence_values(inputs.weights, mb)  # (B,)
+    keep = sequence_weight > 0
+    loss = (sums.loss * sequence_weight).sum()
+    totals = torch.stack([torch.where(keep, t, 0.0).sum() for t in (sums.kl, sums.entropy, sums.clipped)])
+    return loss, totals.detach().double().cpu()
 
 
 def split_per_sample(values: torch.Tensor, mb: MicroBatchTensors) -> dict[int, torch.Tensor]:
@@ -64,3 +121,49 @@ def split_per_sample(values: torch.Tensor, mb: MicroBatchTensors) -> dict[int, t
     values = values.detach().float().cpu()
     seq = mb.seq_index.cpu()
     return {sid: values[seq == b] for b, sid in enumerate(mb.sample_ids)}
+
+
+def _use_fused(model, ks: KernelSettings) -> bool:
+    # Final-logit soft-capping (e.g. Gemma 2) transforms the logits after the lm_head: the fused path would
+    # skip it, so such models go through full logits.
+    config = getattr(_unwrap(model), "config", None)
+    return ks.fused_lm_head and getattr(config, "final_logit_softcapping", None) is None
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)  # a DeepSpeed engine wraps the transformers model
+
+
+@contextmanager
+def _lm_head_replaced(model, head_fn):
+    head = _unwrap(model).get_output_embeddings()
+    head.forward = lambda hidden: head_fn(head, hidden)  # the instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _forward_with_head(model, mb: MicroBatchTensors, head_fn) -> torch.Tensor:
+    with _lm_head_replaced(model, head_fn):
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+
+
+def _logits(model, mb: MicroBatchTensors) -> torch.Tensor:
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits  # (B, T, V)
+    return logits.view(-1, logits.shape[-1])  # (B*T, V)
+
+
+def _logit_rows(mb: MicroBatchTensors) -> torch.Tensor:
+    return mb.row * mb.input_ids.shape[1] + mb.logit_pos  # (N_tok,) rows of the (B*T, V) logits
+
+
+def _to_rows(values: torch.Tensor, mb: MicroBatchTensors, shape: tuple[int, int]) -> torch.Tensor:
+    out = values.new_zeros(shape)  # (B, R)
+    return out.index_put((mb.seq_index, mb.col), values)
+
+
+def _sequence_values(per_token: torch.Tensor, mb: MicroBatchTensors) -> torch.Tensor:
+    """One value per sequence (B,) from a per-token tensor that is constant within each sequence."""
+    out = per_token.new_zeros(len(mb.sample_ids), dtype=torch.float32)  # (B,)
+    return out.index_put((mb.seq_index,), per_token.float())

@@ -18,7 +18,8 @@ import numpy as np
 from grpo_ds.data import PromptRow, load_rows, prepare_prompts
 from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
 from grpo_ds.engine import device_type
-from grpo_ds.errors import exit_on_user_error
+from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.kernels import resolve_backend
 from grpo_ds.metrics import check_logging_extras
 from grpo_ds.models import load_tokenizer
 from grpo_ds.planner import plan_step, token_imbalance
@@ -34,6 +35,7 @@ class Inputs:
     reward_functions: list[RewardFunction]
     prompts: list[PromptRow]
     skipped_rows: int
+    kernels_backend: str  # "triton" or "torch", resolved for the device
 
 
 def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
@@ -42,13 +44,22 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
+    backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
     reward_functions = load_reward_functions(recipe.reward.functions)
     check_logging_extras(recipe.logging)
     prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
                                        where=f"data.train {recipe.data.train}")
     check_columns({key for row in prompts for key in row.columns})
-    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped)
+    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend)
+
+
+def _kernels_backend(requested: str, device_type: str) -> str:
+    try:
+        return resolve_backend(requested, device_type)
+    except ValueError as err:
+        raise UserError(f"kernels.backend {requested!r}", str(err),
+                        'Set kernels.backend to "auto" or "torch"') from None
 
 
 def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
@@ -145,7 +156,10 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
               f"step boundary, so padding and dynamic batches need no change here)",
               f"  train_batch_size                {ds['train_batch_size']} = {ds['train_micro_batch_size_per_gpu']}"
               f" x {ds['gradient_accumulation_steps']} x world size {world_size}",
-              f"  zero stage                      {ds.get('zero_optimization', {}).get('stage', 0)}"]
+              f"  zero stage                      {ds.get('zero_optimization', {}).get('stage', 0)}", "",
+              f"kernels: {inputs.kernels_backend} backend (kernels.backend {r.kernels.backend!r}), "
+              + ("fused lm_head (no full logits), " if r.kernels.fused_lm_head else "full logits, ")
+              + f"{r.kernels.logprob_chunk_tokens} tokens per chunk"]
     params = parameter_count(r, len(inputs.tokenizer))
     lines += ["", f"memory estimate per GPU (model states only; {params / 1e6:.2f} M parameters, {r.model.dtype})"]
     for name, value in memory_estimate_gib(r, params, world_size).items():

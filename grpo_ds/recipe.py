@@ -105,8 +105,10 @@ class AlgorithmConfig:
                            low_open=True)
     kl_coef: float = opt(0.0, "Weight of the KL penalty against the frozen reference model (0 = no reference)",
                          low=0.0)
-    kl_estimator: str = opt("k3", "KL estimator (Schulman's k3: exp(r) - r - 1, r = ref - policy log-prob)",
-                            choices=("k3",))
+    dual_clip: float | None = opt(None, "Dual clip: a negative-advantage token's loss is at most dual_clip * |A| "
+                                  "(Ye et al. 2020; often 3; null = off)", low=1.0, low_open=True)
+    kl_estimator: str = opt("k3", "KL estimator, r = ref - policy log-prob: k1 = -r, k2 = r^2 / 2, "
+                            "k3 = exp(r) - r - 1 (Schulman 2020)", choices=("k1", "k2", "k3"))
     loss_agg: str = opt("token-mean", "How per-token losses become one number per optimizer step",
                         choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                  "seq-mean-token-sum-norm"))
@@ -136,7 +138,12 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class KernelsConfig:
-    logprob_chunk_tokens: int = opt(1024, "Tokens per chunk when computing log-probs and entropy", low=1)
+    backend: str = opt("auto", "Per-token math: Triton kernels or the chunked PyTorch path (auto = triton on CUDA "
+                       "when installed, else torch)", choices=("auto", "triton", "torch"))
+    logprob_chunk_tokens: int = opt(1024, "Tokens per chunk for log-probs, entropy and the loss: bounds memory to "
+                                    "one chunk of logits", low=1)
+    fused_lm_head: bool = opt(True, "Compute log-probs from hidden states and the lm_head weight so full logits "
+                              "never exist (false = full logits, then the logits kernels)")
 
 
 @dataclass(frozen=True)

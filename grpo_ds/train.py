@@ -76,7 +76,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
-    settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id)
+    settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend)
 
     for step in range(1, recipe.train.steps + 1):
         times = {}

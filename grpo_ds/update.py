@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from grpo_ds.algo.aggregation import sequence_token_weights
-from grpo_ds.algo.kl import kl_k3
-from grpo_ds.algo.policy_loss import ppo_clip_loss
-from grpo_ds.batching import MicroBatchTensors, collate, response_logprobs, split_per_sample
+from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.batching import KernelSettings, MicroBatchTensors, collate, response_logprobs, response_policy_loss, \
+    split_per_sample
 from grpo_ds.engine import Dist
+from grpo_ds.kernels import LossInputs
 from grpo_ds.planner import MiniBatchPlan
 from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.base import Rollouts
@@ -36,20 +37,19 @@ class UpdateSettings:
     """What the update phases need from the recipe."""
 
     temperature: float
-    chunk_tokens: int
     pad_id: int
     loss_agg: str
     loss_agg_norm_tokens: int
-    clip_low: float
-    clip_high: float
-    kl_coef: float
-    entropy_coef: float
+    loss: LossConfig
+    kernels: KernelSettings
 
     @staticmethod
-    def from_recipe(recipe: Recipe, pad_id: int) -> UpdateSettings:
+    def from_recipe(recipe: Recipe, pad_id: int, backend: str) -> UpdateSettings:
+        """``backend``: the resolved kernels backend ("triton" or "torch", see grpo_ds.kernels.resolve_backend)."""
         a = recipe.algorithm
-        return UpdateSettings(recipe.rollout.temperature, recipe.kernels.logprob_chunk_tokens, pad_id, a.loss_agg,
-                              recipe.loss_agg_norm_tokens, a.clip_low, a.clip_high, a.kl_coef, a.entropy_coef)
+        loss = LossConfig(a.clip_low, a.clip_high, a.dual_clip, a.kl_coef, a.kl_estimator, a.entropy_coef)
+        ks = KernelSettings(backend, recipe.kernels.logprob_chunk_tokens, recipe.kernels.fused_lm_head)
+        return UpdateSettings(recipe.rollout.temperature, pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, ks)
 
 
 def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, settings: UpdateSettings,
@@ -67,7 +67,7 @@ def logprob_pass(engine, rollouts: Rollouts, plan: MiniBatchPlan, settings: Upda
     mine: dict[int, torch.Tensor] = {}
     for ids in plan.micro_batches[dist.rank]:
         mb = _micro_batch(rollouts, ids, plan, settings, dist)
-        logprobs, _ = response_logprobs(engine, mb, settings.temperature, settings.chunk_tokens)
+        logprobs = response_logprobs(engine, mb, settings.temperature, settings.kernels)
         if ids:
             mine.update(split_per_sample(logprobs, mb))
     merged: dict[int, torch.Tensor] = {}
@@ -93,22 +93,20 @@ def optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advanta
     for ids in minibatch.micro_batches[dist.rank]:
         mb = _micro_batch(rollouts, ids, minibatch, settings, dist)
         sample_ids = torch.tensor(mb.sample_ids, device=dist.device)
-        logprobs, entropy = response_logprobs(engine, mb, settings.temperature, settings.chunk_tokens)  # (N_tok,)
-        old = _per_token(old_logprobs, mb) if old_logprobs is not None else logprobs.detach()
-        per_token, clipped = ppo_clip_loss(logprobs, old, advantage[sample_ids][mb.seq_index], settings.clip_low,
-                                           settings.clip_high)
-        kl = kl_k3(logprobs, _per_token(ref_logprobs, mb)) if ref_logprobs is not None else torch.zeros_like(logprobs)
-        per_token = per_token + settings.kl_coef * kl - settings.entropy_coef * entropy
         sample_weight = torch.tensor([weight_of[s] if ids else 0.0 for s in mb.sample_ids], dtype=torch.float32,
-                                     device=dist.device)
-        loss = (per_token * sample_weight[mb.seq_index]).sum()
+                                     device=dist.device)  # (B,)
+        inputs = LossInputs(mb.target_ids, advantage[sample_ids][mb.seq_index], sample_weight[mb.seq_index],
+                            _per_token(old_logprobs, mb), _per_token(ref_logprobs, mb))  # each (N_tok,)
+        loss, sums = response_policy_loss(engine, mb, inputs, settings.loss, settings.temperature, settings.kernels)
         engine.backward(loss * dist.world_size, scale_wrt_gas=False)
         if ids:
-            totals += torch.tensor([loss.item(), kl.sum().item(), entropy.sum().item(), clipped.sum().item(),
-                                    mb.num_tokens, int(mb.attention_mask.sum())], dtype=torch.float64)
+            totals += torch.tensor([loss.item(), *sums.tolist(), mb.num_tokens, int(mb.attention_mask.sum())],
+                                   dtype=torch.float64)
     engine.step()
     return totals
 
 
-def _per_token(per_sample: dict[int, torch.Tensor], mb: MicroBatchTensors) -> torch.Tensor:
+def _per_token(per_sample: dict[int, torch.Tensor] | None, mb: MicroBatchTensors) -> torch.Tensor | None:
+    if per_sample is None:
+        return None
     return torch.cat([per_sample[s] for s in mb.sample_ids]).to(mb.target_ids.device)

@@ -1,5 +1,6 @@
 """The driver end to end: pinned first-step numbers, the tiny recipe learning, several ranks."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -49,12 +50,21 @@ PINNED = [
 ]
 
 
+# Pinned before grpo_ds.kernels existed (full logits, the reference in grpo_ds/algo); every kernel path must
+# reproduce them. The Triton backend runs through Triton's interpreter on CPU (tests/conftest.py).
+KERNEL_PATHS = [("torch", True), ("torch", False),
+                pytest.param("triton", True, marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                                                      reason="triton is not installed"))]
+
+
 @pytest.mark.slow
-def test_first_steps_are_pinned(tmp_path, reward_module):
+@pytest.mark.parametrize(("backend", "fused_lm_head"), KERNEL_PATHS)
+def test_first_steps_are_pinned(tmp_path, reward_module, backend, fused_lm_head):
     metrics = grpo_ds.train(TINY, _small(
         tmp_path, **{"reward.functions": [{"name": f"{reward_module}:first_char"}],
                      "train.samples_per_optimizer_step": 8, "algorithm.kl_coef": 0.1,
-                     "algorithm.entropy_coef": 0.01, "train.lr": 0.01}))
+                     "algorithm.entropy_coef": 0.01, "train.lr": 0.01, "kernels.backend": backend,
+                     "kernels.fused_lm_head": fused_lm_head}))
     assert len(metrics) == 3
     for got, want in zip(metrics, PINNED, strict=True):
         for key, value in want.items():

@@ -6,6 +6,7 @@
 2. Each phase uses its own micro size, and the old-log-prob pass runs exactly when it is needed.
 """
 
+import importlib.util
 import json
 
 import pytest
@@ -25,6 +26,13 @@ def test_one_optimizer_step_is_independent_of_the_parallel_layout(tmp_path):
     single = [{"loss_agg": mode, "micro": 9, "max_tokens": None} for mode in LOSS_AGG_MODES]
     split = [{"loss_agg": mode, "micro": micro, "max_tokens": cap}
              for mode in LOSS_AGG_MODES for micro, cap in ((2, None), (2, 40))]
+    # The same step through full logits (logits kernels + masked policy loss) and, when Triton is installed,
+    # through the Triton kernels (the interpreter on CPU) with the lm_head weight a partitioned ZeRO-3 parameter.
+    split += [{"loss_agg": "seq-mean-token-mean", "micro": 2, "max_tokens": None, "fused_lm_head": False}]
+    if importlib.util.find_spec("triton") is not None:
+        split += [{"loss_agg": "seq-mean-token-mean", "micro": 2, "max_tokens": 40, "backend": "triton"},
+                  {"loss_agg": "token-mean", "micro": 2, "max_tokens": None, "backend": "triton",
+                   "fused_lm_head": False}]
     (tmp_path / "w1").mkdir()
     (tmp_path / "w2").mkdir()
     deepspeed_launch(1, [SCRIPT, str(tmp_path / "w1"), json.dumps(single)])

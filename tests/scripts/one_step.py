@@ -6,14 +6,20 @@ its first update is lr * g / (|g| + eps) ~= g: a plain gradient step, sensitive 
 (with a small eps, Adam's first step is ~lr * sign(g) and would hide a normalisation error).
 
     deepspeed --num_gpus W tests/scripts/one_step.py OUT_DIR CONFIGS_JSON
-CONFIGS_JSON: list of {"loss_agg": ..., "micro": int, "max_tokens": int | null}; one file OUT_DIR/<i>.pt each.
+CONFIGS_JSON: list of {"loss_agg": ..., "micro": int, "max_tokens": int | null, optional "fused_lm_head": bool,
+"backend": "torch" | "triton"}; one file OUT_DIR/<i>.pt each. Without a GPU the Triton backend runs through
+Triton's interpreter.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from grpo_ds.builtin_tiny import build_tiny_model
 from grpo_ds.ds_config import resolve_deepspeed_config
@@ -47,6 +53,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
             "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12},
             "data": {"max_prompt_tokens": 6},
             "algorithm": {"loss_agg": cfg["loss_agg"]},
+            "kernels": {"fused_lm_head": cfg.get("fused_lm_head", True), "logprob_chunk_tokens": 16},
             "train": {"micro_batch_samples_per_gpu": cfg["micro"], "max_tokens_per_micro_batch": cfg["max_tokens"],
                       "lr": 1e4, "max_grad_norm": 0.0},
             "deepspeed": {"zero_optimization": {"stage": 3}, "optimizer": {"params": {"eps": 1e4}}},
@@ -55,7 +62,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
                                      resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
         plan = plan_minibatch(list(tokens), tokens, dist.world_size, max_samples=cfg["micro"],
                               max_tokens=cfg["max_tokens"])
-        settings = UpdateSettings.from_recipe(recipe, pad_id=0)
+        settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend=cfg.get("backend", "torch"))
         optimizer_step(engine, rollouts, plan, advantages, None, None, settings, dist)
         params = {name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)}
         if dist.is_main:
