@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds.algo.advantages import grpo_advantages
+from grpo_ds import kernels
 from grpo_ds.check import Inputs, prepare_inputs
 from grpo_ds.data import PromptSampler
 from grpo_ds.engine import (
@@ -92,7 +92,8 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 
         # ---- reward, advantage, plan: decided on rank 0, received by every rank
         t = time.perf_counter()
-        decision = _decide(recipe, inputs, prompt_index, rollouts, dist.world_size, step) if dist.is_main else None
+        decision = _decide(recipe, inputs, prompt_index, rollouts, dist.world_size, step, dist.device) \
+            if dist.is_main else None
         advantages, plan, metrics = _receive(dist.broadcast(decision))
         times["reward"] = time.perf_counter() - t
 
@@ -151,7 +152,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 # ----------------------------------------------------------------------------------------- phases
 
 def _decide(recipe: Recipe, inputs: Inputs, prompt_index: list[int], rollouts: Rollouts, world_size: int,
-            step: int) -> tuple:
+            step: int, device: torch.device) -> tuple:
     """Rank 0: rewards, advantages and the micro-batch plan. A failure is sent to every rank (no hang)."""
     try:
         G = recipe.rollout.group_size
@@ -163,7 +164,9 @@ def _decide(recipe: Recipe, inputs: Inputs, prompt_index: list[int], rollouts: R
                        completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
                        timeout_s=recipe.reward.timeout_s)
         rewards = torch.tensor(scored.total, dtype=torch.float32)
-        advantages = grpo_advantages(rewards, G, recipe.algorithm.scale_rewards)
+        advantages = kernels.group_advantages(rewards.to(device), G, "group_mean",
+                                              "group" if recipe.algorithm.scale_rewards else "none",
+                                              backend=inputs.kernels_backend).cpu()
         return "ok", (advantages.tolist(), _plan(recipe, rollouts, world_size, step), _reward_metrics(rewards, scored))
     except Exception as err:  # noqa: BLE001 - re-raised on every rank by _receive
         return "failed", err

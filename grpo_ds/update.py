@@ -20,8 +20,14 @@ import torch
 
 from grpo_ds.algo.aggregation import sequence_token_weights
 from grpo_ds.algo.policy_loss import LossConfig
-from grpo_ds.batching import KernelSettings, MicroBatchTensors, collate, response_logprobs, response_policy_loss, \
-    split_per_sample
+from grpo_ds.batching import (
+    KernelSettings,
+    MicroBatchTensors,
+    collate,
+    response_logprobs,
+    response_policy_loss,
+    split_per_sample,
+)
 from grpo_ds.engine import Dist
 from grpo_ds.kernels import LossInputs
 from grpo_ds.planner import MiniBatchPlan

@@ -1,5 +1,6 @@
 """grpo_ds.check: the dry run validates a recipe for a world size and prints the batch plan, loading no model."""
 
+import importlib.util
 import math
 import os
 import re
@@ -140,3 +141,17 @@ def test_a_column_named_like_a_reward_argument_is_caught_before_any_model_loads(
     with pytest.raises(UserError) as err:
         prepare_inputs({"data": {"train": str(data)}}, None, 1, "cpu")
     assert err.value.where == "data" and "'completions'" in err.value.what
+
+
+def test_kernels_backend_is_resolved_before_any_model_loads(monkeypatch):
+    from grpo_ds.errors import UserError
+
+    assert check.prepare_inputs(RECIPE, None, 1, "cpu").kernels_backend == "torch"  # auto on CPU
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UserError) as err:
+        check.prepare_inputs(RECIPE, ["kernels.backend=triton"], 1, "cpu")
+    assert str(err.value).startswith("kernels.backend 'triton': ")
+    assert 'Set kernels.backend to "auto" or "torch"' in str(err.value)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter makes it runnable on CPU (slowly)
+    if importlib.util.find_spec("triton") is not None:
+        assert check.prepare_inputs(RECIPE, ["kernels.backend=triton"], 1, "cpu").kernels_backend == "triton"

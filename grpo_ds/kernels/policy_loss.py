@@ -64,9 +64,12 @@ def _launch(inputs, cfg: LossConfig, sums, g_sum, g_logprob, g_entropy, backward
     if n_rows == 0 or width == 0:
         return
     dummy = advantages  # stands in for absent tensors (never read)
-    _rows[(n_rows,)](logprobs, dummy if old is None else old, dummy if ref is None else ref,
-                     dummy if entropy is None else entropy, advantages, mask, dummy if sums is None else sums, dummy if g_sum is None else g_sum,
-                     dummy if g_logprob is None else g_logprob, dummy if g_entropy is None else g_entropy, width,
+
+    def ptr(t):
+        return dummy if t is None else t
+
+    _rows[(n_rows,)](logprobs, ptr(old), ptr(ref), ptr(entropy), advantages, mask, ptr(sums), ptr(g_sum),
+                     ptr(g_logprob), ptr(g_entropy), width,
                      cfg.clip_low, cfg.clip_high, cfg.dual_clip or 0.0, cfg.kl_coef, cfg.entropy_coef,
                      HAS_OLD=old is not None, HAS_ENTROPY=entropy is not None,
                      KL=KL_CODES[cfg.kl_estimator if ref is not None else None], DUAL_CLIP=cfg.dual_clip is not None,
