@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from grpo_ds.algo.advantages import ESTIMATORS
 from grpo_ds.errors import UserError
 
 _MISSING = object()
@@ -97,8 +98,12 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    advantage: str = opt("grpo", "Advantage estimator", choices=("grpo",))
-    scale_rewards: bool = opt(True, "Divide group-centred rewards by the group std (false = Dr. GRPO style)")
+    advantage: str = opt("grpo", "Advantage estimator: grpo (group mean, group std), dr_grpo (group mean, no std), "
+                         "rloo (leave-one-out mean), reinforce_pp (batch mean, batch std)",
+                         choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+    scale_rewards: str | None = opt(None, "Divide the centred rewards by the group std, the batch std, or nothing "
+                                    "(null = the estimator's own: grpo group, reinforce_pp batch, else none)",
+                                    choices=("group", "batch", "none"))
     policy_loss: str = opt("ppo_clip", "Policy loss", choices=("ppo_clip",))
     clip_low: float = opt(0.2, "PPO ratio lower clip: ratio >= 1 - clip_low", low=0.0, high=1.0, low_open=True)
     clip_high: float = opt(0.2, "PPO ratio upper clip: ratio <= 1 + clip_high (DAPO uses 0.28)", low=0.0,
@@ -183,6 +188,12 @@ class Recipe:
     @property
     def optimizer_steps_per_rollout(self) -> int:
         return self.samples_per_step // self.samples_per_optimizer_step * self.train.epochs_per_rollout
+
+    @property
+    def advantage_baseline_and_scale(self) -> tuple[str, str]:
+        """(baseline, scale) for grpo_ds.algo.advantages.group_advantages."""
+        baseline, scale = ESTIMATORS[self.algorithm.advantage]
+        return baseline, self.algorithm.scale_rewards or scale
 
     @property
     def loss_agg_norm_tokens(self) -> int:
@@ -408,6 +419,10 @@ def validate(recipe: Recipe) -> None:
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                   for b in betas):
         raise UserError("train.adam_betas", f"{betas} is not two numbers in [0, 1)", "e.g. [0.9, 0.999]")
+    a = recipe.algorithm
+    if a.advantage == "dr_grpo" and a.scale_rewards not in (None, "none"):
+        raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
+                        "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
     _validate_reward_specs(recipe.reward.functions)
 
 

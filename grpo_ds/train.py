@@ -164,8 +164,8 @@ def _decide(recipe: Recipe, inputs: Inputs, prompt_index: list[int], rollouts: R
                        completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
                        timeout_s=recipe.reward.timeout_s)
         rewards = torch.tensor(scored.total, dtype=torch.float32)
-        advantages = kernels.group_advantages(rewards.to(device), G, "group_mean",
-                                              "group" if recipe.algorithm.scale_rewards else "none",
+        baseline, scale = recipe.advantage_baseline_and_scale
+        advantages = kernels.group_advantages(rewards.to(device), G, baseline, scale,
                                               backend=inputs.kernels_backend).cpu()
         return "ok", (advantages.tolist(), _plan(recipe, rollouts, world_size, step), _reward_metrics(rewards, scored))
     except Exception as err:  # noqa: BLE001 - re-raised on every rank by _receive

@@ -410,7 +410,7 @@ def test_every_default_satisfies_its_own_declaration():
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         meta = f.metadata
-        if meta["choices"]:
+        if meta["choices"] and default is not None:  # null: an optional key
             assert default in meta["choices"], f"{section}.{f.name}"
         if default is not None and meta["low"] is not None:
             assert default > meta["low"] if meta["low_open"] else default >= meta["low"], f"{section}.{f.name}"
@@ -428,3 +428,21 @@ def test_to_dict_round_trips():
     assert again == r
     assert again.to_dict() == d
     assert load_recipe(Recipe().to_dict()) == Recipe()
+
+
+@pytest.mark.parametrize(("advantage", "scale", "expected"), [
+    ("grpo", None, ("group_mean", "group")),
+    ("grpo", "none", ("group_mean", "none")),
+    ("dr_grpo", None, ("group_mean", "none")),
+    ("rloo", None, ("leave_one_out", "none")),
+    ("rloo", "batch", ("leave_one_out", "batch")),
+    ("reinforce_pp", None, ("batch_mean", "batch")),
+])
+def test_advantage_estimator_and_scale(advantage, scale, expected):
+    recipe = load_recipe({"algorithm": {"advantage": advantage, "scale_rewards": scale}})
+    assert recipe.advantage_baseline_and_scale == expected
+
+
+def test_dr_grpo_with_a_scale_is_a_contradiction():
+    with pytest.raises(UserError, match='algorithm.scale_rewards: "group" contradicts advantage "dr_grpo"'):
+        load_recipe({"algorithm": {"advantage": "dr_grpo", "scale_rewards": "group"}})

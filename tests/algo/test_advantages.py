@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from grpo_ds.algo.advantages import grpo_advantages
+from grpo_ds.algo.advantages import group_advantages, grpo_advantages
 
 # Expected values below were worked out by hand. float32 arithmetic on a handful of numbers is exact to a few
 # ulp, so the float32 defaults of assert_close (rtol 1.3e-6, atol 1e-5) are tight enough to catch any formula
@@ -65,3 +65,43 @@ def test_bad_length_raises():
         grpo_advantages(torch.zeros(4), group_size=0)
     with pytest.raises(ValueError, match="1-D"):
         grpo_advantages(torch.zeros(2, 4), group_size=4)
+
+
+# Hand values for the other estimators. Two groups of G=4: [1, 0, 0, 1] and the flat [1, 1, 1, 1].
+TWO_GROUPS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+
+
+def test_leave_one_out_hand_values():
+    # r_j - mean of the other three: 1 - 1/3 = 0.6667, 0 - 2/3 = -0.6667; the flat group stays exactly 0.
+    adv = group_advantages(TWO_GROUPS, 4, "leave_one_out", "none")
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0]))
+    assert torch.equal(adv[4:], torch.zeros(4))
+
+
+def test_batch_mean_and_batch_std_hand_values():
+    # REINFORCE++: batch mean 6/8 = 0.75 -> centred 0.25 (x6) and -0.75 (x2); unbiased std over the 8 values
+    # sqrt((6 * 0.0625 + 2 * 0.5625) / 7) = sqrt(1.5 / 7) = 0.462910; 0.25 / 0.462910 = 0.540062,
+    # -0.75 / 0.462910 = -1.620185. The flat group is NOT zero: it is above the batch mean.
+    adv = group_advantages(TWO_GROUPS, 4, "batch_mean", "batch")
+    torch.testing.assert_close(adv, torch.tensor([0.540062, -1.620185, -1.620185, 0.540062] + [0.540062] * 4),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_group_mean_with_batch_std_hand_values():
+    # centred [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]; unbiased batch std sqrt(1 / 7) = 0.377964; 0.5 / it = 1.322876
+    adv = group_advantages(TWO_GROUPS, 4, "group_mean", "batch")
+    torch.testing.assert_close(adv, torch.tensor([1.322876, -1.322876, -1.322876, 1.322876, 0, 0, 0, 0]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_group_size_one_gives_zero_for_group_baselines():
+    for baseline in ("group_mean", "leave_one_out"):
+        for scale in ("group", "batch", "none"):
+            assert torch.equal(group_advantages(torch.tensor([3.0, -1.0, 2.0]), 1, baseline, scale), torch.zeros(3))
+
+
+def test_unknown_estimator_pieces_raise():
+    with pytest.raises(ValueError, match="unknown baseline"):
+        group_advantages(TWO_GROUPS, 4, "median", "none")
+    with pytest.raises(ValueError, match="unknown scale"):
+        group_advantages(TWO_GROUPS, 4, "group_mean", "max")
