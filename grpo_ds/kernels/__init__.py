@@ -95,7 +95,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "gr
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None,
-                         temperature: float = 1.0, chunk_tokens: int = 1024, backend: str = "torch"
+                         temperature: float = 1.0, chunk_tokens: int = 512, backend: str = "torch"
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob (N,), entropy (N,)) float32 of softmax(logits[rows] / temperature) at ``targets``.
 
@@ -103,11 +103,12 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torc
     Differentiable w.r.t. the logits; rows that are not scored get gradient 0.
     """
     _check_common(logits, targets, temperature, chunk_tokens)
-    rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows.to(logits.device).long()
+    all_rows = rows is None
+    rows = torch.arange(logits.shape[0], device=logits.device) if all_rows else rows.to(logits.device).long()
     if rows.shape != targets.shape:
         raise ValueError(f"rows {tuple(rows.shape)} and targets {tuple(targets.shape)} must both be (N,)")
-    if backend == "torch":
-        return chunked.LogprobsFromLogits.apply(logits, rows, targets, temperature, chunk_tokens)
+    if backend == "torch":  # all rows: chunks are views, no gathers
+        return chunked.LogprobsFromLogits.apply(logits, None if all_rows else rows, targets, temperature, chunk_tokens)
     from grpo_ds.kernels import logprobs as triton_logprobs
 
     if rows.numel() != torch.unique(rows).numel():
@@ -117,7 +118,7 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torc
 
 
 def logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                         chunk_tokens: int = 1024, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_tokens: int = 512, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob (N,), entropy (N,)) float32 of softmax(hidden @ weight.T / temperature) at ``targets``.
 
     hidden (N, H), weight (V, H) (the lm_head). Differentiable w.r.t. both; logits exist one chunk at a time.
@@ -132,9 +133,14 @@ def logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 
 def policy_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, inputs: LossInputs, cfg: LossConfig,
-                            temperature: float = 1.0, chunk_tokens: int = 1024, backend: str = "torch"
+                            temperature: float = 1.0, chunk_tokens: int = 512, backend: str = "torch"
                             ) -> PolicyLossOutput:
-    """The step-loss contribution sum_t w_t l_t of N tokens, from hidden states and the lm_head weight."""
+    """The step-loss contribution sum_t w_t l_t of N tokens, from hidden states and the lm_head weight.
+
+    Token-level losses only (``cfg.policy_loss`` "ppo_clip"); GSPO's sequence ratio needs every token of a
+    sequence first: use ``logprobs_from_hidden`` and grpo_ds.algo.policy_loss.token_losses for it.
+    """
+    _check_token_level(cfg)
     _check_hidden(hidden, weight, inputs.targets, temperature, chunk_tokens)
     for name, value in zip(LossInputs._fields[1:], inputs[1:], strict=True):
         if value is not None and value.shape != inputs.targets.shape:
@@ -156,7 +162,12 @@ def policy_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, inputs: 
 def masked_policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
                        old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
                        entropy: torch.Tensor | None = None, backend: str = "torch") -> SequenceSums:
-    """Per-sequence sums of l_t over a (B, T) batch where ``mask`` is 1; advantages (B,)."""
+    """Per-sequence sums over a (B, T) batch; advantages (B,).
+
+    ``mask`` (B, T) holds a weight m_t >= 0 per token (0 = masked out): ``loss`` is sum_t m_t l_t, the other
+    sums are plain sums over the tokens with m_t != 0.
+    """
+    _check_token_level(cfg)
     if logprobs.dim() != 2 or mask.shape != logprobs.shape or advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} and mask {tuple(mask.shape)} must be (B, T) and "
                          f"advantages {tuple(advantages.shape)} must be (B,)")
@@ -164,21 +175,33 @@ def masked_policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: t
         if value is not None and value.shape != logprobs.shape:
             raise ValueError(f"{name} must be (B, T) = {tuple(logprobs.shape)}, got {tuple(value.shape)}")
     if backend == "torch":
-        keep = mask.bool()  # (B, T)
-        per_token, kl, clipped = token_losses(logprobs, old_logprobs, advantages.float()[:, None].expand_as(logprobs),
-                                              ref_logprobs, entropy, cfg)
-        ent = entropy.detach() if entropy is not None else torch.zeros_like(per_token)
+        keep = mask != 0  # (B, T)
+
+        def kept(values: torch.Tensor | None) -> torch.Tensor | None:  # masked-out inf/NaN must not reach autograd
+            return None if values is None else torch.where(keep, values, torch.zeros_like(values))
+
+        per_token, kl, clipped = token_losses(kept(logprobs), kept(old_logprobs),
+                                              advantages.float()[:, None].expand_as(logprobs), kept(ref_logprobs),
+                                              kept(entropy), cfg)
+        ent = kept(entropy).detach() if entropy is not None else torch.zeros_like(per_token)
 
         def row_sum(values: torch.Tensor) -> torch.Tensor:
             return torch.where(keep, values.float(), 0.0).sum(dim=1)  # (B,)
 
-        return SequenceSums(row_sum(per_token), row_sum(kl.detach()), row_sum(ent), row_sum(clipped),
+        return SequenceSums(row_sum(per_token * mask), row_sum(kl.detach()), row_sum(ent), row_sum(clipped),
                             keep.sum(dim=1).float())
     from grpo_ds.kernels import policy_loss as triton_policy_loss
 
     sums = triton_policy_loss.MaskedPolicyLoss.apply(logprobs, old_logprobs, ref_logprobs, entropy, advantages, mask,
                                                      cfg)
     return SequenceSums(sums[0], sums[1].detach(), sums[2].detach(), sums[3].detach(), sums[4].detach())
+
+
+def _check_token_level(cfg: LossConfig) -> None:
+    if cfg.policy_loss != "ppo_clip":
+        raise ValueError(f"the fused policy-loss kernels compute token-level losses (ppo_clip), not "
+                         f"{cfg.policy_loss!r}; compute log-probs with the kernels and the loss with "
+                         "grpo_ds.algo.policy_loss.token_losses")
 
 
 def _check_common(logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int) -> None:

@@ -1,17 +1,21 @@
-"""The PyTorch path of every kernel: the reference math of grpo_ds/algo, run chunk by chunk.
+"""The PyTorch path of the log-prob kernels: the same row formulas, chunk by chunk, in plain PyTorch.
 
-Used on CPU, and wherever kernels.backend is "torch". Memory stays bounded by the chunk: the forward keeps
-no (tokens x vocab) temporaries, and the backward recomputes one chunk at a time with autograd on the
-reference formula, writing each chunk's gradient into one preallocated gradient tensor (plain activation
-checkpointing would instead keep every chunk's gradient alive until they are concatenated). The
-fused-linear variant computes logits_c = hidden_c @ weight.T per chunk, so full logits never exist.
+Used on CPU, and wherever kernels.backend is "torch". With s = logits / temperature for one chunk of rows,
+p = softmax(s) and E = sum_v p_v s_v (grpo_ds.kernels.token_math states the formulas):
+
+    logprob = s_y - lse(s),  entropy = lse(s) - E
+    d/ds (g_lp * logprob + g_ent * entropy) = g_lp * (onehot_y - p) - g_ent * p * (s - E)
+
+Memory stays bounded by the chunk: the forward keeps 3 floats per token; the backward recomputes one chunk
+at a time and writes its gradient straight into the preallocated gradient (in place where the chunk is a
+scratch copy), so at most about two float32 chunks of (chunk_tokens x vocab) exist besides the gradient
+itself. The fused-linear variant computes logits_c = hidden_c @ weight.T per chunk, so full logits never exist,
+and accumulates the weight gradient in place. The reference these are tested against is grpo_ds/algo.
 """
 
 from __future__ import annotations
 
 import torch
-
-from grpo_ds.algo.logprobs import rows_logprobs_and_entropy
 
 
 def _spans(n: int, chunk_tokens: int):
@@ -19,34 +23,86 @@ def _spans(n: int, chunk_tokens: int):
 
 
 def _zero_if_none(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like, dtype=torch.float32) if grad is None else grad
+    return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad.float()
+
+
+def _scaled(x: torch.Tensor, temperature: float, scratch: bool) -> torch.Tensor:
+    """s = x / temperature in float32; reuses x's storage only when x is a scratch copy we own."""
+    s = x.float()
+    if temperature != 1.0:
+        s = s.div_(temperature) if (scratch or s is not x) else s / temperature
+    return s  # (c, V)
+
+
+def _row_stats(s: torch.Tensor, targets: torch.Tensor):
+    """(p (c, V) a new tensor, lse (c,), mean_s (c,), logprob (c,)) of float32 rows s."""
+    m = s.amax(dim=1, keepdim=True)  # (c, 1)
+    p = torch.sub(s, m).exp_()  # (c, V), the one chunk-sized temporary
+    d = p.sum(dim=1, keepdim=True)  # (c, 1)
+    p.div_(d)
+    lse = (m + d.log()).squeeze(1)  # (c,)
+    mean_s = torch.bmm(p.unsqueeze(1), s.unsqueeze(2)).view(-1)  # (c,) sum_v p_v s_v without a (c, V) product
+    logprob = s.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
+    return p, lse, mean_s, logprob
+
+
+def _write_grad(s: torch.Tensor, p: torch.Tensor, targets: torch.Tensor, mean_s: torch.Tensor, g_logprob, g_entropy,
+                temperature: float, out: torch.Tensor) -> None:
+    """out = d/dx of sum(g_logprob * logprob + g_entropy * entropy) for x = s * temperature; float32 ``out`` may be
+    ``s`` itself. Consumes ``p``."""
+    torch.sub(s, mean_s.unsqueeze(1), out=out)
+    out.mul_(p).mul_(-g_entropy.unsqueeze(1))
+    out.sub_(p.mul_(g_logprob.unsqueeze(1)))
+    out.scatter_add_(1, targets.unsqueeze(1), g_logprob.unsqueeze(1))
+    if temperature != 1.0:
+        out.div_(temperature)
+
+
+def _chunk(logits: torch.Tensor, rows: torch.Tensor | None, a: int, b: int) -> tuple[torch.Tensor, bool]:
+    """The chunk's logits rows and whether that is a scratch copy (a gather) rather than a view."""
+    if rows is None:
+        return logits[a:b], False
+    return logits.index_select(0, rows[a:b]), True
 
 
 class LogprobsFromLogits(torch.autograd.Function):
-    """(logits (M, V), rows (N,) distinct, targets (N,), temperature, chunk_tokens) -> (logprob, entropy) (N,)."""
+    """(logits (M, V), rows (N,) distinct or None for all, targets (N,), temperature, chunk_tokens)
+    -> (logprob, entropy), each (N,) float32."""
 
     @staticmethod
     def forward(ctx, logits, rows, targets, temperature, chunk_tokens):
-        pieces = [rows_logprobs_and_entropy(logits[rows[a:b]], targets[a:b], temperature)
-                  for a, b in _spans(rows.numel(), chunk_tokens)]
-        ctx.save_for_backward(logits, rows, targets)
+        n = targets.shape[0]
+        out = torch.empty(3, n, dtype=torch.float32, device=logits.device)  # logprob, entropy, mean_s
+        for a, b in _spans(n, chunk_tokens):
+            x, scratch = _chunk(logits, rows, a, b)
+            s = _scaled(x, temperature, scratch)
+            p, lse, mean_s, logprob = _row_stats(s, targets[a:b])
+            del p, s, x
+            out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
+        ctx.save_for_backward(logits, rows, targets, out[2])
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        if not pieces:
-            empty = logits.new_zeros(0, dtype=torch.float32)
-            return empty, empty.clone()
-        return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+        return out[0], out[1]
 
     @staticmethod
     def backward(ctx, g_logprob, g_entropy):
-        logits, rows, targets = ctx.saved_tensors
-        g_logprob, g_entropy = _zero_if_none(g_logprob, rows), _zero_if_none(g_entropy, rows)
-        grad = torch.zeros_like(logits)  # (M, V): rows that are not scored get exactly 0
-        for a, b in _spans(rows.numel(), ctx.chunk_tokens):
-            chunk = logits[rows[a:b]].detach().requires_grad_(True)  # (c, V) copy of one chunk
-            with torch.enable_grad():
-                lp, ent = rows_logprobs_and_entropy(chunk, targets[a:b], ctx.temperature)
-                torch.autograd.backward((lp, ent), (g_logprob[a:b], g_entropy[a:b]))
-            grad.index_copy_(0, rows[a:b], chunk.grad)
+        logits, rows, targets, mean_s = ctx.saved_tensors
+        g_logprob, g_entropy = _zero_if_none(g_logprob, targets), _zero_if_none(g_entropy, targets)
+        # Rows that are not scored get exactly zero gradient.
+        grad = torch.empty_like(logits) if rows is None else torch.zeros_like(logits)  # (M, V), logits dtype
+        for a, b in _spans(targets.shape[0], ctx.chunk_tokens):
+            x, scratch = _chunk(logits, rows, a, b)
+            s = _scaled(x, ctx.temperature, scratch)
+            p, _, _, _ = _row_stats(s, targets[a:b])
+            own = s is not x or scratch  # s is a float32 scratch copy: write the gradient into it
+            target = grad[a:b] if rows is None and grad.dtype == torch.float32 and not own else s if own else \
+                torch.empty_like(s)
+            _write_grad(s, p, targets[a:b], mean_s[a:b], g_logprob[a:b], g_entropy[a:b], ctx.temperature, target)
+            if rows is None:
+                if target is not grad[a:b]:
+                    grad[a:b].copy_(target)
+            else:
+                grad.index_copy_(0, rows[a:b], target.to(grad.dtype))
+            del x, s, p, target  # free this chunk before the next one is allocated
         return grad, None, None, None, None
 
 
@@ -55,26 +111,30 @@ class LogprobsFromHidden(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_tokens):
-        pieces = [rows_logprobs_and_entropy(hidden[a:b] @ weight.t(), targets[a:b], temperature)
-                  for a, b in _spans(hidden.shape[0], chunk_tokens)]
-        ctx.save_for_backward(hidden, weight, targets)
+        n = hidden.shape[0]
+        out = torch.empty(3, n, dtype=torch.float32, device=hidden.device)  # logprob, entropy, mean_s
+        for a, b in _spans(n, chunk_tokens):
+            s = _scaled(hidden[a:b] @ weight.t(), temperature, scratch=True)  # (c, V), our own chunk
+            p, lse, mean_s, logprob = _row_stats(s, targets[a:b])
+            del p, s
+            out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
+        ctx.save_for_backward(hidden, weight, targets, out[2])
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        if not pieces:
-            empty = hidden.new_zeros(0, dtype=torch.float32)
-            return empty, empty.clone()
-        return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+        return out[0], out[1]
 
     @staticmethod
     def backward(ctx, g_logprob, g_entropy):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, mean_s = ctx.saved_tensors
         g_logprob, g_entropy = _zero_if_none(g_logprob, targets), _zero_if_none(g_entropy, targets)
-        grad_hidden = torch.zeros_like(hidden)
-        weight_leaf = weight.detach().requires_grad_(True)  # autograd sums the chunks' gradients in .grad
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H)
         for a, b in _spans(hidden.shape[0], ctx.chunk_tokens):
-            hidden_chunk = hidden[a:b].detach().requires_grad_(True)
-            with torch.enable_grad():
-                lp, ent = rows_logprobs_and_entropy(hidden_chunk @ weight_leaf.t(), targets[a:b], ctx.temperature)
-                torch.autograd.backward((lp, ent), (g_logprob[a:b], g_entropy[a:b]))
-            grad_hidden[a:b] = hidden_chunk.grad
-        grad_weight = weight_leaf.grad if weight_leaf.grad is not None else torch.zeros_like(weight)
-        return grad_hidden, grad_weight, None, None, None
+            s = _scaled(hidden[a:b] @ weight.t(), ctx.temperature, scratch=True)  # (c, V), recomputed
+            p, _, _, _ = _row_stats(s, targets[a:b])
+            _write_grad(s, p, targets[a:b], mean_s[a:b], g_logprob[a:b], g_entropy[a:b], ctx.temperature, s)
+            del p
+            g = s.to(hidden.dtype)  # d/d logits_c
+            grad_hidden[a:b] = g @ weight
+            grad_weight.addmm_(g.t().float() if g.dtype != torch.float32 else g.t(), hidden[a:b].float())
+            del s, g  # free this chunk before the next one is allocated
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None

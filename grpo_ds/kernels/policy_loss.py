@@ -1,7 +1,9 @@
 """Triton: the masked per-token policy loss over a (B, T) batch, reduced to per-sequence sums, fwd and bwd.
 
-One program per sequence reads its T positions in blocks and returns the sums over masked-in tokens
-(mask == 1) of the loss l_t (grpo_ds.algo.policy_loss.token_losses), the KL, the entropy, the clipped
+One program per sequence reads its T positions in blocks. ``mask`` holds a weight m_t >= 0 per token (1/0
+for a plain mask; a loss mask times an importance weight in training); tokens with m_t = 0 are masked out.
+It returns the weighted sum sum_t m_t l_t of the loss (grpo_ds.algo.policy_loss.token_losses) and, over
+masked-in tokens (m_t != 0), the plain sums of the KL, the entropy, the clipped
 indicator, and the token count L_i. Those per-sequence sums are the partial sums of every loss_agg mode
 (grpo_ds.algo.aggregation: loss = sum_i w_i * sum_t l_it with w_i from the lengths). Only the loss sums are
 differentiable, with respect to the log-probs and the entropy. Masked-out positions are never used, even if
@@ -33,7 +35,8 @@ def _rows(logprob_ptr, old_ptr, ref_ptr, entropy_ptr, adv_ptr, mask_ptr, sums_pt
         cols = start + offs
         inside = cols < T
         at = row * T + cols
-        keep = (tl.load(mask_ptr + at, mask=inside, other=0) != 0) & inside
+        m = tl.load(mask_ptr + at, mask=inside, other=0).to(tl.float32)
+        keep = (m != 0) & inside
         logprob = tl.where(keep, tl.load(logprob_ptr + at, mask=keep, other=0.0).to(tl.float32), 0.0)
         old = tl.where(keep, tl.load(old_ptr + at, mask=keep, other=0.0).to(tl.float32), 0.0) if HAS_OLD else logprob
         ref = tl.where(keep, tl.load(ref_ptr + at, mask=keep, other=0.0).to(tl.float32), 0.0) if KL != 0 else logprob
@@ -43,12 +46,12 @@ def _rows(logprob_ptr, old_ptr, ref_ptr, entropy_ptr, adv_ptr, mask_ptr, sums_pt
         loss, kl, clipped, g_logprob = token_loss(logprob, old, ref, advantages, entropy, clip_low, clip_high,
                                                   dual_clip, kl_coef, entropy_coef, KL, DUAL_CLIP)
         if BACKWARD:
-            tl.store(g_logprob_ptr + at, tl.where(keep, g_sum * g_logprob, 0.0), mask=inside)
+            tl.store(g_logprob_ptr + at, tl.where(keep, g_sum * m * g_logprob, 0.0), mask=inside)
             if HAS_ENTROPY:
-                tl.store(g_entropy_ptr + at, tl.where(keep, -g_sum * entropy_coef, 0.0), mask=inside)
+                tl.store(g_entropy_ptr + at, tl.where(keep, -g_sum * m * entropy_coef, 0.0), mask=inside)
         else:
             pick = tl.arange(0, 8)
-            sums += tl.where(pick == 0, tl.sum(tl.where(keep, loss, 0.0), axis=0), 0.0)
+            sums += tl.where(pick == 0, tl.sum(tl.where(keep, m * loss, 0.0), axis=0), 0.0)
             sums += tl.where(pick == 1, tl.sum(tl.where(keep, kl, 0.0), axis=0), 0.0)
             sums += tl.where(pick == 2, tl.sum(tl.where(keep, entropy, 0.0), axis=0), 0.0)
             sums += tl.where(pick == 3, tl.sum(tl.where(keep, clipped, 0.0), axis=0), 0.0)
