@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_ds import kernels
-from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.algo.policy_loss import LossConfig, token_losses
 from grpo_ds.rollout.base import Rollouts
 
 
@@ -35,6 +35,7 @@ class MicroBatchTensors:
     target_ids: torch.Tensor  # (N_tok,)
     seq_index: torch.Tensor  # (N_tok,) index into sample_ids
     col: torch.Tensor  # (N_tok,) index of the token within its response
+    loss_mask: torch.Tensor  # (N_tok,) float32: 1 for a token the model sampled, 0 for an observation token
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +54,7 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    row, pos, col = [], [], []
+    row, pos, col, loss_mask = [], [], [], []
     for b, (sid, seq) in enumerate(zip(sample_ids, seqs, strict=True)):
         input_ids[b, : len(seq)] = torch.tensor(seq)
         attention_mask[b, : len(seq)] = 1
@@ -61,59 +62,86 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
         row += [b] * r
         pos += list(range(p - 1, p + r - 1))
         col += list(range(r))
+        loss_mask += rollouts.token_loss_mask(sid)
     row_t, pos_t = torch.tensor(row, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
     return MicroBatchTensors(sample_ids=list(sample_ids), input_ids=input_ids.to(device),
                              attention_mask=attention_mask.to(device), row=row_t.to(device), logit_pos=pos_t.to(device),
                              target_ids=input_ids[row_t, pos_t + 1].to(device), seq_index=row_t.to(device),
-                             col=torch.tensor(col, dtype=torch.long).to(device))
+                             col=torch.tensor(col, dtype=torch.long).to(device),
+                             loss_mask=torch.tensor(loss_mask, dtype=torch.float32).to(device))
 
 
 def response_logprobs(model, mb: MicroBatchTensors, temperature: float, ks: KernelSettings) -> torch.Tensor:
     """Log-probs (N_tok,) float32 of the response tokens under softmax(logits / T); no gradient."""
     with torch.no_grad():
-        if _use_fused(model, ks):
-            def head(module, hidden):  # (B, T, H) -> (N_tok,)
-                return kernels.logprobs_from_hidden(hidden[mb.row, mb.logit_pos], module.weight, mb.target_ids,
-                                                    temperature, ks.chunk_tokens, ks.backend)[0]
-            return _forward_with_head(model, mb, head)
-        logits = _logits(model, mb)  # (B*T, V)
-        return kernels.logprobs_from_logits(logits, mb.target_ids, _logit_rows(mb), temperature, ks.chunk_tokens,
-                                            ks.backend)[0]
+        return _model_logprobs(model, mb, temperature, ks)[0]
 
 
-def response_policy_loss(model, mb: MicroBatchTensors, inputs: kernels.LossInputs, cfg: LossConfig,
-                         temperature: float, ks: KernelSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_t w_t l_t, differentiable; [KL sum, entropy sum, clipped count] (3,) float64 over w_t > 0 tokens)."""
-    counted = inputs.weights > 0  # (N_tok,)
+@dataclass
+class LossTerms:
+    """The inputs of one micro-batch's loss besides the model's own output."""
+
+    advantages: torch.Tensor  # (B,) one per sequence
+    sequence_weight: torch.Tensor  # (B,) w_i of the step loss (grpo_ds.algo.aggregation); 0 for padding
+    token_factor: torch.Tensor  # (N_tok,) loss mask x importance weight
+    old_logprobs: torch.Tensor | None  # (N_tok,) None: on-policy
+    ref_logprobs: torch.Tensor | None  # (N_tok,) None: no KL in the loss
+
+
+def response_policy_loss(model, mb: MicroBatchTensors, terms: LossTerms, cfg: LossConfig, temperature: float,
+                         ks: KernelSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_i w_i sum_t f_t l_it, differentiable; [KL sum, entropy sum, clipped count] (3,) float64 over the
+    trained tokens of weighted sequences). f_t is ``terms.token_factor``."""
+    counted = (terms.sequence_weight[mb.seq_index] > 0) & (terms.token_factor > 0)  # (N_tok,)
+
+    def totals(kl, entropy, clipped):
+        return torch.stack([torch.where(counted, t.detach().float(), 0.0).sum() for t in (kl, entropy, clipped)]
+                           ).double().cpu()
+
+    token_weight = terms.sequence_weight[mb.seq_index] * terms.token_factor  # (N_tok,)
+    if cfg.policy_loss != "ppo_clip":  # sequence-level (GSPO): kernels for the log-probs, the reference loss
+        logprobs, entropy = _model_logprobs(model, mb, temperature, ks)
+        per_token, kl, clipped = token_losses(logprobs, terms.old_logprobs, terms.advantages[mb.seq_index],
+                                              terms.ref_logprobs, entropy, cfg, (mb.seq_index, terms.token_factor))
+        return (per_token * token_weight).sum(), totals(kl, entropy, clipped)
     if _use_fused(model, ks):
+        inputs = kernels.LossInputs(mb.target_ids, terms.advantages[mb.seq_index], token_weight, terms.old_logprobs,
+                                    terms.ref_logprobs)
         stats = {}
 
         def head(module, hidden):  # (B, T, H) -> () loss; the hooks of ZeRO-3 wrap what this returns
             out = kernels.policy_loss_from_hidden(hidden[mb.row, mb.logit_pos], module.weight, inputs, cfg,
                                                   temperature, ks.chunk_tokens, ks.backend)
-            stats["sums"] = torch.stack([torch.where(counted, t, 0.0).sum() for t in (out.kl, out.entropy,
-                                                                                      out.clipped)])
+            stats["totals"] = totals(out.kl, out.entropy, out.clipped)
             return out.loss
 
-        loss = _forward_with_head(model, mb, head)
-        return loss, stats["sums"].detach().double().cpu()
+        return _forward_with_head(model, mb, head), stats["totals"]
     logits = _logits(model, mb)  # (B*T, V)
     logprobs, entropy = kernels.logprobs_from_logits(logits, mb.target_ids, _logit_rows(mb), temperature,
                                                      ks.chunk_tokens, ks.backend)  # (N_tok,)
-    rows = len(mb.sample_ids), int(mb.col.max()) + 1 if mb.num_tokens else 0
-    mask = _to_rows(torch.ones_like(logprobs), mb, rows)  # (B, R)
+    shape = len(mb.sample_ids), int(mb.col.max()) + 1 if mb.num_tokens else 0
 
     def as_rows(values):
-        return None if values is None else _to_rows(values.float(), mb, rows)
+        return None if values is None else _to_rows(values.float(), mb, shape)
 
-    sums = kernels.masked_policy_loss(as_rows(logprobs), _sequence_values(inputs.advantages, mb), mask, cfg,
-                                      as_rows(inputs.old_logprobs), as_rows(inputs.ref_logprobs), as_rows(entropy),
+    sums = kernels.masked_policy_loss(as_rows(logprobs), terms.advantages, as_rows(terms.token_factor), cfg,
+                                      as_rows(terms.old_logprobs), as_rows(terms.ref_logprobs), as_rows(entropy),
                                       ks.backend)
-    sequence_weight = _sequence_values(inputs.weights, mb)  # (B,)
-    keep = sequence_weight > 0
-    loss = (sums.loss * sequence_weight).sum()
-    totals = torch.stack([torch.where(keep, t, 0.0).sum() for t in (sums.kl, sums.entropy, sums.clipped)])
-    return loss, totals.detach().double().cpu()
+    keep = terms.sequence_weight > 0  # (B,)
+    sequence_totals = torch.stack([torch.where(keep, t, 0.0).sum() for t in (sums.kl, sums.entropy, sums.clipped)])
+    return (sums.loss * terms.sequence_weight).sum(), sequence_totals.detach().double().cpu()
+
+
+def _model_logprobs(model, mb: MicroBatchTensors, temperature: float, ks: KernelSettings
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_fused(model, ks):
+        def head(module, hidden):  # (B, T, H) -> (2, N_tok): log-probs and entropies
+            return torch.stack(kernels.logprobs_from_hidden(hidden[mb.row, mb.logit_pos], module.weight,
+                                                            mb.target_ids, temperature, ks.chunk_tokens, ks.backend))
+        both = _forward_with_head(model, mb, head)
+        return both[0], both[1]
+    return kernels.logprobs_from_logits(_logits(model, mb), mb.target_ids, _logit_rows(mb), temperature,
+                                        ks.chunk_tokens, ks.backend)
 
 
 def split_per_sample(values: torch.Tensor, mb: MicroBatchTensors) -> dict[int, torch.Tensor]:
@@ -161,9 +189,3 @@ def _logit_rows(mb: MicroBatchTensors) -> torch.Tensor:
 def _to_rows(values: torch.Tensor, mb: MicroBatchTensors, shape: tuple[int, int]) -> torch.Tensor:
     out = values.new_zeros(shape)  # (B, R)
     return out.index_put((mb.seq_index, mb.col), values)
-
-
-def _sequence_values(per_token: torch.Tensor, mb: MicroBatchTensors) -> torch.Tensor:
-    """One value per sequence (B,) from a per-token tensor that is constant within each sequence."""
-    out = per_token.new_zeros(len(mb.sample_ids), dtype=torch.float32)  # (B,)
-    return out.index_put((mb.seq_index,), per_token.float())

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,20 @@ class Dist:
         box = [obj]
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
+
+    def decide(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` run on rank 0 only, its result on every rank. If it raises, every rank raises the same
+        exception (no rank is left waiting in a collective)."""
+        message = None
+        if self.is_main:
+            try:
+                message = ("ok", fn(*args))
+            except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+                message = ("failed", err)
+        status, payload = self.broadcast(message)
+        if status == "failed":
+            raise payload
+        return payload
 
     def all_gather(self, obj: Any) -> list:
         """Every rank's `obj`, in rank order."""

@@ -104,7 +104,8 @@ class AlgorithmConfig:
     scale_rewards: str | None = opt(None, "Divide the centred rewards by the group std, the batch std, or nothing "
                                     "(null = the estimator's own: grpo group, reinforce_pp batch, else none)",
                                     choices=("group", "batch", "none"))
-    policy_loss: str = opt("ppo_clip", "Policy loss", choices=("ppo_clip",))
+    policy_loss: str = opt("ppo_clip", "Policy loss: ppo_clip (token ratio) or gspo (sequence ratio, length-"
+                           "normalised; needs loss_agg seq-mean-token-mean)", choices=("ppo_clip", "gspo"))
     clip_low: float = opt(0.2, "PPO ratio lower clip: ratio >= 1 - clip_low", low=0.0, high=1.0, low_open=True)
     clip_high: float = opt(0.2, "PPO ratio upper clip: ratio <= 1 + clip_high (DAPO uses 0.28)", low=0.0,
                            low_open=True)
@@ -112,6 +113,8 @@ class AlgorithmConfig:
                          low=0.0)
     dual_clip: float | None = opt(None, "Dual clip: a negative-advantage token's loss is at most dual_clip * |A| "
                                   "(Ye et al. 2020; often 3; null = off)", low=1.0, low_open=True)
+    kl_in_reward: bool = opt(False, "Subtract kl_coef x the completion's summed KL from its reward (before "
+                             "advantages) instead of adding the KL to the loss")
     kl_estimator: str = opt("k3", "KL estimator, r = ref - policy log-prob: k1 = -r, k2 = r^2 / 2, "
                             "k3 = exp(r) - r - 1 (Schulman 2020)", choices=("k1", "k2", "k3"))
     loss_agg: str = opt("token-mean", "How per-token losses become one number per optimizer step",
@@ -120,6 +123,18 @@ class AlgorithmConfig:
     loss_agg_norm_tokens: int | None = opt(None, "Constant divisor of seq-mean-token-sum-norm (null = "
                                            "rollout.max_new_tokens)", low=1)
     entropy_coef: float = opt(0.0, "Entropy bonus weight (loss -= entropy_coef * entropy)", low=0.0)
+    dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and sample "
+                                 "more prompts until prompts_per_step groups carry signal")
+    dynamic_sampling_max_rounds: int = opt(4, "Extra rollout rounds one step may draw for dynamic sampling; when "
+                                           "spent, the step is topped up with equal-reward groups", low=0)
+    overlong_buffer_tokens: int | None = opt(None, "DAPO soft overlong penalty: completions longer than "
+                                             "max_new_tokens - this lose up to overlong_penalty (null = off)", low=1)
+    overlong_penalty: float = opt(1.0, "Reward lost by a completion that reaches max_new_tokens (soft overlong "
+                                  "penalty, linear over the buffer)", low=0.0)
+    mask_truncated: bool = opt(False, "Completions cut by max_new_tokens (or an agent's limits) get no loss "
+                               "(DAPO's overlong filtering)")
+    rollout_is_cap: float | None = opt(None, "Truncated importance sampling: weight each token's loss by "
+                                       "min(pi_old / pi_sampler, cap) (null = off; e.g. 2)", low=1.0)
 
 
 @dataclass(frozen=True)
@@ -145,7 +160,7 @@ class TrainConfig:
 class KernelsConfig:
     backend: str = opt("auto", "Per-token math: Triton kernels or the chunked PyTorch path (auto = triton on CUDA "
                        "when installed, else torch)", choices=("auto", "triton", "torch"))
-    logprob_chunk_tokens: int = opt(1024, "Tokens per chunk for log-probs, entropy and the loss: bounds memory to "
+    logprob_chunk_tokens: int = opt(512, "Tokens per chunk for log-probs, entropy and the loss: bounds memory to "
                                     "one chunk of logits", low=1)
     fused_lm_head: bool = opt(True, "Compute log-probs from hidden states and the lm_head weight so full logits "
                               "never exist (false = full logits, then the logits kernels)")
@@ -420,10 +435,28 @@ def validate(recipe: Recipe) -> None:
                                   for b in betas):
         raise UserError("train.adam_betas", f"{betas} is not two numbers in [0, 1)", "e.g. [0.9, 0.999]")
     a = recipe.algorithm
+    _validate_algorithm(recipe)
     if a.advantage == "dr_grpo" and a.scale_rewards not in (None, "none"):
         raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
     _validate_reward_specs(recipe.reward.functions)
+
+
+def _validate_algorithm(recipe: Recipe) -> None:
+    a = recipe.algorithm
+    if a.policy_loss == "gspo" and a.loss_agg != "seq-mean-token-mean":
+        raise UserError("algorithm.loss_agg", f'"{a.loss_agg}" with policy_loss "gspo": GSPO is defined as the mean '
+                        "over sequences of length-normalised sequence terms", 'set it to "seq-mean-token-mean"')
+    if a.policy_loss == "gspo" and a.dual_clip is not None:
+        raise UserError("algorithm.dual_clip", 'is a token-level clip and does not apply to policy_loss "gspo"',
+                        "set it to null")
+    if a.kl_in_reward and a.kl_coef == 0:
+        raise UserError("algorithm.kl_in_reward", "is true but kl_coef is 0, so there is no KL to subtract",
+                        "set algorithm.kl_coef > 0, or kl_in_reward to false")
+    buffer = a.overlong_buffer_tokens
+    if buffer is not None and buffer >= recipe.rollout.max_new_tokens:
+        raise UserError("algorithm.overlong_buffer_tokens", f"{buffer} is not less than rollout.max_new_tokens "
+                        f"{recipe.rollout.max_new_tokens}", f"use at most {recipe.rollout.max_new_tokens - 1}")
 
 
 def _validate_reward_specs(functions: list) -> None:

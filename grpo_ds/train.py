@@ -4,9 +4,10 @@
     python -m grpo_ds.train RECIPE.json [section.key=value ...]
     grpo_ds.train("RECIPE.json", overrides={"train.steps": 10})   # returns the per-step metrics
 
-One step: rollout -> reward -> advantage -> plan -> old/ref log-probs -> loss -> backward -> step
--> weight sync -> log. Rank 0 makes every global decision (prompts, rewards, advantages, the
-micro-batch plan); every rank computes its shard. Everything the user can get wrong is checked
+One step: rollout -> reward -> plan -> old/ref log-probs -> advantage -> loss -> backward -> step
+-> weight sync -> log. The advantage comes after the log-prob passes because KL-in-reward shaping needs
+the reference log-probs. Rank 0 makes every global decision (prompts, rewards, the micro-batch plan,
+advantages); every rank computes its shard. Everything the user can get wrong is checked
 before a model loads or a file is written.
 """
 
@@ -25,10 +26,11 @@ from pathlib import Path
 import torch
 
 from grpo_ds import kernels
+from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 from grpo_ds.check import Inputs, prepare_inputs
+from grpo_ds.collect import collect
 from grpo_ds.data import PromptSampler
 from grpo_ds.engine import (
-    Dist,
     create_reference_engine,
     create_train_engine,
     device_type,
@@ -40,11 +42,17 @@ from grpo_ds.metrics import MetricsLogger
 from grpo_ds.models import load_model
 from grpo_ds.planner import StepPlan, plan_step, token_imbalance
 from grpo_ds.recipe import Recipe
-from grpo_ds.rewards import score
-from grpo_ds.rollout.base import Rollouts, SamplingParams
+from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
-from grpo_ds.update import TOTALS, UpdateSettings, logprob_pass, optimizer_step
+from grpo_ds.update import (
+    TOTALS,
+    UpdateSettings,
+    importance_metrics,
+    logprob_pass,
+    needs_sampling_logprobs,
+    optimizer_step,
+)
 
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
@@ -74,36 +82,30 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
                            recipe.to_dict())
     rank_log = run_dir / "ranks" / f"rank{dist.rank}.jsonl"
     rank_log.parent.mkdir(parents=True, exist_ok=True)
-    P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
     settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend)
 
     for step in range(1, recipe.train.steps + 1):
-        times = {}
-        # ---- rollout: rank 0 picks the prompts; each rank generates a contiguous slice of them
-        t = time.perf_counter()
-        prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
-        lo, hi = _slice(P, dist)
-        sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p,
-                                  recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003 + step * 1_009 + dist.rank)
-        local = rollout.generate([prompts[i].prompt_ids for i in prompt_index[lo:hi]], G, sampling)
-        rollouts = Rollouts.concat(dist.all_gather(local))
-        times["rollout"] = time.perf_counter() - t
+        # ---- rollout and reward (grpo_ds.collect): rank 0 picks the prompts, every rank generates a slice,
+        # rank 0 scores them; with dynamic sampling, equal-reward groups are replaced by new prompts
+        samples = collect(step, recipe, inputs, rollout, sampler, dist)
+        rollouts, times, metrics = samples.rollouts, dict(samples.times), samples.metrics
 
-        # ---- reward, advantage, plan: decided on rank 0, received by every rank
-        t = time.perf_counter()
-        decision = _decide(recipe, inputs, prompt_index, rollouts, dist.world_size, step, dist.device) \
-            if dist.is_main else None
-        advantages, plan, metrics = _receive(dist.broadcast(decision))
-        times["reward"] = time.perf_counter() - t
+        # ---- plan: optimizer steps, per-rank shards, micro-batches (rank 0 decides)
+        plan = dist.decide(_plan, recipe, rollouts, dist.world_size, step)
 
         # ---- old / reference log-probs, each pass with the log-prob phase's own micro size
         t = time.perf_counter()
         old_logprobs = logprob_pass(engine, rollouts, plan.logprob_pass, settings, dist) \
-            if plan.needs_old_logprobs else None
+            if plan.needs_old_logprobs or needs_sampling_logprobs(recipe) else None
         ref_logprobs = logprob_pass(reference, rollouts, plan.logprob_pass, settings, dist) \
             if reference is not None else None
         times["logprob"] = time.perf_counter() - t
+
+        # ---- advantage: shaped rewards (overlong penalty, KL in the reward) -> group advantages (rank 0)
+        advantages, shaping_metrics = dist.decide(_advantages, recipe, inputs, samples.rewards, rollouts,
+                                                  old_logprobs, ref_logprobs, dist.device)
+        metrics.update(shaping_metrics)
 
         # ---- policy update: one optimizer step per mini-batch
         t = time.perf_counter()
@@ -151,32 +153,29 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 
 # ----------------------------------------------------------------------------------------- phases
 
-def _decide(recipe: Recipe, inputs: Inputs, prompt_index: list[int], rollouts: Rollouts, world_size: int,
-            step: int, device: torch.device) -> tuple:
-    """Rank 0: rewards, advantages and the micro-batch plan. A failure is sent to every rank (no hang)."""
-    try:
-        G = recipe.rollout.group_size
-        rows = [inputs.prompts[i] for i in prompt_index for _ in range(G)]
-        columns = {k: [r.columns.get(k) for r in rows] for k in rows[0].columns}
-        columns["answer"] = [r.columns.get(recipe.data.answer_key) for r in rows]  # what exact_match reads
-        scored = score(inputs.reward_functions, prompts=[r.prompt_text for r in rows],
-                       completions=inputs.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True),
-                       completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
-                       timeout_s=recipe.reward.timeout_s)
-        rewards = torch.tensor(scored.total, dtype=torch.float32)
-        baseline, scale = recipe.advantage_baseline_and_scale
-        advantages = kernels.group_advantages(rewards.to(device), G, baseline, scale,
-                                              backend=inputs.kernels_backend).cpu()
-        return "ok", (advantages.tolist(), _plan(recipe, rollouts, world_size, step), _reward_metrics(rewards, scored))
-    except Exception as err:  # noqa: BLE001 - re-raised on every rank by _receive
-        return "failed", err
-
-
-def _receive(decision: tuple) -> tuple:
-    status, payload = decision
-    if status == "failed":
-        raise payload
-    return payload
+def _advantages(recipe: Recipe, inputs: Inputs, rewards: list[float], rollouts: Rollouts,
+                old_logprobs: dict | None, ref_logprobs: dict | None, device: torch.device) -> tuple[list[float], dict]:
+    """Rank 0: the reward shaping of the recipe, then group advantages (through the kernels backend)."""
+    a = recipe.algorithm
+    shaped = torch.tensor(rewards, dtype=torch.float32)  # (P*G,)
+    metrics = {}
+    if a.overlong_buffer_tokens is not None:
+        penalty = overlong_penalty([len(r) for r in rollouts.response_ids], recipe.rollout.max_new_tokens,
+                                   a.overlong_buffer_tokens, a.overlong_penalty)
+        shaped += penalty
+        metrics["reward/overlong_penalty"] = penalty.mean().item()
+    if a.kl_in_reward:
+        ids = range(len(rollouts))
+        penalty = kl_reward_penalty([old_logprobs[i] for i in ids], [ref_logprobs[i] for i in ids],
+                                    [rollouts.token_loss_mask(i) for i in ids], a.kl_estimator, a.kl_coef)
+        shaped += penalty
+        metrics["reward/kl_penalty"] = penalty.mean().item()
+    if a.rollout_is_cap is not None:
+        metrics.update(importance_metrics(rollouts, old_logprobs, a.rollout_is_cap))
+    baseline, scale = recipe.advantage_baseline_and_scale
+    advantages = kernels.group_advantages(shaped.to(device), recipe.rollout.group_size, baseline, scale,
+                                          backend=inputs.kernels_backend).cpu()
+    return advantages.tolist(), metrics
 
 
 def _plan(recipe: Recipe, rollouts: Rollouts, world_size: int, step: int) -> StepPlan:
@@ -191,28 +190,12 @@ def _sequence_tokens(rollouts: Rollouts) -> list[int]:
     return [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
 
 
-def _reward_metrics(rewards: torch.Tensor, scored) -> dict:
-    out = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0}
-    for name, values in scored.per_function.items():
-        out[f"reward/{name}"] = sum(values) / len(values)
-        out[f"reward_errors/{name}"] = scored.errors.get(name, 0)
-        out[f"reward_none/{name}"] = scored.nones.get(name, 0)
-    return out
-
-
 def _grad_norm(engine) -> float:
     norm = engine.get_global_grad_norm()
     return float(norm) if norm is not None else float("nan")
 
 
 # ------------------------------------------------------------------------------------ plumbing
-
-def _slice(count: int, dist: Dist) -> tuple[int, int]:
-    """Contiguous, near-equal slice of `count` items for this rank."""
-    base, extra = divmod(count, dist.world_size)
-    lo = dist.rank * base + min(dist.rank, extra)
-    return lo, lo + base + (dist.rank < extra)
-
 
 def _prepare_run_dir(run_dir: Path, recipe: Recipe, ds_config: dict) -> None:
     if run_dir.exists() and recipe.run.overwrite:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from grpo_ds.algo.aggregation import sequence_token_weights
+from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.algo.policy_loss import LossConfig
 from grpo_ds.batching import (
     KernelSettings,
+    LossTerms,
     MicroBatchTensors,
     collate,
     response_logprobs,
@@ -29,7 +31,6 @@ from grpo_ds.batching import (
     split_per_sample,
 )
 from grpo_ds.engine import Dist
-from grpo_ds.kernels import LossInputs
 from grpo_ds.planner import MiniBatchPlan
 from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.base import Rollouts
@@ -48,14 +49,19 @@ class UpdateSettings:
     loss_agg_norm_tokens: int
     loss: LossConfig
     kernels: KernelSettings
+    mask_truncated: bool  # completions cut by the length limit get no loss (DAPO's overlong filtering)
+    rollout_is_cap: float | None  # truncated importance weight min(pi_old / pi_sampler, cap); None = off
 
     @staticmethod
     def from_recipe(recipe: Recipe, pad_id: int, backend: str) -> UpdateSettings:
         """``backend``: the resolved kernels backend ("triton" or "torch", see grpo_ds.kernels.resolve_backend)."""
         a = recipe.algorithm
-        loss = LossConfig(a.clip_low, a.clip_high, a.dual_clip, a.kl_coef, a.kl_estimator, a.entropy_coef)
+        kl_in_loss = 0.0 if a.kl_in_reward else a.kl_coef
+        loss = LossConfig(a.clip_low, a.clip_high, a.dual_clip, kl_in_loss, a.kl_estimator, a.entropy_coef,
+                          a.policy_loss)
         ks = KernelSettings(backend, recipe.kernels.logprob_chunk_tokens, recipe.kernels.fused_lm_head)
-        return UpdateSettings(recipe.rollout.temperature, pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, ks)
+        return UpdateSettings(recipe.rollout.temperature, pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, ks,
+                              a.mask_truncated, a.rollout_is_cap)
 
 
 def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, settings: UpdateSettings,
@@ -91,7 +97,7 @@ def optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advanta
     rollout), so the old log-probs are the current ones, detached. Returns this rank's TOTALS.
     """
     engine.train()
-    lengths = [len(rollouts.response_ids[s]) for s in minibatch.sample_ids]
+    lengths = [trained_tokens(rollouts, s, settings) for s in minibatch.sample_ids]
     weights = sequence_token_weights(lengths, settings.loss_agg, settings.loss_agg_norm_tokens).tolist()
     weight_of = dict(zip(minibatch.sample_ids, weights, strict=True))
     advantage = torch.tensor(advantages, dtype=torch.float32, device=dist.device)  # (P*G,)
@@ -99,17 +105,49 @@ def optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advanta
     for ids in minibatch.micro_batches[dist.rank]:
         mb = _micro_batch(rollouts, ids, minibatch, settings, dist)
         sample_ids = torch.tensor(mb.sample_ids, device=dist.device)
-        sample_weight = torch.tensor([weight_of[s] if ids else 0.0 for s in mb.sample_ids], dtype=torch.float32,
-                                     device=dist.device)  # (B,)
-        inputs = LossInputs(mb.target_ids, advantage[sample_ids][mb.seq_index], sample_weight[mb.seq_index],
-                            _per_token(old_logprobs, mb), _per_token(ref_logprobs, mb))  # each (N_tok,)
-        loss, sums = response_policy_loss(engine, mb, inputs, settings.loss, settings.temperature, settings.kernels)
+        sequence_weight = torch.tensor([weight_of[s] if ids else 0.0 for s in mb.sample_ids], dtype=torch.float32,
+                                       device=dist.device)  # (B,)
+        old = _per_token(old_logprobs, mb)
+        token_factor = mb.loss_mask  # (N_tok,)
+        if settings.rollout_is_cap is not None:
+            sampler = torch.tensor(sum((rollouts.sampler_logprobs[s] for s in mb.sample_ids), []),
+                                   dtype=torch.float32, device=dist.device)  # (N_tok,)
+            token_factor = token_factor * truncated_importance_weights(old, sampler, settings.rollout_is_cap)
+        terms = LossTerms(advantage[sample_ids], sequence_weight, token_factor, old,
+                          _per_token(ref_logprobs, mb) if settings.loss.kl_coef > 0 else None)
+        loss, sums = response_policy_loss(engine, mb, terms, settings.loss, settings.temperature, settings.kernels)
         engine.backward(loss * dist.world_size, scale_wrt_gas=False)
         if ids:
-            totals += torch.tensor([loss.item(), *sums.tolist(), mb.num_tokens, int(mb.attention_mask.sum())],
-                                   dtype=torch.float64)
+            totals += torch.tensor([loss.item(), *sums.tolist(), float(mb.loss_mask.sum()),
+                                    int(mb.attention_mask.sum())], dtype=torch.float64)
     engine.step()
     return totals
+
+
+def needs_sampling_logprobs(recipe: Recipe) -> bool:
+    """Whether the step needs the policy's log-probs at sampling time even with one optimizer step per rollout
+    (the old-log-prob pass): for the importance weights, or for the KL subtracted from the reward."""
+    return recipe.algorithm.rollout_is_cap is not None or recipe.algorithm.kl_in_reward
+
+
+def importance_metrics(rollouts: Rollouts, old_logprobs: dict[int, torch.Tensor], cap: float) -> dict:
+    """Mean truncated importance weight over the trained tokens, and the fraction the cap truncated."""
+    old, sampler = [], []
+    for i in range(len(rollouts)):
+        keep = torch.tensor(rollouts.token_loss_mask(i), dtype=torch.bool)
+        old.append(old_logprobs[i][keep])
+        sampler.append(torch.tensor(rollouts.sampler_logprobs[i], dtype=torch.float32)[keep])
+    old_t, sampler_t = torch.cat(old), torch.cat(sampler)
+    weights = truncated_importance_weights(old_t, sampler_t, cap)
+    return {"is_weight_mean": weights.mean().item(),
+            "is_truncated_frac": ((old_t - sampler_t).exp() > cap).float().mean().item()}
+
+
+def trained_tokens(rollouts: Rollouts, sample: int, settings: UpdateSettings) -> int:
+    """L_i of the loss aggregation: the sample's model tokens, or 0 when it is masked out as truncated."""
+    if settings.mask_truncated and rollouts.finish_reason[sample] == "length":
+        return 0
+    return rollouts.trained_tokens(sample)
 
 
 def _per_token(per_sample: dict[int, torch.Tensor] | None, mb: MicroBatchTensors) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RUN_COMMAND = "pip install torch==2.13.0 && pip install -e . && python -m grpo_ds.train recipes/tiny_cpu.json"
 TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q'
-REGENERATE = "regenerate the Recipe reference tables from grpo_ds.recipe.iter_fields()"
+REGENERATE = "regenerate the Recipe reference tables: python -m grpo_ds.recipe_docs"
 
 
 def _readme() -> str:
@@ -57,3 +57,9 @@ def test_shipped_recipe_loads(recipe):
     # so GPU recipes pointing at /models/... load here too.
     loaded = load_recipe(recipe)
     assert loaded.samples_per_step % loaded.samples_per_optimizer_step == 0
+
+
+def test_reference_tables_are_the_generated_ones():
+    from grpo_ds.recipe_docs import tables
+
+    assert tables() in _readme(), "README.md's recipe reference is stale: run python -m grpo_ds.recipe_docs"

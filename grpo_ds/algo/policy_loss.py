@@ -12,6 +12,12 @@ bounds the loss of a negative-advantage token whose ratio has grown very large (
 Where a clipped term is selected the token's gradient is 0; elsewhere d loss_t / d logprob = -A * ratio.
 Only ``logprobs`` receives gradient; old log-probs and advantages are treated as constants.
 
+GSPO (Zheng et al. 2025, arXiv:2507.18071) replaces the token ratio by the sequence's length-normalised ratio
+s_i = exp(mean_t (logprob_t - old_logprob_t)) over its trained tokens, clipped the same way (with much smaller
+clip ranges, ~3e-4 / 4e-4 in the paper). Its token-level form s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)] has the
+value s_i and d s_it / d logprob_t = s_i, so with seq-mean-token-mean aggregation the gradient is exactly
+GSPO's sequence-level one; the sequence is clipped as a whole (all its tokens or none).
+
 The training loss of one token adds the KL penalty and subtracts the entropy bonus:
 
     l_t = loss_t + kl_coef * KL_t(estimator) - entropy_coef * H_t
@@ -54,6 +60,30 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     return per_token_loss, is_clipped.to(per_token_loss.dtype)
 
 
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, seq_index: torch.Tensor,
+              token_mask: torch.Tensor, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO per-token loss over flat tokens: (per_token_loss, clipped), both shaped like ``logprobs`` (N,).
+
+    ``seq_index`` (N,) says which sequence each token belongs to; ``token_mask`` (N,) is nonzero for the tokens
+    that count in the sequence ratio (observation tokens of a multi-turn rollout do not).
+    """
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == seq_index.shape == token_mask.shape):
+        raise ValueError("logprobs, old_logprobs, advantages, seq_index and token_mask must all be (N,)")
+    counted = (token_mask != 0).to(torch.float64)  # (N,)
+    num_seqs = int(seq_index.max()) + 1 if seq_index.numel() else 0
+    diff = torch.where(token_mask != 0, (logprobs.detach() - old_logprobs.detach()).to(torch.float64), 0.0)  # (N,)
+    sums = torch.zeros(num_seqs, dtype=torch.float64, device=logprobs.device).index_add_(0, seq_index, diff)
+    counts = torch.zeros(num_seqs, dtype=torch.float64, device=logprobs.device).index_add_(0, seq_index, counted)
+    seq_log_ratio = (sums / counts.clamp(min=1)).to(logprobs.dtype)  # (S,)
+    ratio = torch.exp(seq_log_ratio[seq_index] + logprobs - logprobs.detach())  # (N,) value s_i, gradient s_i
+    advantages = advantages.detach()
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    is_clipped = clipped_loss > unclipped_loss
+    per_token_loss = torch.where(is_clipped, clipped_loss, unclipped_loss)
+    return per_token_loss, is_clipped.to(per_token_loss.dtype)
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """Everything that shapes the per-token loss l_t (see the module docstring)."""
@@ -64,19 +94,29 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    policy_loss: str = "ppo_clip"  # or "gspo" (needs the sequence layout: see token_losses)
 
 
 def token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-                 ref_logprobs: torch.Tensor | None, entropy: torch.Tensor | None, cfg: LossConfig
+                 ref_logprobs: torch.Tensor | None, entropy: torch.Tensor | None, cfg: LossConfig,
+                 sequences: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (l_t, KL_t, clipped_t), each shaped like ``logprobs``.
 
     ``old_logprobs`` None means on-policy (the policy has not changed since sampling): old = logprobs detached,
     so the ratio is exactly 1. ``ref_logprobs`` None means no reference model: KL_t = 0 (kl_coef must then be 0
     for the loss to make sense, which the recipe guarantees). ``entropy`` None means no entropy bonus.
+    ``sequences`` = (seq_index, token_mask), flat (N,) tensors, is required by GSPO (see ``gspo_loss``).
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-    loss, clipped = ppo_clip_loss(logprobs, old, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+    if cfg.policy_loss == "gspo":
+        if sequences is None:
+            raise ValueError("the gspo policy loss needs sequences=(seq_index, token_mask) for its sequence ratio")
+        loss, clipped = gspo_loss(logprobs, old, advantages, *sequences, cfg.clip_low, cfg.clip_high)
+    elif cfg.policy_loss == "ppo_clip":
+        loss, clipped = ppo_clip_loss(logprobs, old, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+    else:
+        raise ValueError(f"unknown policy loss {cfg.policy_loss!r}; choose ppo_clip or gspo")
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator)  # (...)
         loss = loss + cfg.kl_coef * kl

@@ -29,15 +29,39 @@ class Rollouts:
     prompt_ids[i] / response_ids[i]: token ids of sample i, without padding; response_ids ends with EOS
     when finish_reason[i] == "stop". sampler_logprobs[i][t] is log p(response_ids[i][t]) under the
     distribution actually sampled from (temperature, top-p, top-k applied).
+
+    Multi-turn (agent) rollouts interleave model turns with environment observations inside
+    response_ids: loss_mask[i][t] is 1 for a token the model sampled and 0 for an observation token
+    (no gradient, not counted by loss aggregation; its sampler log-prob is 0.0). env_rewards[i] is the
+    environment's reward for sample i (per-turn rewards plus the final one), added to the reward
+    functions' total. Both are None for single-turn engines (every token is the model's; no
+    environment reward).
     """
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     sampler_logprobs: list[list[float]]
-    finish_reason: list[str]  # "stop" (EOS) | "length" (hit max_new_tokens)
+    finish_reason: list[str]  # "stop" (EOS or the environment ended it) | "length" (hit a token or turn limit)
+    loss_mask: list[list[int]] | None = None
+    env_rewards: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def token_loss_mask(self, i: int) -> list[int]:
+        """loss_mask[i], or all ones for a single-turn rollout."""
+        return self.loss_mask[i] if self.loss_mask is not None else [1] * len(self.response_ids[i])
+
+    def trained_tokens(self, i: int) -> int:
+        """How many of sample i's response tokens the loss sees (its L_i in grpo_ds.algo.aggregation)."""
+        return sum(self.token_loss_mask(i)) if self.loss_mask is not None else len(self.response_ids[i])
+
+    def select(self, indices: list[int]) -> Rollouts:
+        """The samples at ``indices``, in that order."""
+        def pick(values):
+            return None if values is None else [values[i] for i in indices]
+        return Rollouts(pick(self.prompt_ids), pick(self.response_ids), pick(self.sampler_logprobs),
+                        pick(self.finish_reason), pick(self.loss_mask), pick(self.env_rewards))
 
     def response_mask(self) -> torch.Tensor:
         """(N, max response length) 1 for real response tokens, 0 for padding."""
@@ -50,12 +74,21 @@ class Rollouts:
     @staticmethod
     def concat(parts: Iterable[Rollouts]) -> Rollouts:
         parts = list(parts)
-        return Rollouts(*[sum((getattr(p, f) for p in parts), []) for f in
-                          ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reason")])
+        out = Rollouts(*[sum((getattr(p, f) for p in parts), []) for f in
+                         ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reason")])
+        if any(p.loss_mask is not None for p in parts):
+            out.loss_mask = sum(([p.token_loss_mask(i) for i in range(len(p))] for p in parts), [])
+        if any(p.env_rewards is not None for p in parts):
+            out.env_rewards = sum((p.env_rewards if p.env_rewards is not None else [0.0] * len(p) for p in parts), [])
+        return out
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> Rollouts: ...
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
+                 rows: list[dict] | None = None) -> Rollouts:
+        """``group_size`` completions of each prompt, consecutive; ``rows[i]`` is prompt i's data row (its
+        columns), which multi-turn engines hand to the environment."""
+        ...
 
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Copy new weights in; return how many tensors were updated."""

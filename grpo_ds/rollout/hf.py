@@ -23,7 +23,9 @@ class HFRolloutEngine:
         self._params = dict(self.model.named_parameters())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> Rollouts:
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
+                 rows: list[dict] | None = None) -> Rollouts:
+        """``group_size`` completions of each prompt; ``rows`` (the prompts' data rows) is unused here."""
         torch.manual_seed(sampling.seed)
         parts = [self._generate_batch(prompts[i:i + self.batch_prompts], group_size, sampling)
                  for i in range(0, len(prompts), self.batch_prompts)]

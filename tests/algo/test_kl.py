@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from grpo_ds.algo.kl import kl_k3
+from grpo_ds.algo.kl import kl_k3, kl_penalty
 
 # float64 inputs: the only error is the rounding of exp/log (~1e-16 relative), so assert_close's float64
 # defaults (rtol 1e-7, atol 1e-7) are far looser than needed yet still catch any formula error.
@@ -45,3 +45,24 @@ def test_clamped_log_ratio_stays_finite():
     torch.testing.assert_close(out, torch.tensor([math.exp(20) - 21, math.exp(-20) + 19]), rtol=1e-6, atol=0.0)
     out.sum().backward()
     assert torch.equal(lp.grad, torch.zeros(2))
+
+
+def test_k1_and_k2_hand_values_and_gradients():
+    # r = ref - policy = ln 2: k1 = -r = -0.6931472 (d/dlogprob = 1); k2 = r^2 / 2 = 0.2402265 (d/dlogprob = -r)
+    lp = torch.tensor([math.log(0.25)], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([math.log(0.5)], dtype=torch.float64)
+    k1 = kl_penalty(lp, ref, "k1")
+    (g1,) = torch.autograd.grad(k1.sum(), lp)
+    k2 = kl_penalty(lp, ref, "k2")
+    (g2,) = torch.autograd.grad(k2.sum(), lp)
+    torch.testing.assert_close(k1.detach(), torch.tensor([-0.6931472], dtype=torch.float64))
+    torch.testing.assert_close(g1, torch.tensor([1.0], dtype=torch.float64))
+    torch.testing.assert_close(k2.detach(), torch.tensor([0.2402265], dtype=torch.float64))
+    torch.testing.assert_close(g2, torch.tensor([-0.6931472], dtype=torch.float64))
+
+
+def test_unknown_estimator_raises():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k4")

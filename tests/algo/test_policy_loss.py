@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from grpo_ds.algo.policy_loss import ppo_clip_loss
+from grpo_ds.algo.policy_loss import LossConfig, gspo_loss, ppo_clip_loss, token_losses
 
 # All tensors are float64 and the ratio is rebuilt from exp(log(ratio) + c - c), exact to ~1e-16 relative, so
 # assert_close's float64 defaults (rtol 1e-7, atol 1e-7) are ample yet far below any hand-value difference.
@@ -60,3 +60,60 @@ def test_gradient_only_through_logprobs():
 def test_shape_mismatch_raises():
     with pytest.raises(ValueError, match="same shape"):
         ppo_clip_loss(torch.zeros(3), torch.zeros(3), torch.zeros(1), 0.2, 0.2)
+
+
+def test_dual_clip_hand_values():
+    # clip range [0.8, 1.2], dual_clip 3. Per token: ratio, A -> loss, clipped, gradient
+    #   5, -1 -> PPO max(5, 1.2) = 5, dual min(5, 3) = 3, 1, 0     (the dual clip bounds it)
+    #   2, -1 -> PPO 2 < 3                            = 2, 0, 2     (-A * ratio)
+    #   5,  1 -> PPO max(-5, -1.2) = -1.2 (A > 0: no dual clip), 1, 0
+    #   0.5, -1 -> PPO max(0.5, 0.8) = 0.8 < 3        = 0.8, 1, 0
+    old = torch.full((4,), -1.3, dtype=F64)
+    logprobs = (old + torch.tensor([math.log(r) for r in (5.0, 2.0, 5.0, 0.5)], dtype=F64)).requires_grad_(True)
+    loss, clipped = ppo_clip_loss(logprobs, old, torch.tensor([-1.0, -1.0, 1.0, -1.0], dtype=F64), 0.2, 0.2,
+                                  dual_clip=3.0)
+    loss.sum().backward()
+    torch.testing.assert_close(loss.detach(), torch.tensor([3.0, 2.0, -1.2, 0.8], dtype=F64))
+    assert torch.equal(clipped, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=F64))
+    torch.testing.assert_close(logprobs.grad, torch.tensor([0.0, 2.0, 0.0, 0.0], dtype=F64))
+
+
+def test_dual_clip_must_exceed_one():
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_clip_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.2, 0.2, dual_clip=1.0)
+
+
+def _gspo(diffs, mask, seq, adv, clip_low, clip_high):
+    old = torch.full((len(diffs),), -2.0, dtype=F64)
+    logprobs = (old + torch.tensor(diffs, dtype=F64)).requires_grad_(True)
+    loss, clipped = gspo_loss(logprobs, old, torch.tensor(adv, dtype=F64), torch.tensor(seq),
+                              torch.tensor(mask, dtype=F64), clip_low, clip_high)
+    loss.sum().backward()
+    return loss.detach(), clipped, logprobs.grad
+
+
+def test_gspo_hand_values():
+    # Sequence 0: log-ratios 0.1, 0.3 -> mean 0.2 -> s = e^0.2 = 1.2214028 > 1.2: clipped as a whole (A = 1):
+    #   loss -1.2 on both tokens, gradient 0.
+    # Sequence 1: log-ratios -0.1, [5.0 masked out: an observation token], 0.1 -> mean 0 -> s = 1; A = -2:
+    #   loss 2 on every token, gradient -A * s = 2 on every token (the masked one too: the driver zeroes its
+    #   weight; the formula itself is per token).
+    loss, clipped, grad = _gspo([0.1, 0.3, -0.1, 5.0, 0.1], [1, 1, 1, 0, 1], [0, 0, 1, 1, 1],
+                                [1.0, 1.0, -2.0, -2.0, -2.0], 0.2, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, -1.2, 2.0, 2.0, 2.0], dtype=F64))
+    assert torch.equal(clipped, torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0], dtype=F64))
+    torch.testing.assert_close(grad, torch.tensor([0.0, 0.0, 2.0, 2.0, 2.0], dtype=F64))
+
+
+def test_gspo_unclipped_gradient_is_the_sequence_ratio():
+    # clip_high 0.3: s = 1.2214028 is inside [0.8, 1.3]; loss -s and gradient -A * s = -1.2214028 per token.
+    loss, clipped, grad = _gspo([0.1, 0.3], [1, 1], [0, 0], [1.0, 1.0], 0.2, 0.3)
+    s = math.exp(0.2)
+    torch.testing.assert_close(loss, torch.tensor([-s, -s], dtype=F64))
+    assert torch.equal(clipped, torch.zeros(2, dtype=F64))
+    torch.testing.assert_close(grad, torch.tensor([-s, -s], dtype=F64))
+
+
+def test_token_losses_needs_the_sequences_for_gspo():
+    with pytest.raises(ValueError, match="sequences"):
+        token_losses(torch.zeros(2), None, torch.zeros(2), None, None, LossConfig(policy_loss="gspo"))

@@ -1,0 +1,132 @@
+"""One step's training samples: rollout, reward, and DAPO's dynamic sampling.
+
+Rank 0 picks the prompts; every rank generates a contiguous slice of them and all ranks receive the
+whole batch; rank 0 scores it (reward functions plus environment rewards) and sends the rewards to
+every rank. Without dynamic sampling that is one round. With it (DAPO, Yu et al. 2025,
+arXiv:2503.14476), a group whose G rewards are all equal has zero advantage under every group
+baseline and teaches nothing, so it is dropped and another round of prompts_per_step prompts is drawn,
+until prompts_per_step informative groups are collected or ``dynamic_sampling_max_rounds`` extra
+rounds are spent; then the step is topped up with equal-reward groups (which contribute no gradient)
+so the batch algebra stays exact. Reward metrics describe every sample drawn in the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from grpo_ds.check import Inputs
+from grpo_ds.data import PromptSampler
+from grpo_ds.engine import Dist
+from grpo_ds.recipe import Recipe
+from grpo_ds.rewards import RewardResult, score
+from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
+
+
+@dataclass
+class StepSamples:
+    prompt_index: list[int]  # (P,) dataset rows of the groups, in order
+    rollouts: Rollouts  # P*G samples, the G of a prompt consecutive
+    rewards: list[float]  # (P*G,) reward functions' weighted total plus environment rewards
+    metrics: dict
+    times: dict  # seconds in "rollout" and "reward"
+
+
+def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sampler: PromptSampler,
+            dist: Dist) -> StepSamples:
+    P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
+    a = recipe.algorithm
+    rounds = 1 + (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 0)
+    times = {"rollout": 0.0, "reward": 0.0}
+    drawn: list[tuple[list[int], Rollouts, list[float]]] = []  # per round: prompts, samples, rewards
+    scored: list[RewardResult] = []
+    informative: list[tuple[int, int]] = []  # (round, group) with unequal rewards
+    for round_index in range(rounds):
+        t = time.perf_counter()
+        prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
+        lo, hi = _slice(P, dist)
+        sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p,
+                                  recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003 + step * 1_009
+                                  + round_index * 100_003 + dist.rank)
+        mine = prompt_index[lo:hi]
+        local = engine.generate([inputs.prompts[i].prompt_ids for i in mine], G, sampling,
+                                [inputs.prompts[i].columns for i in mine])
+        rollouts = Rollouts.concat(dist.all_gather(local))
+        times["rollout"] += time.perf_counter() - t
+
+        t = time.perf_counter()
+        result = dist.decide(_score, recipe, inputs, prompt_index, rollouts)
+        times["reward"] += time.perf_counter() - t
+        scored.append(result)
+        rewards = _with_env_rewards(result.total, rollouts)
+        drawn.append((prompt_index, rollouts, rewards))
+        informative += [(round_index, g) for g in range(P) if len(set(rewards[g * G:(g + 1) * G])) > 1]
+        if not a.dynamic_sampling or len(informative) >= P:
+            break
+
+    if a.dynamic_sampling:
+        chosen, seen = informative[:P], set(informative)
+        flat = [(r, g) for r in range(len(drawn)) for g in range(P) if (r, g) not in seen]
+        topped_up = flat[:P - len(chosen)]
+        chosen = sorted(chosen + topped_up)
+    else:
+        chosen, topped_up = [(0, g) for g in range(P)], []
+    samples = _select(drawn, chosen, G)
+    metrics = _reward_metrics(scored, [r for _, _, rewards in drawn for r in rewards], drawn)
+    if a.dynamic_sampling:
+        metrics.update({"dynamic/rounds": len(drawn), "dynamic/prompts_drawn": P * len(drawn),
+                        "dynamic/informative_groups": len(informative), "dynamic/topped_up_groups": len(topped_up)})
+    return StepSamples(samples[0], samples[1], samples[2], metrics, times)
+
+
+def _score(recipe: Recipe, inputs: Inputs, prompt_index: list[int], rollouts: Rollouts) -> RewardResult:
+    """Rank 0: the reward functions' scores of one round."""
+    G = recipe.rollout.group_size
+    rows = [inputs.prompts[i] for i in prompt_index for _ in range(G)]
+    columns = {k: [r.columns.get(k) for r in rows] for k in rows[0].columns}
+    columns["answer"] = [r.columns.get(recipe.data.answer_key) for r in rows]  # what exact_match reads
+    return score(inputs.reward_functions, prompts=[r.prompt_text for r in rows],
+                 completions=inputs.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True),
+                 completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
+                 timeout_s=recipe.reward.timeout_s)
+
+
+def _with_env_rewards(total: list[float], rollouts: Rollouts) -> list[float]:
+    if rollouts.env_rewards is None:
+        return list(total)
+    return [t + e for t, e in zip(total, rollouts.env_rewards, strict=True)]
+
+
+def _select(drawn: list[tuple[list[int], Rollouts, list[float]]], chosen: list[tuple[int, int]], G: int
+            ) -> tuple[list[int], Rollouts, list[float]]:
+    prompt_index, parts, rewards = [], [], []
+    for round_index, group in chosen:
+        prompts, rollouts, round_rewards = drawn[round_index]
+        samples = list(range(group * G, (group + 1) * G))
+        prompt_index.append(prompts[group])
+        parts.append(rollouts.select(samples))
+        rewards += [round_rewards[s] for s in samples]
+    return prompt_index, Rollouts.concat(parts), rewards
+
+
+def _reward_metrics(scored: list[RewardResult], rewards: list[float], drawn) -> dict:
+    n = len(rewards)
+    mean = sum(rewards) / n
+    out = {"reward_mean": mean,
+           "reward_std": (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 if n > 1 else 0.0}
+    for name in scored[0].per_function:
+        values = [v for result in scored for v in result.per_function[name]]
+        out[f"reward/{name}"] = sum(values) / len(values)
+        out[f"reward_errors/{name}"] = sum(result.errors.get(name, 0) for result in scored)
+        out[f"reward_none/{name}"] = sum(result.nones.get(name, 0) for result in scored)
+    env = [e for _, rollouts, _ in drawn if rollouts.env_rewards is not None for e in rollouts.env_rewards]
+    if env:
+        out["reward/env"] = sum(env) / len(env)
+    return out
+
+
+def _slice(count: int, dist: Dist) -> tuple[int, int]:
+    """Contiguous, near-equal slice of `count` items for this rank."""
+    base, extra = divmod(count, dist.world_size)
+    lo = dist.rank * base + min(dist.rank, extra)
+    return lo, lo + base + (dist.rank < extra)
