@@ -1,6 +1,11 @@
 """Built-in reward functions, selected in a recipe by name (``{"name": "exact_match"}``).
 
-Both follow the one reward signature (see ``grpo_ds.rewards``) and share one answer extraction:
+``BUILTIN_REWARDS`` lists them all: ``exact_match`` and ``format`` (here), ``math_equivalence``
+(``grpo_ds.rewards.math_answer``), ``length_penalty`` (here) and ``code_exec`` (``grpo_ds.rewards.code_exec``).
+Built-ins take no options in the recipe; the ones with settings offer a ``make_*`` factory whose result you
+put in your own module and name as ``my_module:function``.
+
+``exact_match`` and ``format`` share one answer extraction:
 
 1. if the text contains ``####`` (GSM8K style), the answer is everything after the last ``####``;
 2. else if it contains ``\\boxed{...}`` (MATH style), the answer is the content of the last box
@@ -17,6 +22,9 @@ import math
 import re
 from collections.abc import Callable
 from typing import Any
+
+from grpo_ds.rewards.code_exec import code_exec
+from grpo_ds.rewards.math_answer import math_equivalence
 
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 _THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
@@ -92,7 +100,36 @@ def format_reward(*, completions: list[str], **kwargs: Any) -> list[float | None
     ]
 
 
-BUILTIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
+LENGTH_PENALTY_START_TOKENS = 512  # the built-in length_penalty: free up to this many completion tokens,
+LENGTH_PENALTY_END_TOKENS = 1024  # then linearly down to -1.0 here, and -1.0 beyond
+
+
+def make_length_penalty(start_tokens: int, end_tokens: int) -> Callable[..., list[float]]:
+    """A length penalty: 0.0 up to ``start_tokens`` completion tokens, falling linearly to -1.0 at ``end_tokens``.
+
+    Length is ``len(completion_ids[i])``, the generated tokens (EOS included). For other thresholds, in your
+    module: ``length_penalty = make_length_penalty(256, 512)``. For a penalty tied to ``rollout.max_new_tokens``
+    use DAPO's soft overlong penalty instead (``algorithm.overlong_buffer_tokens``).
+    """
+    if not 0 <= start_tokens < end_tokens:
+        raise ValueError(f"need 0 <= start_tokens < end_tokens, got {start_tokens} and {end_tokens}")
+    span = end_tokens - start_tokens
+
+    def length_penalty(*, completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        return [0.0 - min(1.0, max(0, len(ids) - start_tokens) / span) for ids in completion_ids]
+
+    length_penalty.__doc__ = (
+        f"0.0 up to {start_tokens} completion tokens, then linearly down to -1.0 at {end_tokens} tokens and beyond."
+    )
+    return length_penalty
+
+
+length_penalty = make_length_penalty(LENGTH_PENALTY_START_TOKENS, LENGTH_PENALTY_END_TOKENS)
+
+BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "exact_match": exact_match,
     "format": format_reward,
+    "math_equivalence": math_equivalence,
+    "length_penalty": length_penalty,
+    "code_exec": code_exec,
 }

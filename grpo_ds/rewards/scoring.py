@@ -1,20 +1,29 @@
 """Score a batch with weighted reward functions, containing each function's failures.
 
 total[i] = sum_k weight_k * score_k[i], where score_k[i] is function k's value for sample i, and
-0.0 when it returned None or failed (raised, timed out, or returned a bad value). Failures are
-counted per function so the metrics show them; with ``on_error="fail"`` the first one stops the run.
+0.0 when it returned None or failed (raised, timed out, returned a bad value, or returned a
+``RewardError`` for that sample). Failures are counted per function so the metrics show them; with
+``on_error="fail"`` the first one stops the run.
+
+Sync functions are called one after another, each in a thread with its own ``timeout_s``. ``async def``
+functions are awaited together in one event loop (in a thread of its own), so they run concurrently with
+each other and with the sync ones; each has its own ``timeout_s``, after which it is cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 import numbers
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_ds.errors import UserError
+from grpo_ds.rewards.item_error import RewardError
 from grpo_ds.rewards.loading import RewardFunction
 
 logger = logging.getLogger("grpo_ds.rewards")
@@ -36,12 +45,13 @@ class RewardResult:
 
     total: list[float]  # weighted sum per sample
     per_function: dict[str, list[float]]  # unweighted score per sample; None and failures are 0.0
-    errors: dict[str, int] = field(default_factory=dict)  # samples scored 0.0 because the function failed
+    errors: dict[str, int] = field(default_factory=dict)  # samples scored 0.0 because the function failed on them
     nones: dict[str, int] = field(default_factory=dict)  # samples the function returned None for
 
 
 class _Failure(Exception):
-    """Internal: one function's failure, with its kind ("raised", "timeout", "bad_return", "bad_item")."""
+    """Internal: one function's failure, with its kind ("raised", "timeout", "bad_return", "bad_item", or
+    "item:<kind>" for RewardError items)."""
 
     def __init__(self, kind: str, message: str, cause: BaseException | None = None) -> None:
         super().__init__(message)
@@ -65,8 +75,11 @@ def check_columns(column_names) -> None:
     """Dataset columns are passed to reward functions as keywords, so none may take a reward argument's name."""
     for reserved in REWARD_ARGUMENTS:
         if reserved in column_names:
-            raise UserError("data", f"the dataset has a column named {reserved!r}, which is a reward argument's name",
-                            "rename that column")
+            raise UserError(
+                "data",
+                f"the dataset has a column named {reserved!r}, which is a reward argument's name",
+                "rename that column",
+            )
 
 
 def score(
@@ -83,11 +96,12 @@ def score(
 
     ``columns`` maps each dataset column to a list aligned with ``completions``. A function that
     raises or runs past ``timeout_s`` scores 0.0 on the whole batch; one that returns a list of the
-    wrong length or a non-list does too; each bad item (not a number or None, or not finite) scores
-    0.0 alone. With ``on_error="fail"`` any of these raises RewardFailure instead.
+    wrong length or a non-list does too; each bad item (not a number, None or RewardError, or not
+    finite) and each RewardError item scores 0.0 alone. With ``on_error="fail"`` any of these raises
+    RewardFailure instead.
 
-    The timeout runs the call in a daemon thread; Python cannot kill a thread, so a timed-out call
-    is abandoned and keeps running (and holding its CPU and memory) in the background until it returns.
+    A sync call that times out is abandoned: Python cannot kill a thread, so it keeps running (and holding
+    its CPU and memory) in the background until it returns. An async call that times out is cancelled.
     """
     if on_error not in ON_ERROR_CHOICES:
         raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
@@ -98,65 +112,89 @@ def score(
     check_columns(columns)
 
     keys = unique_names(functions)
+    outcomes: dict[str, Any] = {}  # key -> the returned value, or a _Failure
+    if n:
+        # Fresh lists per call: a function that mutates its inputs (or a timed-out one still running) cannot
+        # change what the next function sees.
+        def fresh_kwargs() -> dict[str, Any]:
+            return {
+                "prompts": list(prompts),
+                "completions": list(completions),
+                "completion_ids": [list(ids) for ids in completion_ids],
+                **{name: list(values) for name, values in columns.items()},
+            }
+
+        jobs = {key: (func.fn, fresh_kwargs()) for key, func in zip(keys, functions, strict=True)}
+        async_keys = [key for key, (fn, _) in jobs.items() if _is_async(fn)]
+        batch = _AsyncBatch({key: jobs[key] for key in async_keys}, timeout_s) if async_keys else None
+        for key, (fn, kwargs) in jobs.items():
+            if key not in async_keys:
+                outcomes[key] = _outcome(key, fn, kwargs, timeout_s)
+        if batch is not None:
+            outcomes.update(batch.results())
+
     total = [0.0] * n
     result = RewardResult(total=total, per_function={}, errors={}, nones={})
     for key, func in zip(keys, functions, strict=True):
-        scores, errors, nones = _score_one(
-            key, func, prompts, completions, completion_ids, columns, on_error, timeout_s
-        )
+        scores, errors, nones = _collect(key, outcomes.get(key), n, on_error) if n else ([], 0, 0)
         result.per_function[key], result.errors[key], result.nones[key] = scores, errors, nones
         for i, value in enumerate(scores):
             total[i] += func.weight * value
     return result
 
 
-def _score_one(
-    key: str,
-    func: RewardFunction,
-    prompts: list[str],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    columns: dict[str, list],
-    on_error: str,
-    timeout_s: float,
-) -> tuple[list[float], int, int]:
-    """One function's (scores, error count, None count), with failures contained or raised per on_error."""
-    n = len(completions)
-    if n == 0:
-        return [], 0, 0
-    # Fresh lists per call: a function that mutates its inputs (or a timed-out one still running) cannot
-    # change what the next function sees.
-    kwargs = {
-        "prompts": list(prompts),
-        "completions": list(completions),
-        "completion_ids": [list(ids) for ids in completion_ids],
-        **{name: list(values) for name, values in columns.items()},
-    }
+def _is_async(fn: Any) -> bool:
+    """An ``async def`` function (or partial of one, or an object with an ``async def __call__``)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _outcome(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: float) -> Any:
+    """A sync function's value, or its _Failure."""
     try:
-        values = _check_length(_call_with_timeout(key, func.fn, kwargs, timeout_s), n)
+        return _call_with_timeout(key, fn, kwargs, timeout_s)
+    except _Failure as failure:
+        return failure
+
+
+def _collect(key: str, outcome: Any, n: int, on_error: str) -> tuple[list[float], int, int]:
+    """One function's (scores, error count, None count), with failures contained or raised per on_error."""
+    try:
+        if isinstance(outcome, _Failure):
+            raise outcome
+        values = _check_length(outcome, n)
     except _Failure as failure:
         _handle(key, failure, on_error, samples=n)
         return [0.0] * n, n, 0
 
-    scores, bad, nones = [], [], 0
+    scores, bad, item_errors, nones = [], [], {}, 0
     for i, value in enumerate(values):
         if value is None:
             nones += 1
+            scores.append(0.0)
+        elif isinstance(value, RewardError):
+            item_errors.setdefault(value.kind, []).append(i)
             scores.append(0.0)
         elif isinstance(value, numbers.Real) and math.isfinite(float(value)):
             scores.append(float(value))
         else:
             bad.append(i)
             scores.append(0.0)
+    for kind, indices in item_errors.items():
+        first = values[indices[0]]
+        failure = _Failure(
+            f"item:{kind}",
+            f"failed on {len(indices)} of {n} samples ({kind}; sample {indices[0]}: {first.message})",
+        )
+        _handle(key, failure, on_error, samples=len(indices))
     if bad:
         first = values[bad[0]]
         failure = _Failure(
             "bad_item",
-            f"returned {len(bad)} of {n} items that are not a finite number or None "
+            f"returned {len(bad)} of {n} items that are not a finite number, None or RewardError "
             f"(item {bad[0]} is {first!r} of type {type(first).__name__})",
         )
         _handle(key, failure, on_error, samples=len(bad))
-    return scores, len(bad), nones
+    return scores, len(bad) + sum(len(indices) for indices in item_errors.values()), nones
 
 
 def _call_with_timeout(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: float) -> Any:
@@ -165,7 +203,10 @@ def _call_with_timeout(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: flo
 
     def target() -> None:
         try:
-            box["value"] = fn(**kwargs)
+            value = fn(**kwargs)
+            if inspect.isawaitable(value):  # a sync callable that hands back a coroutine: run it here
+                value = asyncio.run(_awaited(value))
+            box["value"] = value
         except BaseException as err:  # SystemExit too: a reward function must not end the run
             box["error"] = err
 
@@ -178,9 +219,81 @@ def _call_with_timeout(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: flo
             f"took longer than reward.timeout_s={timeout_s:g}s (the call is abandoned and may still be running)",
         )
     if "error" in box:
-        err = box["error"]
-        raise _Failure("raised", f"raised {type(err).__name__}: {err}", cause=err)
+        raise _raised(box["error"])
     return box["value"]
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _raised(err: BaseException) -> _Failure:
+    return _Failure("raised", f"raised {type(err).__name__}: {err}", cause=err)
+
+
+# Extra wait for the event loop thread beyond timeout_s: asyncio cancels a timed-out coroutine at its next
+# await, so a well-behaved one is done well within this.
+_ASYNC_GRACE_S = 0.5
+
+
+class _AsyncBatch:
+    """The step's async functions, awaited concurrently in one event loop on a daemon thread."""
+
+    def __init__(self, jobs: dict[str, tuple[Any, dict[str, Any]]], timeout_s: float) -> None:
+        self._jobs, self._timeout_s = jobs, timeout_s
+        self._deadline = time.monotonic() + timeout_s + _ASYNC_GRACE_S
+        self._done: dict[str, Any] = {}
+        self._crash: BaseException | None = None
+        # Set when every function has an outcome; asyncio.run may take longer to return (it waits for the
+        # loop's worker threads, e.g. sandboxed programs that a cancelled call had started).
+        self._finished = threading.Event()
+        threading.Thread(target=self._run, name="reward:async", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._gather())
+        except BaseException as err:  # SystemExit/KeyboardInterrupt in a task escape the loop: contain them
+            self._crash = err
+        finally:
+            self._finished.set()
+
+    async def _gather(self) -> None:
+        async def one(key: str, fn: Any, kwargs: dict[str, Any]) -> None:
+            try:
+                task = asyncio.ensure_future(fn(**kwargs))
+            except Exception as err:  # noqa: BLE001 - e.g. a TypeError from the call itself
+                self._done[key] = _raised(err)
+                return
+            finished, _ = await asyncio.wait({task}, timeout=self._timeout_s)
+            if not finished:
+                task.cancel()
+                self._done[key] = _Failure(
+                    "timeout", f"took longer than reward.timeout_s={self._timeout_s:g}s (the call was cancelled)"
+                )
+            elif task.exception() is not None:
+                self._done[key] = _raised(task.exception())
+            else:
+                self._done[key] = task.result()
+
+        await asyncio.gather(*(one(key, fn, kwargs) for key, (fn, kwargs) in self._jobs.items()))
+        self._finished.set()
+
+    def results(self) -> dict[str, Any]:
+        """Each function's value or _Failure; a function still running (the loop is stuck) counts as timed out."""
+        self._finished.wait(max(0.0, self._deadline - time.monotonic()))
+        done = dict(self._done)
+        for key in self._jobs:
+            if key not in done:
+                done[key] = (
+                    _raised(self._crash)
+                    if self._crash is not None
+                    else _Failure(
+                        "timeout",
+                        f"took longer than reward.timeout_s={self._timeout_s:g}s (the call blocks its event loop and "
+                        "is abandoned)",
+                    )
+                )
+        return done
 
 
 def _check_length(values: Any, n: int) -> list[Any]:

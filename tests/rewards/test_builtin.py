@@ -1,9 +1,20 @@
-"""Built-in rewards: answer extraction, normalisation, exact_match and format."""
+"""Built-in rewards: answer extraction, normalisation, exact_match, format and length_penalty."""
 
 import pytest
 
 from grpo_ds.rewards import BUILTIN_REWARDS
-from grpo_ds.rewards.builtin import exact_match, extract_answer, format_reward, normalize_answer
+from grpo_ds.rewards.builtin import (
+    LENGTH_PENALTY_END_TOKENS,
+    LENGTH_PENALTY_START_TOKENS,
+    exact_match,
+    extract_answer,
+    format_reward,
+    length_penalty,
+    make_length_penalty,
+    normalize_answer,
+)
+from grpo_ds.rewards.code_exec import code_exec
+from grpo_ds.rewards.math_answer import math_equivalence
 
 
 def em(completion: str, answer) -> float | None:
@@ -82,4 +93,33 @@ def test_helpers():
 
 
 def test_registry_names():
-    assert BUILTIN_REWARDS == {"exact_match": exact_match, "format": format_reward}
+    assert BUILTIN_REWARDS == {
+        "exact_match": exact_match,
+        "format": format_reward,
+        "math_equivalence": math_equivalence,
+        "length_penalty": length_penalty,
+        "code_exec": code_exec,
+    }
+
+
+def penalties(fn, lengths):
+    return fn(prompts=["q"] * len(lengths), completions=["c"] * len(lengths), completion_ids=[[7] * n for n in lengths])
+
+
+def test_length_penalty_shape():
+    short = make_length_penalty(4, 8)
+    # free up to 4 tokens, then -0.25 per token, -1.0 from 8 tokens on
+    assert penalties(short, [0, 3, 4, 5, 6, 7, 8, 100]) == [0.0, 0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
+    assert all(str(v) != "-0.0" for v in penalties(short, [0, 4]))  # a clean 0.0 in the logs
+
+
+def test_builtin_length_penalty_defaults():
+    start, end = LENGTH_PENALTY_START_TOKENS, LENGTH_PENALTY_END_TOKENS
+    assert (start, end) == (512, 1024)
+    assert penalties(length_penalty, [start, (start + end) // 2, end, 5000]) == [0.0, -0.5, -1.0, -1.0]
+
+
+@pytest.mark.parametrize("start, end", [(8, 8), (9, 8), (-1, 8)])
+def test_make_length_penalty_rejects_bad_thresholds(start, end):
+    with pytest.raises(ValueError, match="start_tokens < end_tokens"):
+        make_length_penalty(start, end)

@@ -51,6 +51,28 @@ def test_user_function_by_module_path(user_module):
     assert func.fn(prompts=["p"], completions=["abc"], completion_ids=[[1]]) == [3.0]
 
 
+def test_async_user_function_loads(user_module):
+    mod = user_module(
+        "rw_async_mod",
+        """
+        async def judge(*, completions, **kwargs):
+            return [1.0 for c in completions]
+    """,
+    )
+    (func,) = load_reward_functions([{"name": f"{mod}:judge"}])
+    assert func.name == "rw_async_mod:judge"
+
+
+def test_async_function_with_a_bad_signature_is_caught(user_module):
+    mod = user_module("rw_async_bad_mod", "async def judge(completions):\n    return []\n")
+    assert "**columns" in load_error([{"name": f"{mod}:judge"}]).fix
+
+
+def test_new_builtins_load_by_name():
+    names = ["math_equivalence", "length_penalty", "code_exec"]
+    assert [f.name for f in load_reward_functions([{"name": n} for n in names])] == names
+
+
 def test_unknown_builtin_suggests_the_nearest():
     err = load_error([{"name": "exact_mach"}])
     assert "reward.functions[0]" in err.where

@@ -1,5 +1,7 @@
 """score(): weighted totals, None handling, and containment of failing reward functions."""
 
+import asyncio
+import functools
 import logging
 import math
 import threading
@@ -8,7 +10,7 @@ import time
 import pytest
 
 from grpo_ds.errors import UserError
-from grpo_ds.rewards import RewardFailure, RewardFunction, score, scoring
+from grpo_ds.rewards import RewardError, RewardFailure, RewardFunction, score, scoring
 from grpo_ds.rewards.builtin import exact_match, format_reward
 
 COMPLETIONS = ["#### 1", "#### 2", "no answer"]
@@ -189,3 +191,152 @@ def test_misaligned_inputs_and_reserved_column_names():
             on_error="zero",
             timeout_s=1.0,
         )
+
+
+# ---- per-sample errors: RewardError
+
+
+def per_item(**kwargs):
+    return [1.0, RewardError("timeout", "ran past 2s"), RewardError("blocked", "opened a socket")]
+
+
+def test_reward_error_items_score_zero_and_count_per_sample(caplog):
+    with caplog.at_level(logging.WARNING, logger="grpo_ds.rewards"):
+        res = run([fn("sandboxed", 2.0, per_item), fn("format", 1.0, format_reward)])
+    assert res.per_function["sandboxed"] == [1.0, 0.0, 0.0] and res.errors["sandboxed"] == 2
+    assert res.total == [3.0, 1.0, 0.0] and res.errors["format"] == 0
+    assert "'sandboxed' failed on 1 of 3 samples (timeout; sample 1: ran past 2s)" in caplog.text
+    assert "(blocked; sample 2: opened a socket)" in caplog.text
+
+
+def test_reward_error_items_with_on_error_fail():
+    with pytest.raises(RewardFailure, match=r"'sandboxed' failed on 1 of 3 samples \(timeout; sample 1: ran past 2s\)"):
+        run([fn("sandboxed", 1.0, per_item)], on_error="fail")
+
+
+def test_reward_errors_and_bad_items_add_up():
+    res = run([fn("mixed", 1.0, lambda **kw: [RewardError("memory", "oom"), "x", None])])
+    assert res.errors["mixed"] == 2 and res.nones["mixed"] == 1
+
+
+# ---- async functions
+
+
+def sleeper(delay, value=1.0):
+    async def reward(*, completions, **kwargs):
+        await asyncio.sleep(delay)
+        return [value] * len(completions)
+
+    return reward
+
+
+def test_async_functions_run_concurrently():
+    start = time.monotonic()
+    res = run([fn("a", 1.0, sleeper(0.5)), fn("b", 2.0, sleeper(0.5, 0.5))])
+    elapsed = time.monotonic() - start
+    assert 0.45 < elapsed < 0.9  # together, not one after the other (1.0 s)
+    assert res.total == [2.0, 2.0, 2.0] and res.errors == {"a": 0, "b": 0}
+
+
+def test_async_functions_overlap_sync_ones():
+    def slow_sync(*, completions, **kwargs):
+        time.sleep(0.4)
+        return [1.0] * len(completions)
+
+    start = time.monotonic()
+    res = run([fn("sync", 1.0, slow_sync), fn("async", 1.0, sleeper(0.4))])
+    assert time.monotonic() - start < 0.75 and res.total == [2.0, 2.0, 2.0]
+
+
+def test_async_timeout_cancels_only_that_function():
+    cancelled = threading.Event()
+
+    async def hangs(**kwargs):
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cancelled.set()
+
+    start = time.monotonic()
+    res = run(
+        [fn("hangs", 1.0, hangs), fn("quick", 1.0, sleeper(0.05)), fn("format", 1.0, format_reward)], timeout_s=0.3
+    )
+    assert time.monotonic() - start < 1.0 and cancelled.wait(1.0)  # cancelled, not left running
+    assert res.errors["hangs"] == 3 and res.per_function["quick"] == [1.0, 1.0, 1.0]
+    assert res.total == [2.0, 2.0, 1.0]
+
+
+def test_async_function_that_blocks_its_loop_is_abandoned():
+    release = threading.Event()
+
+    async def blocks(**kwargs):
+        release.wait(3.0)  # never awaits: wait_for cannot interrupt it
+        return [1.0, 1.0, 1.0]
+
+    try:
+        start = time.monotonic()
+        res = run([fn("blocks", 1.0, blocks)], timeout_s=0.2)
+        assert time.monotonic() - start < 1.5 and res.errors["blocks"] == 3
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("exc", [ZeroDivisionError("bad"), SystemExit(3)])
+def test_async_raise_is_contained(exc, caplog):
+    async def raises(**kwargs):
+        raise exc
+
+    with caplog.at_level(logging.WARNING, logger="grpo_ds.rewards"):
+        res = run([fn("raises", 1.0, raises), fn("ok", 1.0, sleeper(0.01))])
+    assert res.errors["raises"] == 3 and res.per_function["raises"] == [0.0, 0.0, 0.0]
+    assert type(exc).__name__ in caplog.text
+    if isinstance(exc, ZeroDivisionError):
+        assert res.per_function["ok"] == [1.0, 1.0, 1.0]
+
+
+def test_async_failures_with_on_error_fail():
+    async def raises(**kwargs):
+        raise ValueError("judge unreachable")
+
+    with pytest.raises(RewardFailure, match="'judge'.*ValueError: judge unreachable"):
+        run([fn("judge", 1.0, raises)], on_error="fail")
+    with pytest.raises(RewardFailure, match="timeout_s"):
+        run([fn("slow", 1.0, sleeper(5))], on_error="fail", timeout_s=0.1)
+
+
+def test_async_return_values_are_checked_like_sync_ones():
+    async def short(**kwargs):
+        return [1.0]
+
+    async def items(**kwargs):
+        return [1.0, RewardError("timeout", "t"), "x"]
+
+    res = run([fn("short", 1.0, short), fn("items", 1.0, items)])
+    assert res.errors == {"short": 3, "items": 2}
+
+
+def test_async_callables_and_partials_are_awaited():
+    class Judge:
+        async def __call__(self, *, completions, scale, **kwargs):
+            await asyncio.sleep(0.01)
+            return [scale] * len(completions)
+
+    async def scaled(*, completions, scale, **kwargs):
+        return [scale] * len(completions)
+
+    res = run(
+        [
+            fn("judge", 1.0, functools.partial(Judge(), scale=0.5)),
+            fn("partial", 1.0, functools.partial(scaled, scale=0.25)),
+        ]
+    )
+    assert res.per_function == {"judge": [0.5] * 3, "partial": [0.25] * 3}
+
+
+def test_sync_function_returning_a_coroutine_is_awaited():
+    async def inner(n):
+        await asyncio.sleep(0.01)
+        return [1.0] * n
+
+    res = run([fn("wrapped", 1.0, lambda *, completions, **kw: inner(len(completions)))])
+    assert res.per_function["wrapped"] == [1.0, 1.0, 1.0] and res.errors["wrapped"] == 0

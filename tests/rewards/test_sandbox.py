@@ -1,0 +1,237 @@
+"""run_python: a confined process that contains loops, memory and fork bombs, network and file access.
+
+Each test runs tiny programs (~0.1 s each); only the timeout tests wait for their limit (1-2 s). The kernel
+layers are also tested alone (audit hook off) where this machine has them; elsewhere those tests skip.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from grpo_ds.rewards.sandbox import OUTPUT_LIMIT_BYTES, run_python, sandbox_layers
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
+
+LIMITS = {"wall_s": 3.0, "cpu_s": 3, "memory_mb": 256}
+
+
+def run(code: str, **kwargs):
+    return run_python(code, **{**LIMITS, **kwargs})
+
+
+def layer_on(name: str) -> bool:
+    return sandbox_layers()[name].startswith("on")
+
+
+def process_group_members(pgid: int) -> list[int]:
+    members = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # field 5 of /proc/PID/stat, after the ")" that ends the command name
+            members.append(int(pid))
+    return members
+
+
+def test_program_runs_with_stdin_and_stdout():
+    res = run("import json, math, fractions, collections, re\nprint(input()[::-1], math.isqrt(17))", stdin="abc\n")
+    assert (res.status, res.returncode, res.stdout) == ("ok", 0, "cba 4\n")
+
+
+def test_exception_is_an_error_with_a_traceback_of_the_program_only():
+    res = run("def f():\n    return 1 / 0\nf()")
+    assert (res.status, res.returncode) == ("error", 1)
+    assert "ZeroDivisionError" in res.stderr and '"<solution>", line 2' in res.stderr
+    assert "sandbox_runner" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "code, status, returncode",
+    [
+        ("import sys; sys.exit(0)", "ok", 0),
+        ("import sys; sys.exit()", "ok", 0),
+        ("raise SystemExit(3)", "error", 3),
+        ("import sys; sys.exit(101)", "error", 1),  # the runner's own codes cannot be faked
+        ("import sys; sys.exit('bye')", "error", 1),
+        ("def f(:\n  pass", "error", 1),  # syntax error
+        ("import os; os._exit(0)", "error", 1),  # no exit that skips what follows
+    ],
+)
+def test_exit_codes(code, status, returncode):
+    res = run(code)
+    assert (res.status, res.returncode) == (status, returncode), res.stderr
+
+
+def test_infinite_loop_hits_the_wall_time_limit():
+    start = time.monotonic()
+    res = run("while True:\n    pass", wall_s=1.5, cpu_s=10)
+    assert res.status == "timeout" and time.monotonic() - start < 3.0
+
+
+def test_sleeping_program_hits_the_wall_time_limit():
+    start = time.monotonic()
+    res = run("import time\nprint('started', flush=True)\ntime.sleep(60)", wall_s=1.0)
+    assert res.status == "timeout" and res.stdout == "started\n" and time.monotonic() - start < 2.5
+
+
+def test_cpu_limit_is_enforced_by_the_kernel():
+    res = run("while True:\n    pass", wall_s=10, cpu_s=1)
+    assert res.status == "timeout" and res.returncode == -signal.SIGXCPU
+
+
+@pytest.mark.parametrize("code", ["x = bytearray(2_000_000_000)", "a = []\nwhile True:\n    a.append(' ' * 10**6)"])
+def test_memory_bomb_is_contained(code):
+    res = run(code, memory_mb=256)
+    assert res.status == "memory" and "out of memory" in res.stderr
+
+
+def test_fork_bomb_is_contained_and_leaves_nothing_behind():
+    res = run("import os\nprint(os.getpid(), flush=True)\nwhile True:\n    os.fork()")
+    assert res.status == "blocked" and "os.fork" in res.stderr
+    assert process_group_members(int(res.stdout)) == []  # the program's process group is gone
+
+
+def test_process_creation_is_blocked_every_way():
+    for code in [
+        "import subprocess; subprocess.run(['true'])",
+        "import os; os.system('true')",
+        "import multiprocessing as mp; mp.Process(target=print).start()",
+        "import os; os.execv('/bin/true', ['true'])",
+        "import pty; pty.fork()",
+    ]:
+        assert run(code).status == "blocked", code
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import socket; socket.create_connection(('127.0.0.1', 22), timeout=1)",
+        "import socket; socket.socket().connect(('8.8.8.8', 53))",
+        "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('8.8.8.8', 53))",
+        "import socket; socket.getaddrinfo('example.com', 80)",
+        "import urllib.request; urllib.request.urlopen('http://127.0.0.1:1', timeout=1)",
+    ],
+)
+def test_network_is_blocked(code):
+    res = run(code)
+    assert res.status == "blocked" and "socket" in res.stderr
+
+
+def test_reading_outside_the_folder_is_blocked():
+    for path in ["/etc/passwd", os.path.abspath(__file__), "/proc/self/environ", "../config.json"]:
+        res = run(f"print(open({path!r}).read()[:20])")
+        assert res.status == "blocked" and res.stdout == "", path
+    assert run("import os; print(os.listdir('/'))").status == "blocked"
+
+
+def test_writing_outside_the_folder_is_blocked(tmp_path):
+    target = tmp_path / "escaped.txt"
+    for code in [
+        f"open({str(target)!r}, 'w').write('x')",
+        "open('../x', 'w').write('x')",
+        f"import os; os.mkdir({str(tmp_path / 'd')!r})",
+        f"import os; os.remove({str(target)!r})",
+        "import os; os.link('/etc/passwd', 'p')",
+        "import os; os.symlink('/etc', 'e')",
+        "import os; os.chdir('/tmp')",
+        "import shutil; shutil.copy('/etc/hostname', 'h')",
+    ]:
+        assert run(code).status == "blocked", code
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writing_a_native_extension_is_blocked():
+    # an imported .so would run native code that no audit hook sees
+    for code in ["open('evil.so', 'wb')", "import os\nopen('m.txt', 'w').close()\nos.rename('m.txt', 'm.abi3.so')"]:
+        res = run(code)
+        assert res.status == "blocked" and "native extension" in res.stderr, code
+
+
+def test_a_caught_violation_still_counts():
+    res = run("try:\n    open('/etc/passwd')\nexcept PermissionError:\n    print('caught')")
+    assert res.status == "blocked" and res.stdout == "caught\n"
+
+
+def test_the_folder_is_private_writable_and_removed_afterwards():
+    code = (
+        "import os, tempfile\nopen('a.txt', 'w').write('hi')\nos.mkdir('d')\nos.rename('a.txt', 'd/b.txt')\n"
+        "with tempfile.TemporaryDirectory() as t:\n    open(os.path.join(t, 'x'), 'w').close()\n"
+        "print(os.getcwd())\nprint(sorted(os.listdir('.')), open('d/b.txt').read())"
+    )
+    res = run(code)
+    assert res.status == "ok", res.stderr
+    folder, listing = res.stdout.splitlines()
+    assert listing == "['d'] hi" and not os.path.exists(folder)
+
+
+def test_environment_is_cleared(monkeypatch):
+    monkeypatch.setenv("GRPO_DS_SECRET_TOKEN", "hunter2")
+    res = run("import os; print(sorted(os.environ))")
+    assert res.status == "ok" and "GRPO_DS_SECRET_TOKEN" not in res.stdout and "PATH" not in res.stdout
+
+
+def test_output_is_capped():
+    res = run(f"print('x' * {4 * OUTPUT_LIMIT_BYTES})")
+    assert res.status == "ok" and len(res.stdout) < OUTPUT_LIMIT_BYTES + 100
+    assert res.stdout.endswith("[output truncated]")
+
+
+def test_threads_and_asyncio_work():
+    res = run(
+        "import threading, asyncio\nout = []\nt = threading.Thread(target=out.append, args=(1,))\n"
+        "t.start(); t.join()\nasync def f():\n    await asyncio.sleep(0.01)\n    return 2\n"
+        "print(out[0] + asyncio.run(f()))"
+    )
+    if not layer_on("seccomp"):  # asyncio imports _posixsubprocess, allowed only when the kernel stops forks
+        assert res.status == "blocked"
+    else:
+        assert (res.status, res.stdout) == ("ok", "3\n"), res.stderr
+
+
+def test_bad_limits_are_refused():
+    with pytest.raises(ValueError, match="positive"):
+        run_python("", wall_s=0)
+
+
+# ---- the kernel layers alone (audit hook off): what native code would meet
+
+
+def test_kernel_stops_forks_without_the_audit_hook():
+    if not layer_on("seccomp"):
+        pytest.skip(f"no seccomp filter here: {sandbox_layers()['seccomp']}")
+    code = (
+        "import os, ctypes\ntry:\n    os.fork()\nexcept OSError as e:\n    print(e.errno)\n"
+        "print(ctypes.CDLL(None, use_errno=True).fork() == -1)"
+    )
+    res = run(code, audit_hook=False)
+    assert (res.status, res.stdout) == ("ok", "1\nTrue\n"), res.stderr  # EPERM, from Python and from C
+
+
+def test_kernel_stops_network_without_the_audit_hook():
+    if not (layer_on("seccomp") or layer_on("network_namespace") or "tcp" in sandbox_layers()["landlock"]):
+        pytest.skip("no kernel network layer here")
+    code = (
+        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+        "except OSError:\n    print('no')"
+    )
+    res = run(code, audit_hook=False)
+    assert (res.status, res.stdout) == ("ok", "no\n"), res.stderr
+
+
+def test_kernel_stops_file_access_without_the_audit_hook(tmp_path):
+    if not layer_on("landlock"):
+        pytest.skip(f"no Landlock here: {sandbox_layers()['landlock']}")
+    code = (
+        f"for path, mode in [('/etc/passwd', 'r'), ({os.path.abspath(__file__)!r}, 'r'), "
+        f"({str(tmp_path / 'x')!r}, 'w'), ('../x', 'w')]:\n"
+        "    try:\n        open(path, mode)\n        print('opened', path)\n"
+        "    except PermissionError:\n        pass\nprint('done')"
+    )
+    res = run(code, audit_hook=False)
+    assert (res.status, res.stdout) == ("ok", "done\n"), res.stdout + res.stderr
