@@ -1,0 +1,414 @@
+"""The agent rollout engine: turn layout, loss mask, token exactness (what the trainer sees is what was sampled),
+zero gradient through observation tokens, limits, determinism, and loading environments by name."""
+
+import functools
+import math
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from grpo_ds import kernels
+from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.batching import collate
+from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.envs import CalculatorEnv
+from grpo_ds.errors import UserError
+from grpo_ds.rollout.agent import AgentRolloutEngine, StepResult, load_env_factory
+from grpo_ds.rollout.base import Rollouts, SamplingParams
+
+TOK = build_tiny_tokenizer()
+EOS = TOK.eos_token_id
+
+
+class EchoEnv:
+    """Answers every model turn with "[obs N]", rewards turn N with N / 10, is done after ``done_after`` turns;
+    records what it saw and said."""
+
+    turn_stop = ("!",)
+
+    def __init__(self, done_after: int = 99, intro: str = "", observation: str = "[obs {}]") -> None:
+        self.done_after, self.intro, self.observation = done_after, intro, observation
+        self.seen, self.observations, self.rewards, self.done = [], [], [], False
+
+    def reset(self, row: dict) -> str:
+        return self.intro
+
+    def step(self, model_turn: str) -> StepResult:
+        self.seen.append(model_turn)
+        n = len(self.seen)
+        self.observations.append(self.observation.format(n))
+        self.rewards.append(n / 10)
+        self.done = n >= self.done_after
+        return StepResult(self.observations[-1], self.rewards[-1], self.done)
+
+
+def recording(env_class, **options):
+    """An env factory that keeps every environment it builds, in episode order."""
+    made = []
+
+    def factory():
+        made.append(env_class(**options))
+        return made[-1]
+
+    return factory, made
+
+
+def tiny_model(seed=0):
+    return build_tiny_model(len(TOK), hidden_size=32, num_layers=1, num_heads=4, seed=seed)
+
+
+def engine(factory, model=None, max_turns=3, max_total_tokens=24, batch_prompts=64):
+    return AgentRolloutEngine(model if model is not None else tiny_model(), TOK.pad_token_id, EOS, TOK, factory,
+                              max_turns, max_total_tokens, batch_prompts)
+
+
+def scripted(model, policy):
+    """Make ``model`` sample, with probability ~1, the character ``policy(context_text)`` returns (None: EOS).
+
+    A forward hook rewrites the last position's logits; it rebuilds each row's full context from the prefill
+    input and the single tokens fed at each cached decoding step.
+    """
+    state = {}
+
+    def hook(module, args, kwargs, output):
+        ids = kwargs["input_ids"]
+        state["seqs"] = ids.clone() if ids.shape[1] > 1 else torch.cat([state["seqs"], ids], dim=1)
+        logits = output.logits[:, -1]  # (B, V)
+        logits.fill_(-1e4)
+        for b, seq in enumerate(state["seqs"]):
+            char = policy(TOK.decode(seq, skip_special_tokens=True))
+            logits[b, EOS if char is None else TOK.convert_tokens_to_ids(char)] = 1e4
+        return output
+
+    model.register_forward_hook(hook, with_kwargs=True)
+    return model
+
+
+def call_then_copy(context: str) -> str | None:
+    """The ideal calculator policy: call with "?", then copy the value inside [...], then EOS."""
+    if "[" not in context:
+        return "?"
+    value, after = context[context.rindex("[") + 1: context.rindex("]")], context[context.rindex("]") + 1:]
+    return value[len(after)] if len(after) < len(value) else None
+
+
+def runs(mask):
+    """Maximal runs of equal loss-mask values: [(value, start, end)]."""
+    out = []
+    for t, m in enumerate(mask):
+        if out and out[-1][0] == m:
+            out[-1][2] = t + 1
+        else:
+            out.append([m, t, t + 1])
+    return [tuple(r) for r in out]
+
+
+ARITH = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "0+1=", "answer": "1"}]
+
+
+def arith_prompts(rows=ARITH):
+    return [TOK.encode(r["prompt"]) for r in rows]
+
+
+# ------------------------------------------------------------------------------------------ layout
+
+
+def test_random_model_layout_loss_mask_observation_tokens_and_sampler_logprobs():
+    factory, envs = recording(EchoEnv, done_after=2, intro="<go>")
+    model = tiny_model()
+    eng = engine(factory, model, max_turns=3, max_total_tokens=24)
+    temperature = 0.7
+    out = eng.generate(arith_prompts(), 4, SamplingParams(max_new_tokens=4, temperature=temperature, seed=1), ARITH)
+    assert len(out) == 12 and len(envs) == 12
+    assert out.prompt_ids == [p for p in arith_prompts() for _ in range(4)]
+    for i, env in enumerate(envs):
+        ids, mask, logprobs = out.response_ids[i], out.loss_mask[i], out.sampler_logprobs[i]
+        assert len(ids) == len(mask) == len(logprobs) <= 24
+        assert EOS not in ids[:-1]
+        segments = runs(mask)
+        # the reset text first (mask 0), then model turns and observations alternate
+        intro = TOK("<go>", add_special_tokens=False)["input_ids"]
+        assert segments[0] == (0, 0, len(intro)) and ids[: len(intro)] == intro
+        model_turns = [(s, e) for m, s, e in segments if m == 1]
+        observations = [(s, e) for m, s, e in segments[1:] if m == 0]
+        assert len(model_turns) == len(env.seen) <= 3
+        for (s, e), text in zip(model_turns, env.seen, strict=True):
+            turn = ids[s:e]
+            assert TOK.decode(turn[:-1] if turn[-1] == EOS else turn, skip_special_tokens=True) == text
+            assert all(math.isfinite(lp) and lp < 0 for lp in logprobs[s:e])
+        for k, (s, e) in enumerate(observations):  # each observation tokenized alone, appended as is
+            expected = TOK(env.observations[k], add_special_tokens=False)["input_ids"]
+            assert ids[s:e] == expected[: e - s]
+            assert e - s == len(expected) or e == 24  # only the budget may cut one
+        assert all(logprobs[t] == 0.0 for t in range(len(ids)) if mask[t] == 0)
+        assert out.env_rewards[i] == pytest.approx(sum(env.rewards))
+        # no observation after the last model turn: the response ends with a model token unless the budget was hit
+        assert mask[-1] == 1 or len(ids) == 24
+        if out.finish_reason[i] == "stop":
+            assert env.done or ids[-1] == EOS
+        else:
+            assert out.finish_reason[i] == "length"
+        # the model's tokens were sampled from exactly this token history: one unpadded forward pass gives the
+        # sampler's log-probs (tolerance: batched left-padded generate vs one sequence, fp32 in another order)
+        p = len(out.prompt_ids[i])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([out.prompt_ids[i] + ids])).logits[0, p - 1: p + len(ids) - 1]
+        expected = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        trained = torch.tensor(mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(logprobs)[trained], expected[trained], rtol=1e-4, atol=1e-4)
+    assert {"stop", "length"} >= set(out.finish_reason)
+
+
+def test_scripted_model_calls_the_calculator_and_copies_the_answer():
+    model = scripted(tiny_model(), call_then_copy)
+    eng = engine(CalculatorEnv, model, max_turns=3, max_total_tokens=12)
+    rows = ARITH + [{"prompt": "9*9=", "answer": "81"}]
+    out = eng.generate(arith_prompts(rows), 2, SamplingParams(max_new_tokens=12, seed=0), rows)
+    for i, row in enumerate(r for r in rows for _ in range(2)):
+        value = row["answer"]
+        obs = TOK.encode(f"[{value}]")
+        assert out.response_ids[i] == TOK.encode("?") + obs + TOK.encode(value) + [EOS]
+        assert out.loss_mask[i] == [1] + [0] * len(obs) + [1] * (len(value) + 1)
+        assert out.sampler_logprobs[i][1: 1 + len(obs)] == [0.0] * len(obs)
+        assert out.finish_reason[i] == "stop"
+        assert out.env_rewards[i] == pytest.approx(1.1)  # call_reward 0.1 + a correct answer 1.0
+        assert out.trained_tokens(i) == len(value) + 2
+
+
+def test_a_correct_answer_without_the_tool_scores_one():
+    model = scripted(tiny_model(), lambda context: "7" if context.endswith("=") else None)
+    out = engine(CalculatorEnv, model).generate(arith_prompts()[:1], 2, SamplingParams(8, seed=0), ARITH[:1])
+    assert out.response_ids == [TOK.encode("7") + [EOS]] * 2 and out.env_rewards == [1.0, 1.0]
+    assert out.loss_mask == [[1, 1]] * 2 and out.finish_reason == ["stop", "stop"]
+
+
+def test_eos_right_away_ends_the_episode_with_stop():
+    factory, envs = recording(EchoEnv)
+    model = scripted(tiny_model(), lambda context: None)
+    out = engine(factory, model).generate(arith_prompts()[:1], 2, SamplingParams(8, seed=0), ARITH[:1])
+    assert out.response_ids == [[EOS], [EOS]] and out.finish_reason == ["stop", "stop"]
+    assert envs[0].seen == [""] and out.env_rewards == [0.1, 0.1]  # the env still scores the (empty) turn
+
+
+def test_max_turns_ends_with_length_and_no_observation_after_the_last_turn():
+    model = scripted(tiny_model(), lambda context: "?")  # calls forever
+    out = engine(CalculatorEnv, model, max_turns=2, max_total_tokens=20).generate(
+        arith_prompts()[:1], 1, SamplingParams(8, seed=0), ARITH[:1])
+    assert TOK.decode(out.response_ids[0]) == "?[7]?"
+    assert out.loss_mask[0] == [1, 0, 0, 0, 1] and out.finish_reason == ["length"]
+    assert out.env_rewards == [pytest.approx(0.1)]  # only the first call earns call_reward
+
+
+def test_an_observation_past_the_budget_is_cut_and_ends_with_length():
+    factory, envs = recording(EchoEnv, observation="a long observation {}")
+    model = scripted(tiny_model(), lambda context: "!")  # a one-token turn ended by the stop string
+    out = engine(factory, model, max_total_tokens=8).generate(arith_prompts()[:1], 1, SamplingParams(8, seed=0),
+                                                             ARITH[:1])
+    assert out.response_ids[0] == TOK.encode("!") + TOK("a long observation 1", add_special_tokens=False)[
+        "input_ids"][:7]
+    assert out.loss_mask[0] == [1] + [0] * 7 and out.finish_reason == ["length"]
+
+
+def test_a_turn_ends_at_a_multi_token_stop_string_and_at_the_per_turn_cap():
+    class Tagged(EchoEnv):
+        turn_stop = ("</c>",)
+
+    factory, envs = recording(Tagged, done_after=2)
+
+    def policy(context):
+        turn = context.rsplit("]", 1)[-1] if "[" in context else context.split("=", 1)[1]
+        return "1</c>zzzzz"[len(turn)] if "[obs" not in context else "x"
+
+    out = engine(factory, scripted(tiny_model(), policy)).generate(arith_prompts()[:1], 1,
+                                                                   SamplingParams(max_new_tokens=6, seed=0), ARITH[:1])
+    assert envs[0].seen == ["1</c>", "xxxxxx"]  # ended by the 4-token stop string; then by the cap of 6
+    assert TOK.decode(out.response_ids[0]) == "1</c>[obs 1]xxxxxx"
+    assert out.finish_reason == ["length"]  # the env was done, but the last turn was cut by the per-turn cap
+
+
+def test_same_seed_same_rollouts_other_seed_differs_and_rows_must_match_prompts():
+    factory, _ = recording(EchoEnv, done_after=2)
+    eng = engine(factory)
+    a = eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=3, seed=5), ARITH)
+    b = eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=3, seed=5), ARITH)
+    assert a == b
+    c = eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=3, seed=6), ARITH)
+    assert c.response_ids != a.response_ids
+    with pytest.raises(ValueError, match="one data row per prompt"):
+        eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=3), ARITH[:2])
+    with pytest.raises(ValueError, match="no rows"):
+        eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=3))
+
+
+def test_chunks_of_prompts_concatenate_in_order_and_update_weights_reaches_the_model():
+    eng = engine(CalculatorEnv, batch_prompts=2)
+    out = eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=2, seed=0), ARITH)
+    assert out.prompt_ids == [p for p in arith_prompts() for _ in range(2)]
+    assert len(out.loss_mask) == len(out.env_rewards) == 6
+    donor = tiny_model(seed=1)
+    assert eng.update_weights((n, p.detach()) for n, p in donor.named_parameters()) == len(list(donor.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(eng.model.parameters(), donor.parameters(), strict=True))
+
+
+# ------------------------------------------------------------------------------------------ trainer side
+
+
+def _multi_turn_rollouts():
+    """Random-model episodes with observations in the middle of most responses."""
+    factory, _ = recording(EchoEnv, done_after=3)
+    eng = engine(factory, max_turns=3, max_total_tokens=20)
+    out = eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=3, seed=3), ARITH)
+    assert any(0 in m[:-1] and 1 in m for m in out.loss_mask)
+    return out
+
+
+def test_the_tokens_the_trainer_sees_are_exactly_the_tokens_the_rollout_produced():
+    out = _multi_turn_rollouts()
+    order = [5, 0, 3, 1, 4, 2]  # a micro-batch in any order
+    mb = collate(out, order, TOK.pad_token_id, torch.device("cpu"))
+    for b, sid in enumerate(order):
+        seq = out.prompt_ids[sid] + out.response_ids[sid]
+        assert mb.input_ids[b, : len(seq)].tolist() == seq
+        assert mb.attention_mask[b].sum().item() == len(seq)
+    assert mb.target_ids.tolist() == [t for sid in order for t in out.response_ids[sid]]
+    loss_mask = [m for sid in order for m in out.token_loss_mask(sid)]  # flat, in collate's order
+    assert len(loss_mask) == mb.num_tokens
+    if hasattr(mb, "loss_mask"):  # collate builds it too once the driver applies the mask
+        assert mb.loss_mask.tolist() == loss_mask
+
+
+def test_observation_tokens_get_exactly_zero_gradient():
+    out = _multi_turn_rollouts()
+    order = list(range(len(out)))
+    mb = collate(out, order, TOK.pad_token_id, torch.device("cpu"))
+    loss_mask = torch.tensor([m for sid in order for m in out.token_loss_mask(sid)], dtype=torch.float32)
+    model = tiny_model().train()
+    hidden = model.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state  # (B, T, H)
+    scored = hidden[mb.row, mb.logit_pos]  # (N_tok, H) the states that score each response token
+    scored.retain_grad()
+    advantages = torch.linspace(-1.0, 1.0, len(order))[mb.seq_index]  # (N_tok,) non-zero for every sample
+    sequence_weight = torch.full((mb.num_tokens,), 1.0 / mb.num_tokens)
+    inputs = kernels.LossInputs(mb.target_ids, advantages, sequence_weight * loss_mask)  # how the driver masks
+    loss = kernels.policy_loss_from_hidden(scored, model.lm_head.weight, inputs, LossConfig(), backend="torch").loss
+    loss.backward()
+    observation = loss_mask == 0
+    assert observation.any() and (~observation).any()
+    assert torch.equal(scored.grad[observation], torch.zeros_like(scored.grad[observation]))
+    assert (scored.grad[~observation].abs().sum(dim=-1) > 0).all()
+    # and the parameters get the gradient of the model tokens' loss alone
+    head_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    keep = ~observation
+    model_only = kernels.LossInputs(mb.target_ids[keep], advantages[keep], sequence_weight[keep])
+    kernels.policy_loss_from_hidden(scored.detach()[keep], model.lm_head.weight, model_only, LossConfig(),
+                                    backend="torch").loss.backward()
+    torch.testing.assert_close(model.lm_head.weight.grad, head_grad, rtol=1e-6, atol=1e-9)
+
+
+def test_rollouts_select_and_concat_keep_the_mask_and_env_rewards():
+    out = _multi_turn_rollouts()
+    picked = out.select([3, 1])
+    assert picked.loss_mask == [out.loss_mask[3], out.loss_mask[1]]
+    assert picked.env_rewards == [out.env_rewards[3], out.env_rewards[1]]
+    both = Rollouts.concat([picked, out.select([0])])
+    assert both.response_ids == [out.response_ids[i] for i in (3, 1, 0)] and len(both.env_rewards) == 3
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = []
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        names.append(name)
+        return name
+
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def load_error(name, options=None) -> UserError:
+    with pytest.raises(UserError) as info:
+        load_env_factory(name, options)
+    return info.value
+
+
+def test_builtin_env_by_name_with_and_without_options():
+    assert load_env_factory("calculator") is CalculatorEnv
+    factory = load_env_factory("calculator", {"call": "=", "call_reward": 0.0})
+    assert isinstance(factory, functools.partial)
+    env = factory()
+    assert env.turn_stop == ("=",) and env.call_reward == 0.0
+    assert factory() is not env  # a fresh environment per episode
+
+
+def test_user_env_from_a_module(user_module):
+    module = user_module("my_envs", """
+        from grpo_ds.rollout.agent import StepResult
+
+        class Echo:
+            turn_stop = ()
+
+            def __init__(self, reward=1.0):
+                self.reward = reward
+
+            def reset(self, row):
+                return ""
+
+            def step(self, model_turn):
+                return StepResult("", self.reward, True)
+    """)
+    factory = load_env_factory(f"{module}:Echo", {"reward": 2.0})
+    assert factory().step("x") == StepResult("", 2.0, True)
+
+
+def test_every_loading_mistake_is_a_one_line_user_error(user_module):
+    err = load_error("calculater")
+    assert err.where == "rollout.env" and "did you mean 'calculator'" in str(err)
+    assert "cannot import module" in str(load_error("no_such_module_xyz:Env"))
+    assert "not of the form" in str(load_error("my_envs:"))
+    module = user_module("bad_envs", """
+        NOT_CALLABLE = 3
+
+        class NoStep:
+            def reset(self, row):
+                return ""
+
+        class BadStop:
+            turn_stop = "?"
+
+            def reset(self, row):
+                return ""
+
+            def step(self, model_turn):
+                return None
+
+        raise_on_import = False
+    """)
+    assert "has no attribute" in str(load_error(f"{module}:Missing"))
+    assert "not a class or function" in str(load_error(f"{module}:NOT_CALLABLE"))
+    assert "no reset/step" in str(load_error(f"{module}:NoStep"))
+    assert "tuple of non-empty strings" in str(load_error(f"{module}:BadStop"))
+    err = load_error("calculator", {"cal": "?"})
+    assert err.where == "rollout.env_options" and "does not take these options" in str(err)
+    err = load_error("calculator", {"call": ""})
+    assert err.where == "rollout.env_options" and "call must be a non-empty string" in str(err)
+    broken = user_module("broken_envs", "raise RuntimeError('boom')\n")
+    assert "raised RuntimeError: boom" in str(load_error(f"{broken}:Env"))
+    assert "\n" not in str(err)
+
+
+def test_an_environment_that_raises_says_which_method():
+    class Broken(EchoEnv):
+        def step(self, model_turn):
+            raise KeyError("answer")
+
+    with pytest.raises(RuntimeError, match=r"environment step\(\) raised KeyError"):
+        engine(Broken).generate(arith_prompts()[:1], 1, SamplingParams(2, seed=0), ARITH[:1])
