@@ -10,8 +10,10 @@ model is loaded or any file is written.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from grpo_ds.models import load_tokenizer
 from grpo_ds.planner import plan_step, token_imbalance
 from grpo_ds.recipe import Recipe, load_recipe
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
+from grpo_ds.rollout.agent import load_env_factory
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Inputs:
     prompts: list[PromptRow]
     skipped_rows: int
     kernels_backend: str  # "triton" or "torch", resolved for the device
+    env_factory: Callable[[], Any] | None  # rollout.engine "agent": builds one environment per episode
 
 
 def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
@@ -48,10 +52,12 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
     reward_functions = load_reward_functions(recipe.reward.functions)
     check_logging_extras(recipe.logging)
+    env_factory = load_env_factory(recipe.rollout.env, recipe.rollout.env_options) \
+        if recipe.rollout.engine == "agent" else None
     prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
                                        where=f"data.train {recipe.data.train}")
     check_columns({key for row in prompts for key in row.columns})
-    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend)
+    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory)
 
 
 def _kernels_backend(requested: str, device_type: str) -> str:
@@ -64,7 +70,8 @@ def _kernels_backend(requested: str, device_type: str) -> str:
 
 def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
     """Sequence lengths (prompt + completion) for one step: real prompt lengths from the dataset, completions
-    uniform in [1, max_new_tokens] ("uniform") or all at max_new_tokens ("max")."""
+    uniform in [1, the response limit] ("uniform") or all at the limit ("max"); the limit is max_new_tokens, or an
+    agent's max_total_tokens."""
     recipe = inputs.recipe
     rng = np.random.default_rng(recipe.run.seed)
     prompt_lengths = [len(p.prompt_ids) for p in inputs.prompts]
@@ -72,7 +79,7 @@ def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
     for _ in range(recipe.rollout.prompts_per_step):
         prompt = prompt_lengths[int(rng.integers(len(prompt_lengths)))]
         for _ in range(recipe.rollout.group_size):
-            top = recipe.rollout.max_new_tokens
+            top = recipe.max_response_tokens
             new = top if mode == "max" else int(rng.integers(1, top + 1))
             out.append(prompt + new)
     return out

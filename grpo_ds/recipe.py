@@ -72,10 +72,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = opt("hf", "Generation engine: transformers generate on an unsharded policy copy", choices=("hf",))
+    engine: str = opt("hf", "Generation engine: hf (transformers generate on an unsharded policy copy) or agent "
+                      "(multi-turn: model turns interleaved with an environment's observations)",
+                      choices=("hf", "agent"))
     prompts_per_step: int = opt(8, "Prompts sampled per training step (global, all ranks together)", low=1)
     group_size: int = opt(8, "Completions sampled per prompt; advantages are computed within a group", low=2)
-    max_new_tokens: int = opt(256, "Longest completion in tokens; generation also stops at EOS", low=1)
+    max_new_tokens: int = opt(256, "Longest completion in tokens (agent: longest model turn); generation also "
+                              "stops at EOS", low=1)
     temperature: float = opt(1.0, "Sampling temperature", low=0.0, low_open=True)
     top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this much probability", low=0.0,
                        high=1.0, low_open=True)
@@ -84,6 +87,11 @@ class RolloutConfig:
                                         low=1)
     weight_sync_bucket_mb: float = opt(256.0, "Size of each bucket of gathered ZeRO-3 weights sent to the "
                                        "rollout engine", low=0.0, low_open=True)
+    env: str | None = opt(None, 'agent: the environment, a built-in ("calculator") or "package.module:Class"')
+    env_options: dict = opt({}, "agent: keyword arguments of the environment's constructor")
+    max_turns: int = opt(4, "agent: most model turns per episode", low=1)
+    max_total_tokens: int | None = opt(None, "agent: response budget, model and observation tokens together "
+                                       "(null = max_new_tokens)", low=1)
 
 
 @dataclass(frozen=True)
@@ -211,8 +219,14 @@ class Recipe:
         return baseline, self.algorithm.scale_rewards or scale
 
     @property
+    def max_response_tokens(self) -> int:
+        """Longest possible response: max_new_tokens, or an agent episode's total budget."""
+        r = self.rollout
+        return (r.max_total_tokens or r.max_new_tokens) if r.engine == "agent" else r.max_new_tokens
+
+    @property
     def loss_agg_norm_tokens(self) -> int:
-        return self.algorithm.loss_agg_norm_tokens or self.rollout.max_new_tokens
+        return self.algorithm.loss_agg_norm_tokens or self.max_response_tokens
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -421,11 +435,18 @@ def validate(recipe: Recipe) -> None:
                         f"{recipe.rollout.prompts_per_step} x group_size {recipe.rollout.group_size})",
                         f"use a divisor such as {', '.join(map(str, sorted(near)))}, or null for all {samples}")
     cap = recipe.train.max_tokens_per_micro_batch
-    longest = recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
+    longest = recipe.data.max_prompt_tokens + recipe.max_response_tokens
+    budget = "rollout.max_total_tokens" if recipe.rollout.engine == "agent" else "rollout.max_new_tokens"
     if cap is not None and cap < longest:
         raise UserError("train.max_tokens_per_micro_batch", f"{cap} is less than the longest possible sequence "
-                        f"{longest} (data.max_prompt_tokens {recipe.data.max_prompt_tokens} + rollout.max_new_tokens "
-                        f"{recipe.rollout.max_new_tokens})", f"raise it to at least {longest}, or lower those limits")
+                        f"{longest} (data.max_prompt_tokens {recipe.data.max_prompt_tokens} + {budget} "
+                        f"{recipe.max_response_tokens})", f"raise it to at least {longest}, or lower those limits")
+    r = recipe.rollout
+    if r.engine == "agent" and r.env is None:
+        raise UserError("rollout.env", 'is needed with rollout.engine "agent"', 'e.g. "calculator"')
+    if r.engine != "agent" and (r.env is not None or r.env_options):
+        raise UserError("rollout.env", f'only applies to rollout.engine "agent" (engine is "{r.engine}")',
+                        'set rollout.engine to "agent", or remove rollout.env')
     m = recipe.model
     if m.path == "builtin:tiny" and m.tiny_hidden_size % m.tiny_num_heads:
         raise UserError("model.tiny_num_heads", f"{m.tiny_num_heads} does not divide tiny_hidden_size "
@@ -439,7 +460,7 @@ def validate(recipe: Recipe) -> None:
     if a.advantage == "dr_grpo" and a.scale_rewards not in (None, "none"):
         raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
-    _validate_reward_specs(recipe.reward.functions)
+    _validate_reward_specs(recipe.reward.functions, scored_by_env=recipe.rollout.engine == "agent")
 
 
 def _validate_algorithm(recipe: Recipe) -> None:
@@ -453,14 +474,14 @@ def _validate_algorithm(recipe: Recipe) -> None:
     if a.kl_in_reward and a.kl_coef == 0:
         raise UserError("algorithm.kl_in_reward", "is true but kl_coef is 0, so there is no KL to subtract",
                         "set algorithm.kl_coef > 0, or kl_in_reward to false")
-    buffer = a.overlong_buffer_tokens
-    if buffer is not None and buffer >= recipe.rollout.max_new_tokens:
-        raise UserError("algorithm.overlong_buffer_tokens", f"{buffer} is not less than rollout.max_new_tokens "
-                        f"{recipe.rollout.max_new_tokens}", f"use at most {recipe.rollout.max_new_tokens - 1}")
+    buffer, limit = a.overlong_buffer_tokens, recipe.max_response_tokens
+    if buffer is not None and buffer >= limit:
+        raise UserError("algorithm.overlong_buffer_tokens", f"{buffer} is not less than the response limit {limit}",
+                        f"use at most {limit - 1}")
 
 
-def _validate_reward_specs(functions: list) -> None:
-    if not functions:
+def _validate_reward_specs(functions: list, scored_by_env: bool) -> None:
+    if not functions and not scored_by_env:
         raise UserError("reward.functions", "is empty", 'add one, e.g. [{"name": "exact_match", "weight": 1.0}]')
     for i, spec in enumerate(functions):
         where = f"reward.functions[{i}]"

@@ -42,6 +42,7 @@ from grpo_ds.metrics import MetricsLogger
 from grpo_ds.models import load_model
 from grpo_ds.planner import StepPlan, plan_step, token_imbalance
 from grpo_ds.recipe import Recipe
+from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
@@ -72,8 +73,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     dist.barrier()
     torch.manual_seed(recipe.run.seed)
     policy = load_model(recipe.model, len(tokenizer), recipe.run.seed)
-    rollout = HFRolloutEngine(copy.deepcopy(policy).to(dist.device), tokenizer.pad_token_id,
-                              tokenizer.eos_token_id, recipe.rollout.generation_batch_prompts)
+    rollout = _rollout_engine(recipe, inputs, copy.deepcopy(policy).to(dist.device))
     engine = create_train_engine(policy, ds_config)
     reference = create_reference_engine(load_model(recipe.model, len(tokenizer), recipe.run.seed), ds_config) \
         if recipe.algorithm.kl_coef > 0 else None
@@ -160,7 +160,7 @@ def _advantages(recipe: Recipe, inputs: Inputs, rewards: list[float], rollouts: 
     shaped = torch.tensor(rewards, dtype=torch.float32)  # (P*G,)
     metrics = {}
     if a.overlong_buffer_tokens is not None:
-        penalty = overlong_penalty([len(r) for r in rollouts.response_ids], recipe.rollout.max_new_tokens,
+        penalty = overlong_penalty([len(r) for r in rollouts.response_ids], recipe.max_response_tokens,
                                    a.overlong_buffer_tokens, a.overlong_penalty)
         shaped += penalty
         metrics["reward/overlong_penalty"] = penalty.mean().item()
@@ -176,6 +176,14 @@ def _advantages(recipe: Recipe, inputs: Inputs, rewards: list[float], rollouts: 
     advantages = kernels.group_advantages(shaped.to(device), recipe.rollout.group_size, baseline, scale,
                                           backend=inputs.kernels_backend).cpu()
     return advantages.tolist(), metrics
+
+
+def _rollout_engine(recipe: Recipe, inputs: Inputs, model: torch.nn.Module):
+    r, tokenizer = recipe.rollout, inputs.tokenizer
+    if r.engine == "agent":
+        return AgentRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer, inputs.env_factory,
+                                  r.max_turns, recipe.max_response_tokens, r.generation_batch_prompts)
+    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, r.generation_batch_prompts)
 
 
 def _plan(recipe: Recipe, rollouts: Rollouts, world_size: int, step: int) -> StepPlan:

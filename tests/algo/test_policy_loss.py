@@ -117,3 +117,28 @@ def test_gspo_unclipped_gradient_is_the_sequence_ratio():
 def test_token_losses_needs_the_sequences_for_gspo():
     with pytest.raises(ValueError, match="sequences"):
         token_losses(torch.zeros(2), None, torch.zeros(2), None, None, LossConfig(policy_loss="gspo"))
+
+
+def test_extreme_ratios_stay_finite_and_clip():
+    # log-ratios of +-30 (ratio 1e13 and 1e-13). A = 1: the huge ratio is clipped to 1.2 -> loss -1.2, grad 0;
+    # the tiny ratio is below 0.8 with A > 0: unclipped, loss -ratio ~ -9.4e-14, grad -ratio. A = -1 with the huge
+    # ratio: PPO keeps -A * ratio = 1.07e13 (a pessimistic bound), the dual clip (3) caps it at 3 with grad 0.
+    old = torch.zeros(3, dtype=F64)
+    logprobs = torch.tensor([30.0, -30.0, 30.0], dtype=F64, requires_grad=True)
+    adv = torch.tensor([1.0, 1.0, -1.0], dtype=F64)
+    loss, clipped = ppo_clip_loss(logprobs, old, adv, 0.2, 0.2)
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss[:2].detach(), torch.tensor([-1.2, -math.exp(-30.0)], dtype=F64))
+    torch.testing.assert_close(loss[2].detach(), torch.tensor(math.exp(30.0), dtype=F64))
+    assert clipped.tolist() == [1.0, 0.0, 0.0]
+    dual, dual_clipped = ppo_clip_loss(logprobs, old, adv, 0.2, 0.2, dual_clip=3.0)
+    dual.sum().backward()
+    torch.testing.assert_close(dual.detach(), torch.tensor([-1.2, -math.exp(-30.0), 3.0], dtype=F64))
+    torch.testing.assert_close(logprobs.grad, torch.tensor([0.0, -math.exp(-30.0), 0.0], dtype=F64))
+    assert dual_clipped.tolist() == [1.0, 0.0, 1.0]
+
+
+def test_all_masked_gspo_sequence_has_ratio_one():
+    # A sequence whose tokens are all masked out has no log-ratio mean; its ratio is exp(0) = 1 (count clamped to 1).
+    loss, _, _ = _gspo([4.0, -4.0], [0, 0], [0, 0], [1.0, 1.0], 0.2, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([-1.0, -1.0], dtype=F64))
