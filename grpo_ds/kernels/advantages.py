@@ -37,9 +37,9 @@ def _centred_tile(rewards_ptr, p0, P, G, batch_mean, eps, BASELINE: tl.constexpr
         hi = tl.max(tl.where(inside, r, float("-inf")), axis=1)
         lo = tl.min(tl.where(inside, r, float("inf")), axis=1)
         centred = tl.where((hi == lo)[:, None], 0.0, centred)
-    if SCALE == 0:  # unbiased group std; G == 1 leaves 0 / eps = 0
+    if SCALE == 0:  # unbiased group std; G == 1 has none and is left unscaled (batch_mean: r_j - mean(r) != 0)
         std = tl.sqrt(tl.sum(dev * dev, axis=1) / tl.maximum(G - 1, 1))
-        centred = centred / (std[:, None] + eps)
+        centred = tl.where(G > 1, centred / (std[:, None] + eps), centred)
     return rows, cols, inside, centred
 
 

@@ -30,11 +30,11 @@ def _forward(logits_ptr, row_stride, rows_ptr, targets_ptr, logprob_ptr, entropy
 
 @triton.jit
 def _backward(logits_ptr, row_stride, rows_ptr, targets_ptr, lse_ptr, entropy_ptr, g_logprob_ptr, g_entropy_ptr,
-              grad_ptr, V, inv_temp, BLOCK_V: tl.constexpr):
+              grad_ptr, grad_row_stride, V, inv_temp, BLOCK_V: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    row_grad(logits_ptr + row * row_stride, grad_ptr + row * row_stride, tl.load(targets_ptr + i).to(tl.int64), V,
-             inv_temp, tl.load(lse_ptr + i), tl.load(entropy_ptr + i), tl.load(g_logprob_ptr + i),
+    row_grad(logits_ptr + row * row_stride, grad_ptr + row * grad_row_stride, tl.load(targets_ptr + i).to(tl.int64),
+             V, inv_temp, tl.load(lse_ptr + i), tl.load(entropy_ptr + i), tl.load(g_logprob_ptr + i),
              tl.load(g_entropy_ptr + i), BLOCK_V)
 
 
@@ -52,11 +52,13 @@ def rows_forward(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
 def rows_backward(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float,
                   lse: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor, g_entropy: torch.Tensor,
                   grad: torch.Tensor) -> None:
-    """Write the gradient of ``logits[rows]`` into ``grad[rows]`` (same shape and strides as logits; may alias)."""
+    """Write the gradient of ``logits[rows]`` into ``grad[rows]`` (same shape as logits, last dim contiguous; may
+    alias). The row strides may differ: a column slice of wider logits gets a contiguous gradient."""
     n, vocab = rows.numel(), logits.shape[1]
     if n:
         _backward[(n,)](logits, logits.stride(0), rows, targets, lse, entropy, g_logprob.contiguous(),
-                        g_entropy.contiguous(), grad, vocab, 1.0 / temperature, BLOCK_V=block_size(vocab))
+                        g_entropy.contiguous(), grad, grad.stride(0), vocab, 1.0 / temperature,
+                        BLOCK_V=block_size(vocab))
 
 
 class LogprobsFromLogits(torch.autograd.Function):

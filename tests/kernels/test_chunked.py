@@ -1,0 +1,70 @@
+"""The torch path of the kernels (grpo_ds/kernels/chunked.py): chunking over tokens changes nothing but the
+memory, whatever chunk_tokens is, and the backward assembles every chunk's gradient."""
+
+import pytest
+import torch
+
+from grpo_ds import kernels
+from tests.kernels.test_fused_linear import compare_logprobs, hidden_inputs
+from tests.kernels.test_logprobs import compare_logits, logits_inputs
+from tests.kernels.tolerances import assert_close, evaluate
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+# 10 scored tokens: chunks of 1, 3 and 4 (the last one partial), one chunk of exactly N, one larger than N.
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 4, 10, 64])
+def test_logits_any_chunking(chunk_tokens):
+    compare_logits("torch", F32, num_rows=12, num_scored=10, vocab=103, temperature=0.8, chunk_tokens=chunk_tokens)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 10, 64])
+def test_hidden_any_chunking(chunk_tokens):
+    compare_logprobs("torch", F32, num_tokens=10, hidden=32, vocab=103, temperature=0.8, chunk_tokens=chunk_tokens)
+
+
+def test_hidden_bf16_many_chunks():
+    # One token per chunk: the weight gradient is a sum of 10 chunk contributions.
+    compare_logprobs("torch", BF16, num_tokens=10, hidden=32, vocab=1000, temperature=1.0, chunk_tokens=1)
+
+
+@pytest.mark.parametrize("output", ["logprob", "entropy"])
+def test_one_output_used(output):
+    # The other output gets no upstream gradient (None in the backward).
+    inputs = hidden_inputs(7, 16, 103)
+    upstream = {output: torch.randn(7, generator=torch.Generator().manual_seed(1))}
+
+    def chunked(hidden, weight, targets):
+        return dict(zip(("logprob", "entropy"), kernels.logprobs_from_hidden(hidden, weight, targets, 1.0, 3,
+                                                                             "torch"), strict=True))
+
+    def whole(hidden, weight, targets):
+        return dict(zip(("logprob", "entropy"), kernels.logprobs_from_hidden(hidden, weight, targets, 1.0, 1024,
+                                                                             "torch"), strict=True))
+
+    got = evaluate(chunked, inputs, ("hidden", "weight"), upstream)
+    expected = evaluate(whole, inputs, ("hidden", "weight"), upstream)
+    for key in ("grad_hidden", "grad_weight"):
+        assert_close(got[key], expected[key], F32, key)
+
+
+def test_no_tokens():
+    inputs = hidden_inputs(1, 16, 103)
+    hidden = inputs["hidden"][:0].requires_grad_(True)
+    weight = inputs["weight"].requires_grad_(True)
+    logprob, entropy = kernels.logprobs_from_hidden(hidden, weight, inputs["targets"][:0], chunk_tokens=4)
+    assert logprob.shape == entropy.shape == (0,)
+    logits = logits_inputs(3, 3, 103)["logits"]
+    empty = torch.zeros(0, dtype=torch.long)
+    logprob, entropy = kernels.logprobs_from_logits(logits, empty, empty, chunk_tokens=4)
+    assert logprob.shape == entropy.shape == (0,)
+
+
+def test_bad_arguments_raise():
+    inputs = hidden_inputs(4, 16, 103)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        kernels.logprobs_from_hidden(inputs["hidden"], inputs["weight"], inputs["targets"], chunk_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        kernels.logprobs_from_hidden(inputs["hidden"], inputs["weight"], inputs["targets"], temperature=0.0)
+    with pytest.raises(ValueError, match=r"\(V, H\)"):
+        kernels.logprobs_from_hidden(inputs["hidden"], inputs["weight"][:, :8], inputs["targets"])
