@@ -49,6 +49,12 @@ class MetricsLogger:
             self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(run_dir), mode=cfg.wandb_mode,
                                     config=config)
 
+    def resume(self, history: list[dict]) -> None:
+        """Continue after a checkpoint: the steps already done are the history, and the bar starts past them."""
+        self.history[:] = history
+        if self.bar:
+            self.bar.update(len(history))
+
     def log(self, metrics: dict) -> None:
         self.history.append(metrics)
         if self.path is None:

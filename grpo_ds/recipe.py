@@ -175,6 +175,15 @@ class KernelsConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int | None = opt(50, "Save a checkpoint every this many steps, and after the last step (null = "
+                                  "never)", low=1)
+    keep: int = opt(2, "Newest checkpoints kept; older ones are deleted once a newer one is complete", low=1)
+    resume: str = opt("auto", '"auto": continue from the newest good checkpoint in the run folder; "never": a run '
+                      "folder that holds a run is an error; or the path of a checkpoint folder to start from")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     every_steps: int = opt(1, "Print a metrics line every this many steps (metrics.jsonl gets every step)", low=1)
     progress_bar: bool = opt(True, "Show a progress bar on rank 0")
@@ -194,6 +203,7 @@ class Recipe:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     deepspeed: Any = field(default="ds_configs/zero3.json", metadata={
         "doc": "DeepSpeed config: path to a JSON file (batch keys \"auto\") or an inline object"})
     logging: LoggingConfig = field(default_factory=LoggingConfig)

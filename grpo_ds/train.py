@@ -17,7 +17,6 @@ import argparse
 import copy
 import hashlib
 import json
-import shutil
 import sys
 import time
 import types
@@ -25,19 +24,20 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds import kernels
+from grpo_ds import checkpoint, kernels, run_folder
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 from grpo_ds.check import Inputs, prepare_inputs
 from grpo_ds.collect import collect
 from grpo_ds.data import PromptSampler
 from grpo_ds.engine import (
+    Dist,
     create_reference_engine,
     create_train_engine,
     device_type,
     init_distributed,
     world_size_from_env,
 )
-from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.errors import exit_on_user_error
 from grpo_ds.metrics import MetricsLogger
 from grpo_ds.models import load_model
 from grpo_ds.planner import StepPlan, plan_step, token_imbalance
@@ -61,15 +61,13 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     # ---- 1. validate everything before any model loads or any file is written
     inputs = prepare_inputs(recipe, overrides, world_size_from_env(), device_type())
     recipe, ds_config, tokenizer, prompts = inputs.recipe, inputs.ds_config, inputs.tokenizer, inputs.prompts
-    run_dir = Path(recipe.run.output_dir) / recipe.run.name
-    if (run_dir / "metrics.jsonl").exists() and not recipe.run.overwrite:
-        raise UserError("run.name", f"the run folder {run_dir} already holds a run",
-                        "choose another run.name, delete the folder, or set run.overwrite=true")
+    folder = run_folder.decide(recipe)  # fresh, resume, or refuse (another recipe's run)
+    run_dir = folder.path
 
     # ---- 2. processes, run folder, models
     dist = init_distributed()
     if dist.is_main:
-        _prepare_run_dir(run_dir, recipe, ds_config)
+        run_folder.prepare(folder, recipe, ds_config)
     dist.barrier()
     torch.manual_seed(recipe.run.seed)
     policy = load_model(recipe.model, len(tokenizer), recipe.run.seed)
@@ -84,8 +82,9 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
     settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend)
+    first_step = _resume(folder, engine, rollout, sampler, logger, dist, bucket_bytes)
 
-    for step in range(1, recipe.train.steps + 1):
+    for step in range(first_step, recipe.train.steps + 1):
         # ---- rollout and reward (grpo_ds.collect): rank 0 picks the prompts, every rank generates a slice,
         # rank 0 scores them; with dynamic sampling, equal-reward groups are replaced by new prompts
         samples = collect(step, recipe, inputs, rollout, sampler, dist)
@@ -142,6 +141,12 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         _append_json(rank_log, {"step": step, "trained_sample_ids": sorted(
             s for m in plan.minibatches for mb in m.micro_batches[dist.rank] for s in mb)})
 
+        # ---- checkpoint: atomically, every checkpoint.every_steps and after the last step
+        every = recipe.checkpoint.every_steps
+        if every is not None and (step % every == 0 or step == recipe.train.steps):
+            checkpoint.save(engine, run_dir, step, {"sampler": sampler.state_dict(), "history": logger.history},
+                            recipe.checkpoint.keep, dist)
+
     _append_json(rank_log, {"final_weights_sha256": _weights_sha256(rollout.model)})
     if dist.is_main and recipe.run.save_final_model:  # the rollout copy holds the full, synced weights
         rollout.model.save_pretrained(run_dir / "final_model")
@@ -178,6 +183,34 @@ def _advantages(recipe: Recipe, inputs: Inputs, rewards: list[float], rollouts: 
     return advantages.tolist(), metrics
 
 
+def _resume(folder: run_folder.RunFolder, engine, rollout, sampler: PromptSampler, logger: MetricsLogger,
+            dist: Dist, bucket_bytes: int) -> int:
+    """Restore the newest good checkpoint (or the one checkpoint.resume names); return the first step to run."""
+    if folder.checkpoint is not None:
+        path = folder.checkpoint
+    elif folder.fresh:
+        return 1
+    else:
+        path, damaged = checkpoint.choose(folder.path) if dist.is_main else (None, [])
+        for message in damaged:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        path = dist.broadcast(path)
+    if path is None:  # the run stopped before its first checkpoint: it starts over
+        if dist.is_main:
+            run_folder.trim_metrics(folder.path, 0)
+        dist.barrier()
+        return 1
+    resumed = checkpoint.load(engine, path, dist)
+    sampler.load_state_dict(resumed.trainer_state["sampler"])
+    logger.resume(resumed.trainer_state["history"])
+    if dist.is_main:
+        run_folder.trim_metrics(folder.path, resumed.step)
+        print(f"resuming after step {resumed.step} from {path}", file=sys.stderr, flush=True)
+    rollout.update_weights(gathered_named_parameters(engine.module, bucket_bytes))
+    dist.barrier()
+    return resumed.step + 1
+
+
 def _rollout_engine(recipe: Recipe, inputs: Inputs, model: torch.nn.Module):
     r, tokenizer = recipe.rollout, inputs.tokenizer
     if r.engine == "agent":
@@ -204,14 +237,6 @@ def _grad_norm(engine) -> float:
 
 
 # ------------------------------------------------------------------------------------ plumbing
-
-def _prepare_run_dir(run_dir: Path, recipe: Recipe, ds_config: dict) -> None:
-    if run_dir.exists() and recipe.run.overwrite:
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
-    (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-
 
 def _append_json(path: Path, record: dict) -> None:
     with path.open("a") as f:

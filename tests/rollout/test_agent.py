@@ -275,8 +275,7 @@ def test_the_tokens_the_trainer_sees_are_exactly_the_tokens_the_rollout_produced
     assert mb.target_ids.tolist() == [t for sid in order for t in out.response_ids[sid]]
     loss_mask = [m for sid in order for m in out.token_loss_mask(sid)]  # flat, in collate's order
     assert len(loss_mask) == mb.num_tokens
-    if hasattr(mb, "loss_mask"):  # collate builds it too once the driver applies the mask
-        assert mb.loss_mask.tolist() == loss_mask
+    assert mb.loss_mask.tolist() == loss_mask  # what the driver multiplies into the token weights
 
 
 def test_observation_tokens_get_exactly_zero_gradient():

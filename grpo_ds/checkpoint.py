@@ -1,0 +1,200 @@
+"""Atomic, verifiable checkpoints and exact resume.
+
+Layout of a run folder's checkpoints (grpo_ds.export reads the same)::
+
+    RUN_DIR/checkpoints/step_00000010/    one complete checkpoint
+        ds/                               DeepSpeed's sharded engine state (engine.save_checkpoint, tag "ds")
+        rng/rank<r>.pt                    every rank's RNG states
+        trainer_state.json                step, data sampler position, metric history
+        manifest.json                     sha256 of every file above
+    RUN_DIR/checkpoints/latest            the name of the newest complete checkpoint
+
+A checkpoint is written into ``.tmp-step_...``; only when every rank has written its shards does rank 0
+write the manifest, fsync the files and the folders, rename the folder to its final name and then
+replace ``latest`` (write, fsync, rename). A crash at any moment therefore leaves either the previous
+checkpoints untouched or the new one complete; a stale ``.tmp-`` folder is ignored and removed by the
+next save. On resume the manifest is checked file by file: a damaged checkpoint (missing, truncated or
+altered file) is reported by name and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo_ds.engine import Dist
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+DS_TAG = "ds"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int  # the last completed step
+    trainer_state: dict
+    path: Path
+
+
+# ------------------------------------------------------------------------------------------------- save
+
+def save(engine, run_dir: Path, step: int, trainer_state: dict, keep: int, dist: Dist) -> Path:
+    """Write the checkpoint of ``step`` (every rank calls this: DeepSpeed's save is collective)."""
+    root = run_dir / CHECKPOINTS
+    final = root / checkpoint_name(step)
+    tmp = root / (TMP_PREFIX + final.name)
+    if dist.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    engine.save_checkpoint(str(tmp), tag=DS_TAG)
+    rng_file = tmp / "rng" / f"rank{dist.rank}.pt"
+    rng_file.parent.mkdir(exist_ok=True)
+    torch.save(_rng_state(), rng_file)
+    _fsync_file(rng_file)
+    dist.barrier()
+    if dist.is_main:
+        _write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        for p in files:
+            _fsync_file(p)
+        _write_json(tmp / "manifest.json", {"step": step, "files": {
+            str(p.relative_to(tmp)): _sha256(p) for p in files}})
+        for folder in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
+            _fsync_dir(folder)
+        if final.exists():  # a checkpoint of this step from a run that crashed before moving on
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_text_atomic(root / LATEST, final.name)
+        _prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    for old in complete_checkpoints(root.parent)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoint folders, newest first (the ``latest`` pointer's one first when it exists)."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")),
+                   key=lambda p: p.name, reverse=True)
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        found.sort(key=lambda p: p.name != name)  # stable: the pointed one first, the rest newest first
+    return found
+
+
+def verify(path: Path) -> str | None:
+    """None if every file in the manifest is present with its checksum, else what is wrong (naming the file)."""
+    manifest = path / "manifest.json"
+    try:
+        listed = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"{manifest} is missing or unreadable ({type(err).__name__})"
+    for rel, digest in listed.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        if _sha256(f) != digest:
+            return f"{f} does not match its checksum in manifest.json (truncated or altered)"
+    return None
+
+
+def choose(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and one message per damaged newer one."""
+    damaged = []
+    for path in complete_checkpoints(run_dir):
+        problem = verify(path)
+        if problem is None:
+            return path, damaged
+        damaged.append(f"checkpoint {path.name} is damaged: {problem}; using an older one")
+    return None, damaged
+
+
+def load(engine, path: Path, dist: Dist) -> Resumed:
+    """Restore the engine (weights, optimizer, lr schedule), this rank's RNG states and the trainer state."""
+    load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path / DS_TAG}")
+    rng_file = path / "rng" / f"rank{dist.rank}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        warnings.warn(f"{rng_file} is missing (saved with another world size?); RNG states not restored",
+                      stacklevel=2)
+    state = json.loads((path / "trainer_state.json").read_text())
+    return Resumed(state["step"], state, path)
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+    _fsync_file(path)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)

@@ -1,0 +1,113 @@
+"""The run folder: start fresh, resume, or refuse — decided before any model loads.
+
+A folder that already holds a run (metrics or checkpoints) is replaced only with ``run.overwrite``. With
+``checkpoint.resume: "auto"`` it is continued when it holds the SAME recipe's run — the saved recipe.json
+may differ only in keys that do not change the trajectory (run.overwrite, train.steps, checkpoint.*,
+logging.*) — and refused when it holds another recipe's run, naming the first key that differs. With
+``"never"`` it is refused. ``resume`` may also name a checkpoint folder to start from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_ds.checkpoint import CHECKPOINTS, verify
+from grpo_ds.errors import UserError
+from grpo_ds.recipe import Recipe
+
+# Keys that may change between the attempts of one run (extending it, checkpointing or logging differently).
+_MAY_DIFFER = ("run.overwrite", "train.steps", "checkpoint.", "logging.")
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    path: Path
+    fresh: bool  # wipe (if present) and start at step 1
+    checkpoint: Path | None  # resume from this checkpoint folder (None: from the newest good one, if any)
+
+
+def decide(recipe: Recipe) -> RunFolder:
+    """Check the run folder against the recipe; raise UserError when it must not be touched."""
+    path = Path(recipe.run.output_dir) / recipe.run.name
+    resume = recipe.checkpoint.resume
+    explicit = None
+    if resume not in ("auto", "never"):
+        explicit = Path(resume)
+        if not (explicit / "manifest.json").is_file():
+            raise UserError("checkpoint.resume", f"{explicit} is not a checkpoint folder (no manifest.json)",
+                            f'use "auto", "never", or a folder such as {path / CHECKPOINTS / "step_00000050"}')
+        problem = verify(explicit)
+        if problem:
+            raise UserError("checkpoint.resume", f"the checkpoint is damaged: {problem}", "pick another one")
+    holds_run = (path / "metrics.jsonl").exists() or (path / CHECKPOINTS).exists()
+    if not holds_run or recipe.run.overwrite:
+        return RunFolder(path, True, explicit)
+    if resume == "never":
+        raise UserError("run.name", f"the run folder {path} already holds a run",
+                        'choose another run.name, delete the folder, set run.overwrite=true, or set '
+                        'checkpoint.resume="auto" to continue it')
+    difference = _first_difference(path / "recipe.json", recipe.to_dict())
+    if difference:
+        raise UserError("run.name", f"the run folder {path} holds another recipe's run ({difference})",
+                        "choose another run.name, or set run.overwrite=true to replace it")
+    return RunFolder(path, False, explicit)
+
+
+def prepare(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None:
+    """Rank 0: wipe a replaced run and write the recipe and the resolved DeepSpeed config."""
+    if folder.fresh and folder.path.exists():
+        shutil.rmtree(folder.path)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder.path / "recipe.json", json.dumps(recipe.to_dict(), indent=2) + "\n")
+    _write_atomic(folder.path / "deepspeed.json", json.dumps(ds_config, indent=2) + "\n")
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Rank 0: keep metrics.jsonl's records up to ``last_step`` (a crashed attempt may have logged steps past
+    its last checkpoint); a torn last line is dropped."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.exists():
+        return
+    kept = []
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+    _write_atomic(metrics, "".join(line + "\n" for line in kept))
+
+
+def _first_difference(saved_path: Path, current: dict) -> str | None:
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, ValueError):
+        return f"its {saved_path.name} is missing or unreadable"
+    flat_saved, flat_now = _flatten(saved), _flatten(current)
+    for key in sorted(set(flat_saved) | set(flat_now)):
+        if key.startswith(_MAY_DIFFER) or key in _MAY_DIFFER:
+            continue
+        if flat_saved.get(key) != flat_now.get(key):
+            return f"{key} was {json.dumps(flat_saved.get(key))}, the recipe says {json.dumps(flat_now.get(key))}"
+    return None
+
+
+def _flatten(recipe: dict) -> dict:
+    out = {}
+    for section, value in recipe.items():
+        if isinstance(value, dict) and section != "deepspeed":
+            out.update({f"{section}.{k}": v for k, v in value.items()})
+        else:
+            out[section] = value
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,157 @@
+"""Durable runs: SIGKILL at random moments (in a step, in a checkpoint write), resume, same metrics; damaged
+checkpoints are reported and skipped; the run folder refuses another recipe's run."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_ds import checkpoint
+from tests.launch import REPO, _free_port, clean_env
+
+TINY = str(REPO / "recipes" / "tiny_cpu.json")
+STEPS = 12
+# Small and deterministic: fixed seed, CPU fp32, no dropout; every step's rollout seed comes from the step.
+ARGS = [f"train.steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep=2", "run.overwrite=false",
+        "rollout.prompts_per_step=8", "train.micro_batch_samples_per_gpu=32", "train.samples_per_optimizer_step=64",
+        "logging.progress_bar=false"]
+# Wall-clock figures differ between attempts; everything else must be identical.
+VOLATILE = ("time_", "tokens_per_s", "generated_tokens_per_s")
+
+
+def _command(world: int, out: Path) -> list[str]:
+    if world == 1:
+        return [sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
+    launcher = Path(sys.executable).parent / "deepspeed"
+    return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(world), "--master_port",
+            str(_free_port()), "--module", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert steps == list(range(1, len(records) + 1)), f"steps logged {steps}"
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records}
+
+
+def _logged_steps(run_dir: Path) -> int:
+    try:
+        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _kill_when(proc: subprocess.Popen, condition, limit_s: float = 300) -> bool:
+    """SIGKILL the whole process group once condition() holds; False if the process ended first."""
+    deadline = time.monotonic() + limit_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if condition():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, world):
+    reference = subprocess.run(_command(world, tmp_path / "reference"), cwd=REPO, env=clean_env(),
+                               capture_output=True, text=True, timeout=900)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    expected = _metrics(tmp_path / "reference" / "tiny_cpu")
+    assert len(expected) == STEPS
+
+    run_dir = tmp_path / "crashy" / "tiny_cpu"
+    rng = random.Random(world)
+    kills = {"in_step": 0, "in_checkpoint_write": 0}
+    # Kill plan: inside a step (after a random number of logged steps, plus a random delay), inside a
+    # checkpoint write (the moment a .tmp- folder appears), and once more inside a step.
+    plan = ["in_step", "in_checkpoint_write", "in_step"]
+    for attempt in range(12):
+        proc = subprocess.Popen(_command(world, tmp_path / "crashy"), cwd=REPO, env=clean_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        if attempt < len(plan):
+            kind = plan[attempt]
+            if kind == "in_step":
+                target = _logged_steps(run_dir) + rng.randint(1, 3)
+                delay = rng.uniform(0.0, 0.05)
+                started = [None]
+
+                def reached(target=target, delay=delay, started=started):
+                    if _logged_steps(run_dir) >= target and started[0] is None:
+                        started[0] = time.monotonic()
+                    return started[0] is not None and time.monotonic() - started[0] >= delay
+                killed = _kill_when(proc, reached)
+            else:
+                root = run_dir / checkpoint.CHECKPOINTS
+                before = set(root.glob("step_*")) if root.exists() else set()
+
+                def writing(root=root, before=before):
+                    return root.exists() and any(p.name.startswith(checkpoint.TMP_PREFIX) for p in root.iterdir()) \
+                        and set(root.glob("step_*")) == before
+                killed = _kill_when(proc, writing)
+            if killed:
+                kills[kind] += 1
+                continue
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-4000:]
+        break
+    assert kills["in_step"] >= 1 and kills["in_checkpoint_write"] >= 1, kills
+    got = _metrics(run_dir)
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_reported_and_the_previous_one_is_used(tmp_path):
+    out = tmp_path / "runs"
+    args = [sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
+    first = subprocess.run([*args[:-len(ARGS)], *ARGS, "train.steps=4"], cwd=REPO, env=clean_env(),
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-4000:]
+    root = out / "tiny_cpu" / checkpoint.CHECKPOINTS
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004"]
+    shard = next(p for p in sorted((root / "step_00000004" / "ds").rglob("*.pt")))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # truncated
+    resumed = subprocess.run([*args, "train.steps=6"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                             timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"checkpoint step_00000004 is damaged: {shard} does not match its checksum" in resumed.stderr
+    assert "resuming after step 2 from" in resumed.stderr
+    steps = [json.loads(line)["step"] for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # steps 3 and 4 were redone after the fallback, not logged twice
+
+
+def test_verify_names_an_altered_file(tmp_path):
+    ckpt = tmp_path / "step_00000001"
+    (ckpt / "ds").mkdir(parents=True)
+    (ckpt / "ds" / "a.pt").write_bytes(b"weights")
+    manifest = {"step": 1, "files": {"ds/a.pt": checkpoint._sha256(ckpt / "ds" / "a.pt")}}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert checkpoint.verify(ckpt) is None
+    (ckpt / "ds" / "a.pt").write_bytes(b"weightz")
+    assert "a.pt does not match its checksum" in checkpoint.verify(ckpt)
+    (ckpt / "ds" / "a.pt").unlink()
+    assert "a.pt is missing" in checkpoint.verify(ckpt)
+
+
+@pytest.mark.slow
+def test_another_recipes_run_folder_is_refused(tmp_path):
+    out = tmp_path / "runs"
+    base = [sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS, "train.steps=1"]
+    assert subprocess.run(base, cwd=REPO, env=clean_env(), capture_output=True, timeout=900).returncode == 0
+    other = subprocess.run([*base, "train.lr=0.5"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                           timeout=900)
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines()[-1].startswith(
+        "error: run.name: the run folder ") and "holds another recipe's run (train.lr was 0.001" in other.stderr
+    never = subprocess.run([*base, "checkpoint.resume=never"], cwd=REPO, env=clean_env(), capture_output=True,
+                           text=True, timeout=900)
+    assert never.returncode == 2 and "already holds a run" in never.stderr
