@@ -1,0 +1,277 @@
+"""Training curves from a run folder's metrics.jsonl, drawn into one PNG.
+
+    python -m grpo_ds.plot RUN_DIR [--out FILE.png] [--smooth N] [--keys k1,k2,...]
+
+One panel per curve: reward (mean with a +-std band, plus ``reward/NAME`` per function), response length, KL,
+entropy, clip fraction, grad norm, loss, per-phase timings (stacked; their sum is ``time_step_s``) and tokens/s.
+Panels whose keys the file lacks are skipped. The file is read the way a crash or a resume leaves it: unreadable
+lines (a torn last line) are skipped, and when a step appears more than once its last record wins.
+
+matplotlib draws off-screen (a Figure on the Agg canvas; pyplot and its global backend are never touched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from grpo_ds.errors import UserError, exit_on_user_error
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+COLUMNS = 3  # panels per row
+PANEL_INCHES = (4.8, 3.2)  # width, height of one panel
+TITLE_INCHES = 0.4  # room for the figure title
+DPI = 100
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One axes: a line per key in ``lines``; ``band`` is a std key drawn as lines[0] +- std; ``stack`` keys are
+    stacked areas under the lines."""
+
+    title: str
+    lines: tuple[str, ...]
+    band: str | None = None
+    stack: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.lines + self.stack + ((self.band,) if self.band else ())
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl, one per step in step order (the last record of a repeated step)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        what = "is not a folder" if run_dir.exists() else "not found"
+        raise UserError(str(run_dir), what, "give a run folder (run.output_dir/run.name) that holds metrics.jsonl")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        runs = sorted(str(p.parent) for p in run_dir.glob("*/metrics.jsonl"))
+        fix = f"did you mean {' or '.join(runs[:3])}?" if runs else "a run writes it from its first step on"
+        raise UserError(str(path), "not found", fix)
+    by_step: dict[int, dict] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn line from a crash (or an interrupted write before a resume)
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            by_step.pop(step, None)  # a resumed run logs a step again: the last record wins
+            by_step[step] = record
+    if not by_step:
+        raise UserError(str(path), "has no complete records", "a run logs one line per step; wait for step 1")
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def numeric_keys(records: Iterable[dict]) -> list[str]:
+    """Keys holding a number (not a bool) in at least one record, ``step`` aside, sorted."""
+    found = {k for r in records for k, v in r.items() if _is_number(v)}
+    found.discard("step")
+    return sorted(found)
+
+
+def panels(available: Iterable[str], keys: Sequence[str] | None = None) -> list[Panel]:
+    """The panels to draw, in order, for the metric keys ``available``.
+
+    ``keys`` (None: every known curve) narrows the panels to those keys; a selected key that no standard panel
+    shows (``lr``, ``stop_frac``, ...) gets a panel of its own. A selected key missing from ``available`` is a
+    UserError that lists the available ones.
+    """
+    available = set(available)
+    if keys is not None:
+        _check_selection(keys, available)
+    wanted = available if keys is None else set(keys)
+    standard = [
+        Panel("reward", ("reward_mean", *sorted(k for k in available if k.startswith("reward/"))), band="reward_std"),
+        Panel("response length (tokens)", ("response_len_mean",)),
+        Panel("KL", ("kl",)),
+        Panel("entropy", ("entropy",)),
+        Panel("clip fraction", ("clip_frac",)),
+        Panel("grad norm", ("grad_norm",)),
+        Panel("loss", ("loss",)),
+        Panel("time per step (s)", ("time_step_s",), stack=tuple(sorted(
+            (k for k in available if k.startswith("time_") and k.endswith("_s") and k != "time_step_s"),
+            key=_phase_order))),
+        Panel("tokens / s", ("tokens_per_s", "generated_tokens_per_s")),
+    ]
+    chosen, shown = [], set()
+    for p in standard:
+        lines = tuple(k for k in p.lines if k in available and k in wanted)
+        stack = tuple(k for k in p.stack if k in available and k in wanted)
+        band = p.band if p.band in available and lines[:1] == p.lines[:1] else None
+        if lines or stack:
+            chosen.append(Panel(p.title, lines, band, stack))
+            shown.update(chosen[-1].keys)
+    chosen += [Panel(k, (k,)) for k in dict.fromkeys(keys or ()) if k not in shown]
+    if not chosen:
+        raise UserError("metrics.jsonl", "holds none of the standard curves",
+                        f"choose some with --keys (available: {', '.join(sorted(available)) or 'none'})")
+    return chosen
+
+
+def moving_average(values: np.ndarray, n: int) -> np.ndarray:
+    """Trailing mean over the last ``n`` points (fewer at the start); NaN and inf points are left out."""
+    values = np.asarray(values, dtype=float)
+    if n <= 1 or values.size == 0:
+        return values
+    ok = np.isfinite(values)
+    sums = np.concatenate(([0.0], np.cumsum(np.where(ok, values, 0.0))))
+    counts = np.concatenate(([0], np.cumsum(ok)))
+    end = np.arange(1, values.size + 1)
+    start = np.maximum(end - n, 0)
+    count = counts[end] - counts[start]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, (sums[end] - sums[start]) / count, np.nan)
+
+
+def make_figure(run_dir: str | Path, smooth: int = 1, keys: Sequence[str] | None = None) -> Figure:
+    """The matplotlib Figure (Agg canvas) for a run folder: one axes per entry of ``panels``."""
+    if smooth < 1:
+        raise UserError("--smooth", f"{smooth} is out of range: must be >= 1", "use 1 for no smoothing")
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    chosen = panels(numeric_keys(records), keys)
+    figure_class, canvas_class = _matplotlib()
+
+    cols = min(COLUMNS, len(chosen))
+    rows = math.ceil(len(chosen) / cols)
+    fig = figure_class(figsize=(PANEL_INCHES[0] * cols, PANEL_INCHES[1] * rows + TITLE_INCHES), dpi=DPI,
+                 layout="constrained")
+    canvas_class(fig)  # Agg: renders off-screen, no display needed
+    steps = [r["step"] for r in records]
+    fig.suptitle(f"{run_name(run_dir)}: steps {steps[0]}-{steps[-1]}" + (f", smoothed over {smooth}" if smooth > 1
+                                                                          else ""))
+    for i, panel in enumerate(chosen):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        _draw(ax, panel, records, smooth)
+    return fig
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None, smooth: int = 1,
+             keys: Sequence[str] | None = None) -> Path:
+    """Draw a run folder's curves into ``out`` (default RUN_DIR/curves.png); return the path written."""
+    fig = make_figure(run_dir, smooth, keys)
+    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    if not out.parent.is_dir():
+        raise UserError("--out", f"folder {out.parent} does not exist", "create it first or write elsewhere")
+    suffix = out.suffix.lstrip(".").lower()
+    if suffix not in fig.canvas.get_supported_filetypes():
+        raise UserError("--out", f"{out.name}: unknown image format {out.suffix or '(no suffix)'!r}",
+                        "end the name with .png")
+    fig.savefig(out, dpi=DPI)
+    return out
+
+
+def run_name(run_dir: Path) -> str:
+    """run.name from RUN_DIR/recipe.json, or the folder's name when that is missing or unreadable."""
+    try:
+        name = json.loads((run_dir / "recipe.json").read_text())["run"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        name = None
+    return name if isinstance(name, str) and name else run_dir.resolve().name
+
+
+def _draw(ax, panel: Panel, records: list[dict], smooth: int) -> None:
+    if panel.stack:
+        x = np.array([r["step"] for r in records])
+        ys = [np.nan_to_num(moving_average(_column(records, k), smooth), nan=0.0) for k in panel.stack]
+        ax.stackplot(x, ys, labels=[_label(k) for k in panel.stack], alpha=0.7)
+    for i, key in enumerate(panel.lines):
+        x, y = _series(records, key)
+        color = "black" if panel.stack else f"C{i}"
+        label = "step (total)" if panel.stack else _label(key)
+        if smooth > 1:
+            ax.plot(x, y, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(x, moving_average(y, smooth), color=color, linewidth=1.5 if i == 0 else 1.0, label=label)
+        if i == 0 and panel.band:
+            xb, mean, std = _aligned(records, key, panel.band)
+            mean, std = moving_average(mean, smooth), moving_average(std, smooth)
+            ax.fill_between(xb, mean - std, mean + std, color=color, alpha=0.2, linewidth=0, label="± std")
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if len(panel.lines) + len(panel.stack) + bool(panel.band) > 1:
+        ax.legend(fontsize="small")
+
+
+def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) over the records that hold a number at ``key``."""
+    pairs = [(r["step"], float(r[key])) for r in records if _is_number(r.get(key))]
+    x, y = zip(*pairs, strict=True) if pairs else ((), ())
+    return np.array(x, dtype=float), np.array(y, dtype=float)
+
+
+def _aligned(records: list[dict], a: str, b: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    both = [r for r in records if _is_number(r.get(a)) and _is_number(r.get(b))]
+    return (np.array([r["step"] for r in both], dtype=float), np.array([float(r[a]) for r in both]),
+            np.array([float(r[b]) for r in both]))
+
+
+def _column(records: list[dict], key: str) -> np.ndarray:
+    """Values at ``key`` for every record, NaN where missing (for stacked areas, which need a common x)."""
+    return np.array([float(r[key]) if _is_number(r.get(key)) else np.nan for r in records])
+
+
+def _phase_order(key: str) -> tuple[int, str]:
+    """The loop's order for the phases it times; any other time_*_s key after them, by name."""
+    phases = ("time_rollout_s", "time_reward_s", "time_logprob_s", "time_update_s", "time_sync_s")
+    return (phases.index(key) if key in phases else len(phases), key)
+
+
+def _label(key: str) -> str:
+    if key.startswith("time_") and key.endswith("_s"):
+        return key[len("time_"):-len("_s")]
+    return key
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_selection(keys: Sequence[str], available: set[str]) -> None:
+    if not keys:
+        raise UserError("--keys", "is empty", "name at least one metric key, or leave --keys out for every curve")
+    for key in keys:
+        if key not in available:
+            close = difflib.get_close_matches(key, sorted(available), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UserError("--keys", f"unknown key {key!r}", f"{hint}available: {', '.join(sorted(available))}")
+
+
+def _matplotlib():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise UserError("grpo_ds.plot", f"needs matplotlib, which is not installed ({err.name or err})",
+                        "pip install matplotlib") from None
+    return Figure, FigureCanvasAgg
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m grpo_ds.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="run folder (run.output_dir/run.name) holding metrics.jsonl")
+    parser.add_argument("--out", help="image to write (default RUN_DIR/curves.png)")
+    parser.add_argument("--smooth", type=int, default=1, help="moving average over N steps; the raw curve stays "
+                        "faint behind (default 1: no smoothing)")
+    parser.add_argument("--keys", help="comma-separated metric keys to plot (default: every standard curve)")
+    args = parser.parse_args(argv)
+    with exit_on_user_error():
+        keys = None if args.keys is None else [k.strip() for k in args.keys.split(",") if k.strip()]
+        print(plot_run(args.run_dir, args.out, args.smooth, keys))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""grpo_ds.plot: metrics.jsonl written by hand (no training) -> panels, a PNG, and the one-line CLI errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grpo_ds.errors import UserError
+from grpo_ds.plot import (
+    PANEL_INCHES,
+    TITLE_INCHES,
+    Panel,
+    main,
+    make_figure,
+    moving_average,
+    panels,
+    plot_run,
+    read_metrics,
+)
+
+matplotlib_image = pytest.importorskip("matplotlib.image")
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PHASES = ("rollout", "reward", "logprob", "update", "sync")
+
+
+def _record(step: int, **extra) -> dict:
+    """A full record as the trainer writes one, with two reward functions."""
+    times = {f"time_{p}_s": 0.1 * (i + 1) for i, p in enumerate(PHASES)}
+    return {"step": step, "reward_mean": step / 10, "reward_std": 0.05, "reward/exact": step / 20, "reward/format": 1.0,
+            "reward_errors/exact": 0, "loss": 0.1 / step, "kl": 0.001 * step, "entropy": 2.0, "clip_frac": 0.01,
+            "grad_norm": 0.5, "lr": 1e-3, "response_len_mean": 12.5, "tokens_per_s": 900.0,
+            "generated_tokens_per_s": 3000.0, "time_step_s": sum(times.values()), **times, **extra}
+
+
+def _run(tmp_path: Path, records: list[dict], tail: str = "", name: str | None = "demo") -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    if name is not None:
+        (run / "recipe.json").write_text(json.dumps({"run": {"name": name}}))
+    return run
+
+
+STANDARD = ["reward", "response length (tokens)", "KL", "entropy", "clip fraction", "grad norm", "loss",
+            "time per step (s)", "tokens / s"]
+
+
+def test_png_has_a_panel_per_curve(tmp_path):
+    run = _run(tmp_path, [_record(s) for s in range(1, 9)])
+    out = plot_run(run, smooth=3)
+    assert out == run / "curves.png" and out.read_bytes()[:8] == PNG_MAGIC
+    height, width = matplotlib_image.imread(out).shape[:2]
+    assert (width, height) == (round(3 * PANEL_INCHES[0] * 100), round(3 * PANEL_INCHES[1] * 100 + TITLE_INCHES * 100))
+
+    chosen = panels(json.loads((run / "metrics.jsonl").read_text().splitlines()[0]))
+    assert [p.title for p in chosen] == STANDARD
+    assert chosen[0] == Panel("reward", ("reward_mean", "reward/exact", "reward/format"), band="reward_std")
+    assert chosen[7] == Panel("time per step (s)", ("time_step_s",), stack=tuple(f"time_{p}_s" for p in PHASES))
+    fig = make_figure(run, smooth=3)
+    assert len(fig.axes) == len(chosen) and [ax.get_title() for ax in fig.axes] == STANDARD
+    assert fig.get_suptitle() == "demo: steps 1-8, smoothed over 3"
+
+
+def test_absent_keys_get_no_panel(tmp_path):
+    run = _run(tmp_path, [{"step": s, "reward_mean": 0.1 * s, "loss": 1.0, "note": "text"} for s in (1, 2, 3)],
+               name=None)
+    assert panels(["reward_mean", "loss"]) == [Panel("reward", ("reward_mean",)), Panel("loss", ("loss",))]
+    fig = make_figure(run)
+    assert len(fig.axes) == 2 and fig.get_suptitle() == "run: steps 1-3"  # no recipe.json: the folder's name
+    out = plot_run(run, out=tmp_path / "two.png")
+    height, width = matplotlib_image.imread(out).shape[:2]
+    assert (width, height) == (round(2 * PANEL_INCHES[0] * 100), round((PANEL_INCHES[1] + TITLE_INCHES) * 100))
+
+
+def test_keys_narrow_the_panels_and_add_others():
+    available = _record(1).keys() - {"step"}
+    chosen = panels(available, ["lr", "reward_mean", "time_update_s"])
+    assert chosen == [Panel("reward", ("reward_mean",), band="reward_std"),
+                      Panel("time per step (s)", (), stack=("time_update_s",)), Panel("lr", ("lr",))]
+    assert panels(available, ["reward_std"]) == [Panel("reward_std", ("reward_std",))]  # no mean: a line of its own
+    with pytest.raises(UserError, match=r"--keys: unknown key 'rewrd_mean'. did you mean 'reward_mean'\? "
+                                        r"available: clip_frac, entropy, "):
+        panels(available, ["rewrd_mean"])
+
+
+def test_resumed_steps_keep_the_last_record_and_a_torn_line_is_skipped(tmp_path):
+    first = [_record(s) for s in (1, 2, 3)]
+    resumed = [_record(s, loss=-float(s)) for s in (2, 3, 4)]  # restarted from the step-1 checkpoint
+    run = _run(tmp_path, first + resumed, tail='{"step": 5, "reward_me')  # then crashed mid-write
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["loss"] for r in records] == [0.1, -2.0, -3.0, -4.0]
+    assert len(make_figure(run).axes) == len(STANDARD)
+
+
+def test_moving_average_is_trailing_and_skips_nan():
+    got = moving_average(np.array([1.0, 3.0, np.nan, 5.0, 7.0]), 2)
+    np.testing.assert_allclose(got, [1.0, 2.0, 3.0, 5.0, 6.0])
+    np.testing.assert_array_equal(moving_average(np.array([1.0, 2.0]), 1), [1.0, 2.0])
+
+
+def _cli_cases(tmp_path: Path) -> dict:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text('{"step": 1, "reward_me')  # only a torn line
+    parent = tmp_path / "runs"
+    (parent / "mine").mkdir(parents=True)
+    (parent / "mine" / "metrics.jsonl").write_text(json.dumps(_record(1)) + "\n")
+    return {
+        "missing_folder": ([str(tmp_path / "nope")], f"error: {tmp_path / 'nope'}: not found. give a run folder"),
+        "no_metrics": ([str(parent)], f"error: {parent / 'metrics.jsonl'}: not found. did you mean {parent / 'mine'}?"),
+        "empty": ([str(empty)], f"error: {empty / 'metrics.jsonl'}: has no complete records."),
+        "unknown_key": ([str(parent / "mine"), "--keys", "reward_mean,nope"],
+                        "error: --keys: unknown key 'nope'. available: clip_frac, entropy, generated_tokens_per_s,"),
+        "smooth": ([str(parent / "mine"), "--smooth", "0"], "error: --smooth: 0 is out of range: must be >= 1."),
+        "out_folder": ([str(parent / "mine"), "--out", str(tmp_path / "no" / "x.png")],
+                       f"error: --out: folder {tmp_path / 'no'} does not exist."),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing_folder", "no_metrics", "empty", "unknown_key", "smooth", "out_folder"])
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, case):
+    argv, start = _cli_cases(tmp_path)[case]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(start) and err.count("\n") == 1, err
+
+
+def test_without_matplotlib_says_pip_install(tmp_path, capsys, monkeypatch):
+    run = _run(tmp_path, [_record(1)])
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # import of any of them now raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.rstrip().endswith("pip install matplotlib."), err
+    assert not (run / "curves.png").exists()
+
+
+def test_module_runs_as_a_command(tmp_path):
+    run = _run(tmp_path, [_record(s) for s in (1, 2)])
+    ok = subprocess.run([sys.executable, "-m", "grpo_ds.plot", str(run), "--keys", "reward_mean,lr", "--out",
+                         str(tmp_path / "c.png")], capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path / "c.png"), ok.stderr
+    assert (tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
+    bad = subprocess.run([sys.executable, "-m", "grpo_ds.plot", str(tmp_path / "nope")], capture_output=True,
+                         text=True, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: "), bad.stderr
