@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -32,11 +33,16 @@ import numpy as np
 import torch
 
 from grpo_ds.engine import Dist
+from grpo_ds.errors import first_line
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 DS_TAG = "ds"
+MANIFEST = "manifest.json"  # {"step": N, "files": {path relative to the checkpoint folder: sha256 hex}}
+_STEP_FOLDER = re.compile(r"step_(\d+)")
+# The files DeepSpeed's consolidation reads (zero_to_fp32 globs them); each must be covered by the manifest.
+_SHARD_GLOBS = ("*_model_states.pt", "*_optim_states.pt")
 
 
 def checkpoint_name(step: int) -> str:
@@ -73,7 +79,7 @@ def save(engine, run_dir: Path, step: int, trainer_state: dict, keep: int, dist:
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for p in files:
             _fsync_file(p)
-        _write_json(tmp / "manifest.json", {"step": step, "files": {
+        _write_json(tmp / MANIFEST, {"step": step, "files": {
             str(p.relative_to(tmp)): _sha256(p) for p in files}})
         for folder in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
             _fsync_dir(folder)
@@ -108,19 +114,38 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return found
 
 
-def verify(path: Path) -> str | None:
-    """None if every file in the manifest is present with its checksum, else what is wrong (naming the file)."""
-    manifest = path / "manifest.json"
+def verify(folder: str | Path) -> str | None:
+    """None when every file listed in ``manifest.json`` is present with its sha256 (and the DeepSpeed shards are
+    all listed); otherwise what is wrong, naming the file (relative to ``folder``)."""
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        return f"{MANIFEST} is missing (an incomplete or foreign checkpoint)"
     try:
-        listed = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError) as err:
-        return f"{manifest} is missing or unreadable ({type(err).__name__})"
-    for rel, digest in listed.items():
-        f = path / rel
-        if not f.is_file():
-            return f"{f} is missing"
-        if _sha256(f) != digest:
-            return f"{f} does not match its checksum in manifest.json (truncated or altered)"
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"{MANIFEST} is not valid JSON ({first_line(err)})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f'{MANIFEST} has no "files" object'
+    match = _STEP_FOLDER.fullmatch(folder.name)
+    if match and manifest.get("step") is not None and manifest["step"] != int(match.group(1)):
+        return f"{MANIFEST} is for step {manifest['step']}, not step {int(match.group(1))}"
+    for name, digest in sorted(files.items()):
+        path = folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"{MANIFEST} lists {name!r}, which is outside the checkpoint folder"
+        if not path.is_file():
+            return f"{name} is missing"
+        if _sha256(path) != digest:
+            return f"{name} does not match its sha256 in {MANIFEST} (damaged or changed after saving)"
+    shards = sorted(p for pattern in _SHARD_GLOBS for p in (folder / DS_TAG).glob(pattern))
+    if not shards:
+        return f"{DS_TAG}/ holds no DeepSpeed shards (*_model_states.pt, *_optim_states.pt)"
+    for path in shards:
+        name = path.relative_to(folder).as_posix()
+        if name not in files:
+            return f"{name} is not listed in {MANIFEST} (written after the checkpoint was completed?)"
     return None
 
 

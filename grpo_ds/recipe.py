@@ -162,6 +162,8 @@ class TrainConfig:
     adam_betas: list = opt([0.9, 0.999], "AdamW betas [beta1, beta2]")
     warmup_steps: int = opt(0, "Optimizer steps of linear learning-rate warm-up", low=0)
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (0 = off)", low=0.0)
+    max_nonfinite_steps: int = opt(3, "Stop after this many optimizer steps in a row with a non-finite loss or "
+                                   "gradient norm (each one's update is skipped and logged)", low=1)
 
 
 @dataclass(frozen=True)

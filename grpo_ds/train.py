@@ -17,6 +17,7 @@ import argparse
 import copy
 import hashlib
 import json
+import math
 import sys
 import time
 import types
@@ -37,7 +38,7 @@ from grpo_ds.engine import (
     init_distributed,
     world_size_from_env,
 )
-from grpo_ds.errors import exit_on_user_error
+from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.metrics import MetricsLogger
 from grpo_ds.models import load_model
 from grpo_ds.planner import StepPlan, plan_step, token_imbalance
@@ -83,6 +84,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
     settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend)
     first_step = _resume(folder, engine, rollout, sampler, logger, dist, bucket_bytes)
+    nonfinite_in_a_row = 0
 
     for step in range(first_step, recipe.train.steps + 1):
         # ---- rollout and reward (grpo_ds.collect): rank 0 picks the prompts, every rank generates a slice,
@@ -109,11 +111,19 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         # ---- policy update: one optimizer step per mini-batch
         t = time.perf_counter()
         totals = torch.zeros(len(TOTALS), dtype=torch.float64)
-        grad_norms = []
+        grad_norms, nonfinite = [], 0
         for minibatch in plan.minibatches:
-            totals += optimizer_step(engine, rollouts, minibatch, advantages, old_logprobs, ref_logprobs, settings,
-                                     dist)
-            grad_norms.append(_grad_norm(engine))
+            step_totals, stepped = optimizer_step(engine, rollouts, minibatch, advantages, old_logprobs,
+                                                  ref_logprobs, settings, dist)
+            totals += step_totals
+            grad_norm = _grad_norm(engine) if stepped else math.nan
+            if math.isfinite(grad_norm):  # NaN guard: a non-finite loss skipped the update (optimizer_step)
+                grad_norms.append(grad_norm)
+                nonfinite_in_a_row = 0
+            else:
+                nonfinite, nonfinite_in_a_row = nonfinite + 1, nonfinite_in_a_row + 1
+            if nonfinite_in_a_row >= recipe.train.max_nonfinite_steps:
+                _stop_nonfinite(step, nonfinite_in_a_row, run_dir)
         times["update"] = time.perf_counter() - t
 
         # ---- weight sync: ZeRO-3 shards -> full weights, bucket by bucket, into the rollout engine
@@ -129,7 +139,8 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         metrics.update(
             step=step, loss=loss_sum / len(plan.minibatches), kl=kl_sum / response_tokens,
             entropy=entropy_sum / response_tokens, clip_frac=clipped / response_tokens,
-            grad_norm=sum(grad_norms) / len(grad_norms), lr=engine.get_lr()[0],
+            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, lr=engine.get_lr()[0],
+            nonfinite_optimizer_steps=nonfinite,
             response_len_mean=sum(response_lengths) / len(response_lengths),
             stop_frac=rollouts.finish_reason.count("stop") / len(rollouts),
             optimizer_steps=len(plan.minibatches), skipped_rows=inputs.skipped_rows,
@@ -142,8 +153,9 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             s for m in plan.minibatches for mb in m.micro_batches[dist.rank] for s in mb)})
 
         # ---- checkpoint: atomically, every checkpoint.every_steps and after the last step
+        # (never after a non-finite step: its weights may not be good)
         every = recipe.checkpoint.every_steps
-        if every is not None and (step % every == 0 or step == recipe.train.steps):
+        if every is not None and (step % every == 0 or step == recipe.train.steps) and not nonfinite:
             checkpoint.save(engine, run_dir, step, {"sampler": sampler.state_dict(), "history": logger.history},
                             recipe.checkpoint.keep, dist)
 
@@ -181,6 +193,13 @@ def _advantages(recipe: Recipe, inputs: Inputs, rewards: list[float], rollouts: 
     advantages = kernels.group_advantages(shaped.to(device), recipe.rollout.group_size, baseline, scale,
                                           backend=inputs.kernels_backend).cpu()
     return advantages.tolist(), metrics
+
+
+def _stop_nonfinite(step: int, count: int, run_dir: Path) -> None:
+    good = checkpoint.complete_checkpoints(run_dir)
+    raise UserError(f"step {step}", f"{count} optimizer steps in a row had a non-finite loss or gradient norm "
+                    "(their updates were skipped)", f"the last good checkpoint is {good[0] if good else 'none'}; "
+                    "lower train.lr, check the rewards and the data, or raise train.max_nonfinite_steps")
 
 
 def _resume(folder: run_folder.RunFolder, engine, rollout, sampler: PromptSampler, logger: MetricsLogger,

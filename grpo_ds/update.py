@@ -90,11 +90,12 @@ def logprob_pass(engine, rollouts: Rollouts, plan: MiniBatchPlan, settings: Upda
 
 def optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advantages: list[float],
                    old_logprobs: dict | None, ref_logprobs: dict | None, settings: UpdateSettings,
-                   dist: Dist) -> torch.Tensor:
+                   dist: Dist) -> tuple[torch.Tensor, bool]:
     """Backward over this rank's micro-batches of `minibatch`, then one optimizer step.
 
     old_logprobs None means the policy has not changed since the rollout (one optimizer step per
-    rollout), so the old log-probs are the current ones, detached. Returns this rank's TOTALS.
+    rollout), so the old log-probs are the current ones, detached. Returns this rank's TOTALS and whether
+    the optimizer stepped (False: a non-finite loss on some rank, the update was skipped).
     """
     engine.train()
     lengths = [trained_tokens(rollouts, s, settings) for s in minibatch.sample_ids]
@@ -102,6 +103,7 @@ def optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advanta
     weight_of = dict(zip(minibatch.sample_ids, weights, strict=True))
     advantage = torch.tensor(advantages, dtype=torch.float32, device=dist.device)  # (P*G,)
     totals = torch.zeros(len(TOTALS), dtype=torch.float64)
+    finite = True
     for ids in minibatch.micro_batches[dist.rank]:
         mb = _micro_batch(rollouts, ids, minibatch, settings, dist)
         sample_ids = torch.tensor(mb.sample_ids, device=dist.device)
@@ -117,11 +119,27 @@ def optimizer_step(engine, rollouts: Rollouts, minibatch: MiniBatchPlan, advanta
                           _per_token(ref_logprobs, mb) if settings.loss.kl_coef > 0 else None)
         loss, sums = response_policy_loss(engine, mb, terms, settings.loss, settings.temperature, settings.kernels)
         engine.backward(loss * dist.world_size, scale_wrt_gas=False)
+        finite = finite and bool(torch.isfinite(loss))
         if ids:
             totals += torch.tensor([loss.item(), *sums.tolist(), float(mb.loss_mask.sum()),
                                     int(mb.attention_mask.sum())], dtype=torch.float64)
+    # NaN guard: every rank ran every backward (ZeRO-3's collectives need it); if any rank saw a non-finite loss,
+    # all of them drop the accumulated gradients instead of stepping.
+    nonfinite = torch.tensor([0.0 if finite else 1.0])
+    dist.all_reduce_sum(nonfinite)
+    if nonfinite.item() > 0:
+        _discard_gradients(engine)
+        return totals, False
     engine.step()
-    return totals
+    return totals, True
+
+
+def _discard_gradients(engine) -> None:
+    """Forget the gradients accumulated since the last step without stepping: ZeRO's next backward then
+    overwrites its gradient partitions (as after a step), and the engine's micro-batch count restarts."""
+    engine.optimizer.zero_grad()
+    if hasattr(engine, "_unmanaged_backward_count"):  # DeepSpeed's count of backwards since the last step
+        engine._unmanaged_backward_count = 0
 
 
 def needs_sampling_logprobs(recipe: Recipe) -> bool:

@@ -123,7 +123,8 @@ def test_a_damaged_checkpoint_is_reported_and_the_previous_one_is_used(tmp_path)
     resumed = subprocess.run([*args, "train.steps=6"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                              timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"checkpoint step_00000004 is damaged: {shard} does not match its checksum" in resumed.stderr
+    name = shard.relative_to(root / "step_00000004").as_posix()
+    assert f"checkpoint step_00000004 is damaged: {name} does not match its sha256" in resumed.stderr
     assert "resuming after step 2 from" in resumed.stderr
     steps = [json.loads(line)["step"] for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # steps 3 and 4 were redone after the fallback, not logged twice
@@ -131,15 +132,16 @@ def test_a_damaged_checkpoint_is_reported_and_the_previous_one_is_used(tmp_path)
 
 def test_verify_names_an_altered_file(tmp_path):
     ckpt = tmp_path / "step_00000001"
-    (ckpt / "ds").mkdir(parents=True)
-    (ckpt / "ds" / "a.pt").write_bytes(b"weights")
-    manifest = {"step": 1, "files": {"ds/a.pt": checkpoint._sha256(ckpt / "ds" / "a.pt")}}
+    shard = ckpt / "ds" / "mp_rank_00_model_states.pt"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"weights")
+    manifest = {"step": 1, "files": {"ds/mp_rank_00_model_states.pt": checkpoint._sha256(shard)}}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     assert checkpoint.verify(ckpt) is None
-    (ckpt / "ds" / "a.pt").write_bytes(b"weightz")
-    assert "a.pt does not match its checksum" in checkpoint.verify(ckpt)
-    (ckpt / "ds" / "a.pt").unlink()
-    assert "a.pt is missing" in checkpoint.verify(ckpt)
+    shard.write_bytes(b"weightz")
+    assert checkpoint.verify(ckpt).startswith("ds/mp_rank_00_model_states.pt does not match its sha256")
+    shard.unlink()
+    assert checkpoint.verify(ckpt) == "ds/mp_rank_00_model_states.pt is missing"
 
 
 @pytest.mark.slow

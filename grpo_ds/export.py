@@ -1,0 +1,337 @@
+"""Export a training checkpoint as a Hugging Face model folder that transformers loads on its own.
+
+    python -m grpo_ds.export RUN_DIR --out DIR [--step N] [--dtype float32|bfloat16|float16] [--overwrite]
+    python -m grpo_ds.export RUN_DIR --list
+
+A run folder holds ``recipe.json`` and ``checkpoints/step_XXXXXXXX/`` folders (``ds/`` written by DeepSpeed,
+``trainer_state.json``, ``manifest.json`` with the sha256 of every file); ``checkpoints/latest`` names the
+newest complete one, and ``.tmp-*`` folders are unfinished writes, never read. The export:
+
+1. picks the checkpoint: ``--step N``, else the one ``latest`` names, else the highest step;
+2. verifies every file against ``manifest.json`` (a damaged checkpoint is reported by file name before any
+   tensor is read);
+3. consolidates the ZeRO-3 shards into one fp32 state dict with DeepSpeed's own
+   ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (any world size);
+4. rebuilds the model from ``recipe.json`` (builtin:tiny, or the local HF folder's config; nothing is
+   downloaded), loads the state dict strictly (a tied ``lm_head.weight`` may be absent), casts it to
+   ``--dtype`` (default: the recipe's ``model.dtype``);
+5. writes ``config.json`` + ``model.safetensors``, the tokenizer and ``generation_config.json`` into a
+   temporary folder beside ``--out`` and renames it into place, so ``--out`` never holds half an export.
+
+Every mistake a user can make (wrong run folder, no checkpoints, unknown step, non-empty ``--out``, damaged
+checkpoint) is a one-line ``error: ...`` with exit code 2, found before any model or tensor is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.initialization import no_init_weights
+
+from grpo_ds.builtin_tiny import build_tiny_model
+from grpo_ds.checkpoint import _STEP_FOLDER, CHECKPOINTS, DS_TAG, LATEST, MANIFEST, verify
+from grpo_ds.engine import device_type
+from grpo_ds.errors import UserError, exit_on_user_error, first_line
+from grpo_ds.models import BUILTIN_TINY, check_model_path, load_tokenizer, torch_dtype
+from grpo_ds.recipe import ModelConfig, load_recipe
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint folder and, once verified, what is wrong with it (None: it verifies)."""
+
+    step: int
+    path: Path
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    checkpoint: Path
+    step: int
+    out_dir: Path
+    num_parameters: int
+    dtype: str
+    architecture: str
+
+
+# ------------------------------------------------------------------------------------------- finding checkpoints
+
+def checkpoint_folders(run_dir: str | Path) -> list[CheckpointInfo]:
+    """Every ``checkpoints/step_*`` folder of a run, oldest first (``.tmp-*`` folders are unfinished: skipped).
+
+    Raises UserError when ``run_dir`` is not a run folder or holds no checkpoint."""
+    run = _check_run_dir(run_dir)
+    root = run / CHECKPOINTS
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            match = _STEP_FOLDER.fullmatch(child.name)
+            if match and child.is_dir():
+                found.append(CheckpointInfo(int(match.group(1)), child))
+    if not found:
+        raise UserError(str(root), "no checkpoints in this run folder",
+                        "the run saved none yet (checkpoints are written every checkpoint.every_steps steps)")
+    return sorted(found, key=lambda c: c.step)
+
+
+def select_checkpoint(run_dir: str | Path, step: int | None = None) -> CheckpointInfo:
+    """``step``'s checkpoint; without one, the checkpoint ``checkpoints/latest`` names, else the highest step."""
+    found = checkpoint_folders(run_dir)
+    steps = ", ".join(str(c.step) for c in found)
+    if step is not None:
+        for info in found:
+            if info.step == step:
+                return info
+        raise UserError("--step", f"no checkpoint of step {step} in {found[0].path.parent}",
+                        f"available steps: {steps}")
+    latest = found[0].path.parent / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        for info in found:
+            if info.path.name == name:
+                return info
+        raise UserError(str(latest), f"names {name!r}, which is not a checkpoint folder here",
+                        f"pass --step with one of the available steps: {steps}")
+    return found[-1]
+
+
+def _check_run_dir(run_dir: str | Path) -> Path:
+    run = Path(run_dir)
+    if not run.is_dir():
+        what = "is not a folder" if run.exists() else "no such run folder"
+        raise UserError(str(run), what, "give a run folder (run.output_dir/run.name), the one holding recipe.json "
+                                        "and checkpoints/")
+    if not (run / "recipe.json").is_file():
+        raise UserError(str(run), "no recipe.json in it, so it is not a grpo_ds run folder",
+                        "give the run folder (run.output_dir/run.name), the one holding recipe.json and checkpoints/")
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------- verifying
+
+verify_checkpoint = verify  # the one check, in grpo_ds.checkpoint
+
+
+def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
+    """Every checkpoint of a run, oldest first, each verified against its manifest (``problem`` None: good)."""
+    return [CheckpointInfo(c.step, c.path, verify_checkpoint(c.path)) for c in checkpoint_folders(run_dir)]
+
+
+# ---------------------------------------------------------------------------------------------------- exporting
+
+def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
+                      overwrite: bool = False) -> Path:
+    """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a transformers folder ``out_dir``.
+
+    ``dtype``: "float32", "bfloat16" or "float16" (default: the recipe's model.dtype). Returns ``out_dir``.
+    Raises UserError for anything the user can fix; ``out_dir`` is untouched unless the export succeeds."""
+    return export(run_dir, out_dir, step, dtype, overwrite).out_dir
+
+
+def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
+           overwrite: bool = False) -> ExportSummary:
+    """``export_checkpoint`` returning what was done (for the command line's summary)."""
+    run = _check_run_dir(run_dir)
+    model_cfg = _model_config(run)
+    checkpoint = select_checkpoint(run, step)
+    out = _check_out_dir(Path(out_dir).resolve(), run, overwrite)
+    dtype = dtype or model_cfg.dtype
+    if dtype not in DTYPES:
+        raise UserError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}", "pick one of them")
+    _check_model_source(model_cfg, run)
+    tokenizer = load_tokenizer(model_cfg)  # cheap, and its errors (no tokenizer files) come before the hashing
+    problem = verify_checkpoint(checkpoint.path)
+    if problem:
+        older = [str(c.step) for c in checkpoint_folders(run) if c.step < checkpoint.step]
+        fix = (f"export an older checkpoint with --step (steps before it: {', '.join(older)}; --list verifies them)"
+               if older else "there is no older checkpoint to export instead; restore this one from a backup")
+        raise UserError(str(checkpoint.path), problem, fix)
+
+    state_dict = _consolidate(checkpoint.path)
+    model = _build_model(model_cfg, len(tokenizer))
+    _load_strict(model, state_dict, checkpoint.path)
+    del state_dict
+    model.to(torch_dtype(dtype))
+    model.eval()
+    generation_config = _generation_config(model_cfg, model, tokenizer)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        generation_config.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)  # empty, or --overwrite was given (checked above)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportSummary(checkpoint=checkpoint.path, step=checkpoint.step, out_dir=out,
+                         num_parameters=sum(p.numel() for p in model.parameters()), dtype=dtype,
+                         architecture=type(model).__name__)
+
+
+def _model_config(run: Path) -> ModelConfig:
+    """The run's model section (only it: the export must not fail on, say, a dataset that has moved since)."""
+    path = run / "recipe.json"
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}:{err.colno}", f"invalid JSON ({err.msg})",
+                        "restore the recipe.json the run wrote") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        raise UserError(str(path), 'has no "model" section', "restore the recipe.json the run wrote")
+    try:
+        return load_recipe({"model": raw["model"]}).model
+    except UserError as err:
+        raise UserError(f"{path}: {err.where}", err.what, err.fix) from None
+
+
+def _check_model_source(model_cfg: ModelConfig, run: Path) -> None:
+    try:
+        check_model_path(model_cfg)
+    except UserError as err:
+        raise UserError(f"{run / 'recipe.json'}: {err.where}", err.what,
+                        "the export rebuilds the model from it: run the export from the folder training ran in "
+                        "(a relative model.path is read from there), or restore the model folder") from None
+
+
+def _check_out_dir(out: Path, run: Path, overwrite: bool) -> Path:
+    if out.exists() and not out.is_dir():
+        raise UserError("--out", f"{out} exists and is not a folder", "give a new folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError("--out", f"{out} exists and is not empty", "give a new folder, or pass --overwrite")
+        resolved, run_resolved = out.resolve(), run.resolve()
+        if resolved == run_resolved or resolved in run_resolved.parents:
+            raise UserError("--out", f"{out} holds the run folder, which --overwrite would delete",
+                            "give a folder outside the run")
+    return out
+
+
+def _consolidate(folder: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own ZeRO consolidation of ``folder/ds`` (any world size) into a full fp32 state dict."""
+    if device_type() == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, hence imported here
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # It prints its progress (and tqdm bars) for a standalone script; the export prints its own summary.
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=DS_TAG)
+    except (OSError, ValueError, RuntimeError, KeyError) as err:  # a checkpoint DeepSpeed cannot read
+        raise UserError(str(folder / DS_TAG), f"DeepSpeed cannot consolidate it ({first_line(err)})",
+                        "export another checkpoint with --step") from None
+
+
+def _build_model(model_cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
+    """The model's skeleton in fp32, as training built it; weights are left uninitialised (all are loaded)."""
+    if model_cfg.path == BUILTIN_TINY:
+        return build_tiny_model(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers,
+                                model_cfg.tiny_num_heads, dtype=torch.float32)
+    try:
+        config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code,
+                                            local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError("model.path", f"cannot read the model config in {model_cfg.path} ({first_line(err)})",
+                        "restore the model folder training used") from None
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code,
+                                                 dtype=torch.float32)
+    model.tie_weights()  # no_init_weights skips tying too; a tied lm_head must share the embedding again
+    return model
+
+
+def _load_strict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], folder: Path) -> None:
+    """``load_state_dict(strict=True)``, except that a tied weight DeepSpeed stored once is filled from its twin."""
+    expected = model.state_dict()
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        by_storage.setdefault(tensor.data_ptr(), []).append(name)
+    for name in [n for n in expected if n not in state_dict]:
+        twin = next((t for t in by_storage[expected[name].data_ptr()] if t in state_dict), None)
+        if twin is not None:
+            state_dict[name] = state_dict[twin]
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    wrong_shape = sorted(n for n in set(expected) & set(state_dict) if expected[n].shape != state_dict[n].shape)
+    if missing or unexpected or wrong_shape:
+        parts = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
+                 for label, names in (("missing", missing), ("unexpected", unexpected),
+                                      ("different shape", wrong_shape)) if names]
+        raise UserError(str(folder), f"its weights do not fit the model in recipe.json: {'; '.join(parts)}",
+                        "export with the recipe.json and model folder the run was trained with")
+    model.load_state_dict(state_dict, strict=True)
+
+
+def _generation_config(model_cfg: ModelConfig, model, tokenizer):
+    """The model folder's generation_config.json when it has one; else one with the tokenizer's eos/pad ids."""
+    if model_cfg.path != BUILTIN_TINY and (Path(model_cfg.path) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    config = GenerationConfig.from_model_config(model.config)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    if model_cfg.path == BUILTIN_TINY:
+        config.bos_token_id = None  # the tiny tokenizer adds no BOS
+    return config
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's two-line usage error becomes the one-line contract
+        raise UserError(self.prog, message, "see --help")
+
+
+def _print_list(run_dir: str) -> None:
+    infos = list_checkpoints(run_dir)
+    latest_file = infos[0].path.parent / LATEST
+    latest = latest_file.read_text().strip() if latest_file.is_file() else None
+    print(f"checkpoints in {infos[0].path.parent}:")
+    for info in infos:
+        state, problem = ("ok", "") if info.problem is None else ("DAMAGED", f": {info.problem}")
+        mark = " (latest)" if info.path.name == latest else ""
+        print(f"  step {info.step:>8}  {state:<7}  {info.path.name}{mark}{problem}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _Parser(prog="python -m grpo_ds.export", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="the run folder (holds recipe.json and checkpoints/)")
+    parser.add_argument("--out", help="folder to write the model into (new or empty, unless --overwrite)")
+    parser.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
+    parser.add_argument("--dtype", choices=DTYPES, help="dtype of the saved weights (default: the recipe's "
+                                                        "model.dtype)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    parser.add_argument("--list", action="store_true", help="list the checkpoints and whether each verifies")
+    with exit_on_user_error():
+        args = parser.parse_args(argv)
+        if args.list:
+            _print_list(args.run_dir)
+            return
+        if not args.out:
+            raise UserError(parser.prog, "--out is required", "give the folder to write the model into, or --list")
+        done = export(args.run_dir, args.out, args.step, args.dtype, args.overwrite)
+        print(f"checkpoint: {done.checkpoint} (step {done.step}, verified against {MANIFEST})")
+        print(f"model:      {done.architecture}, {done.num_parameters:,} parameters, {done.dtype}")
+        print(f"written:    {done.out_dir} (load it with AutoModelForCausalLM.from_pretrained / "
+              "AutoTokenizer.from_pretrained)")
+
+
+if __name__ == "__main__":
+    main()
