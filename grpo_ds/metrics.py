@@ -6,8 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import resource
+import sys
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from grpo_ds.errors import UserError
@@ -22,6 +26,19 @@ def check_logging_extras(cfg: LoggingConfig) -> None:
         if on and importlib.util.find_spec(package) is None:
             raise UserError(key, f"needs the {package} package, which is not installed",
                             f'pip install -e ".[{package}]", or turn it off')
+
+def wandb_mode(requested: str) -> str:
+    """"online" without any W&B credentials (WANDB_API_KEY or a ~/.netrc entry) logs offline instead of failing
+    or prompting: the run folder's wandb/ can be synced later with `wandb sync`."""
+    if requested != "online" or os.environ.get("WANDB_API_KEY"):
+        return requested
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
+        return requested
+    print("warning: no Weights & Biases credentials (WANDB_API_KEY or ~/.netrc): logging offline to the run "
+          "folder's wandb/ (upload later with `wandb sync`)", file=sys.stderr)
+    return "offline"
+
 
 # Shown on the console line, in this order, when present.
 CONSOLE_KEYS = ("reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "clip_frac",
@@ -46,8 +63,8 @@ class MetricsLogger:
         if run_dir and cfg.wandb_project is not None:
             import wandb
 
-            self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(run_dir), mode=cfg.wandb_mode,
-                                    config=config)
+            self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(run_dir),
+                                    mode=wandb_mode(cfg.wandb_mode), config=config)
 
     def resume(self, history: list[dict]) -> None:
         """Continue after a checkpoint: the steps already done are the history, and the bar starts past them."""
@@ -75,6 +92,16 @@ class MetricsLogger:
             self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=_fmt(metrics.get("loss", math.nan)))
             self.bar.update(1)
 
+    def samples(self, step: int, records: list[dict]) -> None:
+        """Append {"step", "samples": [{"prompt", "completion", "reward"}, ...]} to samples.jsonl (and TensorBoard)."""
+        if self.path is None:
+            return
+        with (self.path.parent / "samples.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "samples": records}) + "\n")
+        if self.tensorboard:
+            text = "\n\n".join(f"**reward {r['reward']:.3f}** {r['prompt']!r} -> {r['completion']!r}" for r in records)
+            self.tensorboard.add_text("samples", text, step)
+
     def close(self) -> None:
         if self.bar:
             self.bar.close()
@@ -82,6 +109,13 @@ class MetricsLogger:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory so far: allocated GPU memory on CUDA, resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _fmt(x) -> str:

@@ -191,6 +191,9 @@ class LoggingConfig:
     progress_bar: bool = opt(True, "Show a progress bar on rank 0")
     tensorboard: bool = opt(False, "Write TensorBoard event files to <run folder>/tensorboard (extra: tensorboard)")
     wandb_project: str | None = opt(None, "Log every step to this Weights & Biases project (extra: wandb; null = off)")
+    samples_every_steps: int | None = opt(10, "Every this many steps, write a few (prompt, completion, reward) "
+                                          "records to <run folder>/samples.jsonl (null = never)", low=1)
+    samples_per_log: int = opt(4, "Samples written each time (the first group's first ones)", low=1)
     wandb_mode: str = opt("online", "Weights & Biases mode (offline writes to <run folder>/wandb)",
                           choices=("online", "offline", "disabled"))
 

@@ -39,7 +39,7 @@ from grpo_ds.engine import (
     world_size_from_env,
 )
 from grpo_ds.errors import UserError, exit_on_user_error
-from grpo_ds.metrics import MetricsLogger
+from grpo_ds.metrics import MetricsLogger, peak_memory_gib
 from grpo_ds.models import load_model
 from grpo_ds.planner import StepPlan, plan_step, token_imbalance
 from grpo_ds.recipe import Recipe
@@ -147,8 +147,12 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),
             token_imbalance=max(token_imbalance(m, sequence_tokens) for m in plan.minibatches),
             tokens_per_s=seq_tokens / times["update"], generated_tokens_per_s=sum(response_lengths) / times["rollout"],
-            time_step_s=sum(times.values()), **{f"time_{k}_s": v for k, v in times.items()})
+            time_step_s=sum(times.values()), peak_memory_gib=peak_memory_gib(dist.device),
+            **{f"time_{k}_s": v for k, v in times.items()})
         logger.log(metrics)
+        every = recipe.logging.samples_every_steps
+        if dist.is_main and every is not None and (step % every == 0 or step == 1):
+            logger.samples(step, _sample_records(inputs, samples, recipe.logging.samples_per_log))
         _append_json(rank_log, {"step": step, "trained_sample_ids": sorted(
             s for m in plan.minibatches for mb in m.micro_batches[dist.rank] for s in mb)})
 
@@ -193,6 +197,13 @@ def _advantages(recipe: Recipe, inputs: Inputs, rewards: list[float], rollouts: 
     advantages = kernels.group_advantages(shaped.to(device), recipe.rollout.group_size, baseline, scale,
                                           backend=inputs.kernels_backend).cpu()
     return advantages.tolist(), metrics
+
+
+def _sample_records(inputs: Inputs, samples, count: int) -> list[dict]:
+    rollouts, G = samples.rollouts, inputs.recipe.rollout.group_size
+    return [{"prompt": inputs.prompts[samples.prompt_index[i // G]].prompt_text,
+             "completion": inputs.tokenizer.decode(rollouts.response_ids[i], skip_special_tokens=True),
+             "reward": samples.rewards[i]} for i in range(min(count, len(rollouts)))]
 
 
 def _stop_nonfinite(step: int, count: int, run_dir: Path) -> None:

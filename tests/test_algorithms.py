@@ -53,3 +53,17 @@ def test_truncated_completions_get_no_weight():
     off = UpdateSettings.from_recipe(load_recipe({}), 0, "torch")
     assert [trained_tokens(rollouts, i, on) for i in range(2)] == [0, 1]  # truncated: out; loss mask counts
     assert [trained_tokens(rollouts, i, off) for i in range(2)] == [2, 1]
+
+
+@pytest.mark.slow
+def test_observability_peak_memory_and_sample_completions(tmp_path):
+    import json
+
+    metrics = grpo_ds.train(TINY, {**BASE, "train.steps": 3, "run.output_dir": str(tmp_path), "run.name": "obs",
+                                   "logging.samples_every_steps": 2, "logging.samples_per_log": 3})
+    assert all(0.05 < m["peak_memory_gib"] < 64 for m in metrics)  # resident memory of this process, GiB
+    records = [json.loads(line) for line in (tmp_path / "obs" / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]  # the first step, then every 2 steps
+    first = records[0]["samples"]
+    assert len(first) == 3 and all(set(s) == {"prompt", "completion", "reward"} for s in first)
+    assert first[0]["prompt"].endswith("=")  # builtin:arith prompts such as "3+4="

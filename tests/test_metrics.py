@@ -68,3 +68,39 @@ def test_missing_logging_package_is_a_user_error(monkeypatch):
         check_logging_extras(LoggingConfig(wandb_project="p"))
     assert err.value.where == "logging.wandb_project" and "[wandb]" in err.value.fix
     check_logging_extras(LoggingConfig(wandb_project="p", wandb_mode="disabled"))  # off: no package needed
+
+
+def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch, capsys):
+    from grpo_ds.metrics import wandb_mode
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    assert wandb_mode("online") == "offline"
+    assert "logging offline" in capsys.readouterr().err
+    assert wandb_mode("disabled") == "disabled"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode("online") == "online"
+    monkeypatch.delenv("WANDB_API_KEY")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert wandb_mode("online") == "online"
+
+
+def test_progress_bar_shows_eta_and_reward_and_resumes_where_it_stopped(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, 10, LoggingConfig(progress_bar=True, every_steps=100))
+    logger.resume([{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}])  # after a checkpoint
+    logger.log({"step": 3, "reward_mean": 0.25, "loss": -0.5})
+    assert logger.bar.n == 3 and logger.bar.total == 10
+    logger.bar.refresh()
+    err = capsys.readouterr().err
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "3/10" in last and "reward=0.250" in last and "loss=-0.5" in last
+    assert "<" in last  # elapsed<remaining: the ETA
+    logger.close()
+
+
+def test_samples_go_to_samples_jsonl(tmp_path):
+    logger = MetricsLogger(tmp_path, 3, LoggingConfig(progress_bar=False))
+    logger.samples(2, [{"prompt": "1+1=", "completion": "2", "reward": 1.0}])
+    assert json.loads((tmp_path / "samples.jsonl").read_text()) == {
+        "step": 2, "samples": [{"prompt": "1+1=", "completion": "2", "reward": 1.0}]}
