@@ -10,6 +10,7 @@ model is loaded or any file is written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ class Inputs:
     skipped_rows: int
     kernels_backend: str  # "triton" or "torch", resolved for the device
     env_factory: Callable[[], Any] | None  # rollout.engine "agent": builds one environment per episode
+    eval_prompts: list[PromptRow]  # eval.data's prompts (empty: no evaluation)
 
 
 def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
@@ -57,7 +59,20 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
                                        where=f"data.train {recipe.data.train}")
     check_columns({key for row in prompts for key in row.columns})
-    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory)
+    eval_prompts = _eval_prompts(recipe, tokenizer)
+    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts)
+
+
+def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:
+    if recipe.eval.data is None:
+        return []
+    cfg = dataclasses.replace(recipe.data, train=recipe.eval.data)
+    try:
+        prompts, _ = prepare_prompts(load_rows(cfg, recipe.source_dir), cfg, tokenizer,
+                                     where=f"eval.data {recipe.eval.data}")
+    except UserError as err:
+        raise UserError(err.where.replace("data.train", "eval.data"), err.what, err.fix) from None
+    return prompts[:recipe.eval.max_prompts] if recipe.eval.max_prompts else prompts
 
 
 def _kernels_backend(requested: str, device_type: str) -> str:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from grpo_ds.check import Inputs
-from grpo_ds.data import PromptSampler
+from grpo_ds.data import PromptRow, PromptSampler
 from grpo_ds.engine import Dist
 from grpo_ds.recipe import Recipe
 from grpo_ds.rewards import RewardResult, score
@@ -44,7 +44,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     for round_index in range(rounds):
         t = time.perf_counter()
         prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
-        lo, hi = _slice(P, dist)
+        lo, hi = slice_for_rank(P, dist)
         sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p,
                                   recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003 + step * 1_009
                                   + round_index * 100_003 + dist.rank)
@@ -55,7 +55,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
         times["rollout"] += time.perf_counter() - t
 
         t = time.perf_counter()
-        result = dist.decide(_score, recipe, inputs, prompt_index, rollouts)
+        result = dist.decide(score_rewards, recipe, inputs, [inputs.prompts[i] for i in prompt_index], rollouts, G)
         times["reward"] += time.perf_counter() - t
         scored.append(result)
         rewards = _with_env_rewards(result.total, rollouts)
@@ -79,16 +79,22 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     return StepSamples(samples[0], samples[1], samples[2], metrics, times)
 
 
-def _score(recipe: Recipe, inputs: Inputs, prompt_index: list[int], rollouts: Rollouts) -> RewardResult:
-    """Rank 0: the reward functions' scores of one round."""
-    G = recipe.rollout.group_size
-    rows = [inputs.prompts[i] for i in prompt_index for _ in range(G)]
+def score_rewards(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int
+                  ) -> RewardResult:
+    """Rank 0: the reward functions' scores of ``group_size`` answers to each of ``prompts``."""
+    rows = [p for p in prompts for _ in range(group_size)]
     columns = {k: [r.columns.get(k) for r in rows] for k in rows[0].columns}
     columns["answer"] = [r.columns.get(recipe.data.answer_key) for r in rows]  # what exact_match reads
     return score(inputs.reward_functions, prompts=[r.prompt_text for r in rows],
                  completions=inputs.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True),
                  completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
                  timeout_s=recipe.reward.timeout_s)
+
+
+def score_samples(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int
+                  ) -> list[float]:
+    """Rank 0: each answer's total reward (reward functions plus environment rewards)."""
+    return _with_env_rewards(score_rewards(recipe, inputs, prompts, rollouts, group_size).total, rollouts)
 
 
 def _with_env_rewards(total: list[float], rollouts: Rollouts) -> list[float]:
@@ -125,7 +131,7 @@ def _reward_metrics(scored: list[RewardResult], rewards: list[float], drawn) -> 
     return out
 
 
-def _slice(count: int, dist: Dist) -> tuple[int, int]:
+def slice_for_rank(count: int, dist: Dist) -> tuple[int, int]:
     """Contiguous, near-equal slice of `count` items for this rank."""
     base, extra = divmod(count, dist.world_size)
     lo = dist.rank * base + min(dist.rank, extra)

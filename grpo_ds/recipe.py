@@ -177,6 +177,19 @@ class KernelsConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    data: str | None = opt(None, "Held-out prompts scored during training, same formats and columns as data.train "
+                           "(null = no evaluation)")
+    every_steps: int = opt(50, "Evaluate every this many steps and after the last step", low=1)
+    max_prompts: int | None = opt(None, "Use only the first this many eval prompts (null = all)", low=1)
+    samples_per_prompt: int = opt(4, "Sampled answers per prompt for pass@k (n)", low=1)
+    pass_at: list = opt([1], "The k values of pass@k reported, each <= samples_per_prompt")
+    temperature: float = opt(1.0, "Sampling temperature of the pass@k answers (greedy accuracy uses greedy "
+                             "decoding)", low=0.0, low_open=True)
+    correct_at: float = opt(1.0, "An answer is correct when its total reward is at least this")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int | None = opt(50, "Save a checkpoint every this many steps, and after the last step (null = "
                                   "never)", low=1)
@@ -208,6 +221,7 @@ class Recipe:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     deepspeed: Any = field(default="ds_configs/zero3.json", metadata={
         "doc": "DeepSpeed config: path to a JSON file (batch keys \"auto\") or an inline object"})
@@ -472,10 +486,19 @@ def validate(recipe: Recipe) -> None:
         raise UserError("train.adam_betas", f"{betas} is not two numbers in [0, 1)", "e.g. [0.9, 0.999]")
     a = recipe.algorithm
     _validate_algorithm(recipe)
+    _validate_eval(recipe.eval)
     if a.advantage == "dr_grpo" and a.scale_rewards not in (None, "none"):
         raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
     _validate_reward_specs(recipe.reward.functions, scored_by_env=recipe.rollout.engine == "agent")
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    ks = e.pass_at
+    if not ks or not all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= e.samples_per_prompt
+                         for k in ks):
+        raise UserError("eval.pass_at", f"{ks} must be a non-empty list of whole numbers from 1 to "
+                        f"eval.samples_per_prompt {e.samples_per_prompt}", f"e.g. [1, {e.samples_per_prompt}]")
 
 
 def _validate_algorithm(recipe: Recipe) -> None:

@@ -39,6 +39,7 @@ from grpo_ds.engine import (
     world_size_from_env,
 )
 from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.evaluate import evaluate
 from grpo_ds.metrics import MetricsLogger, peak_memory_gib
 from grpo_ds.models import load_model
 from grpo_ds.planner import StepPlan, plan_step, token_imbalance
@@ -149,6 +150,10 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             tokens_per_s=seq_tokens / times["update"], generated_tokens_per_s=sum(response_lengths) / times["rollout"],
             time_step_s=sum(times.values()), peak_memory_gib=peak_memory_gib(dist.device),
             **{f"time_{k}_s": v for k, v in times.items()})
+        if inputs.eval_prompts and (step % recipe.eval.every_steps == 0 or step == recipe.train.steps):
+            t = time.perf_counter()
+            metrics.update(evaluate(step, recipe, inputs, inputs.eval_prompts, rollout, dist))
+            metrics["time_eval_s"] = time.perf_counter() - t
         logger.log(metrics)
         every = recipe.logging.samples_every_steps
         if dist.is_main and every is not None and (step % every == 0 or step == 1):

@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams
-from grpo_ds.rollout.hf import HFRolloutEngine
+from grpo_ds.rollout.hf import HFRolloutEngine, generation_config
 
 
 @dataclass(frozen=True)
@@ -149,10 +149,7 @@ class AgentRolloutEngine:
             input_ids[i, width - len(c):] = torch.tensor(c)
             attention_mask[i, width - len(c):] = 1
         turn_end = _TurnEnd(width, budgets, [e.stop for e in episodes], self.eos_token_id, self.tokenizer)
-        config = GenerationConfig(
-            do_sample=True, max_new_tokens=max(budgets), temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, num_return_sequences=1, pad_token_id=self.pad_token_id,  # top_k 0 = off
-            eos_token_id=self.eos_token_id, output_scores=True, return_dict_in_generate=True, use_cache=True)
+        config = generation_config(sampling, max(budgets), 1, self.pad_token_id, self.eos_token_id)
         device = next(self.model.parameters()).device
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                   generation_config=config, stopping_criteria=StoppingCriteriaList([turn_end]))

@@ -16,7 +16,7 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy decoding
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0

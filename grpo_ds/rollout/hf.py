@@ -15,6 +15,17 @@ from transformers import GenerationConfig, PreTrainedModel
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 
 
+def generation_config(sampling: SamplingParams, max_new_tokens: int, num_return_sequences: int, pad_token_id: int,
+                      eos_token_id: int) -> GenerationConfig:
+    """transformers' settings for one generate call: sampling, or greedy decoding when temperature is 0."""
+    sampled = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+               "top_k": sampling.top_k} if sampling.temperature > 0 else {"do_sample": False}  # top_k 0 = off, not 50
+    return GenerationConfig(**sampled, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
+                            pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_scores=True,
+                            return_dict_in_generate=True,
+                            use_cache=True)  # the policy's config may turn the cache off for training
+
+
 class HFRolloutEngine:
     def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int) -> None:
         self.model = model.eval().requires_grad_(False)
@@ -41,11 +52,7 @@ class HFRolloutEngine:
         for i, p in enumerate(prompts):
             input_ids[i, width - len(p):] = torch.tensor(p)
             attention_mask[i, width - len(p):] = 1
-        config = GenerationConfig(
-            do_sample=True, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-            top_p=sampling.top_p, top_k=sampling.top_k, num_return_sequences=group_size,  # 0 = off, not 50
-            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, output_scores=True,
-            return_dict_in_generate=True, use_cache=True)  # the policy's config may turn the cache off for training
+        config = generation_config(sampling, sampling.max_new_tokens, group_size, self.pad_token_id, self.eos_token_id)
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                   generation_config=config)
         new_tokens = out.sequences[:, width:].cpu()  # (N*G, T_new)
