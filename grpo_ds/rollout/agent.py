@@ -42,7 +42,7 @@ from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams
-from grpo_ds.rollout.hf import HFRolloutEngine, generation_config
+from grpo_ds.rollout.hf import HFRolloutEngine, generate_left_padded, generation_config
 
 
 @dataclass(frozen=True)
@@ -142,21 +142,12 @@ class AgentRolloutEngine:
         """One model turn for each episode, in one batched generate call."""
         contexts = [e.prompt + e.ids for e in episodes]
         budgets = [min(sampling.max_new_tokens, self.max_total_tokens - len(e.ids)) for e in episodes]
-        width = max(len(c) for c in contexts)
-        input_ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, c in enumerate(contexts):
-            input_ids[i, width - len(c):] = torch.tensor(c)
-            attention_mask[i, width - len(c):] = 1
-        turn_end = _TurnEnd(width, budgets, [e.stop for e in episodes], self.eos_token_id, self.tokenizer)
+        # the stopping criterion counts new tokens from the padded width
+        turn_end = _TurnEnd(max(len(c) for c in contexts), budgets, [e.stop for e in episodes], self.eos_token_id,
+                            self.tokenizer)
         config = generation_config(sampling, max(budgets), 1, self.pad_token_id, self.eos_token_id)
-        device = next(self.model.parameters()).device
-        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  generation_config=config, stopping_criteria=StoppingCriteriaList([turn_end]))
-        new_tokens = out.sequences[:, width:].cpu()  # (B, T_new)
-        # scores are the processed logits actually sampled from: T_new tensors of (B, V)
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
-        token_logprobs = logprobs.gather(-1, new_tokens[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
+        new_tokens, token_logprobs = generate_left_padded(self.model, contexts, self.pad_token_id, config,
+                                                          stopping_criteria=StoppingCriteriaList([turn_end]))
         turns = []
         for b, length in enumerate(turn_end.lengths):
             if length is None:  # generate stopped without this criterion seeing the turn end: cannot happen

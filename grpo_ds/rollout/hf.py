@@ -26,6 +26,25 @@ def generation_config(sampling: SamplingParams, max_new_tokens: int, num_return_
                             use_cache=True)  # the policy's config may turn the cache off for training
 
 
+def generate_left_padded(model, contexts: list[list[int]], pad_token_id: int, config: GenerationConfig,
+                         **generate_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched generate call on left-padded contexts: (new tokens (B, T_new), their log-probs under the
+    distribution actually sampled from (B, T_new)), both on the CPU."""
+    width = max(len(c) for c in contexts)
+    input_ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, c in enumerate(contexts):
+        input_ids[i, width - len(c):] = torch.tensor(c)
+        attention_mask[i, width - len(c):] = 1
+    device = next(model.parameters()).device
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         generation_config=config, **generate_kwargs)
+    new_tokens = out.sequences[:, width:].cpu()  # (B, T_new)
+    # scores are the processed logits actually sampled from: T_new tensors of (B, V)
+    logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
+    return new_tokens, logprobs.gather(-1, new_tokens[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
+
+
 class HFRolloutEngine:
     def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int) -> None:
         self.model = model.eval().requires_grad_(False)
@@ -45,20 +64,8 @@ class HFRolloutEngine:
     def _generate_batch(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> Rollouts:
         if not prompts:
             return Rollouts([], [], [], [])
-        device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention_mask[i, width - len(p):] = 1
         config = generation_config(sampling, sampling.max_new_tokens, group_size, self.pad_token_id, self.eos_token_id)
-        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  generation_config=config)
-        new_tokens = out.sequences[:, width:].cpu()  # (N*G, T_new)
-        # scores are the processed logits actually sampled from: (T_new tensors of (N*G, V))
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
-        token_logprobs = logprobs.gather(-1, new_tokens[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
+        new_tokens, token_logprobs = generate_left_padded(self.model, prompts, self.pad_token_id, config)
         result = Rollouts([], [], [], [])
         for row in range(new_tokens.shape[0]):
             ids = new_tokens[row].tolist()
