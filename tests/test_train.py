@@ -119,12 +119,14 @@ def test_a_broken_reward_function_is_contained(tmp_path, reward_module):
 
 @pytest.mark.slow
 def test_existing_run_folder_is_not_overwritten(tmp_path):
+    # (checkpoint.resume "auto", the default, continues the same recipe's run instead: tests/test_resume.py)
     grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.overwrite": False}))
     from grpo_ds.errors import UserError
 
     with pytest.raises(UserError) as err:
-        grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.overwrite": False}))
-    assert err.value.where == "run.name"
+        grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.overwrite": False,
+                                                "checkpoint.resume": "never"}))
+    assert err.value.where == "run.name" and "already holds a run" in err.value.what
 
 
 def _rank_logs(run_dir, world):
