@@ -29,6 +29,7 @@ from grpo_ds.planner import plan_step, token_imbalance
 from grpo_ds.recipe import Recipe, load_recipe
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.agent import load_env_factory
+from grpo_ds.update import needs_sampling_logprobs
 
 
 @dataclass
@@ -159,6 +160,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
         f"  update micro-batch           {micro_rule} per GPU",
         f"  log-prob micro-batch         {lp_rule} per GPU",
         "  old-log-prob pass            " + ("runs (policy changes within a rollout)" if plan.needs_old_logprobs
+                                             else "runs (importance weights / KL in the reward need it)"
+                                             if needs_sampling_logprobs(r)
                                              else "skipped (one optimizer step per rollout: old = current)"),
         "  reference log-prob pass      " + (f"runs (kl_coef {r.algorithm.kl_coef})" if r.algorithm.kl_coef > 0
                                              else "off (kl_coef 0)"),

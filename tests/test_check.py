@@ -155,3 +155,9 @@ def test_kernels_backend_is_resolved_before_any_model_loads(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter makes it runnable on CPU (slowly)
     if importlib.util.find_spec("triton") is not None:
         assert check.prepare_inputs(RECIPE, ["kernels.backend=triton"], 1, "cpu").kernels_backend == "triton"
+
+
+def test_report_says_when_importance_weights_need_the_old_logprob_pass():
+    inputs = check.prepare_inputs(RECIPE, ["algorithm.rollout_is_cap=2"], 1, "cpu")
+    assert "old-log-prob pass            runs (importance weights / KL in the reward need it)" in \
+        check.report(inputs, 1, "uniform")
