@@ -29,6 +29,7 @@ from grpo_ds.planner import plan_step, token_imbalance
 from grpo_ds.recipe import Recipe, load_recipe
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.agent import load_env_factory
+from grpo_ds.rollout.vllm import check_vllm_setup
 from grpo_ds.update import needs_sampling_logprobs
 
 
@@ -50,6 +51,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     """Check everything the user controls; raise UserError on the first problem. Loads no model."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
+    check_vllm_setup(recipe, world_size, device_type)  # rollout.engine "vllm": GPUs, a supported vLLM, TP size
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
     backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first

@@ -72,9 +72,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = opt("hf", "Generation engine: hf (transformers generate on an unsharded policy copy) or agent "
-                      "(multi-turn: model turns interleaved with an environment's observations)",
-                      choices=("hf", "agent"))
+    engine: str = opt("hf", "Generation engine: hf (transformers generate on an unsharded policy copy), agent "
+                      "(multi-turn: model turns interleaved with an environment's observations) or vllm (a vLLM "
+                      "engine colocated on every GPU; extra grpo_ds[vllm])", choices=("hf", "agent", "vllm"))
     prompts_per_step: int = opt(8, "Prompts sampled per training step (global, all ranks together)", low=1)
     group_size: int = opt(8, "Completions sampled per prompt; advantages are computed within a group", low=2)
     max_new_tokens: int = opt(256, "Longest completion in tokens (agent: longest model turn); generation also "
@@ -92,6 +92,17 @@ class RolloutConfig:
     max_turns: int = opt(4, "agent: most model turns per episode", low=1)
     max_total_tokens: int | None = opt(None, "agent: response budget, model and observation tokens together "
                                        "(null = max_new_tokens)", low=1)
+    vllm_gpu_memory_utilization: float = opt(0.5, "vllm: share of each GPU's memory vLLM takes for its weights and "
+                                             "KV cache (the trainer's resident states must fit in the rest)",
+                                             low=0.0, high=1.0, low_open=True)
+    vllm_tensor_parallel_size: int = opt(1, "vllm: GPUs per vLLM engine (tensor parallel); must divide the world "
+                                         "size", low=1)
+    vllm_max_model_len: int | None = opt(None, "vllm: longest prompt + completion vLLM plans its KV cache for (null "
+                                         "= data.max_prompt_tokens + max_new_tokens)", low=1)
+    vllm_sleep_mode: bool = opt(False, "vllm: release vLLM's GPU memory between generations (weights to CPU "
+                                "memory, KV cache dropped) so the trainer can use it")
+    vllm_dtype: str | None = opt(None, "vllm: dtype of vLLM's weights and activations (null = model.dtype)",
+                                 choices=("bfloat16", "float16", "float32"))
 
 
 @dataclass(frozen=True)
@@ -476,6 +487,7 @@ def validate(recipe: Recipe) -> None:
     if r.engine != "agent" and (r.env is not None or r.env_options):
         raise UserError("rollout.env", f'only applies to rollout.engine "agent" (engine is "{r.engine}")',
                         'set rollout.engine to "agent", or remove rollout.env')
+    _validate_vllm(recipe)
     m = recipe.model
     if m.path == "builtin:tiny" and m.tiny_hidden_size % m.tiny_num_heads:
         raise UserError("model.tiny_num_heads", f"{m.tiny_num_heads} does not divide tiny_hidden_size "
@@ -491,6 +503,18 @@ def validate(recipe: Recipe) -> None:
         raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
     _validate_reward_specs(recipe.reward.functions, scored_by_env=recipe.rollout.engine == "agent")
+
+
+def _validate_vllm(recipe: Recipe) -> None:
+    """rollout.vllm_max_model_len must hold the longest sequence. The vllm_* keys are ignored by the other engines
+    (so one recipe can compare engines with a rollout.engine override); the tensor-parallel size is checked against
+    the world size at start-up (grpo_ds.rollout.vllm.check_vllm_setup)."""
+    r = recipe.rollout
+    longest = recipe.data.max_prompt_tokens + r.max_new_tokens
+    if r.engine == "vllm" and r.vllm_max_model_len is not None and r.vllm_max_model_len < longest:
+        raise UserError("rollout.vllm_max_model_len", f"{r.vllm_max_model_len} is less than the longest sequence "
+                        f"{longest} (data.max_prompt_tokens {recipe.data.max_prompt_tokens} + rollout.max_new_tokens "
+                        f"{r.max_new_tokens})", f"raise it to at least {longest}, or null")
 
 
 def _validate_eval(e: EvalConfig) -> None:

@@ -248,6 +248,10 @@ def _resume(folder: run_folder.RunFolder, engine, rollout, sampler: PromptSample
 
 def _rollout_engine(recipe: Recipe, inputs: Inputs, model: torch.nn.Module):
     r, tokenizer = recipe.rollout, inputs.tokenizer
+    if r.engine == "vllm":  # vLLM is imported only when chosen (an optional extra; GPUs only)
+        from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
+
+        return VLLMRolloutEngine(VLLMSettings.from_recipe(recipe), model, tokenizer)
     if r.engine == "agent":
         return AgentRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer, inputs.env_factory,
                                   r.max_turns, recipe.max_response_tokens, r.generation_batch_prompts)

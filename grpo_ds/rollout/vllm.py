@@ -1,0 +1,294 @@
+"""The ``vllm`` rollout engine: a vLLM engine colocated with the trainer in every DeepSpeed process.
+
+Layout. The ``deepspeed`` launcher starts one process per GPU; each builds a vLLM ``LLM`` on its own GPU with
+``distributed_executor_backend="external_launcher"``: vLLM joins the launcher's process group instead of
+spawning workers, and runs its engine inside this process (vllm/config/parallel.py turns V1 multiprocessing
+off for that backend; vllm/v1/executor/uniproc_executor.py ExecutorWithExternalLauncher). With
+``rollout.vllm_tensor_parallel_size`` t > 1, ranks [0, t), [t, 2t), ... each form one tensor-parallel engine:
+the group's ranks gather their prompts, every member runs the same requests with the same seeds (the external
+launcher needs identical work on every member), and each keeps its own slice of the results. Multi-node runs
+are the same program started with ``deepspeed --hostfile``; t must divide the world size (and should divide the
+GPUs per node, so that a group's NCCL traffic stays inside a node).
+
+Memory. vLLM takes ``rollout.vllm_gpu_memory_utilization`` of each GPU for its weights and KV cache. With
+``rollout.vllm_sleep_mode`` the engine sleeps after every ``generate`` (vLLM's level-1 sleep: weights copied
+to CPU memory, KV cache dropped), wakes its weights to receive a weight sync and its KV cache before the next
+generation, so the trainer has the GPU to itself in between.
+
+Sampling. One vLLM request per prompt with n = group_size and its own seed (vLLM gives child k of a request
+seed + k: vllm/v1/engine/parallel_sampling.py), so a step's samples do not depend on how prompts are spread
+over ranks or on the run having been resumed. ``logprobs=0`` returns the sampled token's log-prob; the engine
+is built with ``logprobs_mode="processed_logprobs"``, so that log-prob is taken after temperature, top-k and
+top-p (vllm/v1/sample/ops/topk_topp_sampler.py), the distribution actually sampled from, as Rollouts requires.
+``algorithm.rollout_is_cap`` then corrects the gap between vLLM's probabilities and the trainer's
+(grpo_ds.algo.importance); it is recommended with this engine, and start-up prints a note when it is off.
+
+Weights. ``update_weights`` takes the stream of grpo_ds.rollout.weight_sync (transformers names, one bucket of
+gathered weights alive at a time) and hands each tensor to the model's own ``load_weights`` through
+``LLM.apply_model`` (vllm/entrypoints/llm.py; the function runs on the model in this process), which maps
+transformers names onto vLLM's fused layers, shards for tensor parallelism, casts to vLLM's dtype, and skips
+``lm_head.weight`` of tied-embedding models. Then the prefix cache is reset: cached KV was computed by the old
+weights. The same tensors also refresh a CPU copy of the policy, ``self.model``, from which the driver saves
+the final model and its hash.
+
+Supported vLLM: ``VLLM_SPEC`` (also the ``grpo_ds[vllm]`` extra in setup.cfg), the versions TRL validates its
+colocated mode on (trl/import_utils.py), whose torch pins (2.10, 2.11) fit grpo_ds's. vLLM is imported only in
+``require_vllm`` and in the engine's constructor; nothing here runs on a machine without it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grpo_ds.errors import UserError, first_line
+from grpo_ds.rollout.base import Rollouts, SamplingParams
+
+_VLLM_LOW, _VLLM_HIGH = "0.17", "0.26"  # supported: low <= version < high
+VLLM_SPEC = f">={_VLLM_LOW},<{_VLLM_HIGH}"  # setup.cfg's vllm extra says the same (a test checks)
+
+
+# ------------------------------------------------------------------------------------------- start-up guard
+
+def require_vllm() -> str:
+    """vLLM's version if it imports and is in VLLM_SPEC; otherwise one UserError saying what to install."""
+    from packaging.version import InvalidVersion, Version
+
+    install = f"install it on the GPU machine: pip install 'grpo_ds[vllm]' (vllm{VLLM_SPEC})"
+    try:
+        import vllm
+    except Exception as err:  # noqa: BLE001 - ImportError, or a broken CUDA install failing at import
+        raise UserError('rollout.engine "vllm"', f"vLLM cannot be imported ({first_line(err)})", install) from None
+    found = str(getattr(vllm, "__version__", "unknown"))
+    try:
+        version = Version(Version(found).base_version)  # "0.25.1+cu129" -> 0.25.1
+    except InvalidVersion:
+        version = None
+    if version is None or not Version(_VLLM_LOW) <= version < Version(_VLLM_HIGH):
+        raise UserError('rollout.engine "vllm"', f"vLLM {found} is installed but grpo_ds supports vllm{VLLM_SPEC}",
+                        f"install a supported version: pip install 'vllm{VLLM_SPEC}'")
+    return found
+
+
+def check_vllm_setup(recipe, world_size: int, device_type: str) -> None:
+    """Start-up checks for rollout.engine "vllm" (grpo_ds.check.prepare_inputs runs them before any model loads):
+    the tensor-parallel size divides the world size, there are GPUs, sleep mode can work, and a supported vLLM
+    imports. Prints a note when algorithm.rollout_is_cap is off."""
+    r = recipe.rollout
+    if r.engine != "vllm":
+        return
+    tp = r.vllm_tensor_parallel_size
+    if world_size % tp:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise UserError("rollout.vllm_tensor_parallel_size", f"{tp} does not divide the world size {world_size} "
+                        "(each group of that many ranks runs one vLLM engine)", f"use one of {fits}")
+    if device_type != "cuda":
+        raise UserError("rollout.engine", '"vllm" needs CUDA GPUs and this process sees none',
+                        'use rollout.engine "hf" on a CPU machine')
+    if r.vllm_sleep_mode and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
+        raise UserError("rollout.vllm_sleep_mode", "vLLM's sleep mode cannot work with PYTORCH_CUDA_ALLOC_CONF "
+                        "expandable_segments:True (vllm/device_allocator/cumem.py refuses it)",
+                        "unset PYTORCH_CUDA_ALLOC_CONF, or set rollout.vllm_sleep_mode to false")
+    require_vllm()
+    if recipe.algorithm.rollout_is_cap is None and os.environ.get("RANK", "0") == "0":
+        print('note: rollout.engine "vllm" samples with other kernels than the trainer\'s; '
+              "algorithm.rollout_is_cap (e.g. 2) corrects the mismatch with truncated importance sampling and is "
+              "recommended (it is null: off)", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ recipe -> vLLM (pure functions)
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What the engine takes from the recipe."""
+
+    model_path: str  # a local HF folder, or "builtin:tiny" (saved to a temporary folder for vLLM)
+    dtype: str  # vLLM's weights and activations
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    max_model_len: int
+    sleep_mode: bool
+    seed: int
+    trust_remote_code: bool
+
+    @staticmethod
+    def from_recipe(recipe) -> VLLMSettings:
+        r = recipe.rollout
+        return VLLMSettings(recipe.model.path, r.vllm_dtype or recipe.model.dtype, r.vllm_tensor_parallel_size,
+                            r.vllm_gpu_memory_utilization,
+                            r.vllm_max_model_len or recipe.data.max_prompt_tokens + r.max_new_tokens,
+                            r.vllm_sleep_mode, recipe.run.seed, recipe.model.trust_remote_code)
+
+
+def llm_kwargs(settings: VLLMSettings, model_folder: str, rank: int) -> dict:
+    """Keyword arguments of vllm.LLM for this rank (the members of a tensor-parallel group get the same seed)."""
+    tp = settings.tensor_parallel_size
+    return {"model": model_folder, "dtype": settings.dtype, "seed": settings.seed + rank // tp,
+            "tensor_parallel_size": tp,
+            "gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
+            "enable_sleep_mode": settings.sleep_mode, "distributed_executor_backend": "external_launcher",
+            "logprobs_mode": "processed_logprobs", "trust_remote_code": settings.trust_remote_code}
+
+
+def request_seeds(base: int, prompts: int, group_size: int) -> list[int]:
+    """One seed per prompt; vLLM seeds the prompt's k-th sample with seed + k, so seeds are group_size apart, and
+    ``base`` (different per step and per rank) is spread so that neighbouring bases do not share seeds."""
+    start = (base * 1_000_003) % (2**31 - 1)
+    return [(start + i * group_size) % (2**31 - 1) for i in range(prompts)]
+
+
+def sampling_kwargs(sampling: SamplingParams, group_size: int, eos_token_id: int, seed: int) -> dict:
+    """Keyword arguments of vllm.SamplingParams for one prompt: ``group_size`` samples, the sampled token's
+    log-prob, generation stops at EOS or after max_new_tokens; temperature 0 is greedy decoding."""
+    greedy = sampling.temperature == 0
+    return {"n": group_size, "temperature": sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
+            "top_k": 0 if greedy else sampling.top_k,  # 0 = off (vLLM >= 0.17 takes 0 or -1)
+            "max_tokens": sampling.max_new_tokens, "logprobs": 0, "stop_token_ids": [eos_token_id], "seed": seed}
+
+
+def rollouts_from_outputs(prompts: Sequence[list[int]], outputs: Sequence, group_size: int) -> Rollouts:
+    """vLLM's RequestOutputs (one per prompt, in prompt order) -> Rollouts, the group_size samples of a prompt
+    consecutive. A sample's ``token_ids`` end with the stop token when ``finish_reason`` is "stop"; its
+    ``logprobs`` holds, per position, a mapping token id -> Logprob that contains the sampled token."""
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+    result = Rollouts([], [], [], [])
+    for prompt, request in zip(prompts, outputs, strict=True):
+        samples = sorted(request.outputs, key=lambda c: c.index)
+        if len(samples) != group_size:
+            raise RuntimeError(f"vLLM returned {len(samples)} samples for a prompt, expected {group_size}")
+        for sample in samples:
+            ids = list(sample.token_ids)
+            if sample.logprobs is None or len(sample.logprobs) != len(ids):
+                raise RuntimeError("vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0)")
+            if sample.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a sample with {sample.finish_reason!r}")
+            result.prompt_ids.append(list(prompt))
+            result.response_ids.append(ids)
+            result.sampler_logprobs.append([float(position[t].logprob) for position, t in zip(sample.logprobs, ids,
+                                                                                              strict=True)])
+            result.finish_reason.append(sample.finish_reason)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- the engine
+
+class VLLMRolloutEngine:
+    """Same surface as HFRolloutEngine (generate, update_weights, ``model``) plus sleep() and wake()."""
+
+    def __init__(self, settings: VLLMSettings, model: torch.nn.Module, tokenizer) -> None:
+        import vllm  # only here: CPU machines never import vLLM
+
+        self._vllm = vllm
+        self.settings = settings
+        self.eos_token_id = tokenizer.eos_token_id
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if dist else 0
+        world = torch.distributed.get_world_size() if dist else 1
+        tp = settings.tensor_parallel_size
+        self.tp_group = None
+        if tp > 1:  # every rank creates every group, in the same order
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)])
+        # The CPU copy of the policy: the driver saves the final model from it (and hashes it)
+        self.model = model.to("cpu").eval().requires_grad_(False)
+        self._mirror = dict(self.model.named_parameters())
+        folder = settings.model_path
+        if folder.startswith("builtin:"):
+            folder = _save_for_vllm(self.model, tokenizer)
+        # the external launcher reads the launcher's variables; a single process (python -m) has none of them
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free
+        self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank))
+        self._awake = {"weights", "kv_cache"}
+        self.sleep()  # the trainer is built next
+
+    # -------------------------------------------------------------------------------------------- memory
+
+    def sleep(self) -> None:
+        """With rollout.vllm_sleep_mode: release vLLM's GPU memory (weights to CPU memory, KV cache dropped)."""
+        if self.settings.sleep_mode and self._awake:
+            self.llm.sleep(level=1)
+            self._awake = set()
+
+    def wake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Bring back what sleep() released (``tags``: "weights" and/or "kv_cache")."""
+        missing = [t for t in tags if t not in self._awake]
+        if missing:
+            torch.cuda.empty_cache()  # hand the trainer's cached blocks back, so vLLM can map its memory again
+            self.llm.wake_up(tags=missing)
+            self._awake.update(missing)
+
+    # ---------------------------------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
+                 rows: list[dict] | None = None) -> Rollouts:
+        """``group_size`` samples of each prompt, consecutive; ``rows`` is unused (single-turn)."""
+        batch, base_seed, mine = self._group_batch(prompts, sampling.seed)
+        if not batch:  # the whole tensor-parallel group has nothing to do
+            return Rollouts([], [], [], [])
+        self.wake()
+        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, group_size, self.eos_token_id, seed))
+                  for seed in request_seeds(base_seed, len(batch), group_size)]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in batch], sampling_params=params,
+                                    use_tqdm=False)
+        self.sleep()
+        return rollouts_from_outputs(batch, outputs, group_size).select(
+            list(range(mine.start * group_size, mine.stop * group_size)))
+
+    def _group_batch(self, prompts: list[list[int]], seed: int) -> tuple[list[list[int]], int, range]:
+        """The prompts of this rank's tensor-parallel group, the group's seed (its first rank's), and which of the
+        group's prompts are this rank's."""
+        if self.tp_group is None:
+            return prompts, seed, range(len(prompts))
+        parts = [None] * torch.distributed.get_world_size(group=self.tp_group)
+        torch.distributed.all_gather_object(parts, (prompts, seed), group=self.tp_group)
+        me = torch.distributed.get_rank(group=self.tp_group)
+        start = sum(len(p) for p, _ in parts[:me])
+        return [q for p, _ in parts for q in p], parts[0][1], range(start, start + len(prompts))
+
+    # ------------------------------------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Load the stream into vLLM tensor by tensor (each is valid only until the next), then drop cached KV."""
+        self.wake(("weights",))
+        mirror = self._mirror
+
+        def load(model: torch.nn.Module) -> int:  # runs on vLLM's model, in this process
+            count = 0
+            for name, tensor in named_tensors:
+                model.load_weights(weights=[(name, tensor)])
+                mirror[name].copy_(tensor)
+                count += 1
+            return count
+
+        counts = self.llm.apply_model(load)  # one worker per process under the external launcher
+        self.llm.reset_prefix_cache()
+        return counts[0]
+
+
+def _save_for_vllm(model: torch.nn.Module, tokenizer) -> str:
+    """vLLM loads from a folder: write the builtin model and tokenizer to a temporary one (removed at exit)."""
+    folder = tempfile.mkdtemp(prefix="grpo_ds_vllm_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,329 @@
+"""The vllm rollout engine around vLLM, on the CPU: sampling translation, output conversion, the start-up guard, and
+the engine's protocol against a fake ``vllm`` module (vLLM itself needs a GPU: tests/rollout/test_vllm_gpu.py)."""
+
+import configparser
+import os
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import grpo_ds
+from grpo_ds import check
+from grpo_ds.algo.importance import truncated_importance_weights
+from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.engine import init_distributed
+from grpo_ds.errors import UserError
+from grpo_ds.recipe import load_recipe
+from grpo_ds.rollout.base import SamplingParams
+from grpo_ds.rollout.vllm import (
+    VLLM_SPEC,
+    VLLMRolloutEngine,
+    VLLMSettings,
+    check_vllm_setup,
+    llm_kwargs,
+    request_seeds,
+    require_vllm,
+    rollouts_from_outputs,
+    sampling_kwargs,
+)
+from grpo_ds.rollout.weight_sync import gathered_named_parameters
+from tests.launch import REPO
+
+EOS = 1
+
+# ------------------------------------------------------------------------------------- fake vLLM objects
+
+
+def _completion(index, token_ids, logprobs, finish_reason):
+    """A CompletionOutput: per position a mapping token id -> Logprob holding the sampled token."""
+    positions = [{t: SimpleNamespace(logprob=lp, rank=1)} for t, lp in zip(token_ids, logprobs, strict=True)]
+    return SimpleNamespace(index=index, token_ids=tuple(token_ids), logprobs=positions, finish_reason=finish_reason)
+
+
+class FakeLLM:
+    """Just enough of vllm.LLM: generate from token-id prompts, apply_model, sleep / wake_up, reset_prefix_cache."""
+
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.loaded = kwargs, [], []
+        self.model = SimpleNamespace(load_weights=lambda weights: self.loaded.extend(
+            (n, t.detach().clone()) for n, t in weights))
+        FakeLLM.instances.append(self)
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.calls.append(("generate", len(prompts)))
+        outputs = []
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            p = params.kwargs
+            samples = []
+            for k in reversed(range(p["n"])):  # out of order on purpose: the engine sorts by index
+                seed = p["seed"] + k
+                length = 1 + seed % p["max_tokens"]
+                tokens = [5 + (seed + j) % 50 for j in range(length)]
+                stops = seed % 2 == 0 and length < p["max_tokens"]
+                tokens = tokens + [EOS] if stops else tokens[:p["max_tokens"]]
+                samples.append(_completion(k, tokens, [-0.01 * (j + 1) - 0.001 * seed for j in range(len(tokens))],
+                                           "stop" if stops else "length"))
+            outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=samples))
+        return outputs
+
+    def apply_model(self, func):
+        return [func(self.model)]
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+class FakeSamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A ``vllm`` module of the supported version; the process variables the engine sets are restored after."""
+    module = types.ModuleType("vllm")
+    module.__version__ = "0.25.1"
+    module.LLM, module.SamplingParams = FakeLLM, FakeSamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    init_distributed()  # the group of one the driver test joins (it sets LOCAL_RANK, which DeepSpeed reads later)
+    monkeypatch.setenv("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # the engine sets them, as vLLM needs
+        monkeypatch.setenv(key, "unset")  # recorded, so whatever the engine writes is undone after the test
+        monkeypatch.delenv(key)
+    FakeLLM.instances.clear()
+    return module
+
+
+def _settings(**overrides):
+    base = dict(model_path="/models/x", dtype="bfloat16", tensor_parallel_size=1, gpu_memory_utilization=0.5,
+                max_model_len=64, sleep_mode=False, seed=0, trust_remote_code=False)
+    return VLLMSettings(**{**base, **overrides})
+
+
+def _engine(**overrides):
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(len(tok), hidden_size=16, num_layers=1, num_heads=2, seed=0)
+    return VLLMRolloutEngine(_settings(**overrides), model, tok), model
+
+
+# ------------------------------------------------------------------------------------- pure translation
+
+
+def test_sampling_parameters_translate_to_vllm():
+    kwargs = sampling_kwargs(SamplingParams(max_new_tokens=7, temperature=0.8, top_p=0.9, top_k=20), 4, EOS, 123)
+    assert kwargs == {"n": 4, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_tokens": 7, "logprobs": 0,
+                      "stop_token_ids": [EOS], "seed": 123}
+    greedy = sampling_kwargs(SamplingParams(max_new_tokens=3, temperature=0.0, top_p=0.5, top_k=5), 1, EOS, 0)
+    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (0.0, 1.0, 0)  # greedy: no truncation
+
+
+def test_request_seeds_never_share_a_child_seed():
+    group = 8
+    seeds = request_seeds(1234, 50, group)
+    assert seeds == request_seeds(1234, 50, group)  # deterministic: a resumed step samples the same
+    children = [s + k for s in seeds for k in range(group)]  # vLLM seeds sample k of a request with seed + k
+    assert len(set(children)) == len(children)
+    neighbour = [s + k for s in request_seeds(1235, 50, group) for k in range(group)]  # the next rank's base
+    assert not set(children) & set(neighbour)
+
+
+def test_llm_arguments_colocate_and_return_processed_logprobs():
+    recipe = load_recipe({"model": {"path": "/models/q", "dtype": "bfloat16"}, "data": {"max_prompt_tokens": 100},
+                          "rollout": {"engine": "vllm", "max_new_tokens": 28, "vllm_tensor_parallel_size": 2,
+                                      "vllm_gpu_memory_utilization": 0.3, "vllm_sleep_mode": True},
+                          "run": {"seed": 5}})
+    settings = VLLMSettings.from_recipe(recipe)
+    assert (settings.dtype, settings.max_model_len) == ("bfloat16", 128)  # defaults: model.dtype, prompt + response
+    kwargs = [llm_kwargs(settings, "/models/q", rank) for rank in range(4)]
+    assert kwargs[0] == {"model": "/models/q", "dtype": "bfloat16", "seed": 5, "tensor_parallel_size": 2,
+                         "gpu_memory_utilization": 0.3, "max_model_len": 128, "enable_sleep_mode": True,
+                         "distributed_executor_backend": "external_launcher", "logprobs_mode": "processed_logprobs",
+                         "trust_remote_code": False}
+    assert [k["seed"] for k in kwargs] == [5, 5, 6, 6]  # one seed per tensor-parallel group
+    assert VLLMSettings.from_recipe(load_recipe({"rollout": {"engine": "vllm", "vllm_dtype": "float16",
+                                                             "vllm_max_model_len": 1000}})).dtype == "float16"
+
+
+def test_outputs_become_rollouts_with_the_sampled_tokens_logprobs():
+    prompts = [[10, 11], [12]]
+    outputs = [SimpleNamespace(outputs=[_completion(1, [7, 8], [-0.5, -0.25], "length"),
+                                        _completion(0, [9, EOS], [-1.0, -2.0], "stop")]),
+               SimpleNamespace(outputs=[_completion(0, [EOS], [-0.125], "stop"),
+                                        _completion(1, [6, 6], [-3.0, -0.0625], "length")])]
+    out = rollouts_from_outputs(prompts, outputs, 2)
+    assert out.prompt_ids == [[10, 11], [10, 11], [12], [12]]
+    assert out.response_ids == [[9, EOS], [7, 8], [EOS], [6, 6]]  # samples in index order within a group
+    assert out.sampler_logprobs == [[-1.0, -2.0], [-0.5, -0.25], [-0.125], [-3.0, -0.0625]]
+    assert out.finish_reason == ["stop", "length", "stop", "length"]
+    assert out.loss_mask is None and out.env_rewards is None
+    # the importance correction reads exactly these: w = min(exp(old - sampler), cap)
+    old = torch.tensor(out.sampler_logprobs[1]) + torch.tensor([0.1, 5.0])
+    torch.testing.assert_close(truncated_importance_weights(old, torch.tensor(out.sampler_logprobs[1]), 2.0),
+                               torch.tensor([torch.exp(torch.tensor(0.1)).item(), 2.0]))
+
+
+@pytest.mark.parametrize("broken, message", [
+    (dict(logprobs=None), "no log-prob"),
+    (dict(finish_reason="abort"), "'abort'"),
+])
+def test_malformed_outputs_fail_loudly(broken, message):
+    sample = _completion(0, [7], [-0.5], "length")
+    vars(sample).update(broken)
+    with pytest.raises(RuntimeError, match=message):
+        rollouts_from_outputs([[1]], [SimpleNamespace(outputs=[sample])], 1)
+    with pytest.raises(RuntimeError, match="2 samples"):
+        rollouts_from_outputs([[1]], [SimpleNamespace(outputs=[_completion(0, [7], [-1.0], "length")] * 2)], 1)
+
+
+# ------------------------------------------------------------------------------------ start-up guard
+
+
+def _vllm_recipe(**algorithm):
+    return load_recipe({"rollout": {"engine": "vllm", "vllm_tensor_parallel_size": 2}, "algorithm": algorithm})
+
+
+def test_missing_vllm_is_one_error_that_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(UserError) as err:
+        check_vllm_setup(_vllm_recipe(), 2, "cuda")
+    text = str(err.value)
+    assert text.startswith('rollout.engine "vllm": vLLM cannot be imported') and "\n" not in text
+    assert f"pip install 'grpo_ds[vllm]' (vllm{VLLM_SPEC})" in text
+
+
+@pytest.mark.parametrize("version, ok", [("0.10.2", False), ("0.16.1", False), ("0.17.0", True),
+                                         ("0.25.1+cu129", True), ("0.26.0", False), ("0.26.0.dev3", False),
+                                         ("unknown", False)])
+def test_vllm_version_must_be_in_the_supported_range(monkeypatch, version, ok):
+    module = types.ModuleType("vllm")
+    module.__version__ = version
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    if ok:
+        assert require_vllm() == version
+        return
+    with pytest.raises(UserError) as err:
+        require_vllm()
+    assert str(err.value) == (f'rollout.engine "vllm": vLLM {version} is installed but grpo_ds supports '
+                              f"vllm{VLLM_SPEC}. install a supported version: pip install 'vllm{VLLM_SPEC}'.")
+
+
+def test_guard_checks_world_size_and_gpus_before_vllm(fake_vllm, capsys):
+    with pytest.raises(UserError, match=r"rollout.vllm_tensor_parallel_size: 2 does not divide the world size 3"):
+        check_vllm_setup(_vllm_recipe(), 3, "cuda")
+    with pytest.raises(UserError, match='rollout.engine: "vllm" needs CUDA GPUs'):
+        check_vllm_setup(_vllm_recipe(), 2, "cpu")
+    check_vllm_setup(_vllm_recipe(), 4, "cuda")
+    assert "algorithm.rollout_is_cap (e.g. 2)" in capsys.readouterr().err  # recommended with vLLM, and off
+    check_vllm_setup(_vllm_recipe(rollout_is_cap=2.0), 4, "cuda")
+    assert capsys.readouterr().err == ""
+
+
+def test_sleep_mode_refuses_expandable_segments(fake_vllm, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    recipe = load_recipe({"rollout": {"engine": "vllm", "vllm_sleep_mode": True}})
+    with pytest.raises(UserError, match="rollout.vllm_sleep_mode: vLLM's sleep mode cannot work with"):
+        check_vllm_setup(recipe, 1, "cuda")
+    check_vllm_setup(load_recipe({"rollout": {"engine": "vllm"}, "algorithm": {"rollout_is_cap": 2.0}}), 1, "cuda")
+
+
+def test_the_vllm_extra_declares_the_supported_range():
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    assert config["options.extras_require"]["vllm"].split() == [f"vllm{VLLM_SPEC}"]
+
+
+def test_other_engines_never_look_for_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    check_vllm_setup(load_recipe({"rollout": {"vllm_sleep_mode": True}}), 3, "cpu")  # hf ignores the vllm keys
+
+
+def test_dry_run_reports_the_guard_in_one_line_before_any_model(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "model.path=/no/such/model"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == 'error: rollout.engine: "vllm" needs CUDA GPUs and this process sees none. use rollout.engine ' \
+                  '"hf" on a CPU machine.'  # the guard runs before the model path is even looked at
+
+
+# ------------------------------------------------------------------------ the engine against a fake vLLM
+
+
+def test_engine_generates_groups_with_seeded_requests(fake_vllm):
+    engine, _ = _engine()
+    llm = FakeLLM.instances[-1]
+    assert llm.kwargs["distributed_executor_backend"] == "external_launcher"
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=77)
+    prompts = [[20, 21], [22], [23, 24, 25]]
+    out = engine.generate(prompts, 3, sampling)
+    assert out.prompt_ids == [p for p in prompts for _ in range(3)]
+    for ids, logprobs, reason in zip(out.response_ids, out.sampler_logprobs, out.finish_reason, strict=True):
+        assert len(logprobs) == len(ids) and 1 <= len(ids) <= 4
+        assert (ids[-1] == EOS) == (reason == "stop")
+    again = engine.generate(prompts, 3, sampling)
+    assert again.response_ids == out.response_ids  # the same seed gives the same samples
+    assert engine.generate([], 3, sampling).response_ids == []
+    assert [c for c in llm.calls if c[0] != "generate"] == []  # no sleep mode: never sleeps
+
+
+def test_engine_loads_the_exporter_stream_and_refreshes_its_policy_copy(fake_vllm):
+    engine, model = _engine()
+    llm = FakeLLM.instances[-1]
+    tied = build_tiny_model(len(build_tiny_tokenizer()), hidden_size=16, num_layers=1, num_heads=2, seed=1)
+    count = engine.update_weights(gathered_named_parameters(tied, bucket_bytes=2**20))
+    expected = dict(tied.named_parameters())
+    assert count == len(expected) and [n for n, _ in llm.loaded] == list(expected)
+    for name, tensor in llm.loaded:
+        torch.testing.assert_close(tensor, expected[name].detach(), rtol=0, atol=0)
+    for name, param in engine.model.named_parameters():  # the CPU copy the driver saves at the end
+        torch.testing.assert_close(param, expected[name].detach(), rtol=0, atol=0)
+    assert engine.model is model and llm.calls == [("reset_prefix_cache",)]  # cached KV came from old weights
+
+
+def test_sleep_mode_releases_memory_between_generations(fake_vllm):
+    engine, _ = _engine(sleep_mode=True)
+    llm = FakeLLM.instances[-1]
+    assert llm.calls == [("sleep", 1)]  # asleep while the trainer is built
+    llm.calls.clear()
+    sampling = SamplingParams(max_new_tokens=2, seed=1)
+    engine.generate([[20]], 2, sampling)
+    assert llm.calls == [("wake_up", ("weights", "kv_cache")), ("generate", 1), ("sleep", 1)]
+    llm.calls.clear()
+    donor = build_tiny_model(len(build_tiny_tokenizer()), hidden_size=16, num_layers=1, num_heads=2, seed=2)
+    engine.update_weights(gathered_named_parameters(donor, bucket_bytes=2**20))
+    engine.generate([[20]], 2, sampling)
+    # weights wake for the sync (the KV cache stays released), the KV cache only for the generation
+    assert llm.calls == [("wake_up", ("weights",)), ("reset_prefix_cache",), ("wake_up", ("kv_cache",)),
+                         ("generate", 1), ("sleep", 1)]
+
+
+@pytest.mark.slow
+def test_the_driver_trains_with_the_vllm_engine(fake_vllm, monkeypatch, tmp_path):
+    """grpo_ds.train end to end with engine "vllm" (the fake one, and the start-up guard off since this machine
+    has no GPU): generation, importance weights from vLLM's log-probs, weight sync, the final model."""
+    monkeypatch.setattr(check, "check_vllm_setup", lambda *args: None)
+    metrics = grpo_ds.train(str(REPO / "recipes" / "tiny_cpu.json"), {
+        "run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+        "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "algorithm.rollout_is_cap": 2.0,
+        "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False, "checkpoint.every_steps": None})
+    assert len(metrics) == 2 and all(m["response_len_mean"] > 0 for m in metrics)
+    llm = FakeLLM.instances[-1]
+    assert (Path(llm.kwargs["model"]) / "config.json").is_file()  # builtin:tiny saved to a folder for vLLM
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny_cpu" / "final_model")
+    names = [n for n, _ in final.named_parameters()]
+    assert [n for n, _ in llm.loaded] == names * 2  # a full sync after each of the 2 steps
+    for (name, tensor), param in zip(llm.loaded[len(names):], final.parameters(), strict=True):
+        torch.testing.assert_close(param, tensor, rtol=0, atol=0, msg=name)  # the saved model is the last sync
