@@ -20,12 +20,23 @@ def clean_env() -> dict:
 def deepspeed_launch(num_ranks: int, args: list[str], cwd: Path = REPO, timeout: int = 600) -> str:
     """`deepspeed --num_gpus N ARGS...`; fails the test with the output when it fails."""
     launcher = Path(sys.executable).parent / "deepspeed"
+    port = _free_port()
     cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(num_ranks),
-           "--master_port", str(_free_port()), *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+           "--master_port", str(port), *args]
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    finally:
+        remove_shm_buffers(port)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
     return output
+
+
+def remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves its shared-memory buffers (/dev/shm/deepspeed_*_<port>_<rank>, 66 MB
+    each) behind when the processes end; a test suite of multi-rank launches would fill /dev/shm (RAM)."""
+    for leftover in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
+        leftover.unlink(missing_ok=True)
 
 
 def _free_port() -> int:

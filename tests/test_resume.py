@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds import checkpoint
-from tests.launch import REPO, _free_port, clean_env
+from tests.launch import REPO, _free_port, clean_env, remove_shm_buffers
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
 STEPS = 12
@@ -25,12 +25,23 @@ ARGS = [f"train.steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep=2",
 VOLATILE = ("time_", "tokens_per_s", "generated_tokens_per_s", "peak_memory_gib")
 
 
+PORTS: list[int] = []  # this module's multi-rank runs; their shared-memory buffers are removed at the end
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_shm_buffers():
+    yield
+    for port in PORTS:
+        remove_shm_buffers(port)
+
+
 def _command(world: int, out: Path) -> list[str]:
     if world == 1:
         return [sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
     launcher = Path(sys.executable).parent / "deepspeed"
+    PORTS.append(_free_port())
     return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(world), "--master_port",
-            str(_free_port()), "--module", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
+            str(PORTS[-1]), "--module", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
