@@ -117,9 +117,12 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             step_totals, stepped = optimizer_step(engine, rollouts, minibatch, advantages, old_logprobs,
                                                   ref_logprobs, settings, dist)
             totals += step_totals
-            grad_norm = _grad_norm(engine) if stepped else math.nan
-            if math.isfinite(grad_norm):  # NaN guard: a non-finite loss skipped the update (optimizer_step)
-                grad_norms.append(grad_norm)
+            # NaN guard: a non-finite loss skipped the update (optimizer_step); a non-finite norm is counted too.
+            # Engines that report no norm (ZeRO stages 0-2 on some paths) give None: nothing to check.
+            grad_norm = engine.get_global_grad_norm() if stepped else math.nan
+            if grad_norm is None or math.isfinite(grad_norm):
+                if grad_norm is not None:
+                    grad_norms.append(float(grad_norm))
                 nonfinite_in_a_row = 0
             else:
                 nonfinite, nonfinite_in_a_row = nonfinite + 1, nonfinite_in_a_row + 1
@@ -268,11 +271,6 @@ def _plan(recipe: Recipe, rollouts: Rollouts, world_size: int, step: int) -> Ste
 
 def _sequence_tokens(rollouts: Rollouts) -> list[int]:
     return [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
-
-
-def _grad_norm(engine) -> float:
-    norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
 
 
 # ------------------------------------------------------------------------------------ plumbing
