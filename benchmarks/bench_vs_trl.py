@@ -1,0 +1,411 @@
+"""grpo_ds against TRL's GRPOTrainer: the same model, task, reward and batch, side by side on one machine.
+
+CPU (about 6 minutes on 2 idle cores; trl from a virtualenv, so the main environment's packages stay as they are):
+
+    python -m venv --system-site-packages /tmp/trlvenv && /tmp/trlvenv/bin/pip install "trl>=1.16"
+    python benchmarks/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python --record
+
+Without --trl-python, TRL runs in this interpreter (when trl is installed here). Both trainers follow one grpo_ds
+recipe: on CPU recipes/tiny_cpu.json (builtin:tiny, a random 2-layer Llama with the character tokenizer;
+builtin:arith; exact_match; 25 prompts x 16 completions of at most 2 tokens per step; one AdamW step per
+rollout), with --steps steps; on CUDA (--device cuda) a random Qwen2-architecture model of 0.49 B parameters
+(Qwen2.5-0.5B's shape, built from a config in code and saved once to a temporary folder that both load) with
+completions of a fixed length (a random model over a 151,936-token vocabulary practically never samples EOS).
+TRL's GRPOConfig is derived from the recipe (bench_vs_trl_runner.trl_config); the pairs are printed, and so is
+every setting that cannot be matched.
+
+Each run is a fresh process (bench_vs_trl_runner.py). The runs alternate, grpo_ds then TRL, --runs times, so a
+drift of the machine's speed hits both alike; run i of both trainers uses seed --seed + i (the same initial
+weights and prompt order within a pair). Per trainer:
+
+    step s         median wall time from one step's end to the next (the first step, a warm-up, left out)
+    CPU s/step     median CPU time of the process (all threads) per step, likewise: less sensitive than the wall
+                   time to other jobs on the machine, though contention still inflates it
+    samples/s      samples trained / time from the loop's start to the last step's end, over all runs
+    startup s      median time from starting the process to the training loop (imports, model, engine)
+    peak RSS MiB   largest peak resident set (VmHWM) of a run's process; on CUDA also the peak allocated GPU memory
+    reward @ N     mean reward of the steps that end in the last --window samples before N, mean over runs
+    final reward   mean reward of the last 10 steps, mean over runs
+
+--record appends the table, the matched and unmatched settings, and the per-phase times to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # measure this checkout's grpo_ds, whatever copy pip has installed
+
+import torch  # noqa: E402
+from bench_vs_trl_runner import trl_config  # noqa: E402
+from common import fmt, report, verdict  # noqa: E402
+
+from grpo_ds.recipe import Recipe, load_recipe, parse_override  # noqa: E402
+
+RUNNER = Path(__file__).resolve().parent / "bench_vs_trl_runner.py"
+TRAINERS = ("grpo_ds", "trl")
+LABELS = {"grpo_ds": "grpo_ds", "trl": "TRL GRPOTrainer"}
+
+# What every benchmark run turns off in the grpo_ds recipe: TRL does none of it either (save_strategy "no", no
+# progress bar, no completions table).
+QUIET = {"checkpoint.every_steps": None, "run.save_final_model": False, "logging.progress_bar": False,
+         "logging.samples_every_steps": None, "logging.every_steps": 10**9, "run.overwrite": True}
+
+# A Qwen2.5-0.5B-shaped model (0.49 B parameters with tied embeddings), random weights, built in code.
+QWEN2_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4_864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4_096, rope_theta=1e6,
+                 tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+CUDA_RECIPE = {
+    "data": {"train": "builtin:arith"},
+    "model": {"dtype": "bfloat16"},
+    "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256, "temperature": 1.0},
+    "reward": {"functions": [{"name": "exact_match", "weight": 1.0}]},
+    "algorithm": {"advantage": "grpo", "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0},
+    "train": {"micro_batch_samples_per_gpu": 16, "logprob_micro_batch_samples_per_gpu": 32, "lr": 1e-6},
+    "deepspeed": "ds_configs/zero3.json",
+}
+
+# Settings that differ between the two and cannot be made equal from the outside.
+UNMATCHED = [
+    "engine: grpo_ds trains a DeepSpeed ZeRO-3 engine (world size 1: one process; gloo backend on CPU) and "
+    "generates with an unsharded copy of the policy that it "
+    "refreshes after each optimizer step; TRL trains the plain torch module through accelerate and generates "
+    "with that same module",
+    "generation: both call transformers generate on left-padded prompts with the same sampling settings, but "
+    "they draw different random numbers, so the completions (and the reward curves) differ run by run; "
+    "grpo_ds also keeps the log-probs of the sampled tokens (output_scores) that TRL does not ask for",
+    "prompt order: both shuffle the prompts with the run's seed, through different samplers",
+    "micro-batches: grpo_ds's planner and TRL's shuffled split of the generation batch put different samples "
+    "together; the loss of the optimizer step (a sum over its micro-batches) is the same",
+    "advantage eps: (r - mean) / (std + eps) with eps 1e-6 in grpo_ds and 1e-4 in TRL (both the unbiased std); "
+    "with 0/1 rewards and 16 samples per group a non-zero std is at least 0.25, so this changes advantages by "
+    "less than 0.04 %",
+    "optimizer: the same AdamW (betas, eps 1e-8, weight decay, constant learning rate, clipping at the same "
+    "global gradient norm), applied by DeepSpeed to its flat fp32 partition (torch AdamW on CPU, DeepSpeed's "
+    "FusedAdam on CUDA) in grpo_ds and by torch per parameter in TRL (adamw_torch on CPU, adamw_torch_fused on "
+    "CUDA)",
+    "bf16 (CUDA): DeepSpeed keeps fp32 master weights and optimizer states; TRL updates the bf16 weights it "
+    "loaded, under autocast",
+    "bookkeeping: grpo_ds writes metrics.jsonl and a per-rank log every step; TRL logs every step "
+    "(logging_steps 1) to its printer",
+]
+
+
+@dataclass
+class Run:
+    trainer: str
+    index: int
+    seed: int
+    startup_s: float
+    loop_s: float
+    step_s: list[float]
+    cpu_step_s: list[float]  # CPU time of the process, all threads, per step
+    reward: list[float]
+    response_len: list[float]
+    phases: dict[str, list[float]]
+    peak_rss_mib: float
+    peak_gpu_mib: float | None
+    versions: dict[str, str]
+    threads: int
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+
+
+def bench_recipe(args: argparse.Namespace, seed: int, workdir: Path) -> Recipe:
+    """The recipe both trainers follow for the run with this seed."""
+    overrides = {**dict(parse_override(o) for o in args.set), **QUIET, "train.steps": args.steps, "run.seed": seed,
+                 "run.output_dir": str(workdir / "runs"), "run.name": f"grpo_ds_seed{seed}"}
+    if args.device == "cpu":
+        return load_recipe(REPO / "recipes" / "tiny_cpu.json", overrides)
+    return load_recipe({**CUDA_RECIPE, "model": {**CUDA_RECIPE["model"], "path": str(workdir / "qwen2_0.5b")}},
+                       overrides)
+
+
+def build_qwen2_folder(folder: Path, seed: int) -> int:
+    """Save a random Qwen2.5-0.5B-shaped model (bfloat16) and the builtin character tokenizer; return #params."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_ds.builtin_tiny import build_tiny_tokenizer
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------------- runs
+
+
+def check_trl(python: str) -> None:
+    """Fail early, in one line, when the TRL interpreter cannot import trl (or this checkout's grpo_ds)."""
+    probe = subprocess.run([python, "-c", "import trl, grpo_ds"], env=child_env(), capture_output=True, text=True)
+    if probe.returncode:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(f"--trl-python {python}: cannot import trl ({last}). Install it apart from the main "
+                         "environment: python -m venv --system-site-packages /tmp/trlvenv && /tmp/trlvenv/bin/pip "
+                         "install 'trl>=1.16'; then pass --trl-python /tmp/trlvenv/bin/python")
+
+
+def child_env(threads: int = 0) -> dict[str, str]:
+    env = dict(os.environ)
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false",
+               WANDB_DISABLED="true")
+    return env
+
+
+def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argparse.Namespace, workdir: Path) -> Run:
+    """One training run in a fresh process; its timings relative to the moment the process was started."""
+    tag = f"{trainer}_run{index}"
+    spec, out, log = workdir / f"{tag}.spec.json", workdir / f"{tag}.out.json", workdir / f"{tag}.log"
+    spec.write_text(json.dumps({"recipe": recipe.to_dict(), "device": args.device,
+                                "trl_output_dir": str(workdir / "trl" / tag)}))
+    print(f"  run {index + 1}/{args.runs}: {LABELS[trainer]} (seed {recipe.run.seed}) ...", file=sys.stderr,
+          flush=True)
+    start = time.monotonic()
+    with log.open("w") as f:
+        done = subprocess.run([python, str(RUNNER), trainer, str(spec), str(out)], cwd=REPO,
+                              env=child_env(args.threads), stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise SystemExit(f"{LABELS[trainer]} run {index + 1} failed (exit {done.returncode}); end of {log}:\n{tail}")
+    result = json.loads(out.read_text())
+    ends = result["step_end"]
+    if len(ends) != recipe.train.steps or len(result["reward"]) != recipe.train.steps:
+        raise SystemExit(f"{LABELS[trainer]} run {index + 1}: {len(ends)} steps timed and {len(result['reward'])} "
+                         f"rewards logged, expected {recipe.train.steps}; see {log}")
+    loop_start = result["loop_start"]
+    return Run(trainer, index, recipe.run.seed, startup_s=loop_start - start, loop_s=ends[-1] - loop_start,
+               step_s=deltas(loop_start, ends), cpu_step_s=deltas(result["cpu_loop_start"], result["cpu_step_end"]),
+               reward=result["reward"],
+               response_len=result["response_len"], phases=result["phases"], peak_rss_mib=result["peak_rss_mib"],
+               peak_gpu_mib=result.get("peak_gpu_mib"), versions=result["versions"], threads=result["threads"])
+
+
+def deltas(start: float, ends: list[float]) -> list[float]:
+    return [b - a for a, b in zip([start, *ends], ends, strict=False)]
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def reward_at(run: Run, samples: int, samples_per_step: int, window: int) -> float | None:
+    """Mean reward of the steps ending in (samples - window, samples]; None past the run's end."""
+    last = samples // samples_per_step
+    if last < 1 or last > len(run.reward):
+        return None
+    first = max(1, last - max(1, window // samples_per_step) + 1)
+    return statistics.fmean(run.reward[first - 1:last])
+
+
+def final_reward(runs: list[Run]) -> float:
+    return statistics.fmean(statistics.fmean(r.reward[-10:]) for r in runs)
+
+
+def versions(runs: list[Run]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in runs[0].versions.items())
+
+
+def summary_row(trainer: str, runs: list[Run], per_step: int, points: list[int], window: int, cuda: bool
+                ) -> list[str]:
+    steps = [x for r in runs for x in r.step_s[1:]]  # the first step of a run is a warm-up
+    cpu = [x for r in runs for x in r.cpu_step_s[1:]]
+    rate = per_step * sum(len(r.step_s) for r in runs) / sum(r.loop_s for r in runs)
+    rewards = [[reward_at(r, n, per_step, window) for r in runs] for n in points]
+    memory = fmt(max(r.peak_rss_mib for r in runs), 0)
+    if cuda:
+        memory += f" ({fmt(max(r.peak_gpu_mib or 0 for r in runs), 0)})"
+    return [LABELS[trainer], str(len(runs)), fmt(statistics.median(steps), 3), fmt(statistics.median(cpu), 3),
+            fmt(rate, 0), fmt(statistics.median(r.startup_s for r in runs), 1), memory,
+            *[fmt(statistics.fmean(v), 3) if None not in v else "-" for v in rewards], fmt(final_reward(runs), 3),
+            fmt(statistics.fmean(x for r in runs for x in r.response_len), 2)]
+
+
+def markdown(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(c) for c in col) for col in zip(headers, *rows, strict=True)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def phase_lines(runs: dict[str, list[Run]]) -> list[str]:
+    """Median seconds per step of each phase: grpo_ds's own time_*_s metrics, TRL's timed around its methods."""
+    def med(values: list[float]) -> str:
+        return fmt(statistics.median(values) * 1e3, 1) + " ms"
+
+    g = runs["grpo_ds"]
+    parts = [f"{p} {med([x for r in g for x in r.phases[p][1:]])}" for p in g[0].phases]
+    lines = [f"grpo_ds phases (median per step, time_*_s metrics): {', '.join(parts)}"]
+    t = runs["trl"]
+    rollout = [x for r in t for x in r.phases["rollout"][1:]]
+    reward = [b - a for r in t for a, b in zip(r.phases["rollout"][1:], r.phases["rollout_reward"][1:], strict=True)]
+    rest = [s - x for r in t for s, x in zip(r.step_s[1:], r.phases["rollout_reward"][1:], strict=True)]
+    lines.append(f"TRL phases (median per step): rollout (_generate) {med(rollout)}, reward + advantages "
+                 f"(rest of _generate_and_score_completions) {med(reward)}, update and the rest of the step "
+                 f"{med(rest)}")
+    return lines
+
+
+def matched_lines(recipe: Recipe, trl_kwargs: dict) -> list[str]:
+    """The grpo_ds recipe keys and the GRPOConfig arguments they set, for auditing."""
+    r, a, t = recipe.rollout, recipe.algorithm, recipe.train
+    baseline, scale = recipe.advantage_baseline_and_scale
+    m = recipe.model
+    model = (f"builtin:tiny (Llama, hidden {m.tiny_hidden_size}, {m.tiny_num_layers} layers, {m.tiny_num_heads} "
+             "heads, character tokenizer)") if m.path == "builtin:tiny" else "random Qwen2 0.49 B (see QWEN2_05B)"
+    pairs = [
+        ("model / tokenizer / init", f"{model}, {m.dtype}, weights from run.seed; the same object for both "
+                                     "(grpo_ds.models.load_model / load_tokenizer)"),
+        ("task / reward", f"{recipe.data.train} (the same rows), reward {[f['name'] for f in recipe.reward.functions]}"
+                          f" weights {trl_kwargs['reward_weights']} (grpo_ds.rewards.builtin functions passed to "
+                          "TRL as reward_funcs)"),
+        ("group size", f"rollout.group_size {r.group_size} = num_generations {trl_kwargs['num_generations']}"),
+        ("prompts per step", f"rollout.prompts_per_step {r.prompts_per_step} = generation batch "
+                             f"{trl_kwargs['per_device_train_batch_size'] * trl_kwargs['steps_per_generation']} "
+                             f"samples / {r.group_size}"),
+        ("samples per optimizer step", f"{recipe.samples_per_optimizer_step} = per_device_train_batch_size "
+                                       f"{trl_kwargs['per_device_train_batch_size']} x gradient_accumulation_steps "
+                                       f"{trl_kwargs['gradient_accumulation_steps']}"),
+        ("micro-batch", f"train.micro_batch_samples_per_gpu {t.micro_batch_samples_per_gpu} = "
+                        f"per_device_train_batch_size {trl_kwargs['per_device_train_batch_size']}"),
+        ("steps / sample budget", f"train.steps {t.steps} x {recipe.samples_per_step} samples = max_steps "
+                                  f"{trl_kwargs['max_steps']} (optimizer steps; one generation each)"),
+        ("epochs per rollout", f"train.epochs_per_rollout {t.epochs_per_rollout} = num_iterations "
+                               f"{trl_kwargs['num_iterations']} (old log-probs = current: no extra pass in either)"),
+        ("completion length", f"rollout.max_new_tokens {r.max_new_tokens} = max_completion_length "
+                              f"{trl_kwargs['max_completion_length']}"),
+        ("sampling", f"temperature {r.temperature}, top_p {r.top_p}, top_k {r.top_k} (both; log-probs of the "
+                     "trained tokens at the same temperature)"),
+        ("advantage", f"{a.advantage}: baseline {baseline}, scale {scale} = scale_rewards "
+                      f"{trl_kwargs['scale_rewards']!r}"),
+        ("loss", f"algorithm.loss_agg {a.loss_agg!r} = loss_type {trl_kwargs['loss_type']!r}; PPO clip "
+                 f"{a.clip_low}/{a.clip_high} = epsilon {trl_kwargs['epsilon']}/epsilon_high "
+                 f"{trl_kwargs['epsilon_high']}; kl_coef {a.kl_coef} = beta {trl_kwargs['beta']}; "
+                 f"mask_truncated {a.mask_truncated} = mask_truncated_completions"),
+        ("optimizer", f"AdamW lr {t.lr}, betas {t.adam_betas}, eps 1e-8, weight_decay {t.weight_decay}, "
+                      f"warm-up {t.warmup_steps} then constant (lr_scheduler_type "
+                      f"{trl_kwargs['lr_scheduler_type']!r}), max_grad_norm {t.max_grad_norm}"),
+        ("precision / memory", f"{m.dtype} (bf16 {trl_kwargs['bf16']}), gradient checkpointing "
+                               f"{m.gradient_checkpointing}"),
+        ("reward curve", "grpo_ds's reward_mean and TRL's logged reward: both the mean total reward of the step's "
+                         "P x G samples"),
+    ]
+    return [f"{name}: {text}" for name, text in pairs]
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps per run (default: the recipe's, 400 on cpu; 12 on cuda)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per trainer, alternating grpo_ds, TRL, ...")
+    parser.add_argument("--seed", type=int, default=0, help="run i of both trainers uses seed + i")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of each run (OMP_NUM_THREADS; default: 1 on cpu, torch's own on cuda; "
+                             "0: torch's own)")
+    parser.add_argument("--trl-python", default=sys.executable,
+                        help="interpreter that has trl installed (default: this one)")
+    parser.add_argument("--reward-at", default=None,
+                        help="sample counts to report the reward at, comma-separated (default: 1/8, 1/4, 1/2 and "
+                             "all of the run's samples)")
+    parser.add_argument("--window", type=int, default=4_000,
+                        help="samples averaged for each reward @ N (the steps ending in the last WINDOW samples)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a key of the recipe both trainers follow (repeatable), e.g. "
+                             "train.micro_batch_samples_per_gpu=400")
+    parser.add_argument("--record", action="store_true", help="append the results to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch here (use --device cpu)")
+    args.steps = args.steps or (load_recipe(REPO / "recipes" / "tiny_cpu.json").train.steps if args.device == "cpu"
+                                else 12)
+    if args.threads is None:
+        args.threads = 1 if args.device == "cpu" else 0
+    if args.steps < 11 or args.runs < 1:
+        raise SystemExit("--steps must be at least 11 (the final reward is the mean of the last 10) and --runs >= 1")
+    return args
+
+
+def measure(args: argparse.Namespace) -> tuple[Recipe, dict[str, list[Run]], str, float]:
+    """Every run, alternating trainers; returns the recipe (first seed), the runs, the model's name, minutes."""
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
+        workdir = Path(tmp)
+        model = "builtin:tiny"
+        if args.device == "cuda":
+            model = f"random Qwen2 {build_qwen2_folder(workdir / 'qwen2_0.5b', args.seed) / 1e9:.2f} B"
+        runs: dict[str, list[Run]] = {t: [] for t in TRAINERS}
+        for i in range(args.runs):  # A B A B ...
+            recipe = bench_recipe(args, args.seed + i, workdir)
+            for trainer in TRAINERS:
+                python = sys.executable if trainer == "grpo_ds" else args.trl_python
+                runs[trainer].append(run_one(trainer, python, recipe, i, args, workdir))
+        recipe = bench_recipe(args, args.seed, workdir)
+    return recipe, runs, model, (time.monotonic() - began) / 60
+
+
+def main() -> None:
+    args = parse_args()
+    check_trl(args.trl_python)
+    recipe, runs, model, minutes = measure(args)
+    cuda = args.device == "cuda"
+    per_step = recipe.samples_per_step
+    points = [int(p) for p in args.reward_at.split(",")] if args.reward_at else \
+        [per_step * (args.steps // d) for d in (8, 4, 2, 1)]
+    headers = ["trainer", "runs", "step s (median)", "CPU s/step", "samples/s", "startup s",
+               "peak RSS MiB" + (" (GPU)" if cuda else ""), *[f"reward @ {n:,}" for n in points], "final reward",
+               "completion tokens"]
+    rows = [summary_row(t, runs[t], per_step, points, args.window, cuda) for t in TRAINERS]
+
+    g, t = (runs[k] for k in TRAINERS)
+    g_step, t_step = (statistics.median(x for r in rs for x in r.step_s[1:]) for rs in (g, t))
+    g_mem, t_mem = (max((r.peak_gpu_mib if cuda else r.peak_rss_mib) or 0 for r in rs) for rs in (g, t))
+    g_final, t_final = (final_reward(rs) for rs in (g, t))
+    notes = [
+        f"grpo_ds: DeepSpeed ZeRO-3 at world size 1 (one process, as `python -m grpo_ds.train`), on {args.device}; "
+        "TRL: GRPOTrainer, plain torch through accelerate, one process",
+        f"torch threads per run: {g[0].threads} (grpo_ds), {t[0].threads} (TRL)" + (
+            " (OMP_NUM_THREADS=1: on a CPU shared with other jobs, two threads' spinning barriers inflate step "
+            "times up to 30x whenever another process runs)" if args.threads == 1 else ""),
+        f"runs alternate grpo_ds, TRL ({args.runs} each; run i seeded {args.seed} + i for both), each in a fresh "
+        f"process; whole benchmark {minutes:.1f} min",
+        *([f"recipe overrides (--set, both trainers): {', '.join(args.set)}"] if args.set else []),
+        f"step s: median over the runs' steps after the first; reward @ N: mean over runs of the mean reward of the "
+        f"steps ending in the last {args.window:,} samples before N; final reward: the last 10 steps",
+        f"versions: grpo_ds side: {versions(g)}; TRL side ({args.trl_python}): {versions(t)}",
+        "final reward per run (seed order): " + "; ".join(
+            f"{LABELS[k]} " + ", ".join(f"{final_reward([r]):.3f}" for r in runs[k]) for k in TRAINERS),
+        f"grpo_ds / TRL: step time {g_step / t_step:.2f}x, peak memory {g_mem / t_mem:.2f}x, final reward "
+        f"{g_final:.3f} vs {t_final:.3f}",
+        f"target (grpo_ds ahead): time per step {verdict(g_step < t_step)}, memory {verdict(g_mem < t_mem)}, "
+        f"final reward at equal samples {verdict(g_final >= t_final)}",
+        *phase_lines(runs),
+        *[f"matched: {line}" for line in matched_lines(recipe, trl_config(recipe, "-", args.device))],
+        *[f"not matched: {line}" for line in UNMATCHED],
+    ]
+    r = recipe.rollout
+    shape = (f"{model}, {recipe.data.train}, {r.prompts_per_step} prompts x {r.group_size} completions of <= "
+             f"{r.max_new_tokens} tokens, {args.steps} steps ({per_step * args.steps:,} samples) per run, "
+             f"{args.device}")
+    report("bench_vs_trl", shape, args.device, markdown(headers, rows), notes, args.record)
+
+
+if __name__ == "__main__":
+    main()

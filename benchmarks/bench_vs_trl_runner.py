@@ -1,0 +1,217 @@
+"""One training run for benchmarks/bench_vs_trl.py, in its own process: grpo_ds or TRL's GRPOTrainer.
+
+    python benchmarks/bench_vs_trl_runner.py {grpo_ds,trl} SPEC.json OUT.json
+
+SPEC.json holds the resolved grpo_ds recipe (``Recipe.to_dict()``) that both trainers follow; TRL's side maps it
+onto a ``GRPOConfig`` in ``trl_config`` below (the one place the mapping lives; bench_vs_trl.py prints it). OUT.json
+gets per-step rewards and time stamps (``time.monotonic()``, a system-wide clock on Linux, so the parent can
+relate them to the moment it started this process), per-phase times, the peak resident memory (VmHWM) and the
+library versions of this interpreter. The TRL run may use another interpreter than grpo_ds's (a virtualenv with
+trl); it imports grpo_ds only for the model, tokenizer, data and reward code, so both train the same model.
+
+Stamps are taken at the same point of both loops: ``loop_start`` once the trainer is built (grpo_ds: the metrics
+logger is created after the DeepSpeed engine; TRL: ``on_train_begin``, after the optimizer and accelerate's
+prepare), ``step_end`` after each step's optimizer step (grpo_ds: when the step's metrics are logged, after the
+weight sync; TRL: ``on_step_end``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo_ds.recipe import Recipe
+
+TRAINERS = ("grpo_ds", "trl")
+# grpo_ds's algorithm.loss_agg -> TRL's loss_type with the same normalisation of the per-token losses
+LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
+
+
+def versions(names: tuple[str, ...]) -> dict[str, str]:
+    found = {"python": sys.version.split()[0]}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB -> MiB
+
+
+def new_stamps() -> dict:
+    return {"loop_start": None, "cpu_loop_start": None, "step_end": [], "cpu_step_end": []}
+
+
+def stamp(stamps: dict, key: str) -> None:
+    """Wall clock (time.monotonic) and this process's CPU time, all threads (time.process_time), at ``key``."""
+    wall, cpu = time.monotonic(), time.process_time()
+    if key == "loop_start":
+        stamps["loop_start"], stamps["cpu_loop_start"] = wall, cpu
+    else:
+        stamps[key].append(wall)
+        stamps["cpu_" + key].append(cpu)
+
+
+# ------------------------------------------------------------------------------------------------ grpo_ds
+
+
+def run_grpo_ds(recipe: dict) -> dict:
+    """grpo_ds.train on the recipe, in this process (world size 1: DeepSpeed ZeRO-3 on one rank)."""
+    driver = importlib.import_module("grpo_ds.train")
+    stamps = new_stamps()
+
+    class StampedLogger(driver.MetricsLogger):  # the driver builds its logger right before the loop
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            stamp(stamps, "loop_start")
+
+        def log(self, metrics: dict) -> None:
+            stamp(stamps, "step_end")
+            super().log(metrics)
+
+    driver.MetricsLogger = StampedLogger
+    history = driver.run(recipe)
+    phases = ("rollout", "reward", "logprob", "update", "sync")
+    return {**stamps, "reward": [m["reward_mean"] for m in history],
+            "response_len": [m["response_len_mean"] for m in history],
+            "phases": {p: [m[f"time_{p}_s"] for m in history] for p in phases},
+            "versions": versions(("torch", "transformers", "deepspeed", "grpo_ds"))}
+
+
+# ---------------------------------------------------------------------------------------------------- TRL
+
+
+def trl_config(recipe: Recipe, output_dir: str, device: str) -> dict:
+    """GRPOConfig keyword arguments that reproduce the grpo_ds recipe (a grpo_ds.recipe.Recipe)."""
+    r, a, t = recipe.rollout, recipe.algorithm, recipe.train
+    micro, per_step, per_optimizer_step = t.micro_batch_samples_per_gpu, recipe.samples_per_step, \
+        recipe.samples_per_optimizer_step
+    problems = []
+    if per_optimizer_step % micro or per_step % per_optimizer_step:
+        problems.append("train.micro_batch_samples_per_gpu must divide samples_per_optimizer_step")
+    if a.loss_agg not in LOSS_TYPES:
+        problems.append(f"algorithm.loss_agg {a.loss_agg!r} has no TRL loss_type")
+    baseline, scale = recipe.advantage_baseline_and_scale
+    if baseline != "group_mean" or a.policy_loss != "ppo_clip" or a.dynamic_sampling or a.kl_in_reward \
+            or a.overlong_buffer_tokens is not None or a.dual_clip is not None or a.rollout_is_cap is not None:
+        problems.append("only GRPO / Dr. GRPO with the PPO-clip loss maps onto TRL here")
+    if a.kl_coef > 0 and a.kl_estimator != "k3":
+        problems.append("TRL's KL penalty is the k3 estimator")
+    if a.entropy_coef > 0:
+        problems.append("the entropy bonuses are normalised differently (set algorithm.entropy_coef to 0)")
+    if a.loss_agg == "seq-mean-token-sum-norm" and recipe.loss_agg_norm_tokens != recipe.max_response_tokens:
+        problems.append("TRL's dr_grpo divides by max_completion_length, not algorithm.loss_agg_norm_tokens")
+    if problems:
+        raise SystemExit("bench_vs_trl: the recipe cannot be matched in TRL: " + "; ".join(problems))
+    dtype = recipe.model.dtype
+    return dict(
+        output_dir=output_dir, use_cpu=device == "cpu", seed=recipe.run.seed, data_seed=recipe.run.seed,
+        # batch: one generation of P x G samples per rollout, split into micro-batches of `micro` samples
+        num_generations=r.group_size, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_optimizer_step // micro, steps_per_generation=per_step // micro,
+        num_iterations=t.epochs_per_rollout, max_steps=t.steps * recipe.optimizer_steps_per_rollout,
+        shuffle_dataset=recipe.data.shuffle,
+        # generation
+        max_completion_length=recipe.max_response_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        # algorithm
+        beta=a.kl_coef, epsilon=a.clip_low, epsilon_high=a.clip_high, loss_type=LOSS_TYPES[a.loss_agg],
+        scale_rewards=scale, mask_truncated_completions=a.mask_truncated,
+        reward_weights=[float(spec.get("weight", 1.0)) for spec in recipe.reward.functions],
+        # optimizer: AdamW, constant learning rate after warm-up, global gradient-norm clipping
+        learning_rate=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
+        adam_epsilon=1e-8, optim="adamw_torch_fused" if device == "cuda" else "adamw_torch",
+        lr_scheduler_type="constant_with_warmup" if t.warmup_steps else "constant", warmup_steps=t.warmup_steps,
+        max_grad_norm=t.max_grad_norm,
+        # precision and memory
+        bf16=dtype == "bfloat16", fp16=dtype == "float16", gradient_checkpointing=recipe.model.gradient_checkpointing,
+        # bookkeeping: every step's metrics, nothing saved, no bars, no hub
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, log_completions=False,
+        dataloader_num_workers=0,
+    )
+
+
+def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
+    """TRL's GRPOTrainer on the same model, tokenizer, prompts and reward functions as grpo_ds."""
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_ds.data import load_rows
+    from grpo_ds.models import load_model, load_tokenizer
+    from grpo_ds.recipe import load_recipe
+    from grpo_ds.rewards.builtin import BUILTIN_REWARDS
+
+    recipe = load_recipe(recipe)
+    specs = recipe.reward.functions
+    unknown = [s["name"] for s in specs if s["name"] not in BUILTIN_REWARDS]
+    if unknown:
+        raise SystemExit(f"bench_vs_trl: only built-in reward functions are passed to TRL, not {unknown}")
+    tokenizer = load_tokenizer(recipe.model)
+    model = load_model(recipe.model, len(tokenizer), recipe.run.seed)  # the same weights grpo_ds starts from
+    rows = load_rows(recipe.data, recipe.source_dir)
+    dataset = datasets.Dataset.from_list([{"prompt": row[recipe.data.prompt_key],
+                                           "answer": row[recipe.data.answer_key]} for row in rows])
+
+    stamps = new_stamps()
+
+    class Stamps(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            stamp(stamps, "loop_start")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            stamp(stamps, "step_end")
+
+    config = GRPOConfig(**trl_config(recipe, output_dir, device))
+    trainer = GRPOTrainer(model=model, reward_funcs=[BUILTIN_REWARDS[s["name"]] for s in specs], args=config,
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[Stamps()])
+
+    # phase times: generation (transformers generate), and generation + reward + advantages (TRL's
+    # _generate_and_score_completions); the rest of a step is the policy update
+    phases: dict[str, list[float]] = {"rollout": [], "rollout_reward": []}
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            phases[name].append(time.perf_counter() - t)
+            return out
+        return wrapper
+
+    trainer._generate = timed("rollout", trainer._generate)
+    trainer._generate_and_score_completions = timed("rollout_reward", trainer._generate_and_score_completions)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "reward" in e]
+    return {**stamps, "reward": [e["reward"] for e in logs],
+            "response_len": [e.get("completions/mean_length") for e in logs], "phases": phases,
+            "versions": versions(("torch", "transformers", "trl", "accelerate", "datasets"))}
+
+
+def main() -> None:
+    if len(sys.argv) != 4 or sys.argv[1] not in TRAINERS:
+        raise SystemExit(f"usage: {sys.argv[0]} {{{','.join(TRAINERS)}}} SPEC.json OUT.json")
+    trainer, spec_path, out_path = sys.argv[1:]
+    spec = json.loads(Path(spec_path).read_text())
+    if trainer == "grpo_ds":
+        result = run_grpo_ds(spec["recipe"])
+    else:
+        result = run_trl(spec["recipe"], spec["trl_output_dir"], spec["device"])
+    import torch
+
+    result["peak_rss_mib"], result["threads"] = peak_rss_mib(), torch.get_num_threads()
+    if spec["device"] == "cuda":
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    Path(out_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
