@@ -67,18 +67,31 @@ def _resolve(where: str, name: str) -> Callable[..., Any]:
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise UserError(where, f"{name!r} is not of the form package.module:function", 'e.g. "my_rewards:length"')
+    target = import_attribute(where, module_name, attr, "function")
+    if not callable(target):
+        raise UserError(
+            where, f"{name!r} is a {type(target).__name__}, not a function", f"point at a function: {_SIGNATURE}"
+        )
+    return target
+
+
+def import_attribute(where: str, module_name: str, attr: str, noun: str,
+                     brief: Callable[[BaseException], str] | None = None) -> Any:
+    """``module_name`` imported and ``attr`` (dotted) looked up in it; every failure is one UserError at ``where``
+    (``noun``: what the attribute should be, for the hint). Shared by reward functions and agent environments."""
+    brief = brief or _brief
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise UserError(
             where,
-            f"cannot import module {module_name!r} ({_brief(err)})",
+            f"cannot import module {module_name!r} ({brief(err)})",
             "check the module is installed or its folder is on PYTHONPATH",
         ) from None
     except Exception as err:  # the module's own code failed while importing
         raise UserError(
             where,
-            f"importing module {module_name!r} raised {type(err).__name__}: {_brief(err)}",
+            f"importing module {module_name!r} raised {type(err).__name__}: {brief(err)}",
             "fix the module so it imports cleanly (try: python -c 'import " + module_name + "')",
         ) from None
     target: Any = module
@@ -86,13 +99,9 @@ def _resolve(where: str, name: str) -> Callable[..., Any]:
         if not hasattr(target, part):
             public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None)))
             close = difflib.get_close_matches(part, public, n=1, cutoff=0.5)
-            fix = f"did you mean {module_name}:{close[0]}?" if close else "check the function name in the module"
+            fix = f"did you mean {module_name}:{close[0]}?" if close else f"check the {noun} name in the module"
             raise UserError(where, f"module {module_name!r} has no attribute {attr!r}", fix)
         target = getattr(target, part)
-    if not callable(target):
-        raise UserError(
-            where, f"{name!r} is a {type(target).__name__}, not a function", f"point at a function: {_SIGNATURE}"
-        )
     return target
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from grpo_ds.errors import UserError, first_line
+from grpo_ds.rewards.loading import import_attribute
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine, generate_left_padded, generation_config
 
@@ -271,22 +271,7 @@ def _resolve(where: str, name: Any, builtins: dict[str, Callable[..., Any]]) -> 
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise UserError(where, f"{name!r} is not of the form package.module:Class", 'e.g. "my_envs:Maze"')
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(where, f"cannot import module {module_name!r} ({first_line(err)})",
-                        "check the module is installed or its folder is on PYTHONPATH") from None
-    except Exception as err:  # the module's own code failed while importing
-        raise UserError(where, f"importing module {module_name!r} raised {type(err).__name__}: {first_line(err)}",
-                        f"fix the module so it imports cleanly (try: python -c 'import {module_name}')") from None
-    target: Any = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None)))
-            close = difflib.get_close_matches(part, public, n=1, cutoff=0.5)
-            fix = f"did you mean {module_name}:{close[0]}?" if close else "check the class name in the module"
-            raise UserError(where, f"module {module_name!r} has no attribute {attr!r}", fix)
-        target = getattr(target, part)
+    target = import_attribute(where, module_name, attr, "class", brief=first_line)
     if not callable(target):
         raise UserError(where, f"{name!r} is a {type(target).__name__}, not a class or function",
                         "point at an environment class (or a function returning a new environment)")

@@ -12,7 +12,6 @@ joins the forward, since ZeRO-3 gathers parameters collectively): RUN_DIR/expect
 ``{"texts": [...], "input_ids", "attention_mask", "steps": {step: {"logits", "params"}}}``.
 """
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from grpo_ds.builtin_tiny import build_tiny_tokenizer
+from grpo_ds.checkpoint import _sha256
 from grpo_ds.ds_config import resolve_deepspeed_config
 from grpo_ds.engine import create_train_engine, init_distributed
 from grpo_ds.models import load_model, load_tokenizer
@@ -56,14 +56,6 @@ def save_tied_hf_model(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_checkpoint(engine, run_dir: Path, step: int, is_main: bool, dist) -> None:
     """The checkpoint layout grpo_ds.checkpoint writes: ds/ by DeepSpeed, trainer_state.json, manifest.json, latest."""
     name = f"step_{step:08d}"
@@ -72,7 +64,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, is_main: bool, dist) -> No
     dist.barrier()
     if is_main:
         (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
-        files = {p.relative_to(folder).as_posix(): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+        files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
         (folder / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
         (run_dir / "checkpoints" / "latest").write_text(name)
     dist.barrier()
