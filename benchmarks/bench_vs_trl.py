@@ -1,6 +1,6 @@
 """grpo_ds against TRL's GRPOTrainer: the same model, task, reward and batch, side by side on one machine.
 
-CPU (about 6 minutes on 2 idle cores; trl from a virtualenv, so the main environment's packages stay as they are):
+CPU (about 8 minutes on 2 idle cores; trl from a virtualenv, so the main environment's packages stay as they are):
 
     python -m venv --system-site-packages /tmp/trlvenv && /tmp/trlvenv/bin/pip install "trl>=1.16"
     python benchmarks/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python --record
@@ -26,6 +26,10 @@ weights and prompt order within a pair). Per trainer:
     peak RSS MiB   largest peak resident set (VmHWM) of a run's process; on CUDA also the peak allocated GPU memory
     reward @ N     mean reward of the steps that end in the last --window samples before N, mean over runs
     final reward   mean reward of the last 10 steps, mean over runs
+
+The reward verdict compares the means at every reward @ N point and at the end, and prints each difference with its
+standard error (runs of one trainer are independent seeds; the two trainers draw different random numbers, so the
+difference's standard error is sqrt(se_grpo_ds^2 + se_TRL^2)).
 
 --record appends the table, the matched and unmatched settings, and the per-phase times to benchmarks/RESULTS.md.
 """
@@ -217,6 +221,26 @@ def final_reward(runs: list[Run]) -> float:
     return statistics.fmean(statistics.fmean(r.reward[-10:]) for r in runs)
 
 
+def standard_error(values: list[float]) -> float:
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+
+
+def reward_comparison(runs: dict[str, list[Run]], per_step: int, points: list[int], window: int
+                      ) -> tuple[bool, str]:
+    """Whether grpo_ds's mean reward is at least TRL's at every point and at the end, and the differences."""
+    ahead, parts = True, []
+    probes = [(f"@ {n:,}", lambda r, n=n: reward_at(r, n, per_step, window)) for n in points]
+    for name, value in [*probes, ("final", lambda r: statistics.fmean(r.reward[-10:]))]:
+        per_run = {k: [value(r) for r in runs[k]] for k in TRAINERS}
+        if any(v is None for vs in per_run.values() for v in vs):
+            continue
+        diff = statistics.fmean(per_run["grpo_ds"]) - statistics.fmean(per_run["trl"])
+        se = (standard_error(per_run["grpo_ds"]) ** 2 + standard_error(per_run["trl"]) ** 2) ** 0.5
+        ahead &= diff >= 0
+        parts.append(f"{name} {diff:+.3f} +- {se:.3f}")
+    return ahead, "reward grpo_ds - TRL (mean over runs +- standard error): " + ", ".join(parts)
+
+
 def versions(runs: list[Run]) -> str:
     return ", ".join(f"{k} {v}" for k, v in runs[0].versions.items())
 
@@ -315,7 +339,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--steps", type=int, default=None,
                         help="training steps per run (default: the recipe's, 400 on cpu; 12 on cuda)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per trainer, alternating grpo_ds, TRL, ...")
+    parser.add_argument("--runs", type=int, default=5, help="runs per trainer, alternating grpo_ds, TRL, ...")
     parser.add_argument("--seed", type=int, default=0, help="run i of both trainers uses seed + i")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of each run (OMP_NUM_THREADS; default: 1 on cpu, torch's own on cuda; "
@@ -378,6 +402,7 @@ def main() -> None:
     g_step, t_step = (statistics.median(x for r in rs for x in r.step_s[1:]) for rs in (g, t))
     g_mem, t_mem = (max((r.peak_gpu_mib if cuda else r.peak_rss_mib) or 0 for r in rs) for rs in (g, t))
     g_final, t_final = (final_reward(rs) for rs in (g, t))
+    reward_ahead, reward_line = reward_comparison(runs, per_step, points, args.window)
     notes = [
         f"grpo_ds: DeepSpeed ZeRO-3 at world size 1 (one process, as `python -m grpo_ds.train`), on {args.device}; "
         "TRL: GRPOTrainer, plain torch through accelerate, one process",
@@ -395,7 +420,8 @@ def main() -> None:
         f"grpo_ds / TRL: step time {g_step / t_step:.2f}x, peak memory {g_mem / t_mem:.2f}x, final reward "
         f"{g_final:.3f} vs {t_final:.3f}",
         f"target (grpo_ds ahead): time per step {verdict(g_step < t_step)}, memory {verdict(g_mem < t_mem)}, "
-        f"final reward at equal samples {verdict(g_final >= t_final)}",
+        f"reward at equal samples (every point and final) {verdict(reward_ahead)}",
+        reward_line,
         *phase_lines(runs),
         *[f"matched: {line}" for line in matched_lines(recipe, trl_config(recipe, "-", args.device))],
         *[f"not matched: {line}" for line in UNMATCHED],

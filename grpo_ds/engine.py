@@ -109,6 +109,9 @@ def init_distributed() -> Dist:
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         else:  # plain `python -m grpo_ds.train` or a notebook: a group of one on a free port
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts it; RANK/MASTER_PORT stay unset
+            # Without LOCAL_SIZE, DeepSpeed's CPU accelerator counts devices by spawning `numactl --hardware`,
+            # which ZeRO-3 does on every gradient reduction (a fork of the whole process, several per step).
+            os.environ.setdefault("LOCAL_SIZE", "1")
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, rank=0,
                                        world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
