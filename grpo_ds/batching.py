@@ -152,10 +152,14 @@ def split_per_sample(values: torch.Tensor, mb: MicroBatchTensors) -> dict[int, t
 
 
 def _use_fused(model, ks: KernelSettings) -> bool:
-    # Final-logit soft-capping (e.g. Gemma 2) transforms the logits after the lm_head: the fused path would
-    # skip it, so such models go through full logits.
-    config = getattr(_unwrap(model), "config", None)
-    return ks.fused_lm_head and getattr(config, "final_logit_softcapping", None) is None
+    # Final-logit soft-capping (e.g. Gemma 2) transforms the logits after the lm_head, and a LoRA adapter on the
+    # lm_head adds its own product: the fused path (hidden states x the lm_head weight) would skip either, so such
+    # models go through full logits.
+    module = _unwrap(model)
+    config = getattr(module, "config", None)
+    head = module.get_output_embeddings()
+    return (ks.fused_lm_head and getattr(config, "final_logit_softcapping", None) is None
+            and not hasattr(head, "lora_A"))
 
 
 def _unwrap(model):

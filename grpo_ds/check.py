@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from grpo_ds import lora
 from grpo_ds.data import PromptRow, load_rows, prepare_prompts
 from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
 from grpo_ds.engine import device_type
@@ -52,6 +53,8 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     check_vllm_setup(recipe, world_size, device_type)  # rollout.engine "vllm": GPUs, a supported vLLM, TP size
+    if lora.enabled(recipe.model):
+        lora.check_peft()  # model.lora_rank: peft installed and recent enough
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
     backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first

@@ -3,7 +3,8 @@
 Layout of a run folder's checkpoints (grpo_ds.export reads the same)::
 
     RUN_DIR/checkpoints/step_00000010/    one complete checkpoint
-        ds/                               DeepSpeed's sharded engine state (engine.save_checkpoint, tag "ds")
+        ds/                               DeepSpeed's sharded engine state (engine.save_checkpoint, tag "ds";
+                                          trainable weights only: a LoRA run's frozen base is not saved)
         rng/rank<r>.pt                    every rank's RNG states
         trainer_state.json                step, data sampler position, metric history
         manifest.json                     sha256 of every file above
@@ -68,7 +69,8 @@ def save(engine, run_dir: Path, step: int, trainer_state: dict, keep: int, dist:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    engine.save_checkpoint(str(tmp), tag=DS_TAG)
+    # Frozen weights (a LoRA policy's base) are rebuilt from model.path on resume and export: not saved.
+    engine.save_checkpoint(str(tmp), tag=DS_TAG, exclude_frozen_parameters=_has_frozen(engine))
     rng_file = tmp / "rng" / f"rank{dist.rank}.pt"
     rng_file.parent.mkdir(exist_ok=True)
     torch.save(_rng_state(), rng_file)
@@ -160,10 +162,14 @@ def choose(run_dir: Path) -> tuple[Path | None, list[str]]:
     return None, damaged
 
 
+def _has_frozen(engine) -> bool:
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def load(engine, path: Path, dist: Dist) -> Resumed:
     """Restore the engine (weights, optimizer, lr schedule), this rank's RNG states and the trainer state."""
     load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+                                          load_lr_scheduler_states=True, load_module_strict=not _has_frozen(engine))
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path / DS_TAG}")
     rng_file = path / "rng" / f"rank{dist.rank}.pt"

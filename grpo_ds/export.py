@@ -1,6 +1,6 @@
 """Export a training checkpoint as a Hugging Face model folder that transformers loads on its own.
 
-    python -m grpo_ds.export RUN_DIR --out DIR [--step N] [--dtype float32|bfloat16|float16] [--overwrite]
+    python -m grpo_ds.export RUN_DIR --out DIR [--step N] [--dtype float32|bfloat16|float16] [--merge] [--overwrite]
     python -m grpo_ds.export RUN_DIR --list
 
 A run folder holds ``recipe.json`` and ``checkpoints/step_XXXXXXXX/`` folders (``ds/`` written by DeepSpeed,
@@ -17,6 +17,11 @@ newest complete one, and ``.tmp-*`` folders are unfinished writes, never read. T
    ``--dtype`` (default: the recipe's ``model.dtype``);
 5. writes ``config.json`` + ``model.safetensors``, the tokenizer and ``generation_config.json`` into a
    temporary folder beside ``--out`` and renames it into place, so ``--out`` never holds half an export.
+
+A LoRA run (``model.lora_rank``) checkpoints its adapters only. Its export rebuilds the base model from
+``model.path`` (builtin:tiny from ``run.seed``), puts the adapters on it with peft, and writes either the adapter
+folder in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``, plus the tokenizer: load it with
+``PeftModel.from_pretrained(base, DIR)``), or with ``--merge`` the merged model, which transformers loads alone.
 
 Every mistake a user can make (wrong run folder, no checkpoints, unknown step, non-empty ``--out``, damaged
 checkpoint) is a one-line ``error: ...`` with exit code 2, found before any model or tensor is loaded.
@@ -37,11 +42,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.initialization import no_init_weights
 
+from grpo_ds import lora
 from grpo_ds.builtin_tiny import build_tiny_model
 from grpo_ds.checkpoint import _STEP_FOLDER, CHECKPOINTS, DS_TAG, LATEST, MANIFEST, verify
 from grpo_ds.engine import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
-from grpo_ds.models import BUILTIN_TINY, check_model_path, load_tokenizer, torch_dtype
+from grpo_ds.models import BUILTIN_TINY, check_model_path, load_model, load_tokenizer, torch_dtype
 from grpo_ds.recipe import ModelConfig, load_recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -64,6 +70,7 @@ class ExportSummary:
     num_parameters: int
     dtype: str
     architecture: str
+    adapter_only: bool = False  # a LoRA run's adapter folder (peft format), not a whole model
 
 
 # ------------------------------------------------------------------------------------------- finding checkpoints
@@ -132,19 +139,26 @@ def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
 # ---------------------------------------------------------------------------------------------------- exporting
 
 def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, merge: bool = False) -> Path:
     """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a transformers folder ``out_dir``.
 
     ``dtype``: "float32", "bfloat16" or "float16" (default: the recipe's model.dtype). Returns ``out_dir``.
+    A LoRA run gives its adapter folder (peft format), or the merged model with ``merge``.
     Raises UserError for anything the user can fix; ``out_dir`` is untouched unless the export succeeds."""
-    return export(run_dir, out_dir, step, dtype, overwrite).out_dir
+    return export(run_dir, out_dir, step, dtype, overwrite, merge).out_dir
 
 
 def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
-           overwrite: bool = False) -> ExportSummary:
+           overwrite: bool = False, merge: bool = False) -> ExportSummary:
     """``export_checkpoint`` returning what was done (for the command line's summary)."""
     run = _check_run_dir(run_dir)
     model_cfg = _model_config(run)
+    use_lora = lora.enabled(model_cfg)
+    if merge and not use_lora:
+        raise UserError("--merge", "this run trained every weight (no model.lora_rank): there is nothing to merge",
+                        "leave --merge out")
+    if use_lora:
+        lora.check_peft()
     checkpoint = select_checkpoint(run, step)
     out = _check_out_dir(Path(out_dir).resolve(), run, overwrite)
     dtype = dtype or model_cfg.dtype
@@ -159,12 +173,18 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
                if older else "there is no older checkpoint to export instead; restore this one from a backup")
         raise UserError(str(checkpoint.path), problem, fix)
 
-    state_dict = _consolidate(checkpoint.path)
-    model = _build_model(model_cfg, len(tokenizer))
-    _load_strict(model, state_dict, checkpoint.path)
+    state_dict = _consolidate(checkpoint.path, frozen_excluded=use_lora)
+    if use_lora:
+        model = _lora_model(model_cfg, _run_seed(run), len(tokenizer), state_dict, checkpoint.path)
+        if merge:
+            model = model.merge_and_unload()
+    else:
+        model = _build_model(model_cfg, len(tokenizer))
+        _load_strict(model, state_dict, checkpoint.path)
     del state_dict
     model.to(torch_dtype(dtype))
     model.eval()
+    adapter_only = use_lora and not merge
     generation_config = _generation_config(model_cfg, model, tokenizer)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,17 +192,21 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp)  # a peft model writes its adapters only
         tokenizer.save_pretrained(tmp)
-        generation_config.save_pretrained(tmp)
+        if not adapter_only:
+            generation_config.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)  # empty, or --overwrite was given (checked above)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    saved = [p for p in model.parameters() if p.requires_grad] if adapter_only else list(model.parameters())
     return ExportSummary(checkpoint=checkpoint.path, step=checkpoint.step, out_dir=out,
-                         num_parameters=sum(p.numel() for p in model.parameters()), dtype=dtype,
-                         architecture=type(model).__name__)
+                         num_parameters=sum(p.numel() for p in saved), dtype=dtype,
+                         architecture=f"LoRA adapters (rank {model_cfg.lora_rank}) for "
+                                      f"{type(model.get_base_model()).__name__}" if adapter_only
+                         else type(model).__name__, adapter_only=adapter_only)
 
 
 def _model_config(run: Path) -> ModelConfig:
@@ -223,8 +247,31 @@ def _check_out_dir(out: Path, run: Path, overwrite: bool) -> Path:
     return out
 
 
-def _consolidate(folder: Path) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own ZeRO consolidation of ``folder/ds`` (any world size) into a full fp32 state dict."""
+def _run_seed(run: Path) -> int:
+    """run.seed of the run's recipe.json (builtin:tiny's base weights come from it)."""
+    raw = json.loads((run / "recipe.json").read_text())
+    seed = raw.get("run", {}).get("seed", 0) if isinstance(raw.get("run"), dict) else 0
+    return seed if isinstance(seed, int) else 0
+
+
+def _lora_model(model_cfg: ModelConfig, seed: int, vocab_size: int, adapters: dict[str, torch.Tensor],
+                folder: Path) -> torch.nn.Module:
+    """The base model as training loaded it, in fp32, with the checkpoint's adapters on it (a peft model)."""
+    model = lora.apply_lora(load_model(model_cfg, vocab_size, seed).float(), model_cfg)
+    expected = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(expected - set(adapters)), sorted(set(adapters) - expected)
+    if missing or unexpected:
+        parts = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
+                 for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
+        raise UserError(str(folder), f"its adapters do not fit the LoRA settings in recipe.json: {'; '.join(parts)}",
+                        "export with the recipe.json the run was trained with")
+    model.load_state_dict(adapters, strict=False)
+    return model
+
+
+def _consolidate(folder: Path, frozen_excluded: bool = False) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own ZeRO consolidation of ``folder/ds`` (any world size) into a full fp32 state dict (only
+    the trainable weights when the checkpoint left the frozen ones out)."""
     if device_type() == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, hence imported here
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -233,7 +280,8 @@ def _consolidate(folder: Path) -> dict[str, torch.Tensor]:
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-            return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=DS_TAG)
+            return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=DS_TAG,
+                                                            exclude_frozen_parameters=frozen_excluded)
     except (OSError, ValueError, RuntimeError, KeyError) as err:  # a checkpoint DeepSpeed cannot read
         raise UserError(str(folder / DS_TAG), f"DeepSpeed cannot consolidate it ({first_line(err)})",
                         "export another checkpoint with --step") from None
@@ -317,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
     parser.add_argument("--dtype", choices=DTYPES, help="dtype of the saved weights (default: the recipe's "
                                                         "model.dtype)")
+    parser.add_argument("--merge", action="store_true", help="LoRA runs: write the base model with the adapters "
+                        "merged in (default: the adapter folder, peft format)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     parser.add_argument("--list", action="store_true", help="list the checkpoints and whether each verifies")
     with exit_on_user_error():
@@ -326,11 +376,12 @@ def main(argv: list[str] | None = None) -> None:
             return
         if not args.out:
             raise UserError(parser.prog, "--out is required", "give the folder to write the model into, or --list")
-        done = export(args.run_dir, args.out, args.step, args.dtype, args.overwrite)
+        done = export(args.run_dir, args.out, args.step, args.dtype, args.overwrite, args.merge)
         print(f"checkpoint: {done.checkpoint} (step {done.step}, verified against {MANIFEST})")
         print(f"model:      {done.architecture}, {done.num_parameters:,} parameters, {done.dtype}")
-        print(f"written:    {done.out_dir} (load it with AutoModelForCausalLM.from_pretrained / "
-              "AutoTokenizer.from_pretrained)")
+        how = ("PeftModel.from_pretrained(base model, DIR); --merge writes a whole model" if done.adapter_only
+               else "AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained")
+        print(f"written:    {done.out_dir} (load it with {how})")
 
 
 if __name__ == "__main__":

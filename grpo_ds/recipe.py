@@ -56,6 +56,14 @@ class ModelConfig:
     tiny_hidden_size: int = opt(64, "builtin:tiny only: hidden size", low=8)
     tiny_num_layers: int = opt(2, "builtin:tiny only: number of transformer layers", low=1)
     tiny_num_heads: int = opt(4, "builtin:tiny only: attention heads (must divide tiny_hidden_size)", low=1)
+    lora_rank: int | None = opt(None, "LoRA: rank of the adapters (extra grpo_ds[lora]); null trains every weight",
+                                low=1)
+    lora_alpha: float = opt(16.0, "LoRA: the adapters' update is scaled by lora_alpha / lora_rank", low=0.0,
+                            low_open=True)
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input while training (0 <= p < 1)", low=0.0,
+                              high=0.99)
+    lora_target_modules: list = opt(["all-linear"], 'LoRA: names of the linear modules to adapt, e.g. ["q_proj", '
+                                    '"v_proj"], or ["all-linear"] (every linear layer except the output layer)')
 
 
 @dataclass(frozen=True)
@@ -492,6 +500,10 @@ def validate(recipe: Recipe) -> None:
     if m.path == "builtin:tiny" and m.tiny_hidden_size % m.tiny_num_heads:
         raise UserError("model.tiny_num_heads", f"{m.tiny_num_heads} does not divide tiny_hidden_size "
                         f"{m.tiny_hidden_size}", "pick a divisor, e.g. 4")
+    targets = m.lora_target_modules
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise UserError("model.lora_target_modules", f"{targets} must be a non-empty list of module names",
+                        '["all-linear"], or e.g. ["q_proj", "k_proj", "v_proj", "o_proj"]')
     betas = recipe.train.adam_betas
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                   for b in betas):

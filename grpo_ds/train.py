@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds import checkpoint, kernels, run_folder
+from grpo_ds import checkpoint, kernels, lora, run_folder
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 from grpo_ds.check import Inputs, prepare_inputs
 from grpo_ds.collect import collect
@@ -47,7 +47,6 @@ from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.hf import HFRolloutEngine
-from grpo_ds.rollout.weight_sync import gathered_named_parameters
 from grpo_ds.update import (
     TOTALS,
     UpdateSettings,
@@ -73,10 +72,15 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     dist.barrier()
     torch.manual_seed(recipe.run.seed)
     policy = load_model(recipe.model, len(tokenizer), recipe.run.seed)
-    rollout = _rollout_engine(recipe, inputs, copy.deepcopy(policy).to(dist.device))
-    engine = create_train_engine(policy, ds_config)
-    reference = create_reference_engine(load_model(recipe.model, len(tokenizer), recipe.run.seed), ds_config) \
-        if recipe.algorithm.kl_coef > 0 else None
+    rollout = _rollout_engine(recipe, inputs, copy.deepcopy(policy).to(dist.device))  # the plain model
+    use_lora = lora.enabled(recipe.model)
+    engine = create_train_engine(lora.apply_lora(policy, recipe.model) if use_lora else policy, ds_config)
+    if use_lora and dist.is_main:
+        print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
+    reference = None  # LoRA: the policy with its adapters disabled is the base model, no second copy
+    if recipe.algorithm.kl_coef > 0:
+        reference = engine if use_lora else create_reference_engine(
+            load_model(recipe.model, len(tokenizer), recipe.run.seed), ds_config)
     sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
     logger = MetricsLogger(run_dir if dist.is_main else None, recipe.train.steps, recipe.logging, recipe.run.name,
                            recipe.to_dict())
@@ -100,8 +104,10 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         t = time.perf_counter()
         old_logprobs = logprob_pass(engine, rollouts, plan.logprob_pass, settings, dist) \
             if plan.needs_old_logprobs or needs_sampling_logprobs(recipe) else None
-        ref_logprobs = logprob_pass(reference, rollouts, plan.logprob_pass, settings, dist) \
-            if reference is not None else None
+        ref_logprobs = None
+        if reference is not None:
+            with lora.reference_context(reference):
+                ref_logprobs = logprob_pass(reference, rollouts, plan.logprob_pass, settings, dist)
         times["logprob"] = time.perf_counter() - t
 
         # ---- advantage: shaped rewards (overlong penalty, KL in the reward) -> group advantages (rank 0)
@@ -130,9 +136,9 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
                 _stop_nonfinite(step, nonfinite_in_a_row, run_dir)
         times["update"] = time.perf_counter() - t
 
-        # ---- weight sync: ZeRO-3 shards -> full weights, bucket by bucket, into the rollout engine
+        # ---- weight sync: ZeRO-3 shards -> full weights (LoRA: merged adapted layers), bucket by bucket
         t = time.perf_counter()
-        rollout.update_weights(gathered_named_parameters(engine.module, bucket_bytes))
+        rollout.update_weights(lora.rollout_weights(engine.module, bucket_bytes))
         times["sync"] = time.perf_counter() - t
 
         # ---- log
@@ -244,7 +250,7 @@ def _resume(folder: run_folder.RunFolder, engine, rollout, sampler: PromptSample
     if dist.is_main:
         run_folder.trim_metrics(folder.path, resumed.step)
         print(f"resuming after step {resumed.step} from {path}", file=sys.stderr, flush=True)
-    rollout.update_weights(gathered_named_parameters(engine.module, bucket_bytes))
+    rollout.update_weights(lora.rollout_weights(engine.module, bucket_bytes))
     dist.barrier()
     return resumed.step + 1
 

@@ -51,7 +51,8 @@ class _Item:
     key: tuple  # a bucket holds items with one key: same kind, process group, shard dtype
     gathered_bytes: int  # bytes of its gathered, padded buffer
     unpacked_bytes: int  # bytes of its unpacked copy in the output dtype
-    cast: bool  # the output dtype differs from the gathered one
+    copied: bool  # handed out as a private copy: the output dtype differs from the gathered one, or it was asked
+    extra_bytes: int = 0  # memory the consumer holds while this item is handed out (counted in the bucket)
 
 
 def gathered_named_parameters(module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
@@ -60,20 +61,41 @@ def gathered_named_parameters(module: torch.nn.Module, bucket_bytes: int, dtype:
     """Yield (name, full tensor) for every parameter of ``module``, bucket by bucket (see the module docstring).
 
     ``dtype``: cast to this dtype (None = keep); ``rename``: trainer name -> consumer name, None to skip it;
-    ``tied``: "once" or "all" (a tensor shared by several names). Each tensor is valid until the next one is
-    requested. Every rank must consume the whole iterator.
+    ``tied``: "once" or "all" (a tensor shared by several names). A parameter all of whose names ``rename`` drops
+    is not gathered at all. Each tensor is valid until the next one is requested. Every rank must consume the
+    whole iterator.
     """
     if tied not in TIED_MODES:
         raise ValueError(f"tied must be one of {TIED_MODES}, got {tied!r}")
+    chosen = []
+    for param, names in _parameters_with_names(module):
+        sent = names if tied == "all" else names[:1]
+        targets = tuple(rename(n) if rename is not None else n for n in sent)
+        if any(t is not None for t in targets):  # a parameter every name of which is dropped is never gathered
+            chosen.append((param, tuple(t for t in targets if t is not None)))
+    for names, tensor in gathered_parameters(chosen, bucket_bytes, dtype):
+        for name in names:
+            yield name, tensor
+
+
+def gathered_parameters(parameters: list[tuple[torch.nn.Parameter, tuple]], bucket_bytes: int,
+                        dtype: torch.dtype | None = None, private: frozenset[int] = frozenset(),
+                        extra_bytes: dict[int, int] | None = None) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """Yield (tag, full tensor) for each (parameter, tag) in the given order, bucket by bucket.
+
+    The lower layer of ``gathered_named_parameters``, for consumers that choose the order themselves (LoRA merges
+    need a layer's adapters before its weight). Parameters whose id is in ``private`` are handed out as a copy the
+    consumer may modify in place (counted in the bucket plan, like a cast); ``extra_bytes[id(param)]`` is memory
+    the consumer holds while that parameter is out (also counted). Same validity rule: until the next request.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    items = [_describe(param, names, dtype) for param, names in _parameters_with_names(module)]
+    extra = extra_bytes or {}
+    items = [_describe(param, tag, dtype, id(param) in private, extra.get(id(param), 0))
+             for param, tag in parameters]
     for bucket in _plan_buckets(items, bucket_bytes):
         for item, tensor in _gather_bucket(bucket, dtype):
-            for name in item.names if tied == "all" else item.names[:1]:
-                target = rename(name) if rename is not None else name
-                if target is not None:
-                    yield target, tensor
+            yield item.names, tensor
 
 
 def _plan_buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
@@ -96,8 +118,8 @@ def _plan_buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
 def _bucket_cost(bucket: list[_Item]) -> int:
     """Gathered bytes, plus the largest unpacked copy when one is made (several items, or a cast)."""
     gathered = sum(i.gathered_bytes for i in bucket)
-    copies = max(i.unpacked_bytes for i in bucket) if len(bucket) > 1 or any(i.cast for i in bucket) else 0
-    return gathered + copies
+    copies = max(i.unpacked_bytes for i in bucket) if len(bucket) > 1 or any(i.copied for i in bucket) else 0
+    return gathered + copies + sum(i.extra_bytes for i in bucket)
 
 
 def _parameters_with_names(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter, tuple[str, ...]]]:
@@ -119,20 +141,22 @@ def _is_plain_shard(param: torch.nn.Parameter) -> bool:
             and shard.numel() == getattr(shard, "ds_numel", -1) and shard.numel() > 0)
 
 
-def _describe(param: torch.nn.Parameter, names: tuple[str, ...], dtype: torch.dtype | None) -> _Item:
+def _describe(param: torch.nn.Parameter, names: tuple, dtype: torch.dtype | None, private: bool = False,
+              extra_bytes: int = 0) -> _Item:
     out_size = torch.empty((), dtype=dtype or param.dtype).element_size()
-    cast = dtype is not None and dtype != param.dtype
+    copied = private or (dtype is not None and dtype != param.dtype)
     if not hasattr(param, "ds_id"):
-        return _Item(param, names, "whole", ("whole",), 0, param.numel() * out_size if cast else 0, cast)
+        return _Item(param, names, "whole", ("whole",), 0, param.numel() * out_size if copied else 0, copied,
+                     extra_bytes)
     if _is_plain_shard(param):
         import deepspeed.comm as ds_comm
 
         group, shard = param.ds_process_group, param.ds_tensor
         padded = shard.ds_numel * ds_comm.get_world_size(group=group)
         return _Item(param, names, "shard", ("shard", id(group), shard.dtype), padded * shard.element_size(),
-                     padded * out_size, dtype is not None and dtype != shard.dtype)
+                     padded * out_size, private or (dtype is not None and dtype != shard.dtype), extra_bytes)
     return _Item(param, names, "zero", ("zero", param.dtype), param.ds_numel * param.element_size(),
-                 param.ds_numel * out_size, cast)
+                 param.ds_numel * out_size, copied, extra_bytes)
 
 
 def _gather_bucket(bucket: list[_Item], dtype: torch.dtype | None) -> Iterator[tuple[_Item, torch.Tensor]]:
@@ -152,9 +176,10 @@ def _gather_bucket(bucket: list[_Item], dtype: torch.dtype | None) -> Iterator[t
 
 def _handed_out(item: _Item, tensor: torch.Tensor, dtype: torch.dtype | None, copy: bool
                 ) -> Iterator[tuple[_Item, torch.Tensor]]:
-    """Yield ``tensor`` (cast when asked); a copy is released as soon as the consumer asks for the next one."""
-    if dtype is not None and dtype != tensor.dtype:
-        tensor, copy = tensor.to(dtype), True
+    """Yield ``tensor`` (cast when asked, copied when the item is private); a copy is released as soon as the
+    consumer asks for the next one."""
+    if (dtype is not None and dtype != tensor.dtype) or (item.copied and not copy):
+        tensor, copy = tensor.to(dtype or tensor.dtype, copy=True), True
     try:
         yield item, tensor
     finally:
@@ -192,7 +217,7 @@ def _gather_shards(bucket: list[_Item], dtype: torch.dtype | None) -> Iterator[t
         for item, offset, size in zip(bucket, offsets, sizes, strict=True):
             p = item.param
             columns = rows[:, offset:offset + size]  # (world, s_i): the padded parameter, rank-major
-            if columns.is_contiguous() and out_dtype == shard_dtype:  # alone in its bucket, or world size 1
+            if columns.is_contiguous() and not item.copied:  # alone in its bucket, or world size 1; no copy asked
                 yield from _handed_out(item, columns.reshape(-1)[:p.ds_numel].view(p.ds_shape), None, copy=False)
             else:
                 whole = torch.empty(world * size, dtype=out_dtype, device=device)

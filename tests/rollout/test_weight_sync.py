@@ -108,7 +108,9 @@ def test_one_collective_per_bucket_not_per_tensor(two_ranks):
         for label in BUCKETED:
             run = runs[label]
             assert run["collectives"] == len(run["collective_bytes"]) <= tensors // 3, label
-            assert sum(run["collective_bytes"]) == total, label  # each parameter gathered once, the tied one too
+            # each parameter gathered once, the tied one too; one that rename drops under every name, never
+            dropped = runs["dropped_padded_bytes"] if label == "bf16 tied all renamed" else 0
+            assert sum(run["collective_bytes"]) == total - dropped, label
     assert two_ranks[0] == two_ranks[1]  # every rank sees the same buckets
 
 

@@ -92,11 +92,13 @@ def main(out_path: str) -> None:
     runs = {"tensors": len(params), "padded_bytes": sum(padded), "largest_padded_bytes": max(padded),
             "module_names": [n for n, _ in engine.module.named_parameters()]}
     total = sum(padded)
+    norm = dict(engine.module.named_parameters())["model.norm.weight"]
+    runs["dropped_padded_bytes"] = norm.ds_tensor.ds_numel * dist.world_size * norm.ds_tensor.element_size()
     for label, bucket in (("one bucket", 10 * total), ("quarter", total // 4), ("small", 3 * max(padded))):
         runs[label] = {"bucket_bytes": bucket, **consume(
             watch, gathered_named_parameters(engine.module, bucket), reference, torch.float32)}
     bucket = total // 4
-    rename = {"model.norm.weight": None}  # dropped; everything else gets a prefix
+    rename = {"model.norm.weight": None}  # dropped, so never gathered; everything else gets a prefix
     runs["bf16 tied all renamed"] = {"bucket_bytes": bucket, **consume(
         watch, ((n.removeprefix("vllm."), t) for n, t in gathered_named_parameters(
             engine.module, bucket, dtype=torch.bfloat16, tied="all",
@@ -106,8 +108,13 @@ def main(out_path: str) -> None:
         with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
             pass
     runs["per-tensor collectives"] = watch.collectives
+    write_every_rank(runs, out_path, dist)
+
+
+def write_every_rank(record: dict, out_path: str, dist) -> None:
+    """Rank 0 writes every rank's record, in rank order, as one JSON list."""
     gathered = [None] * dist.world_size
-    torch.distributed.all_gather_object(gathered, runs)
+    torch.distributed.all_gather_object(gathered, record)
     if dist.is_main:
         with open(out_path, "w") as f:
             json.dump(gathered, f)

@@ -1,0 +1,308 @@
+"""LoRA under ZeRO-3 (grpo_ds/lora.py): the tiny recipe learns with only the adapters trained and the base weights
+bit-identical; a sync gives the rollout engine exactly the merged model; the KL reference is the base with the
+adapters disabled (no second copy); checkpoints hold the adapters and resume exactly; exports load with peft
+(adapters) and with transformers alone (--merge); a sync on 2 ranks keeps within one bucket.
+"""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import grpo_ds.train as train_module
+from grpo_ds import lora
+from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.ds_config import resolve_deepspeed_config
+from grpo_ds.engine import create_train_engine, init_distributed
+from grpo_ds.errors import UserError
+from grpo_ds.export import export
+from grpo_ds.models import load_model
+from grpo_ds.recipe import load_recipe
+from grpo_ds.rollout.base import SamplingParams
+from grpo_ds.rollout.hf import HFRolloutEngine
+from tests.launch import REPO, clean_env, deepspeed_launch
+
+LORA_TINY = str(REPO / "recipes" / "lora_tiny_cpu.json")
+ZERO3_PARTITIONED = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def _quiet(tmp_path, **overrides):
+    return {"run.output_dir": str(tmp_path), "logging.progress_bar": False, **overrides}
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+def _capture_engines(monkeypatch) -> list:
+    """Every engine grpo_ds.train creates, for inspection after the run."""
+    engines, real = [], train_module.create_train_engine
+
+    def capturing(model, config):
+        engines.append(real(model, config))
+        return engines[-1]
+
+    monkeypatch.setattr(train_module, "create_train_engine", capturing)
+    return engines
+
+
+# ------------------------------------------------------------------------------------------ training end to end
+
+@pytest.mark.slow
+def test_lora_recipe_learns_and_leaves_the_base_weights_bit_identical(tmp_path, monkeypatch):
+    import deepspeed
+
+    engines = _capture_engines(monkeypatch)
+    metrics = train_module.run(LORA_TINY, _quiet(tmp_path, **{"checkpoint.every_steps": None}))
+    first, last = _mean([m["reward_mean"] for m in metrics[:10]]), _mean([m["reward_mean"] for m in metrics[-10:]])
+    assert first < 0.1 and last >= 0.4, (first, last)
+
+    (engine,) = engines
+    named = dict(engine.module.named_parameters())
+    trainable = {n for n, p in named.items() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    recipe = load_recipe(LORA_TINY)
+    fresh = dict(load_model(recipe.model, len(build_tiny_tokenizer()), recipe.run.seed).named_parameters())
+    frozen = [n for n in named if n not in trainable]
+    assert len(frozen) == len(fresh)
+    with deepspeed.zero.GatheredParameters([named[n] for n in frozen]):
+        for name in frozen:
+            base = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            assert torch.equal(named[name].data, fresh[base].data), name  # bit-identical after 400 steps
+        adapters_moved = max(named[n].data.abs().max().item() for n in trainable if ".lora_B." in n)
+    assert adapters_moved > 1e-3  # B starts at zero: the adapters did train
+
+
+@pytest.mark.slow
+def test_lora_recipe_learns_on_two_ranks(tmp_path):
+    deepspeed_launch(2, ["--module", "grpo_ds.train", LORA_TINY, f"run.output_dir={tmp_path}", "train.steps=200",
+                         "logging.progress_bar=false", "checkpoint.every_steps=null"], timeout=900)
+    metrics = [json.loads(line) for line in (tmp_path / "lora_tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 200
+    first, last = _mean([m["reward_mean"] for m in metrics[:10]]), _mean([m["reward_mean"] for m in metrics[-10:]])
+    assert first < 0.1 and last >= first + 0.2, (first, last)
+    ranks = [json.loads((tmp_path / "lora_tiny_cpu" / "ranks" / f"rank{r}.jsonl").read_text().splitlines()[-1])
+             for r in range(2)]
+    assert ranks[0]["final_weights_sha256"] == ranks[1]["final_weights_sha256"]  # both rollout copies in sync
+
+
+# ------------------------------------------------------------------------------- sync and reference (in process)
+
+@pytest.fixture(scope="module", params=[3, 2], ids=["zero3", "zero2"])
+def lora_engine(request):
+    """A ZeRO-3 (every weight partitioned) or ZeRO-2 engine over a LoRA tiny model with non-zero B, the unwrapped
+    base model as it was, and peft's own merge of the adapters."""
+    init_distributed()
+    zero = ZERO3_PARTITIONED if request.param == 3 else {"zero_optimization": {"stage": 2}}
+    recipe = load_recipe({"model": {"lora_rank": 4, "lora_alpha": 8}, "deepspeed": zero})
+    model = build_tiny_model(64, hidden_size=32, num_layers=2, num_heads=4, seed=0)
+    base = copy.deepcopy(model).eval()
+    wrapped = lora.apply_lora(model, recipe.model)
+    torch.manual_seed(1)
+    for name, param in wrapped.named_parameters():
+        if ".lora_B." in name:
+            torch.nn.init.normal_(param, std=0.3)  # peft starts B at zero, which would make every check trivial
+    merged = copy.deepcopy(wrapped).merge_and_unload().eval()
+    engine = create_train_engine(wrapped, resolve_deepspeed_config(recipe, 1, "cpu"))
+    return engine, base, merged
+
+
+def _tokens():
+    return torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("bucket_bytes", [2**20, 4096])
+def test_synced_rollout_engine_equals_the_merged_model(lora_engine, bucket_bytes):
+    engine, base, merged = lora_engine
+    rollout = HFRolloutEngine(copy.deepcopy(base), pad_token_id=0, eos_token_id=1, batch_prompts=8)
+    sent = rollout.update_weights(lora.rollout_weights(engine.module, bucket_bytes))
+    adapted = sum(1 for n, _ in engine.module.named_parameters() if ".lora_A." in n)
+    assert sent == adapted == 14  # 7 linear layers x 2 blocks; the frozen rest is never sent
+    merged_params = dict(merged.named_parameters())
+    for name, param in rollout.model.named_parameters():
+        torch.testing.assert_close(param, merged_params[name], rtol=0, atol=1e-6)
+    ids = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(rollout.model(ids).logits, merged(ids).logits, rtol=0, atol=1e-5)
+        assert (rollout.model(ids).logits - base(ids).logits).abs().max() > 1e-2  # the adapters changed it
+    prompts = [[5, 6, 7], [8, 9]]
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+    ours = rollout.generate(prompts, 4, sampling)
+    theirs = HFRolloutEngine(merged, pad_token_id=0, eos_token_id=1, batch_prompts=8).generate(prompts, 4, sampling)
+    assert ours.response_ids == theirs.response_ids  # the same samples from the same seed
+
+
+def test_reference_is_the_base_model_with_the_adapters_disabled(lora_engine):
+    engine, base, _ = lora_engine
+    ids = _tokens()
+    engine.eval()
+    with torch.no_grad():
+        policy = engine(input_ids=ids).logits
+        with lora.reference_context(engine):
+            reference = engine(input_ids=ids).logits
+        again = engine(input_ids=ids).logits
+        expected = base(ids).logits
+    torch.testing.assert_close(reference, expected, rtol=0, atol=1e-5)
+    assert (policy - expected).abs().max() > 1e-2
+    torch.testing.assert_close(again, policy, rtol=0, atol=0)  # adapters are back on after the block
+
+
+@pytest.mark.slow
+def test_kl_reference_of_a_lora_run_is_the_policy_with_adapters_disabled(tmp_path, monkeypatch):
+    calls, real = [], train_module.logprob_pass
+
+    def recording(engine, *args):
+        from peft.tuners.lora import LoraLayer
+
+        layers = [m for m in engine.module.modules() if isinstance(m, LoraLayer)]
+        calls.append({"engine": id(engine), "disabled": {m.disable_adapters for m in layers}})
+        return real(engine, *args)
+
+    monkeypatch.setattr(train_module, "logprob_pass", recording)
+    monkeypatch.setattr(train_module, "create_reference_engine",
+                        lambda *a: pytest.fail("a LoRA run must not build a second model for the reference"))
+    metrics = train_module.run(LORA_TINY, _quiet(tmp_path, **{
+        "train.steps": 3, "algorithm.kl_coef": 0.1, "train.samples_per_optimizer_step": 200,
+        "checkpoint.every_steps": None}))
+    assert len(metrics) == 3 and metrics[-1]["kl"] > 0  # two optimizer steps per rollout: the policy moved
+    ref_calls = [c for c in calls if c["disabled"] == {True}]
+    assert len(ref_calls) == 3 and len({c["engine"] for c in calls}) == 1  # the policy's engine, adapters off
+    assert all(c["disabled"] == {False} for c in calls if c not in ref_calls)  # the old log-probs: adapters on
+
+
+# ----------------------------------------------------------------------------------- checkpoints, resume, export
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A 4-step LoRA run with checkpoints at steps 2 and 4 (and its final merged model)."""
+    out = tmp_path_factory.mktemp("lora_run")
+    metrics = train_module.run(LORA_TINY, _quiet(out, **{"train.steps": 4, "checkpoint.every_steps": 2,
+                                                         "checkpoint.keep": 2, "train.lr": 0.05}))
+    return out / "lora_tiny_cpu", metrics
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(lora_run, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    run_dir, metrics = lora_run
+    state = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_00000004"), tag="ds",
+                                                     exclude_frozen_parameters=True)
+    assert state and all(".lora_A." in n or ".lora_B." in n for n in state)
+    ds_bytes = sum(f.stat().st_size for f in (run_dir / "checkpoints" / "step_00000004" / "ds").rglob("*")
+                   if f.is_file())
+    total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(run_dir / "final_model").parameters())
+    adapters = sum(t.numel() for t in state.values())
+    # fp32 adapters + two Adam moments (+ DeepSpeed's bookkeeping), not the model: a full checkpoint of this model
+    # would hold 12 bytes per parameter, 3.9x as many parameters as the adapters have
+    assert ds_bytes < 12 * adapters + 100_000 < 12 * total
+
+    overrides = _quiet(tmp_path, **{"checkpoint.every_steps": 2, "train.lr": 0.05})
+    train_module.run(LORA_TINY, {**overrides, "train.steps": 2})
+    resumed = train_module.run(LORA_TINY, {**overrides, "train.steps": 4})  # resume: auto, from step 2
+    skip = ("time", "tokens_per_s", "generated_tokens_per_s", "peak_memory_gib")
+    for want, got in zip(metrics, resumed, strict=True):
+        for key, value in want.items():
+            if not key.startswith(skip):
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (want["step"], key)
+
+
+@pytest.mark.slow
+def test_exported_adapters_load_with_peft_and_merged_export_with_transformers(lora_run, tmp_path):
+    from peft import PeftModel
+
+    run_dir, _ = lora_run
+    recipe = load_recipe(LORA_TINY)
+    trained = AutoModelForCausalLM.from_pretrained(run_dir / "final_model").eval()  # the synced rollout copy
+    ids = _tokens()[:, :6] % len(build_tiny_tokenizer())
+
+    adapter = export(run_dir, tmp_path / "adapter")
+    assert adapter.adapter_only and adapter.step == 4
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.out_dir.iterdir()}
+    base = load_model(recipe.model, len(build_tiny_tokenizer()), recipe.run.seed).eval()
+    with torch.no_grad():
+        base_logits = base(ids).logits
+    with_adapters = PeftModel.from_pretrained(base, adapter.out_dir).eval()  # injects the adapters into `base`
+
+    merged = export(run_dir, tmp_path / "merged", merge=True)
+    assert not merged.adapter_only
+    alone = subprocess.run([sys.executable, "-c", (
+        "import sys, torch; from transformers import AutoModelForCausalLM; "
+        f"m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval(); ids = torch.tensor({ids.tolist()}); "
+        "torch.save(m(ids).logits, sys.argv[2])"), str(merged.out_dir), str(tmp_path / "merged.pt")],
+        env=clean_env(), capture_output=True, text=True)  # transformers alone: no grpo_ds, no peft imported
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    with torch.no_grad():
+        want = trained(ids).logits
+        # peft's unmerged forward computes x W^T + s (x A^T) B^T, a different fp32 rounding order than the merged
+        # x (W + s B A)^T, by ~4e-5 on these logits; 2e-4 is still 100x below what the adapters change (asserted)
+        torch.testing.assert_close(with_adapters(ids).logits, want, rtol=0, atol=2e-4)
+        torch.testing.assert_close(torch.load(tmp_path / "merged.pt"), want, rtol=1e-5, atol=1e-5)
+        assert (base_logits - want).abs().max() > 2e-2  # the adapters matter
+
+
+def test_merge_of_a_full_run_is_a_one_line_error(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.json").write_text(json.dumps({"model": {"path": "builtin:tiny"}}))
+    with pytest.raises(UserError, match="nothing to merge"):
+        export(run, tmp_path / "out", merge=True)
+
+
+# -------------------------------------------------------------------------------------------- 2 ranks: memory
+
+@pytest.mark.slow
+def test_lora_sync_on_two_ranks_is_exact_and_keeps_within_one_bucket(tmp_path):
+    out = tmp_path / "lora_sync.json"
+    deepspeed_launch(2, ["tests/scripts/lora_sync_check.py", str(out)])
+    per_rank = json.loads(out.read_text())
+    for runs in per_rank:
+        assert runs["adapted_layers"] == 21  # 7 linear layers x 3 blocks
+        for label in ("one bucket", "quarter", "small"):
+            run = runs[label]
+            assert sorted(run["names"]) == runs["expected_names"], label
+            assert run["max_abs_error"] <= 1e-6, label  # peft's merge_and_unload, up to matmul rounding
+            assert max(run["collective_bytes"]) <= run["bucket_bytes"], label
+            # gathered buffers + the merged copy handed out + the adapters' clones, at every yield
+            assert 0 < run["peak_alive_bytes"] <= run["bucket_bytes"], label
+            assert run["alive_after"] == 0, label
+        assert runs["one bucket"]["collectives"] == 1
+        assert runs["small"]["collectives"] > runs["quarter"]["collectives"] > 1
+    assert per_rank[0] == per_rank[1]
+
+
+# ----------------------------------------------------------------------------------------------- user errors
+
+def test_lora_keys_are_validated():
+    with pytest.raises(UserError, match="model.lora_rank"):
+        load_recipe({"model": {"lora_rank": 0}})
+    with pytest.raises(UserError, match="model.lora_target_modules"):
+        load_recipe({"model": {"lora_rank": 4, "lora_target_modules": []}})
+    with pytest.raises(UserError, match="model.lora_dropout"):
+        load_recipe({"model": {"lora_rank": 4, "lora_dropout": 1.0}})
+    with pytest.raises(UserError, match="did you mean 'lora_rank'"):
+        load_recipe({"model": {"lora": {"rank": 4}}})
+
+
+def test_targets_that_do_not_exist_or_cannot_be_merged_are_named():
+    model = build_tiny_model(64, hidden_size=32, num_layers=1, num_heads=4, seed=0)
+    with pytest.raises(UserError, match="model.lora_target_modules.*peft cannot place"):
+        lora.apply_lora(copy.deepcopy(model), load_recipe({"model": {"lora_rank": 4,
+                                                                     "lora_target_modules": ["qq_proj"]}}).model)
+    with pytest.raises(UserError, match="embed_tokens is a Embedding"):
+        lora.apply_lora(copy.deepcopy(model), load_recipe({"model": {"lora_rank": 4,
+                                                                     "lora_target_modules": ["embed_tokens"]}}).model)
+
+
+def test_missing_peft_is_one_line_before_any_model_loads(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: (_ for _ in ()).throw(
+        importlib.metadata.PackageNotFoundError(name)) if name == "peft" else real(name))
+    with pytest.raises(UserError, match=r"grpo_ds\[lora\]"):
+        lora.check_peft()
