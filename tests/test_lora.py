@@ -245,6 +245,20 @@ def test_exported_adapters_load_with_peft_and_merged_export_with_transformers(lo
         assert (base_logits - want).abs().max() > 2e-2  # the adapters matter
 
 
+@pytest.mark.slow
+def test_lora_on_zero2_trains_checkpoints_and_exports(tmp_path):
+    metrics = train_module.run(LORA_TINY, _quiet(tmp_path, **{
+        "deepspeed": {"zero_optimization": {"stage": 2}}, "train.steps": 2, "checkpoint.every_steps": 2,
+        "train.lr": 0.05, "algorithm.kl_coef": 0.1, "train.samples_per_optimizer_step": 200}))
+    assert len(metrics) == 2 and metrics[-1]["kl"] > 0
+    run_dir = tmp_path / "lora_tiny_cpu"
+    trained = AutoModelForCausalLM.from_pretrained(run_dir / "final_model").eval()
+    merged = AutoModelForCausalLM.from_pretrained(export(run_dir, tmp_path / "merged", merge=True).out_dir).eval()
+    ids = _tokens()[:, :6] % len(build_tiny_tokenizer())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_merge_of_a_full_run_is_a_one_line_error(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -327,3 +327,20 @@ def test_the_driver_trains_with_the_vllm_engine(fake_vllm, monkeypatch, tmp_path
     assert [n for n, _ in llm.loaded] == names * 2  # a full sync after each of the 2 steps
     for (name, tensor), param in zip(llm.loaded[len(names):], final.parameters(), strict=True):
         torch.testing.assert_close(param, tensor, rtol=0, atol=0, msg=name)  # the saved model is the last sync
+
+
+@pytest.mark.slow
+def test_a_lora_run_syncs_merged_adapted_layers_into_vllm(fake_vllm, monkeypatch, tmp_path):
+    """model.lora_rank with engine "vllm": each sync sends only the adapted layers, merged, under the base names
+    vLLM's load_weights takes; what vLLM received last is the saved (merged) final model."""
+    monkeypatch.setattr(check, "check_vllm_setup", lambda *args: None)
+    grpo_ds.train(str(REPO / "recipes" / "lora_tiny_cpu.json"), {
+        "run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+        "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "train.lr": 0.05,
+        "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False, "checkpoint.every_steps": None})
+    llm = FakeLLM.instances[-1]
+    final = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "lora_tiny_cpu" / "final_model").named_parameters())
+    adapted = [n for n in final if n.endswith(("_proj.weight", "lm_head.weight"))]
+    assert sorted(n for n, _ in llm.loaded) == sorted(adapted * 2)  # 15 merged layers per sync, nothing else
+    for name, tensor in llm.loaded[len(adapted):]:
+        torch.testing.assert_close(final[name], tensor, rtol=0, atol=0, msg=name)
