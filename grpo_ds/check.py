@@ -106,8 +106,9 @@ def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
     return out
 
 
-def parameter_count(recipe: Recipe, vocab_size: int) -> int:
-    """Exact parameter count from the model config, built on the meta device (no weights, no memory)."""
+def parameter_counts(recipe: Recipe, vocab_size: int) -> tuple[int, int]:
+    """(all, trainable) parameters, exact, from the model config built on the meta device (no weights, no memory);
+    with model.lora_rank the trainable ones are the adapters."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -121,19 +122,26 @@ def parameter_count(recipe: Recipe, vocab_size: int) -> int:
         else:
             config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
+        if lora.enabled(m):
+            model = lora.apply_lora(model, m)
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def memory_estimate_gib(recipe: Recipe, params: int, world_size: int) -> dict[str, float]:
-    """Per-GPU bytes of model states under ZeRO-3 (activations not included)."""
+def memory_estimate_gib(recipe: Recipe, params: int, trainable: int, world_size: int) -> dict[str, float]:
+    """Per-GPU bytes of model states under ZeRO-3 (activations not included); gradients and optimizer states
+    exist for the trainable parameters only (a LoRA run: the adapters)."""
     width = 4 if recipe.model.dtype == "float32" else 2
     master = 0 if width == 4 else 4  # fp32 master copy in mixed precision
     gib = 2**30
-    out = {"policy weights + grads (sharded)": params * 2 * width / world_size / gib,
+    lora_run = lora.enabled(recipe.model)
+    what = "weights (base + adapters)" if lora_run else "weights"
+    base = params - trainable if lora_run else params  # the rollout engine holds the plain (merged) model
+    out = {f"policy {what} (sharded)": params * width / world_size / gib,
+           "gradients (sharded)": trainable * width / world_size / gib,
            "optimizer states (sharded, fp32 Adam m, v" + (", master" if master else "") + ")":
-               params * (8 + master) / world_size / gib,
-           "rollout copy (hf engine, unsharded)": params * width / gib}
-    if recipe.algorithm.kl_coef > 0:
+               trainable * (8 + master) / world_size / gib,
+           "rollout copy (hf engine, unsharded)": base * width / gib}
+    if recipe.algorithm.kl_coef > 0 and not lora_run:  # LoRA: the reference is the base, adapters disabled
         out["reference model (sharded)"] = params * width / world_size / gib
     return out
 
@@ -190,9 +198,11 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
               f"kernels: {inputs.kernels_backend} backend (kernels.backend {r.kernels.backend!r}), "
               + ("fused lm_head (no full logits), " if r.kernels.fused_lm_head else "full logits, ")
               + f"{r.kernels.logprob_chunk_tokens} tokens per chunk"]
-    params = parameter_count(r, len(inputs.tokenizer))
-    lines += ["", f"memory estimate per GPU (model states only; {params / 1e6:.2f} M parameters, {r.model.dtype})"]
-    for name, value in memory_estimate_gib(r, params, world_size).items():
+    params, trainable = parameter_counts(r, len(inputs.tokenizer))
+    trained = f", {trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) else ""
+    lines += ["", f"memory estimate per GPU (model states only; {params / 1e6:.2f} M parameters{trained}, "
+                  f"{r.model.dtype})"]
+    for name, value in memory_estimate_gib(r, params, trainable, world_size).items():
         lines.append(f"  {name:<52} {value:8.3f} GiB")
     lines.append(f"dataset: {len(inputs.prompts)} prompts ({inputs.skipped_rows} bad rows skipped)")
     return "\n".join(lines)

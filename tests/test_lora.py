@@ -65,6 +65,8 @@ def test_lora_recipe_learns_and_leaves_the_base_weights_bit_identical(tmp_path, 
     named = dict(engine.module.named_parameters())
     trainable = {n for n, p in named.items() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    in_optimizer = sum(flat.numel() for flat in engine.optimizer.fp32_partitioned_groups_flat)
+    assert in_optimizer == sum(named[n].ds_numel for n in trainable)  # fp32 master + Adam: the adapters only
     recipe = load_recipe(LORA_TINY)
     fresh = dict(load_model(recipe.model, len(build_tiny_tokenizer()), recipe.run.seed).named_parameters())
     frozen = [n for n in named if n not in trainable]
@@ -320,3 +322,17 @@ def test_missing_peft_is_one_line_before_any_model_loads(monkeypatch):
         importlib.metadata.PackageNotFoundError(name)) if name == "peft" else real(name))
     with pytest.raises(UserError, match=r"grpo_ds\[lora\]"):
         lora.check_peft()
+
+
+def test_dry_run_counts_the_adapters_as_the_trained_parameters():
+    from grpo_ds.check import memory_estimate_gib, parameter_counts
+
+    recipe = load_recipe(LORA_TINY, {"algorithm.kl_coef": 0.1})
+    vocab = len(build_tiny_tokenizer())
+    wrapped = lora.apply_lora(load_model(recipe.model, vocab, 0), recipe.model)
+    expected = (sum(p.numel() for p in wrapped.parameters()),
+                sum(p.numel() for p in wrapped.parameters() if p.requires_grad))
+    assert parameter_counts(recipe, vocab) == expected  # built on the meta device, adapters included
+    estimate = memory_estimate_gib(recipe, *expected, world_size=1)
+    assert estimate["optimizer states (sharded, fp32 Adam m, v)"] == expected[1] * 8 / 2**30
+    assert "reference model (sharded)" not in estimate  # the base with the adapters disabled: no second copy

@@ -6,6 +6,7 @@ import hashlib
 import pytest
 
 import grpo_ds
+import grpo_ds.lora as lora_module
 import grpo_ds.train as train_module
 import grpo_ds.update as update_module
 from grpo_ds.errors import UserError
@@ -38,7 +39,7 @@ def _small(tmp_path, **overrides):
 def inject(monkeypatch):
     """Make the loss NaN in the given steps (counted by driver step); record the synced weights' hash per step."""
     state = {"step": 0, "nan_steps": set(), "hashes": []}
-    real_loss, real_sync = update_module.response_policy_loss, train_module.gathered_named_parameters
+    real_loss, real_sync = update_module.response_policy_loss, lora_module.rollout_weights
 
     def loss(*args, **kwargs):
         value, sums = real_loss(*args, **kwargs)
@@ -58,7 +59,7 @@ def inject(monkeypatch):
         return real_collect(step, *args, **kwargs)
 
     monkeypatch.setattr(update_module, "response_policy_loss", loss)
-    monkeypatch.setattr(train_module, "gathered_named_parameters", sync)
+    monkeypatch.setattr(lora_module, "rollout_weights", sync)  # the driver's weight sync
     monkeypatch.setattr(train_module, "collect", collect)
     return state
 
