@@ -1,29 +1,11 @@
 """load_reward_functions: built-ins, package.module:function, and a UserError for every mistake."""
 
-import sys
-import textwrap
 
 import pytest
 
 from grpo_ds.errors import UserError
 from grpo_ds.rewards import RewardFunction, load_reward_functions
 from grpo_ds.rewards.builtin import exact_match, format_reward
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    """Write tmp_path/<name>.py and put tmp_path on sys.path; the module is unloaded afterwards."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    names = []
-
-    def write(name: str, source: str) -> str:
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        names.append(name)
-        return name
-
-    yield write
-    for name in names:
-        sys.modules.pop(name, None)
 
 
 def load_error(specs) -> UserError:

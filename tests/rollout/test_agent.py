@@ -3,8 +3,6 @@ zero gradient through observation tokens, limits, determinism, and loading envir
 
 import functools
 import math
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -316,21 +314,6 @@ def test_rollouts_select_and_concat_keep_the_mask_and_env_rewards():
 
 
 # ------------------------------------------------------------------------------------------ loading
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    names = []
-
-    def write(name: str, source: str) -> str:
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        names.append(name)
-        return name
-
-    yield write
-    for name in names:
-        sys.modules.pop(name, None)
 
 
 def load_error(name, options=None) -> UserError:
