@@ -69,18 +69,23 @@ def prepare(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None:
 def trim_metrics(path: Path, last_step: int) -> None:
     """Rank 0: keep metrics.jsonl's records up to ``last_step`` (a crashed attempt may have logged steps past
     its last checkpoint); a torn last line is dropped."""
-    metrics = path / "metrics.jsonl"
-    if not metrics.exists():
+    trim_log(path / "metrics.jsonl", last_step)
+
+
+def trim_log(log: Path, last_step: int) -> None:
+    """Keep a JSON-lines log's records of steps up to ``last_step``; records of later steps, records without a
+    step (the end of an earlier attempt) and a torn last line are dropped. A rank trims its own log."""
+    if not log.exists():
         return
     kept = []
-    for line in metrics.read_text().splitlines():
+    for line in log.read_text().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if record.get("step", 0) <= last_step:
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
             kept.append(line)
-    _write_atomic(metrics, "".join(line + "\n" for line in kept))
+    _write_atomic(log, "".join(line + "\n" for line in kept))
 
 
 def _first_difference(saved_path: Path, current: dict) -> str | None:

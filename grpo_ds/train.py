@@ -88,7 +88,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
     settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend)
-    first_step = _resume(folder, engine, rollout, sampler, logger, dist, bucket_bytes)
+    first_step = _resume(folder, engine, rollout, sampler, logger, dist, bucket_bytes, rank_log)
     nonfinite_in_a_row = 0
 
     for step in range(first_step, recipe.train.steps + 1):
@@ -228,7 +228,7 @@ def _stop_nonfinite(step: int, count: int, run_dir: Path) -> None:
 
 
 def _resume(folder: run_folder.RunFolder, engine, rollout, sampler: PromptSampler, logger: MetricsLogger,
-            dist: Dist, bucket_bytes: int) -> int:
+            dist: Dist, bucket_bytes: int, rank_log: Path) -> int:
     """Restore the newest good checkpoint (or the one checkpoint.resume names); return the first step to run."""
     if folder.checkpoint is not None:
         path = folder.checkpoint
@@ -242,11 +242,13 @@ def _resume(folder: run_folder.RunFolder, engine, rollout, sampler: PromptSample
     if path is None:  # the run stopped before its first checkpoint: it starts over
         if dist.is_main:
             run_folder.trim_metrics(folder.path, 0)
+        run_folder.trim_log(rank_log, 0)
         dist.barrier()
         return 1
     resumed = checkpoint.load(engine, path, dist)
     sampler.load_state_dict(resumed.trainer_state["sampler"])
     logger.resume(resumed.trainer_state["history"])
+    run_folder.trim_log(rank_log, resumed.step)  # each rank's own log, like metrics.jsonl
     if dist.is_main:
         run_folder.trim_metrics(folder.path, resumed.step)
         print(f"resuming after step {resumed.step} from {path}", file=sys.stderr, flush=True)
