@@ -152,7 +152,7 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
            overwrite: bool = False, merge: bool = False) -> ExportSummary:
     """``export_checkpoint`` returning what was done (for the command line's summary)."""
     run = _check_run_dir(run_dir)
-    model_cfg = _model_config(run)
+    model_cfg, seed = _model_config(run)
     use_lora = lora.enabled(model_cfg)
     if merge and not use_lora:
         raise UserError("--merge", "this run trained every weight (no model.lora_rank): there is nothing to merge",
@@ -175,7 +175,7 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
 
     state_dict = _consolidate(checkpoint.path, frozen_excluded=use_lora)
     if use_lora:
-        model = _lora_model(model_cfg, _run_seed(run), len(tokenizer), state_dict, checkpoint.path)
+        model = _lora_model(model_cfg, seed, len(tokenizer), state_dict, checkpoint.path)
         if merge:
             model = model.merge_and_unload()
     else:
@@ -209,8 +209,9 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
                          else type(model).__name__, adapter_only=adapter_only)
 
 
-def _model_config(run: Path) -> ModelConfig:
-    """The run's model section (only it: the export must not fail on, say, a dataset that has moved since)."""
+def _model_config(run: Path) -> tuple[ModelConfig, int]:
+    """The run's model section and run.seed (builtin:tiny's base weights come from it), read once and validated;
+    only those: the export must not fail on, say, a dataset that has moved since."""
     path = run / "recipe.json"
     try:
         raw = json.loads(path.read_text())
@@ -219,10 +220,12 @@ def _model_config(run: Path) -> ModelConfig:
                         "restore the recipe.json the run wrote") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         raise UserError(str(path), 'has no "model" section', "restore the recipe.json the run wrote")
+    seed = raw["run"].get("seed", 0) if isinstance(raw.get("run"), dict) else 0
     try:
-        return load_recipe({"model": raw["model"]}).model
+        recipe = load_recipe({"model": raw["model"], "run": {"seed": seed}})
     except UserError as err:
         raise UserError(f"{path}: {err.where}", err.what, err.fix) from None
+    return recipe.model, recipe.run.seed
 
 
 def _check_model_source(model_cfg: ModelConfig, run: Path) -> None:
@@ -245,13 +248,6 @@ def _check_out_dir(out: Path, run: Path, overwrite: bool) -> Path:
             raise UserError("--out", f"{out} holds the run folder, which --overwrite would delete",
                             "give a folder outside the run")
     return out
-
-
-def _run_seed(run: Path) -> int:
-    """run.seed of the run's recipe.json (builtin:tiny's base weights come from it)."""
-    raw = json.loads((run / "recipe.json").read_text())
-    seed = raw.get("run", {}).get("seed", 0) if isinstance(raw.get("run"), dict) else 0
-    return seed if isinstance(seed, int) else 0
 
 
 def _lora_model(model_cfg: ModelConfig, seed: int, vocab_size: int, adapters: dict[str, torch.Tensor],
