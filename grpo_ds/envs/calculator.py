@@ -31,8 +31,8 @@ import ast
 import re
 from fractions import Fraction
 
+from grpo_ds.envs.base import StepResult
 from grpo_ds.rewards.builtin import answers_match
-from grpo_ds.rollout.agent import StepResult
 
 _EXPRESSION_CHARS = re.compile(r"[0-9+\-*/() ]+")
 

@@ -23,52 +23,25 @@ cut by a token limit is "length" even if the environment then said done).
 
 Generation is batched over every still-active episode of a chunk of ``batch_prompts`` prompts: one left-padded
 transformers ``generate`` call per turn, as the ``hf`` engine does. The weights live in a composed
-HFRolloutEngine, so weight updates are the hf engine's.
+HFRolloutEngine, so weight updates are the hf engine's. The environment protocol (``Environment``,
+``StepResult``) and the loading of environments by name live in grpo_ds.envs.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
-import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
-from grpo_ds.errors import UserError, first_line
-from grpo_ds.rewards.loading import import_attribute
+from grpo_ds.envs.base import EnvFactory, Environment, StepResult
+from grpo_ds.envs.loading import load_env_factory  # noqa: F401  (for grpo_ds.check until it imports grpo_ds.envs)
+from grpo_ds.errors import first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine, generate_left_padded, generation_config
-
-
-@dataclass(frozen=True)
-class StepResult:
-    observation: str  # text shown to the model before its next turn ("" for none)
-    reward: float  # this step's reward; a sample's env reward is the sum over its steps
-    done: bool  # the episode is over (e.g. the model gave its final answer)
-
-
-class Environment(Protocol):
-    """One episode's environment. A fresh instance is made for every sample (so it may keep state).
-
-    ``turn_stop``: strings that end a model turn as soon as the turn's text contains one (EOS always ends it).
-    ``reset(row)``: start an episode for a data row (a dict of the dataset's columns); return text placed after
-    the prompt before the model's first turn (usually ""). ``step(model_turn)``: react to the text of one model
-    turn (decoded alone, special tokens skipped).
-    """
-
-    turn_stop: tuple[str, ...]
-
-    def reset(self, row: dict) -> str: ...
-
-    def step(self, model_turn: str) -> StepResult: ...
-
-
-EnvFactory = Callable[[], Environment]  # a class, or functools.partial(cls, **options)
 
 
 class AgentRolloutEngine:
@@ -219,60 +192,3 @@ def _call(method: Callable[[Any], Any], arg: Any, name: str) -> Any:
     if not isinstance(result, expected):
         raise TypeError(f"environment {name}() must return a {expected.__name__}, got {type(result).__name__}")
     return result
-
-
-# ------------------------------------------------------------------------------------------ loading
-
-
-def load_env_factory(name: str, options: dict | None = None, where: str = "rollout.env") -> EnvFactory:
-    """Resolve a built-in environment name or "package.module:Class" and bind ``options`` (keyword arguments of
-    the class, the recipe's ``<where>_options``); one environment is built to check them. Every mistake is a
-    UserError, raised before any model is loaded."""
-    from grpo_ds.envs import BUILTIN_ENVS  # the built-ins import this module
-
-    options = {} if options is None else options
-    options_where = f"{where}_options"
-    if not isinstance(options, dict):
-        raise UserError(options_where, f"expected an object, got {type(options).__name__}", 'e.g. {"call": "?"}')
-    target = _resolve(where, name, BUILTIN_ENVS)
-    try:
-        inspect.signature(target).bind(**options)
-    except TypeError as err:
-        raise UserError(options_where, f"{name!r} does not take these options ({first_line(err)})",
-                        "use the keyword arguments of its constructor") from None
-    except ValueError:  # no signature to check (some C callables): building one below still checks
-        pass
-    try:
-        env = target(**options)
-    except Exception as err:
-        raise UserError(options_where, f"building {name!r} raised {type(err).__name__}: {first_line(err)}",
-                        "fix the option values") from None
-    if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
-        raise UserError(where, f"{name!r} builds a {type(env).__name__}, which has no reset/step methods",
-                        "an environment has reset(row) -> str and step(model_turn) -> StepResult")
-    stop = getattr(env, "turn_stop", ())
-    if not (isinstance(stop, tuple) and all(isinstance(s, str) and s for s in stop)):
-        raise UserError(where, f"{name!r} has turn_stop {stop!r}", "make it a tuple of non-empty strings")
-    return functools.partial(target, **options) if options else target
-
-
-def _resolve(where: str, name: Any, builtins: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
-    if not isinstance(name, str) or not name.strip():
-        raise UserError(where, f"expected an environment name, got {name!r}",
-                        f"a built-in ({', '.join(builtins)}) or package.module:Class")
-    name = name.strip()
-    if ":" not in name:
-        if name in builtins:
-            return builtins[name]
-        close = difflib.get_close_matches(name, list(builtins), n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UserError(where, f"unknown built-in environment {name!r}",
-                        f"{hint}Built-ins are: {', '.join(builtins)}; or give your own as package.module:Class")
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise UserError(where, f"{name!r} is not of the form package.module:Class", 'e.g. "my_envs:Maze"')
-    target = import_attribute(where, module_name, attr, "class", brief=first_line)
-    if not callable(target):
-        raise UserError(where, f"{name!r} is a {type(target).__name__}, not a class or function",
-                        "point at an environment class (or a function returning a new environment)")
-    return target

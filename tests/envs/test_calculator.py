@@ -5,9 +5,8 @@ from fractions import Fraction
 import pytest
 
 from grpo_ds.data import arith_rows
-from grpo_ds.envs import BUILTIN_ENVS, CalculatorEnv
+from grpo_ds.envs import BUILTIN_ENVS, CalculatorEnv, StepResult
 from grpo_ds.envs.calculator import evaluate, format_value
-from grpo_ds.rollout.agent import StepResult
 
 
 @pytest.mark.parametrize("expression, value", [

@@ -1,7 +1,7 @@
 """The agent rollout engine: turn layout, loss mask, token exactness (what the trainer sees is what was sampled),
-zero gradient through observation tokens, limits, determinism, and loading environments by name."""
+zero gradient through observation tokens, limits and determinism (loading environments by name:
+tests/envs/test_loading.py)."""
 
-import functools
 import math
 
 import pytest
@@ -11,9 +11,8 @@ from grpo_ds import kernels
 from grpo_ds.algo.policy_loss import LossConfig
 from grpo_ds.batching import collate
 from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
-from grpo_ds.envs import CalculatorEnv
-from grpo_ds.errors import UserError
-from grpo_ds.rollout.agent import AgentRolloutEngine, StepResult, load_env_factory
+from grpo_ds.envs import CalculatorEnv, StepResult
+from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 
 TOK = build_tiny_tokenizer()
@@ -311,80 +310,6 @@ def test_rollouts_select_and_concat_keep_the_mask_and_env_rewards():
     assert picked.env_rewards == [out.env_rewards[3], out.env_rewards[1]]
     both = Rollouts.concat([picked, out.select([0])])
     assert both.response_ids == [out.response_ids[i] for i in (3, 1, 0)] and len(both.env_rewards) == 3
-
-
-# ------------------------------------------------------------------------------------------ loading
-
-
-def load_error(name, options=None) -> UserError:
-    with pytest.raises(UserError) as info:
-        load_env_factory(name, options)
-    return info.value
-
-
-def test_builtin_env_by_name_with_and_without_options():
-    assert load_env_factory("calculator") is CalculatorEnv
-    factory = load_env_factory("calculator", {"call": "=", "call_reward": 0.0})
-    assert isinstance(factory, functools.partial)
-    env = factory()
-    assert env.turn_stop == ("=",) and env.call_reward == 0.0
-    assert factory() is not env  # a fresh environment per episode
-
-
-def test_user_env_from_a_module(user_module):
-    module = user_module("my_envs", """
-        from grpo_ds.rollout.agent import StepResult
-
-        class Echo:
-            turn_stop = ()
-
-            def __init__(self, reward=1.0):
-                self.reward = reward
-
-            def reset(self, row):
-                return ""
-
-            def step(self, model_turn):
-                return StepResult("", self.reward, True)
-    """)
-    factory = load_env_factory(f"{module}:Echo", {"reward": 2.0})
-    assert factory().step("x") == StepResult("", 2.0, True)
-
-
-def test_every_loading_mistake_is_a_one_line_user_error(user_module):
-    err = load_error("calculater")
-    assert err.where == "rollout.env" and "did you mean 'calculator'" in str(err)
-    assert "cannot import module" in str(load_error("no_such_module_xyz:Env"))
-    assert "not of the form" in str(load_error("my_envs:"))
-    module = user_module("bad_envs", """
-        NOT_CALLABLE = 3
-
-        class NoStep:
-            def reset(self, row):
-                return ""
-
-        class BadStop:
-            turn_stop = "?"
-
-            def reset(self, row):
-                return ""
-
-            def step(self, model_turn):
-                return None
-
-        raise_on_import = False
-    """)
-    assert "has no attribute" in str(load_error(f"{module}:Missing"))
-    assert "not a class or function" in str(load_error(f"{module}:NOT_CALLABLE"))
-    assert "no reset/step" in str(load_error(f"{module}:NoStep"))
-    assert "tuple of non-empty strings" in str(load_error(f"{module}:BadStop"))
-    err = load_error("calculator", {"cal": "?"})
-    assert err.where == "rollout.env_options" and "does not take these options" in str(err)
-    err = load_error("calculator", {"call": ""})
-    assert err.where == "rollout.env_options" and "call must be a non-empty string" in str(err)
-    broken = user_module("broken_envs", "raise RuntimeError('boom')\n")
-    assert "raised RuntimeError: boom" in str(load_error(f"{broken}:Env"))
-    assert "\n" not in str(err)
 
 
 def test_an_environment_that_raises_says_which_method():
