@@ -7,10 +7,12 @@ function) is raised as ``UserError(where, what, fix)`` and printed as one line
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 EXIT_USER_ERROR = 2
 
@@ -34,6 +36,19 @@ def first_line(err: BaseException) -> str:
     """The first line of an exception's message (library errors can run to pages), for a one-line UserError."""
     lines = str(err).strip().splitlines()
     return lines[0].rstrip(".") if lines else type(err).__name__
+
+
+def suggest(name: str, options: Iterable[str], label: str = "valid keys") -> str:
+    """The fix for a misspelt name: the closest option ("did you mean 'x'?"), else every option after ``label``."""
+    options = list(options)
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"did you mean {close[0]!r}?" if close else f"{label}: " + ", ".join(options)
+
+
+def json_type_name(value: Any) -> str:
+    """How a message names the JSON type of ``value``: "a string", "an object", "null"."""
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 @contextmanager

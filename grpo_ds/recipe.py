@@ -12,7 +12,6 @@ The DeepSpeed side (``train_batch_size`` and friends) is resolved in ``grpo_ds.d
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import types
 import typing
@@ -21,7 +20,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from grpo_ds.algo.advantages import ESTIMATORS
-from grpo_ds.errors import UserError
+from grpo_ds.errors import UserError, json_type_name, suggest
+from grpo_ds.rewards.loading import parse_reward_specs
 
 _MISSING = object()
 
@@ -350,11 +350,6 @@ def _normalise_overrides(overrides: list[str] | dict | None) -> list[tuple[str, 
     return [parse_override(o) for o in overrides]
 
 
-def _suggest(name: str, options, label: str = "valid keys") -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f"did you mean {close[0]!r}?" if close else f"{label}: " + ", ".join(options)
-
-
 def _apply_override(raw: dict, key: str, value: Any) -> None:
     where = f"override {key}"
     parts = key.split(".")
@@ -377,7 +372,7 @@ def _apply_override(raw: dict, key: str, value: Any) -> None:
         raise UserError(where, "overrides are section.key=value", "e.g. train.lr=1e-5")
     section, name = parts
     if section not in SECTIONS:
-        raise UserError(where, f"unknown section {section!r}", _suggest(section, list(SECTIONS) + ["deepspeed"]))
+        raise UserError(where, f"unknown section {section!r}", suggest(section, list(SECTIONS) + ["deepspeed"]))
     raw.setdefault(section, {})
     if not isinstance(raw[section], dict):
         raise UserError(section, "must be a JSON object", f'write "{section}": {{...}}')
@@ -389,14 +384,14 @@ def _build(raw: dict, where: str, source_dir: str) -> Recipe:
     for key, section_raw in raw.items():
         if key in TOP_LEVEL_VALUES:
             if not isinstance(section_raw, (str, dict)):
-                raise UserError(key, f"must be a path string or a JSON object, got {_type_name(section_raw)}",
+                raise UserError(key, f"must be a path string or a JSON object, got {json_type_name(section_raw)}",
                                 'e.g. "ds_configs/zero3.json"')
             values[key] = section_raw
             continue
         if key not in SECTIONS:
-            raise UserError(f"{where}: {key}", "unknown section", _suggest(key, list(SECTIONS) + ["deepspeed"]))
+            raise UserError(f"{where}: {key}", "unknown section", suggest(key, list(SECTIONS) + ["deepspeed"]))
         if not isinstance(section_raw, dict):
-            raise UserError(key, f"must be a JSON object, got {_type_name(section_raw)}", f'write "{key}": {{...}}')
+            raise UserError(key, f"must be a JSON object, got {json_type_name(section_raw)}", f'write "{key}": {{...}}')
         values[key] = _build_section(key, SECTIONS[key], section_raw)
     return Recipe(**values)
 
@@ -406,15 +401,10 @@ def _build_section(section: str, cls: type, raw: dict) -> Any:
     kwargs = {}
     for name, value in raw.items():
         if name not in known:
-            raise UserError(f"{section}.{name}", "unknown key", _suggest(name, known))
+            raise UserError(f"{section}.{name}", "unknown key", suggest(name, known))
         f = known[name]
         kwargs[name] = _check_field(f"{section}.{name}", value, f)
     return cls(**kwargs)
-
-
-def _type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _check_field(where: str, value: Any, f: dataclasses.Field) -> Any:
@@ -434,13 +424,13 @@ def _check_field(where: str, value: Any, f: dataclasses.Field) -> Any:
           float: isinstance(value, (int, float)) and not isinstance(value, bool),
           str: isinstance(value, str), list: isinstance(value, list), dict: isinstance(value, dict)}[base]
     if not ok:
-        raise UserError(where, f"expected {_type_name(base())}, got {_type_name(value)} {json.dumps(value)}",
+        raise UserError(where, f"expected {json_type_name(base())}, got {json_type_name(value)} {json.dumps(value)}",
                         f"e.g. {json.dumps(default)}")
     if base is float:
         value = float(value)
     if meta.get("choices") and value not in meta["choices"]:
         raise UserError(where, f"{value!r} is not one of {', '.join(map(repr, meta['choices']))}",
-                        _suggest(str(value), meta["choices"], "valid values") if isinstance(value, str)
+                        suggest(str(value), meta["choices"], "valid values") if isinstance(value, str)
                         else "pick one of them")
     low, high = meta.get("low"), meta.get("high")
     if low is not None and (value < low or (meta.get("low_open") and value == low)):
@@ -557,14 +547,4 @@ def _validate_algorithm(recipe: Recipe) -> None:
 def _validate_reward_specs(functions: list, scored_by_env: bool) -> None:
     if not functions and not scored_by_env:
         raise UserError("reward.functions", "is empty", 'add one, e.g. [{"name": "exact_match", "weight": 1.0}]')
-    for i, spec in enumerate(functions):
-        where = f"reward.functions[{i}]"
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise UserError(where, "must be an object with a string name", '{"name": "exact_match", "weight": 1.0}')
-        unknown = set(spec) - {"name", "weight"}
-        if unknown:
-            key = sorted(unknown)[0]
-            raise UserError(f"{where}.{key}", "unknown key", _suggest(key, ["name", "weight"]))
-        weight = spec.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise UserError(f"{where}.weight", f"expected a number, got {_type_name(weight)}", "e.g. 1.0")
+    parse_reward_specs(functions)  # each entry's keys, types and default weight, as loading reads them

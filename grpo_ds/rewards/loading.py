@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_ds.errors import UserError
+from grpo_ds.errors import UserError, json_type_name, suggest
 from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 
 _SIGNATURE = "def my_reward(*, prompts, completions, completion_ids, **columns)"
@@ -29,27 +29,49 @@ class RewardFunction:
     fn: Callable[..., Any]
 
 
-def load_reward_functions(specs: list[dict]) -> list[RewardFunction]:
-    """Resolve ``[{"name": ..., "weight": ...}, ...]`` (weight defaults to 1.0); raise UserError if any is bad."""
-    return [_load_one(i, spec) for i, spec in enumerate(specs)]
+DEFAULT_WEIGHT = 1.0  # the weight of a reward function whose spec gives none
+_SPEC_KEYS = ("name", "weight")
 
 
-def _load_one(i: int, spec: Any) -> RewardFunction:
-    where = f"reward.functions[{i}]"
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"].strip():
-        raise UserError(
-            where, "must be an object with a non-empty string name", '{"name": "exact_match", "weight": 1.0}'
-        )
-    unknown = sorted(set(spec) - {"name", "weight"})
+@dataclass(frozen=True)
+class RewardSpec:
+    """One checked entry of the recipe's ``reward.functions``."""
+
+    name: str  # a built-in name or "package.module:function", stripped
+    weight: float  # DEFAULT_WEIGHT when the entry gives none
+
+
+def parse_reward_specs(specs: list) -> list[RewardSpec]:
+    """Check ``[{"name": ..., "weight": ...}, ...]`` (keys, types, a finite weight) and apply the default weight;
+    the recipe's validation and ``load_reward_functions`` both read the entries through here. Imports nothing."""
+    return [_parse_one(f"reward.functions[{i}]", spec) for i, spec in enumerate(specs)]
+
+
+def _parse_one(where: str, spec: Any) -> RewardSpec:
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise UserError(where, "must be an object with a string name", '{"name": "exact_match", "weight": 1.0}')
+    unknown = sorted(set(spec) - set(_SPEC_KEYS))
     if unknown:
-        raise UserError(f"{where}.{unknown[0]}", "unknown key", "a reward function has only name and weight")
-    weight = spec.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise UserError(f"{where}.{unknown[0]}", "unknown key", suggest(unknown[0], _SPEC_KEYS))
+    if not spec["name"].strip():
+        raise UserError(f"{where}.name", "is empty", 'a built-in such as "exact_match", or package.module:function')
+    weight = spec.get("weight", DEFAULT_WEIGHT)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise UserError(f"{where}.weight", f"expected a number, got {json_type_name(weight)}", "e.g. 1.0")
+    if not math.isfinite(weight):
         raise UserError(f"{where}.weight", f"expected a finite number, got {weight!r}", "e.g. 1.0")
-    name = spec["name"].strip()
-    fn = _resolve(f"{where}.name", name)
-    _check_signature(f"{where}.name", name, fn)
-    return RewardFunction(name=name, weight=float(weight), fn=fn)
+    return RewardSpec(name=spec["name"].strip(), weight=float(weight))
+
+
+def load_reward_functions(specs: list[dict]) -> list[RewardFunction]:
+    """Resolve ``[{"name": ..., "weight": ...}, ...]`` (see ``parse_reward_specs``); raise UserError if any is bad."""
+    functions = []
+    for i, spec in enumerate(parse_reward_specs(specs)):
+        where = f"reward.functions[{i}].name"
+        fn = _resolve(where, spec.name)
+        _check_signature(where, spec.name, fn)
+        functions.append(RewardFunction(name=spec.name, weight=spec.weight, fn=fn))
+    return functions
 
 
 def _resolve(where: str, name: str) -> Callable[..., Any]:

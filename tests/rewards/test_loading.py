@@ -4,6 +4,7 @@
 import pytest
 
 from grpo_ds.errors import UserError
+from grpo_ds.recipe import load_recipe
 from grpo_ds.rewards import RewardFunction, load_reward_functions
 from grpo_ds.rewards.builtin import exact_match, format_reward
 
@@ -118,6 +119,14 @@ def test_index_in_where_points_at_the_bad_entry():
 )
 def test_malformed_specs(spec):
     assert load_error([spec]).where.startswith("reward.functions[0]")
+
+
+@pytest.mark.parametrize("spec", [{"weight": 1.0}, {"name": " "}, {"name": "format", "weight": float("nan")},
+                                  {"name": "format", "wieght": 1}])
+def test_recipe_validation_reads_a_spec_as_loading_does(spec):
+    with pytest.raises(UserError) as info:
+        load_recipe({}, {"reward.functions": [spec]})
+    assert str(info.value) == str(load_error([spec]))
 
 
 def test_message_is_one_line():
