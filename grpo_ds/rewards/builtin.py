@@ -5,11 +5,12 @@
 Built-ins take no options in the recipe; the ones with settings offer a ``make_*`` factory whose result you
 put in your own module and name as ``my_module:function``.
 
-``exact_match`` and ``format`` share one answer extraction:
+``exact_match`` and ``format`` take the final answer as every built-in does
+(``grpo_ds.rewards.final_answer.extract_answer``):
 
-1. if the text contains ``####`` (GSM8K style), the answer is everything after the last ``####``;
-2. else if it contains ``\\boxed{...}`` (MATH style), the answer is the content of the last box
-   (nested braces are matched);
+1. if the text contains ``\\boxed{...}`` (MATH style; or ``\\fbox{...}``), the answer is the content of the
+   last box (nested braces are matched);
+2. else if it contains ``####`` (GSM8K style), the answer is everything after the last ``####``;
 3. else the answer is the whole text.
 
 The extracted answer is then normalised: surrounding whitespace stripped, trailing periods removed
@@ -24,26 +25,11 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo_ds.rewards.code_exec import code_exec
+from grpo_ds.rewards.final_answer import extract_answer
 from grpo_ds.rewards.math_answer import math_equivalence
 
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 _THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
-_BOXED = "\\boxed{"
-
-
-def extract_answer(text: str) -> str:
-    """The final answer in ``text``: after the last ``####``, else the last ``\\boxed{}``, else all of it."""
-    if "####" in text:
-        return text.rsplit("####", 1)[1]
-    start = text.rfind(_BOXED)
-    if start >= 0:
-        depth, begin = 1, start + len(_BOXED)
-        for pos in range(begin, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[pos], 0)
-            if depth == 0:
-                return text[begin:pos]
-        return text[begin:]  # unclosed box (truncated completion): take what is there
-    return text
 
 
 def normalize_answer(text: str) -> str:

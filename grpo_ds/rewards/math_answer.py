@@ -1,11 +1,11 @@
 """Built-in reward ``math_equivalence``: is the completion's final answer the same number (or text) as the reference?
 
-Extraction. From the completion: the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``; nested braces
-are matched); else the first line after the last ``####`` (GSM8K style; if that line is not a number, the
-first number in it); else the last number anywhere in the text (``-3``, ``1,000``, ``2.5``, ``.5``, ``3/4``,
-``\\frac{3}{4}``). A completion with none of these has no answer and scores 0.0. The reference (the dataset's
-answer column) goes through the first two steps, else is taken whole, so ``"... #### 72"`` and ``"72"`` both
-work.
+Extraction, with the precedence every built-in shares (``grpo_ds.rewards.final_answer``). From the completion:
+the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``; nested braces are matched); else the first line
+after the last ``####`` (GSM8K style; if that line is not a number, the first number in it); else the last
+number anywhere in the text (``-3``, ``1,000``, ``2.5``, ``.5``, ``3/4``, ``\\frac{3}{4}``). A completion with
+none of these has no answer and scores 0.0. The reference (the dataset's answer column) goes through the first
+two steps, else is taken whole, so ``"... #### 72"`` and ``"72"`` both work.
 
 Normalisation (both sides). Math delimiters (``$``, ``\\(``, ``\\[``), ``\\left``/``\\right``, LaTeX spaces
 (``\\!``, ``\\,``, ``\\;``, ``\\quad``), ``\\displaystyle``, dollar signs, percent signs, degree marks
@@ -31,7 +31,8 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+from grpo_ds.rewards.final_answer import extract_answer, marked_answer
+
 _MAX_EXPONENT = 1000  # numbers beyond 10**1000 (or below 10**-1000 in size) are not parsed as numbers
 _PLAIN = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 _PLAIN_RE = re.compile(_PLAIN)
@@ -55,54 +56,24 @@ _REMOVE = [
 ]
 
 
-def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox``) in ``text``, braces matched; None if there is none.
-
-    An unclosed box (a truncated completion) gives what follows it; ``\\boxed 5`` gives ``5``.
-    """
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    head = text[start:]
-    after = head[len(next(cmd for cmd in _BOX_COMMANDS if head.startswith(cmd))) :].lstrip()
-    if not after.startswith("{"):
-        token = after.split()
-        return token[0].rstrip("$.") if token else None
-    body = after[1:]
-    depth = 1
-    for pos, char in enumerate(body):
-        depth += {"{": 1, "}": -1}.get(char, 0)
-        if depth == 0:
-            return body[:pos]
-    return body
-
-
 def extract_final_answer(completion: str) -> str | None:
-    """The completion's final answer: last box, else after ``####``, else the last number; None if none."""
-    boxed = last_boxed(completion)
-    if boxed is not None:
-        return boxed
-    if "####" in completion:
-        lines = [line for line in completion.rsplit("####", 1)[1].splitlines() if line.strip()]
-        if not lines:
-            return None
-        line = lines[0]
-        if to_number(normalize(line)) is None:
-            found = _NUMBER_IN_TEXT.search(line.replace("\u2212", "-"))
-            return found.group(0) if found else line
-        return line
-    found = list(_NUMBER_IN_TEXT.finditer(completion.replace("\u2212", "-")))
-    return found[-1].group(0) if found else None
-
-
-def extract_reference(answer: str) -> str:
-    """The reference's final answer: last box, else after ``####``, else the whole text."""
-    boxed = last_boxed(answer)
-    if boxed is not None:
-        return boxed
-    if "####" in answer:
-        return answer.rsplit("####", 1)[1].strip()
-    return answer
+    """The completion's final answer: its marked answer (``grpo_ds.rewards.final_answer``), of a ``####`` answer
+    the first line (or the first number on it when that line is not a number); else the last number in the text;
+    None if there is none."""
+    marked = marked_answer(completion)
+    if marked is None:
+        found = list(_NUMBER_IN_TEXT.finditer(completion.replace("\u2212", "-")))
+        return found[-1].group(0) if found else None
+    if marked.marker == "boxed":
+        return marked.text
+    lines = [line for line in marked.text.splitlines() if line.strip()]
+    if not lines:
+        return None
+    line = lines[0]
+    if to_number(normalize(line)) is None:
+        found = _NUMBER_IN_TEXT.search(line.replace("\u2212", "-"))
+        return found.group(0) if found else line
+    return line
 
 
 def normalize(answer: str) -> str:
@@ -163,7 +134,7 @@ def answers_equivalent(completion: str, reference: str) -> bool:
     found = extract_final_answer(completion)
     if found is None:
         return False
-    predicted, expected = normalize(found), normalize(extract_reference(reference))
+    predicted, expected = normalize(found), normalize(extract_answer(reference))
     if not predicted:
         return False
     p_num, r_num = to_number(predicted), to_number(expected)
