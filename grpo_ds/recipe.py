@@ -19,9 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from grpo_ds.algo.advantages import ESTIMATORS
+from grpo_ds.algo.advantages import ESTIMATORS, SCALES
+from grpo_ds.algo.aggregation import LOSS_AGG_MODES
+from grpo_ds.algo.kl import KL_ESTIMATORS
+from grpo_ds.algo.policy_loss import POLICY_LOSSES
 from grpo_ds.errors import UserError, json_type_name, suggest
+from grpo_ds.kernels import BACKENDS
 from grpo_ds.rewards.loading import parse_reward_specs
+from grpo_ds.rewards.scoring import ON_ERROR_CHOICES
 
 _MISSING = object()
 
@@ -118,7 +123,7 @@ class RewardConfig:
     functions: list = opt([{"name": "exact_match", "weight": 1.0}],
                           'Reward functions: [{"name": builtin or "package.module:function", "weight": float}]')
     on_error: str = opt("zero", "A function that raises, times out or returns a bad value: score 0 and count "
-                        "it, or stop the run", choices=("zero", "fail"))
+                        "it, or stop the run", choices=ON_ERROR_CHOICES)
     timeout_s: float = opt(30.0, "Seconds one reward function call may take for a whole batch", low=0.0,
                            low_open=True)
 
@@ -127,12 +132,12 @@ class RewardConfig:
 class AlgorithmConfig:
     advantage: str = opt("grpo", "Advantage estimator: grpo (group mean, group std), dr_grpo (group mean, no std), "
                          "rloo (leave-one-out mean), reinforce_pp (batch mean, batch std)",
-                         choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+                         choices=tuple(ESTIMATORS))
     scale_rewards: str | None = opt(None, "Divide the centred rewards by the group std, the batch std, or nothing "
                                     "(null = the estimator's own: grpo group, reinforce_pp batch, else none)",
-                                    choices=("group", "batch", "none"))
+                                    choices=SCALES)
     policy_loss: str = opt("ppo_clip", "Policy loss: ppo_clip (token ratio) or gspo (sequence ratio, length-"
-                           "normalised; needs loss_agg seq-mean-token-mean)", choices=("ppo_clip", "gspo"))
+                           "normalised; needs loss_agg seq-mean-token-mean)", choices=POLICY_LOSSES)
     clip_low: float = opt(0.2, "PPO ratio lower clip: ratio >= 1 - clip_low", low=0.0, high=1.0, low_open=True)
     clip_high: float = opt(0.2, "PPO ratio upper clip: ratio <= 1 + clip_high (DAPO uses 0.28)", low=0.0,
                            low_open=True)
@@ -143,10 +148,9 @@ class AlgorithmConfig:
     kl_in_reward: bool = opt(False, "Subtract kl_coef x the completion's summed KL from its reward (before "
                              "advantages) instead of adding the KL to the loss")
     kl_estimator: str = opt("k3", "KL estimator, r = ref - policy log-prob: k1 = -r, k2 = r^2 / 2, "
-                            "k3 = exp(r) - r - 1 (Schulman 2020)", choices=("k1", "k2", "k3"))
+                            "k3 = exp(r) - r - 1 (Schulman 2020)", choices=KL_ESTIMATORS)
     loss_agg: str = opt("token-mean", "How per-token losses become one number per optimizer step",
-                        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                 "seq-mean-token-sum-norm"))
+                        choices=LOSS_AGG_MODES)
     loss_agg_norm_tokens: int | None = opt(None, "Constant divisor of seq-mean-token-sum-norm (null = "
                                            "rollout.max_new_tokens)", low=1)
     entropy_coef: float = opt(0.0, "Entropy bonus weight (loss -= entropy_coef * entropy)", low=0.0)
@@ -188,7 +192,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class KernelsConfig:
     backend: str = opt("auto", "Per-token math: Triton kernels or the chunked PyTorch path (auto = triton on CUDA "
-                       "when installed, else torch)", choices=("auto", "triton", "torch"))
+                       "when installed, else torch)", choices=BACKENDS)
     logprob_chunk_tokens: int = opt(512, "Tokens per chunk for log-probs, entropy and the loss: bounds memory to "
                                     "one chunk of logits", low=1)
     fused_lm_head: bool = opt(True, "Compute log-probs from hidden states and the lm_head weight so full logits "

@@ -31,6 +31,8 @@ import torch
 
 from grpo_ds.algo.kl import kl_penalty
 
+POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo")  # ppo_clip_loss, gspo_loss
+
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                   clip_low: float, clip_high: float, dual_clip: float | None = None
@@ -116,7 +118,7 @@ def token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, adva
     elif cfg.policy_loss == "ppo_clip":
         loss, clipped = ppo_clip_loss(logprobs, old, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
     else:
-        raise ValueError(f"unknown policy loss {cfg.policy_loss!r}; choose ppo_clip or gspo")
+        raise ValueError(f"unknown policy loss {cfg.policy_loss!r}; choose one of {', '.join(POLICY_LOSSES)}")
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator)  # (...)
         loss = loss + cfg.kl_coef * kl
