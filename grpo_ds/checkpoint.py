@@ -102,17 +102,37 @@ def _prune(root: Path, keep: int) -> None:
 
 # ------------------------------------------------------------------------------------------------- load
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint folders, newest first (the ``latest`` pointer's one first when it exists)."""
+@dataclass(frozen=True)
+class StepFolder:
+    step: int
+    path: Path  # RUN_DIR/checkpoints/step_XXXXXXXX: complete unless damaged (``verify`` says which)
+
+
+def step_folders(run_dir: Path) -> list[StepFolder]:
+    """Every ``checkpoints/step_N`` folder of a run, oldest first; ``.tmp-`` folders (unfinished writes) are not
+    listed. The one listing of a run's checkpoints: resume, pruning and grpo_ds.export all build on it."""
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")),
-                   key=lambda p: p.name, reverse=True)
-    pointer = root / LATEST
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        found.sort(key=lambda p: p.name != name)  # stable: the pointed one first, the rest newest first
+    found = []
+    for child in root.iterdir():
+        match = _STEP_FOLDER.fullmatch(child.name)
+        if match and child.is_dir():
+            found.append(StepFolder(int(match.group(1)), child))
+    return sorted(found, key=lambda f: f.step)
+
+
+def latest_name(run_dir: Path) -> str | None:
+    """The checkpoint folder name ``checkpoints/latest`` holds, or None when there is no pointer."""
+    pointer = run_dir / CHECKPOINTS / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoint folders, newest first (the ``latest`` pointer's one first when it exists)."""
+    found = [f.path for f in reversed(step_folders(run_dir))]
+    name = latest_name(run_dir)
+    found.sort(key=lambda p: p.name != name)  # stable: the pointed one first, the rest newest first
     return found
 
 

@@ -44,7 +44,7 @@ from transformers.initialization import no_init_weights
 
 from grpo_ds import lora
 from grpo_ds.builtin_tiny import build_tiny_model
-from grpo_ds.checkpoint import _STEP_FOLDER, CHECKPOINTS, DS_TAG, LATEST, MANIFEST, verify
+from grpo_ds.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
 from grpo_ds.engine import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
 from grpo_ds.models import BUILTIN_TINY, check_model_path, load_model, load_tokenizer, torch_dtype
@@ -75,25 +75,19 @@ class ExportSummary:
 
 # ------------------------------------------------------------------------------------------- finding checkpoints
 
-def checkpoint_folders(run_dir: str | Path) -> list[CheckpointInfo]:
-    """Every ``checkpoints/step_*`` folder of a run, oldest first (``.tmp-*`` folders are unfinished: skipped).
+def checkpoint_folders(run_dir: str | Path) -> list[StepFolder]:
+    """Every checkpoint folder of a run, oldest first (grpo_ds.checkpoint.step_folders).
 
     Raises UserError when ``run_dir`` is not a run folder or holds no checkpoint."""
     run = _check_run_dir(run_dir)
-    root = run / CHECKPOINTS
-    found = []
-    if root.is_dir():
-        for child in root.iterdir():
-            match = _STEP_FOLDER.fullmatch(child.name)
-            if match and child.is_dir():
-                found.append(CheckpointInfo(int(match.group(1)), child))
+    found = step_folders(run)
     if not found:
-        raise UserError(str(root), "no checkpoints in this run folder",
+        raise UserError(str(run / CHECKPOINTS), "no checkpoints in this run folder",
                         "the run saved none yet (checkpoints are written every checkpoint.every_steps steps)")
-    return sorted(found, key=lambda c: c.step)
+    return found
 
 
-def select_checkpoint(run_dir: str | Path, step: int | None = None) -> CheckpointInfo:
+def select_checkpoint(run_dir: str | Path, step: int | None = None) -> StepFolder:
     """``step``'s checkpoint; without one, the checkpoint ``checkpoints/latest`` names, else the highest step."""
     found = checkpoint_folders(run_dir)
     steps = ", ".join(str(c.step) for c in found)
@@ -103,13 +97,12 @@ def select_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoin
                 return info
         raise UserError("--step", f"no checkpoint of step {step} in {found[0].path.parent}",
                         f"available steps: {steps}")
-    latest = found[0].path.parent / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
+    name = latest_name(Path(run_dir))
+    if name is not None:
         for info in found:
             if info.path.name == name:
                 return info
-        raise UserError(str(latest), f"names {name!r}, which is not a checkpoint folder here",
+        raise UserError(str(found[0].path.parent / LATEST), f"names {name!r}, which is not a checkpoint folder here",
                         f"pass --step with one of the available steps: {steps}")
     return found[-1]
 
@@ -344,8 +337,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _print_list(run_dir: str) -> None:
     infos = list_checkpoints(run_dir)
-    latest_file = infos[0].path.parent / LATEST
-    latest = latest_file.read_text().strip() if latest_file.is_file() else None
+    latest = latest_name(Path(run_dir))
     print(f"checkpoints in {infos[0].path.parent}:")
     for info in infos:
         state, problem = ("ok", "") if info.problem is None else ("DAMAGED", f": {info.problem}")
