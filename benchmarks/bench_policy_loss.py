@@ -5,7 +5,7 @@ with random response lengths; advantages (B,). The step loss is token-mean aggre
 (PPO clip 0.2 / 0.28, k3 KL 0.04, entropy bonus --entropy-coef).
 Variants:
     eager    grpo_ds.algo: token_losses on the (B, T) batch, then aggregation.aggregate(..., "token-mean")
-    torch    masked_policy_loss backend "torch": per-sequence sums, times sequence_token_weights
+    torch    masked_policy_loss backend "torch": per-sequence sums, times sequence_weights
     triton   masked_policy_loss backend "triton" (CUDA; on CPU only under TRITON_INTERPRET=1)
 
 GPU, every benchmark at the GPU shapes, one command:  bash benchmarks/run_gpu.sh
@@ -19,7 +19,7 @@ import math
 import torch
 from common import Case, base_parser, finish_args, kernel_backends, loss_config, report, run, select, table
 
-from grpo_ds.algo.aggregation import aggregate, sequence_token_weights
+from grpo_ds.algo.aggregation import aggregate, sequence_weights
 from grpo_ds.algo.policy_loss import token_losses
 from grpo_ds.kernels import masked_policy_loss
 
@@ -38,7 +38,7 @@ def setup(args: argparse.Namespace) -> Case:
     advantages = torch.randn(b, device=device)  # (B,)
     lengths = torch.randint(1, t + 1, (b,), device=device)  # (B,)
     mask = (torch.arange(t, device=device)[None, :] < lengths[:, None]).to(torch.int32)  # (B, T)
-    weights = sequence_token_weights(lengths.cpu(), "token-mean", t).to(device=device, dtype=torch.float32)  # (B,)
+    weights = sequence_weights(lengths.cpu(), "token-mean", t).to(device=device, dtype=torch.float32)  # (B,)
     cfg = loss_config(args.entropy_coef)
 
     def eager() -> torch.Tensor:

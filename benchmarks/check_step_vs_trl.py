@@ -10,9 +10,9 @@ wrong digit + EOS, a lone EOS, two wrong characters cut by the length limit), wi
 that varies by prompt, so most groups have mixed rewards.
 
 grpo_ds: the trainer's own functions on that batch: rewards (grpo_ds.collect.score_rewards), advantages and the
-micro-batch plan (grpo_ds.train._advantages and _plan), and grpo_ds.update.optimizer_step on a DeepSpeed ZeRO-3
-engine built as grpo_ds.train builds it (world size 1). The accumulated gradient is read just before the engine
-steps, the weights just after.
+micro-batch plan (grpo_ds.train._advantages and grpo_ds.planner.plan_recipe_step), and
+grpo_ds.update.optimizer_step on a DeepSpeed ZeRO-3 engine built as grpo_ds.train builds it (world size 1). The
+accumulated gradient is read just before the engine steps, the weights just after.
 
 TRL: a GRPOTrainer built as bench_vs_trl_runner.run_trl builds it, trained for one optimizer step (max_steps=1)
 with its sampling replaced by the fixed completions (``_generate_single_turn``); the rest is TRL's own path:
@@ -56,12 +56,14 @@ import torch  # noqa: E402
 from bench_vs_trl_runner import trl_config  # noqa: E402
 
 from grpo_ds import train as driver  # noqa: E402
-from grpo_ds.check import Inputs, prepare_inputs  # noqa: E402
 from grpo_ds.collect import score_rewards  # noqa: E402
 from grpo_ds.engine import Dist  # noqa: E402
+from grpo_ds.inputs import Inputs, prepare_inputs  # noqa: E402
 from grpo_ds.models import load_model  # noqa: E402
+from grpo_ds.planner import plan_recipe_step  # noqa: E402
 from grpo_ds.recipe import Recipe, load_recipe  # noqa: E402
 from grpo_ds.rollout.base import Rollouts  # noqa: E402
+from grpo_ds.step_data import StepData  # noqa: E402
 from grpo_ds.update import UpdateSettings, optimizer_step  # noqa: E402
 
 # Right answers per group, cycled over the prompts: mostly mixed groups, some all wrong, some all right.
@@ -149,7 +151,7 @@ def grpo_ds_advantages(inputs: Inputs, rollouts: Rollouts) -> list[float]:
     recipe, G = inputs.recipe, inputs.recipe.rollout.group_size
     prompts = [inputs.prompts[i // G] for i in range(0, len(rollouts), G)]
     rewards = score_rewards(recipe, inputs, prompts, rollouts, G).total
-    advantages, _ = driver._advantages(recipe, inputs, rewards, rollouts, None, None, torch.device("cpu"))
+    advantages, _ = driver._advantages(recipe, inputs, StepData([], rollouts, rewards), torch.device("cpu"))
     return advantages
 
 
@@ -157,14 +159,15 @@ def grpo_ds_update(engine, inputs: Inputs, rollouts: Rollouts, advantages: list[
                    ) -> tuple[float, int]:
     """grpo_ds.update.optimizer_step over the step's plan; returns (loss, micro-batches run)."""
     recipe = inputs.recipe
-    plan = driver._plan(recipe, rollouts, dist.world_size, 1)
-    if len(plan.minibatches) != 1 or plan.needs_old_logprobs:
+    data = StepData([], rollouts, [], advantages=advantages)
+    data.plan = plan = plan_recipe_step(recipe, data.sequence_tokens(), dist.world_size, 1)
+    if len(plan.minibatches) != 1 or plan.old_logprob_pass:
         raise SystemExit("check_step_vs_trl: the recipe must make one optimizer step per rollout")
     settings = UpdateSettings.from_recipe(recipe, inputs.tokenizer.pad_token_id, inputs.kernels_backend)
-    totals, stepped = optimizer_step(engine, rollouts, plan.minibatches[0], advantages, None, None, settings, dist)
+    stats, stepped = optimizer_step(engine, data, plan.minibatches[0], settings, dist)
     if not stepped:
         raise SystemExit("check_step_vs_trl: grpo_ds skipped the step (non-finite loss)")
-    return float(totals[0]), len(plan.minibatches[0].micro_batches[dist.rank])
+    return stats.loss, len(plan.minibatches[0].micro_batches[dist.rank])
 
 
 def run_grpo_ds(inputs: Inputs, rollouts: Rollouts) -> StepResult:

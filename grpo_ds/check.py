@@ -2,91 +2,23 @@
 
     python -m grpo_ds.check RECIPE.json --world-size 8 [section.key=value ...]
 
-``prepare_inputs`` is also the first thing ``grpo_ds.train`` does: every user input (recipe, overrides,
-DeepSpeed file, model path, tokenizer, reward functions, dataset rows) is checked here, before any
-model is loaded or any file is written.
+The validation is grpo_ds.inputs.prepare_inputs, the same one ``grpo_ds.train`` runs first; this module is the
+report only.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from grpo_ds import lora
-from grpo_ds.data import PromptRow, load_rows, prepare_prompts
-from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
+from grpo_ds.ds_config import load_deepspeed_json
 from grpo_ds.engine import device_type
-from grpo_ds.errors import UserError, exit_on_user_error
-from grpo_ds.kernels import resolve_backend
-from grpo_ds.metrics import check_logging_extras
-from grpo_ds.models import load_tokenizer
-from grpo_ds.planner import plan_step, token_imbalance
-from grpo_ds.recipe import Recipe, load_recipe
-from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
-from grpo_ds.rollout.agent import load_env_factory
-from grpo_ds.rollout.vllm import check_vllm_setup
-from grpo_ds.update import needs_sampling_logprobs
-
-
-@dataclass
-class Inputs:
-    recipe: Recipe
-    ds_config: dict
-    tokenizer: object
-    reward_functions: list[RewardFunction]
-    prompts: list[PromptRow]
-    skipped_rows: int
-    kernels_backend: str  # "triton" or "torch", resolved for the device
-    env_factory: Callable[[], Any] | None  # rollout.engine "agent": builds one environment per episode
-    eval_prompts: list[PromptRow]  # eval.data's prompts (empty: no evaluation)
-
-
-def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
-                   device_type: str) -> Inputs:
-    """Check everything the user controls; raise UserError on the first problem. Loads no model."""
-    if not isinstance(recipe, Recipe):
-        recipe = load_recipe(recipe, overrides)
-    check_vllm_setup(recipe, world_size, device_type)  # rollout.engine "vllm": GPUs, a supported vLLM, TP size
-    if lora.enabled(recipe.model):
-        lora.check_peft()  # model.lora_rank: peft installed and recent enough
-    ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
-    backend = _kernels_backend(recipe.kernels.backend, device_type)
-    tokenizer = load_tokenizer(recipe.model)  # checks model.path first
-    reward_functions = load_reward_functions(recipe.reward.functions)
-    check_logging_extras(recipe.logging)
-    env_factory = load_env_factory(recipe.rollout.env, recipe.rollout.env_options) \
-        if recipe.rollout.engine == "agent" else None
-    prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
-                                       where=f"data.train {recipe.data.train}")
-    check_columns({key for row in prompts for key in row.columns})
-    eval_prompts = _eval_prompts(recipe, tokenizer)
-    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts)
-
-
-def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:
-    if recipe.eval.data is None:
-        return []
-    cfg = dataclasses.replace(recipe.data, train=recipe.eval.data)
-    try:
-        prompts, _ = prepare_prompts(load_rows(cfg, recipe.source_dir), cfg, tokenizer,
-                                     where=f"eval.data {recipe.eval.data}")
-    except UserError as err:
-        raise UserError(err.where.replace("data.train", "eval.data"), err.what, err.fix) from None
-    return prompts[:recipe.eval.max_prompts] if recipe.eval.max_prompts else prompts
-
-
-def _kernels_backend(requested: str, device_type: str) -> str:
-    try:
-        return resolve_backend(requested, device_type)
-    except ValueError as err:
-        raise UserError(f"kernels.backend {requested!r}", str(err),
-                        'Set kernels.backend to "auto" or "torch"') from None
+from grpo_ds.errors import exit_on_user_error
+from grpo_ds.inputs import Inputs, prepare_inputs
+from grpo_ds.planner import old_logprob_pass_reason, plan_recipe_step, token_imbalance
+from grpo_ds.recipe import Recipe
 
 
 def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
@@ -150,10 +82,7 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
     r = inputs.recipe
     lengths = simulated_lengths(inputs, lengths_mode)
     t = r.train
-    plan = plan_step(lengths, world_size, samples_per_minibatch=r.samples_per_optimizer_step,
-                     epochs=t.epochs_per_rollout, update_micro_samples=t.micro_batch_samples_per_gpu,
-                     logprob_micro_samples=t.logprob_micro_batch_samples_per_gpu,
-                     max_tokens=t.max_tokens_per_micro_batch, seed=r.run.seed)
+    plan = plan_recipe_step(r, lengths, world_size, step=1)
     ds = inputs.ds_config
     _, ds_where = load_deepspeed_json(r)
     first = plan.minibatches[0]
@@ -172,9 +101,7 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
         f"{r.samples_per_optimizer_step} x epochs_per_rollout {t.epochs_per_rollout}",
         f"  update micro-batch           {micro_rule} per GPU",
         f"  log-prob micro-batch         {lp_rule} per GPU",
-        "  old-log-prob pass            " + ("runs (policy changes within a rollout)" if plan.needs_old_logprobs
-                                             else "runs (importance weights / KL in the reward need it)"
-                                             if needs_sampling_logprobs(r)
+        "  old-log-prob pass            " + (f"runs ({reason})" if (reason := old_logprob_pass_reason(r))
                                              else "skipped (one optimizer step per rollout: old = current)"),
         "  reference log-prob pass      " + (f"runs (kl_coef {r.algorithm.kl_coef})" if r.algorithm.kl_coef > 0
                                              else "off (kl_coef 0)"),

@@ -59,7 +59,7 @@ class Resumed:
 
 # ------------------------------------------------------------------------------------------------- save
 
-def save(engine, run_dir: Path, step: int, trainer_state: dict, keep: int, dist: Dist) -> Path:
+def save(policy, run_dir: Path, step: int, trainer_state: dict, keep: int, dist: Dist) -> Path:
     """Write the checkpoint of ``step`` (every rank calls this: DeepSpeed's save is collective)."""
     root = run_dir / CHECKPOINTS
     final = root / checkpoint_name(step)
@@ -69,8 +69,7 @@ def save(engine, run_dir: Path, step: int, trainer_state: dict, keep: int, dist:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    # Frozen weights (a LoRA policy's base) are rebuilt from model.path on resume and export: not saved.
-    engine.save_checkpoint(str(tmp), tag=DS_TAG, exclude_frozen_parameters=_has_frozen(engine))
+    policy.save_state(tmp, DS_TAG)  # grpo_ds.policy.Policy: what a checkpoint holds of full and LoRA policies
     rng_file = tmp / "rng" / f"rank{dist.rank}.pt"
     rng_file.parent.mkdir(exist_ok=True)
     torch.save(_rng_state(), rng_file)
@@ -182,15 +181,9 @@ def choose(run_dir: Path) -> tuple[Path | None, list[str]]:
     return None, damaged
 
 
-def _has_frozen(engine) -> bool:
-    return any(not p.requires_grad for p in engine.module.parameters())
-
-
-def load(engine, path: Path, dist: Dist) -> Resumed:
-    """Restore the engine (weights, optimizer, lr schedule), this rank's RNG states and the trainer state."""
-    load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True, load_module_strict=not _has_frozen(engine))
-    if load_path is None:
+def load(policy, path: Path, dist: Dist) -> Resumed:
+    """Restore the policy (weights, optimizer, lr schedule), this rank's RNG states and the trainer state."""
+    if not policy.load_state(path, DS_TAG):
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path / DS_TAG}")
     rng_file = path / "rng" / f"rank{dist.rank}.pt"
     if rng_file.is_file():

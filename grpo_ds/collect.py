@@ -13,27 +13,19 @@ so the batch algebra stays exact. Reward metrics describe every sample drawn in 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from grpo_ds.check import Inputs
 from grpo_ds.data import PromptRow, PromptSampler
 from grpo_ds.engine import Dist
+from grpo_ds.inputs import Inputs
 from grpo_ds.recipe import Recipe
 from grpo_ds.rewards import RewardResult, score
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
-
-
-@dataclass
-class StepSamples:
-    prompt_index: list[int]  # (P,) dataset rows of the groups, in order
-    rollouts: Rollouts  # P*G samples, the G of a prompt consecutive
-    rewards: list[float]  # (P*G,) reward functions' weighted total plus environment rewards
-    metrics: dict
-    times: dict  # seconds in "rollout" and "reward"
+from grpo_ds.step_data import StepData
 
 
 def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sampler: PromptSampler,
-            dist: Dist) -> StepSamples:
+            dist: Dist) -> StepData:
+    """The step's samples and rewards (plus the collection's metrics, and its "rollout" and "reward" times)."""
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     a = recipe.algorithm
     rounds = 1 + (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 0)
@@ -76,7 +68,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     if a.dynamic_sampling:
         metrics.update({"dynamic/rounds": len(drawn), "dynamic/prompts_drawn": P * len(drawn),
                         "dynamic/informative_groups": len(informative), "dynamic/topped_up_groups": len(topped_up)})
-    return StepSamples(samples[0], samples[1], samples[2], metrics, times)
+    return StepData(samples[0], samples[1], samples[2], metrics, times)
 
 
 def score_rewards(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int

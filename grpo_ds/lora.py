@@ -24,13 +24,13 @@ shares its weight with the input embedding (merging it would change the embeddin
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import ModelConfig
-from grpo_ds.rollout.weight_sync import gathered_named_parameters, gathered_parameters
+from grpo_ds.rollout.weight_sync import gathered_parameters
 
 PEFT_SPEC = "peft>=0.21"
 ALL_LINEAR = "all-linear"
@@ -104,28 +104,12 @@ def summary(module: torch.nn.Module, rank: int) -> str:
             f"{total:,} ({100 * trainable / total:.2f}%)")
 
 
-def is_lora_model(module: torch.nn.Module) -> bool:
-    return any(name.startswith(_PEFT_PREFIX) for name, _ in module.named_parameters())
-
-
 @contextmanager
 def adapters_disabled(engine):
     """The base model for the duration: the KL reference of a LoRA policy."""
     module = getattr(engine, "module", engine)
     with module.disable_adapter():
         yield
-
-
-def reference_context(engine):
-    """``adapters_disabled`` for a LoRA policy; nothing for a full one (its reference is a separate engine)."""
-    return adapters_disabled(engine) if is_lora_model(getattr(engine, "module", engine)) else nullcontext()
-
-
-def rollout_weights(module: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """What a weight sync sends the rollout engine: the merged adapted layers of a LoRA policy, else every weight."""
-    if is_lora_model(module):
-        return merged_weights(module, bucket_bytes)
-    return gathered_named_parameters(module, bucket_bytes)
 
 
 def merged_weights(module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from grpo_ds.errors import UserError
+from grpo_ds.recipe import Recipe
 
 MicroBatch = tuple[int, ...]  # sample ids; () is a padding micro-batch
 
@@ -117,24 +118,47 @@ class StepPlan:
 
     minibatches: tuple[MiniBatchPlan, ...]
     logprob_pass: MiniBatchPlan  # every sample once, with the log-prob phase's own micro size
-    needs_old_logprobs: bool
+    old_logprob_pass: bool  # whether the old-log-prob pass runs (``old_logprob_pass_reason``)
 
 
 def plan_step(tokens: list[int], world_size: int, *, samples_per_minibatch: int, epochs: int,
               update_micro_samples: int, logprob_micro_samples: int, max_tokens: int | None,
-              seed: int) -> StepPlan:
-    """Plan one step for samples ``0..len(tokens)-1`` whose sequence lengths are ``tokens``.
-
-    The old-log-prob pass is needed only when the policy changes before a sample is trained on, i.e.
-    with more than one optimizer step per rollout; otherwise old log-probs equal the current ones.
-    """
+              seed: int, old_logprob_pass: bool) -> StepPlan:
+    """Plan one step for samples ``0..len(tokens)-1`` whose sequence lengths are ``tokens``."""
     token_map = dict(enumerate(tokens))
     groups = split_minibatches(len(tokens), samples_per_minibatch, epochs, seed)
     minibatches = tuple(plan_minibatch(ids, token_map, world_size, max_samples=update_micro_samples,
                                        max_tokens=max_tokens) for ids in groups)
     logprob_pass = plan_minibatch(list(range(len(tokens))), token_map, world_size,
                                   max_samples=logprob_micro_samples, max_tokens=max_tokens)
-    return StepPlan(minibatches=minibatches, logprob_pass=logprob_pass, needs_old_logprobs=len(groups) > 1)
+    return StepPlan(minibatches=minibatches, logprob_pass=logprob_pass, old_logprob_pass=old_logprob_pass)
+
+
+def plan_recipe_step(recipe: Recipe, tokens: list[int], world_size: int, step: int) -> StepPlan:
+    """``plan_step`` with the recipe's batch settings for step ``step`` (the driver and the dry run)."""
+    t = recipe.train
+    return plan_step(tokens, world_size, samples_per_minibatch=recipe.samples_per_optimizer_step,
+                     epochs=t.epochs_per_rollout, update_micro_samples=t.micro_batch_samples_per_gpu,
+                     logprob_micro_samples=t.logprob_micro_batch_samples_per_gpu,
+                     max_tokens=t.max_tokens_per_micro_batch, seed=recipe.run.seed * 7919 + step,
+                     old_logprob_pass=old_logprob_pass_reason(recipe) is not None)
+
+
+def old_logprob_pass_reason(recipe: Recipe) -> str | None:
+    """Why the step scores its samples under the policy before updating it (None: it does not).
+
+    The old log-probs pi_old are needed when the policy changes before a sample is trained on (more than one
+    optimizer step per rollout); with one optimizer step they equal the current ones, detached. Importance
+    weights (pi_old / pi_sampler) and KL in the reward need them at sampling time in any case.
+    """
+    if recipe.optimizer_steps_per_rollout > 1:
+        return f"the policy changes within a rollout ({recipe.optimizer_steps_per_rollout} optimizer steps)"
+    a = recipe.algorithm
+    if a.rollout_is_cap is not None:
+        return "importance weights (algorithm.rollout_is_cap) need the policy's log-probs at sampling time"
+    if a.kl_in_reward:
+        return "the KL in the reward (algorithm.kl_in_reward) needs the policy's log-probs at sampling time"
+    return None
 
 
 def token_imbalance(plan: MiniBatchPlan, tokens: list[int] | dict[int, int]) -> float:

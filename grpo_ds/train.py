@@ -25,107 +25,84 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds import checkpoint, kernels, lora, run_folder
+from grpo_ds import checkpoint, kernels, run_folder
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
-from grpo_ds.check import Inputs, prepare_inputs
 from grpo_ds.collect import collect
 from grpo_ds.data import PromptSampler
-from grpo_ds.engine import (
-    Dist,
-    create_reference_engine,
-    create_train_engine,
-    device_type,
-    init_distributed,
-    world_size_from_env,
-)
+from grpo_ds.engine import Dist, device_type, init_distributed, world_size_from_env
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.evaluate import evaluate
+from grpo_ds.inputs import Inputs, prepare_inputs
+from grpo_ds.loss import LossStats
 from grpo_ds.metrics import MetricsLogger, peak_memory_gib
 from grpo_ds.models import load_model
-from grpo_ds.planner import StepPlan, plan_step, token_imbalance
+from grpo_ds.planner import plan_recipe_step, token_imbalance
+from grpo_ds.policy import Policy
 from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.agent import AgentRolloutEngine
-from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.hf import HFRolloutEngine
-from grpo_ds.update import (
-    TOTALS,
-    UpdateSettings,
-    importance_metrics,
-    logprob_pass,
-    needs_sampling_logprobs,
-    optimizer_step,
-)
+from grpo_ds.step_data import StepData
+from grpo_ds.update import UpdateSettings, importance_metrics, logprob_pass, optimizer_step
 
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
     """Run a recipe to the end; return one metrics dict per step (on every rank)."""
     # ---- 1. validate everything before any model loads or any file is written
     inputs = prepare_inputs(recipe, overrides, world_size_from_env(), device_type())
-    recipe, ds_config, tokenizer, prompts = inputs.recipe, inputs.ds_config, inputs.tokenizer, inputs.prompts
+    recipe, tokenizer, prompts = inputs.recipe, inputs.tokenizer, inputs.prompts
     folder = run_folder.decide(recipe)  # fresh, resume, or refuse (another recipe's run)
     run_dir = folder.path
 
     # ---- 2. processes, run folder, models
     dist = init_distributed()
     if dist.is_main:
-        run_folder.prepare(folder, recipe, ds_config)
+        run_folder.prepare(folder, recipe, inputs.ds_config)
     dist.barrier()
     torch.manual_seed(recipe.run.seed)
-    policy = load_model(recipe.model, len(tokenizer), recipe.run.seed)
-    rollout = _rollout_engine(recipe, inputs, copy.deepcopy(policy).to(dist.device))  # the plain model
-    use_lora = lora.enabled(recipe.model)
-    engine = create_train_engine(lora.apply_lora(policy, recipe.model) if use_lora else policy, ds_config)
-    if use_lora and dist.is_main:
-        print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
-    reference = None  # LoRA: the policy with its adapters disabled is the base model, no second copy
-    if recipe.algorithm.kl_coef > 0:
-        reference = engine if use_lora else create_reference_engine(
-            load_model(recipe.model, len(tokenizer), recipe.run.seed), ds_config)
+    model = load_model(recipe.model, len(tokenizer), recipe.run.seed)
+    rollout = _rollout_engine(recipe, inputs, copy.deepcopy(model).to(dist.device))  # the plain model
+    policy = Policy.build(model, recipe, inputs.ds_config, len(tokenizer), announce=dist.is_main)
     sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
     logger = MetricsLogger(run_dir if dist.is_main else None, recipe.train.steps, recipe.logging, recipe.run.name,
                            recipe.to_dict())
     rank_log = run_dir / "ranks" / f"rank{dist.rank}.jsonl"
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
-    settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend)
-    first_step = _resume(folder, engine, rollout, sampler, logger, dist, bucket_bytes, rank_log)
+    settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend,
+                                          policy.fused_lm_head_allowed)
+    first_step = _resume(folder, policy, rollout, sampler, logger, dist, bucket_bytes, rank_log)
     nonfinite_in_a_row = 0
 
     for step in range(first_step, recipe.train.steps + 1):
         # ---- rollout and reward (grpo_ds.collect): rank 0 picks the prompts, every rank generates a slice,
         # rank 0 scores them; with dynamic sampling, equal-reward groups are replaced by new prompts
-        samples = collect(step, recipe, inputs, rollout, sampler, dist)
-        rollouts, times, metrics = samples.rollouts, dict(samples.times), samples.metrics
+        data = collect(step, recipe, inputs, rollout, sampler, dist)
 
         # ---- plan: optimizer steps, per-rank shards, micro-batches (rank 0 decides)
-        plan = dist.decide(_plan, recipe, rollouts, dist.world_size, step)
+        data.plan = dist.decide(plan_recipe_step, recipe, data.sequence_tokens(), dist.world_size, step)
 
         # ---- old / reference log-probs, each pass with the log-prob phase's own micro size
         t = time.perf_counter()
-        old_logprobs = logprob_pass(engine, rollouts, plan.logprob_pass, settings, dist) \
-            if plan.needs_old_logprobs or needs_sampling_logprobs(recipe) else None
-        ref_logprobs = None
-        if reference is not None:
-            with lora.reference_context(reference):
-                ref_logprobs = logprob_pass(reference, rollouts, plan.logprob_pass, settings, dist)
-        times["logprob"] = time.perf_counter() - t
+        if data.plan.old_logprob_pass:
+            data.old_logprobs = logprob_pass(policy.engine, data, settings, dist)
+        if policy.reference_engine is not None:
+            with policy.reference() as reference:
+                data.ref_logprobs = logprob_pass(reference, data, settings, dist)
+        data.times["logprob"] = time.perf_counter() - t
 
         # ---- advantage: shaped rewards (overlong penalty, KL in the reward) -> group advantages (rank 0)
-        advantages, shaping_metrics = dist.decide(_advantages, recipe, inputs, samples.rewards, rollouts,
-                                                  old_logprobs, ref_logprobs, dist.device)
-        metrics.update(shaping_metrics)
+        data.advantages, shaping_metrics = dist.decide(_advantages, recipe, inputs, data, dist.device)
+        data.metrics.update(shaping_metrics)
 
         # ---- policy update: one optimizer step per mini-batch
         t = time.perf_counter()
-        totals = torch.zeros(len(TOTALS), dtype=torch.float64)
-        grad_norms, nonfinite = [], 0
-        for minibatch in plan.minibatches:
-            step_totals, stepped = optimizer_step(engine, rollouts, minibatch, advantages, old_logprobs,
-                                                  ref_logprobs, settings, dist)
-            totals += step_totals
+        stats, grad_norms, nonfinite = LossStats(), [], 0
+        for minibatch in data.plan.minibatches:
+            step_stats, stepped = optimizer_step(policy.engine, data, minibatch, settings, dist)
+            stats += step_stats
             # NaN guard: a non-finite loss skipped the update (optimizer_step); a non-finite norm is counted too.
             # Engines that report no norm (ZeRO stages 0-2 on some paths) give None: nothing to check.
-            grad_norm = engine.get_global_grad_norm() if stepped else math.nan
+            grad_norm = policy.engine.get_global_grad_norm() if stepped else math.nan
             if grad_norm is None or math.isfinite(grad_norm):
                 if grad_norm is not None:
                     grad_norms.append(float(grad_norm))
@@ -134,31 +111,19 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
                 nonfinite, nonfinite_in_a_row = nonfinite + 1, nonfinite_in_a_row + 1
             if nonfinite_in_a_row >= recipe.train.max_nonfinite_steps:
                 _stop_nonfinite(step, nonfinite_in_a_row, run_dir)
-        times["update"] = time.perf_counter() - t
+        data.times["update"] = time.perf_counter() - t
 
         # ---- weight sync: ZeRO-3 shards -> full weights (LoRA: merged adapted layers), bucket by bucket
         t = time.perf_counter()
-        rollout.update_weights(lora.rollout_weights(engine.module, bucket_bytes))
-        times["sync"] = time.perf_counter() - t
+        rollout.update_weights(policy.rollout_weights(bucket_bytes))
+        data.times["sync"] = time.perf_counter() - t
 
         # ---- log
-        dist.all_reduce_sum(totals)
-        loss_sum, kl_sum, entropy_sum, clipped, response_tokens, seq_tokens = totals.tolist()
-        response_lengths = [len(r) for r in rollouts.response_ids]
-        sequence_tokens = _sequence_tokens(rollouts)
-        metrics.update(
-            step=step, loss=loss_sum / len(plan.minibatches), kl=kl_sum / response_tokens,
-            entropy=entropy_sum / response_tokens, clip_frac=clipped / response_tokens,
-            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, lr=engine.get_lr()[0],
-            nonfinite_optimizer_steps=nonfinite,
-            response_len_mean=sum(response_lengths) / len(response_lengths),
-            stop_frac=rollouts.finish_reason.count("stop") / len(rollouts),
-            optimizer_steps=len(plan.minibatches), skipped_rows=inputs.skipped_rows,
-            padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),
-            token_imbalance=max(token_imbalance(m, sequence_tokens) for m in plan.minibatches),
-            tokens_per_s=seq_tokens / times["update"], generated_tokens_per_s=sum(response_lengths) / times["rollout"],
-            time_step_s=sum(times.values()), peak_memory_gib=peak_memory_gib(dist.device),
-            **{f"time_{k}_s": v for k, v in times.items()})
+        stats = stats.summed_over_ranks(dist)
+        metrics = data.metrics
+        metrics.update(step=step, **_update_metrics(data, stats, grad_norms, nonfinite),
+                       lr=policy.engine.get_lr()[0], skipped_rows=inputs.skipped_rows,
+                       peak_memory_gib=peak_memory_gib(dist.device))
         if inputs.eval_prompts and (step % recipe.eval.every_steps == 0 or step == recipe.train.steps):
             t = time.perf_counter()
             metrics.update(evaluate(step, recipe, inputs, inputs.eval_prompts, rollout, dist))
@@ -166,15 +131,15 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         logger.log(metrics)
         every = recipe.logging.samples_every_steps
         if dist.is_main and every is not None and (step % every == 0 or step == 1):
-            logger.samples(step, _sample_records(inputs, samples, recipe.logging.samples_per_log))
+            logger.samples(step, _sample_records(inputs, data, recipe.logging.samples_per_log))
         _append_json(rank_log, {"step": step, "trained_sample_ids": sorted(
-            s for m in plan.minibatches for mb in m.micro_batches[dist.rank] for s in mb)})
+            s for m in data.plan.minibatches for mb in m.micro_batches[dist.rank] for s in mb)})
 
         # ---- checkpoint: atomically, every checkpoint.every_steps and after the last step
         # (never after a non-finite step: its weights may not be good)
         every = recipe.checkpoint.every_steps
         if every is not None and (step % every == 0 or step == recipe.train.steps) and not nonfinite:
-            checkpoint.save(engine, run_dir, step, {"sampler": sampler.state_dict(), "history": logger.history},
+            checkpoint.save(policy, run_dir, step, {"sampler": sampler.state_dict(), "history": logger.history},
                             recipe.checkpoint.keep, dist)
 
     _append_json(rank_log, {"final_weights_sha256": _weights_sha256(rollout.model)})
@@ -188,11 +153,10 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 
 # ----------------------------------------------------------------------------------------- phases
 
-def _advantages(recipe: Recipe, inputs: Inputs, rewards: list[float], rollouts: Rollouts,
-                old_logprobs: dict | None, ref_logprobs: dict | None, device: torch.device) -> tuple[list[float], dict]:
+def _advantages(recipe: Recipe, inputs: Inputs, data: StepData, device: torch.device) -> tuple[list[float], dict]:
     """Rank 0: the reward shaping of the recipe, then group advantages (through the kernels backend)."""
-    a = recipe.algorithm
-    shaped = torch.tensor(rewards, dtype=torch.float32)  # (P*G,)
+    a, rollouts = recipe.algorithm, data.rollouts
+    shaped = torch.tensor(data.rewards, dtype=torch.float32)  # (P*G,)
     metrics = {}
     if a.overlong_buffer_tokens is not None:
         penalty = overlong_penalty([len(r) for r in rollouts.response_ids], recipe.max_response_tokens,
@@ -201,23 +165,43 @@ def _advantages(recipe: Recipe, inputs: Inputs, rewards: list[float], rollouts: 
         metrics["reward/overlong_penalty"] = penalty.mean().item()
     if a.kl_in_reward:
         ids = range(len(rollouts))
-        penalty = kl_reward_penalty([old_logprobs[i] for i in ids], [ref_logprobs[i] for i in ids],
+        penalty = kl_reward_penalty([data.old_logprobs[i] for i in ids], [data.ref_logprobs[i] for i in ids],
                                     [rollouts.token_loss_mask(i) for i in ids], a.kl_estimator, a.kl_coef)
         shaped += penalty
         metrics["reward/kl_penalty"] = penalty.mean().item()
     if a.rollout_is_cap is not None:
-        metrics.update(importance_metrics(rollouts, old_logprobs, a.rollout_is_cap))
+        metrics.update(importance_metrics(rollouts, data.old_logprobs, a.rollout_is_cap))
     baseline, scale = recipe.advantage_baseline_and_scale
     advantages = kernels.group_advantages(shaped.to(device), recipe.rollout.group_size, baseline, scale,
                                           backend=inputs.kernels_backend).cpu()
     return advantages.tolist(), metrics
 
 
-def _sample_records(inputs: Inputs, samples, count: int) -> list[dict]:
-    rollouts, G = samples.rollouts, inputs.recipe.rollout.group_size
-    return [{"prompt": inputs.prompts[samples.prompt_index[i // G]].prompt_text,
+def _update_metrics(data: StepData, stats: LossStats, grad_norms: list[float], nonfinite: int) -> dict:
+    """The step's training metrics from the update's summed LossStats, the plan and the phase times."""
+    rollouts, plan, times = data.rollouts, data.plan, data.times
+    response_lengths = [len(r) for r in rollouts.response_ids]
+    sequence_tokens = data.sequence_tokens()
+    return dict(
+        loss=stats.loss / len(plan.minibatches), kl=stats.kl / stats.response_tokens,
+        entropy=stats.entropy / stats.response_tokens, clip_frac=stats.clipped_tokens / stats.response_tokens,
+        grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+        nonfinite_optimizer_steps=nonfinite,
+        response_len_mean=sum(response_lengths) / len(response_lengths),
+        stop_frac=rollouts.finish_reason.count("stop") / len(rollouts),
+        optimizer_steps=len(plan.minibatches),
+        padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),
+        token_imbalance=max(token_imbalance(m, sequence_tokens) for m in plan.minibatches),
+        tokens_per_s=stats.sequence_tokens / times["update"],
+        generated_tokens_per_s=sum(response_lengths) / times["rollout"],
+        time_step_s=sum(times.values()), **{f"time_{k}_s": v for k, v in times.items()})
+
+
+def _sample_records(inputs: Inputs, data: StepData, count: int) -> list[dict]:
+    rollouts, G = data.rollouts, inputs.recipe.rollout.group_size
+    return [{"prompt": inputs.prompts[data.prompt_index[i // G]].prompt_text,
              "completion": inputs.tokenizer.decode(rollouts.response_ids[i], skip_special_tokens=True),
-             "reward": samples.rewards[i]} for i in range(min(count, len(rollouts)))]
+             "reward": data.rewards[i]} for i in range(min(count, len(rollouts)))]
 
 
 def _stop_nonfinite(step: int, count: int, run_dir: Path) -> None:
@@ -227,7 +211,7 @@ def _stop_nonfinite(step: int, count: int, run_dir: Path) -> None:
                     "lower train.lr, check the rewards and the data, or raise train.max_nonfinite_steps")
 
 
-def _resume(folder: run_folder.RunFolder, engine, rollout, sampler: PromptSampler, logger: MetricsLogger,
+def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: PromptSampler, logger: MetricsLogger,
             dist: Dist, bucket_bytes: int, rank_log: Path) -> int:
     """Restore the newest good checkpoint (or the one checkpoint.resume names); return the first step to run."""
     if folder.checkpoint is not None:
@@ -245,14 +229,14 @@ def _resume(folder: run_folder.RunFolder, engine, rollout, sampler: PromptSample
         run_folder.trim_log(rank_log, 0)
         dist.barrier()
         return 1
-    resumed = checkpoint.load(engine, path, dist)
+    resumed = checkpoint.load(policy, path, dist)
     sampler.load_state_dict(resumed.trainer_state["sampler"])
     logger.resume(resumed.trainer_state["history"])
     run_folder.trim_log(rank_log, resumed.step)  # each rank's own log, like metrics.jsonl
     if dist.is_main:
         run_folder.trim_metrics(folder.path, resumed.step)
         print(f"resuming after step {resumed.step} from {path}", file=sys.stderr, flush=True)
-    rollout.update_weights(lora.rollout_weights(engine.module, bucket_bytes))
+    rollout.update_weights(policy.rollout_weights(bucket_bytes))
     dist.barrier()
     return resumed.step + 1
 
@@ -267,18 +251,6 @@ def _rollout_engine(recipe: Recipe, inputs: Inputs, model: torch.nn.Module):
         return AgentRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer, inputs.env_factory,
                                   r.max_turns, recipe.max_response_tokens, r.generation_batch_prompts)
     return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, r.generation_batch_prompts)
-
-
-def _plan(recipe: Recipe, rollouts: Rollouts, world_size: int, step: int) -> StepPlan:
-    train = recipe.train
-    return plan_step(_sequence_tokens(rollouts), world_size, samples_per_minibatch=recipe.samples_per_optimizer_step,
-                     epochs=train.epochs_per_rollout, update_micro_samples=train.micro_batch_samples_per_gpu,
-                     logprob_micro_samples=train.logprob_micro_batch_samples_per_gpu,
-                     max_tokens=train.max_tokens_per_micro_batch, seed=recipe.run.seed * 7919 + step)
-
-
-def _sequence_tokens(rollouts: Rollouts) -> list[int]:
-    return [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
 
 
 # ------------------------------------------------------------------------------------ plumbing

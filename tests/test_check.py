@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds import check
+from grpo_ds.inputs import prepare_inputs
 from grpo_ds.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +115,7 @@ def test_dynamic_batching_is_shown(outputs):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
 def test_report_shards_cover_every_sample(world_size):
-    inputs = check.prepare_inputs(RECIPE, None, world_size, "cpu")
+    inputs = prepare_inputs(RECIPE, None, world_size, "cpu")
     out = check.report(inputs, world_size, "max")
     r = inputs.recipe
     ranks = rank_lines(out)
@@ -126,15 +127,14 @@ def test_report_shards_cover_every_sample(world_size):
 
 
 def test_report_with_overrides_in_process():
-    inputs = check.prepare_inputs(RECIPE, ["train.samples_per_optimizer_step=100", "train.epochs_per_rollout=2"],
-                                  2, "cpu")
+    inputs = prepare_inputs(RECIPE, ["train.samples_per_optimizer_step=100", "train.epochs_per_rollout=2"], 2,
+                            "cpu")
     out = check.report(inputs, 2, "uniform")
     assert re.search(r"optimizer steps per rollout\s+8 = 400 / 100 x epochs_per_rollout 2", out)
     assert sum(rank[1] for rank in rank_lines(out)) == 100
 
 
 def test_a_column_named_like_a_reward_argument_is_caught_before_any_model_loads(tmp_path):
-    from grpo_ds.check import prepare_inputs
     from grpo_ds.errors import UserError
 
     data = tmp_path / "rows.jsonl"
@@ -147,18 +147,18 @@ def test_a_column_named_like_a_reward_argument_is_caught_before_any_model_loads(
 def test_kernels_backend_is_resolved_before_any_model_loads(monkeypatch):
     from grpo_ds.errors import UserError
 
-    assert check.prepare_inputs(RECIPE, None, 1, "cpu").kernels_backend == "torch"  # auto on CPU
+    assert prepare_inputs(RECIPE, None, 1, "cpu").kernels_backend == "torch"  # auto on CPU
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(UserError) as err:
-        check.prepare_inputs(RECIPE, ["kernels.backend=triton"], 1, "cpu")
+        prepare_inputs(RECIPE, ["kernels.backend=triton"], 1, "cpu")
     assert str(err.value).startswith("kernels.backend 'triton': ")
     assert 'Set kernels.backend to "auto" or "torch"' in str(err.value)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter makes it runnable on CPU (slowly)
     if importlib.util.find_spec("triton") is not None:
-        assert check.prepare_inputs(RECIPE, ["kernels.backend=triton"], 1, "cpu").kernels_backend == "triton"
+        assert prepare_inputs(RECIPE, ["kernels.backend=triton"], 1, "cpu").kernels_backend == "triton"
 
 
 def test_report_says_when_importance_weights_need_the_old_logprob_pass():
-    inputs = check.prepare_inputs(RECIPE, ["algorithm.rollout_is_cap=2"], 1, "cpu")
-    assert "old-log-prob pass            runs (importance weights / KL in the reward need it)" in \
-        check.report(inputs, 1, "uniform")
+    inputs = prepare_inputs(RECIPE, ["algorithm.rollout_is_cap=2"], 1, "cpu")
+    assert "old-log-prob pass            runs (importance weights (algorithm.rollout_is_cap) need the policy's " \
+        "log-probs at sampling time)" in check.report(inputs, 1, "uniform")

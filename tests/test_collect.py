@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from grpo_ds.check import prepare_inputs
 from grpo_ds.collect import collect
 from grpo_ds.data import PromptSampler
 from grpo_ds.engine import Dist
+from grpo_ds.inputs import prepare_inputs
 from grpo_ds.rollout.base import Rollouts
 
 REWARDS = '''

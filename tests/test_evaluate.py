@@ -52,7 +52,7 @@ def test_eval_metrics_every_k_steps_and_at_the_end(tmp_path):
 
 
 def test_a_bad_eval_dataset_is_named_before_any_model_loads():
-    from grpo_ds.check import prepare_inputs
+    from grpo_ds.inputs import prepare_inputs
 
     with pytest.raises(UserError) as err:
         prepare_inputs(TINY, {"eval.data": "builtin:arithh"}, 1, "cpu")

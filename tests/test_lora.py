@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import grpo_ds.policy as policy_module
 import grpo_ds.train as train_module
 from grpo_ds import lora
 from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
@@ -40,13 +41,13 @@ def _mean(values):
 
 def _capture_engines(monkeypatch) -> list:
     """Every engine grpo_ds.train creates, for inspection after the run."""
-    engines, real = [], train_module.create_train_engine
+    engines, real = [], policy_module.create_train_engine
 
     def capturing(model, config):
         engines.append(real(model, config))
         return engines[-1]
 
-    monkeypatch.setattr(train_module, "create_train_engine", capturing)
+    monkeypatch.setattr(policy_module, "create_train_engine", capturing)
     return engines
 
 
@@ -121,7 +122,8 @@ def _tokens():
 def test_synced_rollout_engine_equals_the_merged_model(lora_engine, bucket_bytes):
     engine, base, merged = lora_engine
     rollout = HFRolloutEngine(copy.deepcopy(base), pad_token_id=0, eos_token_id=1, batch_prompts=8)
-    sent = rollout.update_weights(lora.rollout_weights(engine.module, bucket_bytes))
+    policy = policy_module.Policy(engine, lora=True, reference_engine=None, fused_lm_head_problem=None)
+    sent = rollout.update_weights(policy.rollout_weights(bucket_bytes))
     adapted = sum(1 for n, _ in engine.module.named_parameters() if ".lora_A." in n)
     assert sent == adapted == 14  # 7 linear layers x 2 blocks; the frozen rest is never sent
     merged_params = dict(merged.named_parameters())
@@ -144,8 +146,9 @@ def test_reference_is_the_base_model_with_the_adapters_disabled(lora_engine):
     engine.eval()
     with torch.no_grad():
         policy = engine(input_ids=ids).logits
-        with lora.reference_context(engine):
-            reference = engine(input_ids=ids).logits
+        owner = policy_module.Policy(engine, lora=True, reference_engine=engine, fused_lm_head_problem=None)
+        with owner.reference() as scorer:
+            reference = scorer(input_ids=ids).logits
         again = engine(input_ids=ids).logits
         expected = base(ids).logits
     torch.testing.assert_close(reference, expected, rtol=0, atol=1e-5)
@@ -165,7 +168,7 @@ def test_kl_reference_of_a_lora_run_is_the_policy_with_adapters_disabled(tmp_pat
         return real(engine, *args)
 
     monkeypatch.setattr(train_module, "logprob_pass", recording)
-    monkeypatch.setattr(train_module, "create_reference_engine",
+    monkeypatch.setattr(policy_module, "create_reference_engine",
                         lambda *a: pytest.fail("a LoRA run must not build a second model for the reference"))
     metrics = train_module.run(LORA_TINY, _quiet(tmp_path, **{
         "train.steps": 3, "algorithm.kl_coef": 0.1, "train.samples_per_optimizer_step": 200,

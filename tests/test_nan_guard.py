@@ -6,10 +6,10 @@ import hashlib
 import pytest
 
 import grpo_ds
-import grpo_ds.lora as lora_module
 import grpo_ds.train as train_module
 import grpo_ds.update as update_module
 from grpo_ds.errors import UserError
+from grpo_ds.policy import Policy
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -39,15 +39,15 @@ def _small(tmp_path, **overrides):
 def inject(monkeypatch):
     """Make the loss NaN in the given steps (counted by driver step); record the synced weights' hash per step."""
     state = {"step": 0, "nan_steps": set(), "hashes": []}
-    real_loss, real_sync = update_module.response_policy_loss, lora_module.rollout_weights
+    real_loss, real_sync = update_module.micro_batch_loss, Policy.rollout_weights
 
     def loss(*args, **kwargs):
-        value, sums = real_loss(*args, **kwargs)
-        return (value * float("nan") if state["step"] in state["nan_steps"] else value), sums
+        value, stats = real_loss(*args, **kwargs)
+        return (value * float("nan") if state["step"] in state["nan_steps"] else value), stats
 
-    def sync(module, bucket_bytes):
+    def sync(policy, bucket_bytes):
         digest = hashlib.sha256()
-        for name, tensor in real_sync(module, bucket_bytes):
+        for name, tensor in real_sync(policy, bucket_bytes):
             digest.update(tensor.detach().float().numpy().tobytes())
             yield name, tensor
         state["hashes"].append(digest.hexdigest())
@@ -58,8 +58,8 @@ def inject(monkeypatch):
         state["step"] = step
         return real_collect(step, *args, **kwargs)
 
-    monkeypatch.setattr(update_module, "response_policy_loss", loss)
-    monkeypatch.setattr(lora_module, "rollout_weights", sync)  # the driver's weight sync
+    monkeypatch.setattr(update_module, "micro_batch_loss", loss)
+    monkeypatch.setattr(Policy, "rollout_weights", sync)  # the driver's weight sync
     monkeypatch.setattr(train_module, "collect", collect)
     return state
 

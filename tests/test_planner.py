@@ -7,7 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_ds.errors import UserError
-from grpo_ds.planner import pack_micro_batches, plan_minibatch, plan_step, shard_by_tokens, split_minibatches
+from grpo_ds.planner import (
+    old_logprob_pass_reason,
+    pack_micro_batches,
+    plan_minibatch,
+    plan_recipe_step,
+    plan_step,
+    shard_by_tokens,
+    split_minibatches,
+)
+from grpo_ds.recipe import load_recipe
 
 lengths_st = st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=80)
 
@@ -94,18 +103,24 @@ def test_minibatches_use_every_sample_once_per_epoch(n, epochs, data):
         assert sorted(s for b in batches[e * per_epoch:(e + 1) * per_epoch] for s in b) == list(range(n))
 
 
-def test_old_logprob_pass_needed_only_with_several_optimizer_steps():
-    common = dict(update_micro_samples=2, logprob_micro_samples=4, max_tokens=None, seed=0)
-    one = plan_step([5] * 8, 2, samples_per_minibatch=8, epochs=1, **common)
-    assert not one.needs_old_logprobs and len(one.minibatches) == 1
-    two = plan_step([5] * 8, 2, samples_per_minibatch=4, epochs=1, **common)
-    assert two.needs_old_logprobs and len(two.minibatches) == 2
-    epochs = plan_step([5] * 8, 2, samples_per_minibatch=8, epochs=2, **common)
-    assert epochs.needs_old_logprobs and len(epochs.minibatches) == 2
+@pytest.mark.parametrize(("overrides", "runs"), [
+    ({}, False),
+    ({"train": {"samples_per_optimizer_step": 8}}, True),  # two optimizer steps per rollout
+    ({"train": {"epochs_per_rollout": 2}}, True),
+    ({"algorithm": {"rollout_is_cap": 2.0}}, True),  # importance weights need pi_old at sampling time
+    ({"algorithm": {"kl_coef": 0.1, "kl_in_reward": True}}, True),
+    ({"algorithm": {"kl_coef": 0.1}}, False),  # KL in the loss needs the reference pass only
+])
+def test_old_logprob_pass_is_decided_once_and_recorded_in_the_plan(overrides, runs):
+    recipe = load_recipe({"rollout": {"prompts_per_step": 4, "group_size": 4}, **overrides})
+    assert (old_logprob_pass_reason(recipe) is not None) == runs
+    plan = plan_recipe_step(recipe, [5] * 16, 2, step=1)
+    assert plan.old_logprob_pass == runs
+    assert len(plan.minibatches) == recipe.optimizer_steps_per_rollout
 
 
 def test_each_phase_gets_its_own_micro_size():
     plan = plan_step([5] * 16, 1, samples_per_minibatch=16, epochs=1, update_micro_samples=2,
-                     logprob_micro_samples=8, max_tokens=None, seed=0)
+                     logprob_micro_samples=8, max_tokens=None, seed=0, old_logprob_pass=False)
     assert {len(mb) for mb in plan.minibatches[0].micro_batches[0]} == {2}
     assert {len(mb) for mb in plan.logprob_pass.micro_batches[0]} == {8}

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+import grpo_ds.policy as policy_module
 import grpo_ds.train as train_module
 from grpo_ds.algo.aggregation import LOSS_AGG_MODES
 from grpo_ds.builtin_tiny import build_tiny_model
@@ -66,8 +67,8 @@ class _Recorder:
         self.calls: list[tuple[str, bool, int]] = []
         self.engines: dict = {}
         for factory, label in (("create_train_engine", "policy"), ("create_reference_engine", "reference")):
-            real = getattr(train_module, factory)
-            monkeypatch.setattr(train_module, factory, self._wrap(real, label))
+            real = getattr(policy_module, factory)
+            monkeypatch.setattr(policy_module, factory, self._wrap(real, label))
 
     def _wrap(self, real, label):
         def factory(model, ds_config):

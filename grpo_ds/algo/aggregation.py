@@ -10,7 +10,7 @@ at least one response token and T = sum_i L_i:
     seq-mean-token-sum-norm  loss = (1/N) sum_i sum_t l_it / C    (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783;
                                                                    C a constant, by default max_new_tokens)
 
-Every mode is linear in the per-sequence sums: loss = sum_i w_i * sum_t l_it, and ``sequence_token_weights``
+Every mode is linear in the per-sequence sums: loss = sum_i w_i * sum_t l_it, and ``sequence_weights``
 is the single place that computes w_i. The denominators (T, N, L_i, C) are taken from the lengths of the
 WHOLE global mini-batch, never from one rank's shard or one micro-batch: then any split of the sequences into
 ranks and micro-batches contributes partial sums sum_{i in part} w_i sum_t l_it that add up to exactly the
@@ -30,7 +30,7 @@ LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mea
                                    "seq-mean-token-sum-norm")
 
 
-def sequence_token_weights(response_lengths: list[int] | torch.Tensor, mode: str, norm_tokens: int) -> torch.Tensor:
+def sequence_weights(response_lengths: list[int] | torch.Tensor, mode: str, norm_tokens: int) -> torch.Tensor:
     """Return w (N,) float64 such that the step loss is sum_i w_i * sum_t l_it.
 
     ``response_lengths`` holds L_i for every sequence of the global mini-batch. ``norm_tokens`` is the constant
@@ -68,7 +68,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm_token
     if per_token.dim() != 2 or per_token.shape != mask.shape:
         raise ValueError(f"per_token {tuple(per_token.shape)} and mask {tuple(mask.shape)} must both be (N, T)")
     keep = mask.bool()  # (N, T)
-    weights = sequence_token_weights(keep.sum(dim=-1), mode, norm_tokens)  # (N,) float64
+    weights = sequence_weights(keep.sum(dim=-1), mode, norm_tokens)  # (N,) float64
     dtype = torch.promote_types(per_token.dtype, torch.float32)
     seq_sums = torch.where(keep, per_token.to(dtype), 0.0).sum(dim=-1)  # (N,)
     return (weights.to(device=per_token.device, dtype=dtype) * seq_sums).sum()

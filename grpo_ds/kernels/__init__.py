@@ -60,7 +60,7 @@ class LossInputs(NamedTuple):
 
     targets: torch.Tensor
     advantages: torch.Tensor
-    weights: torch.Tensor
+    token_weights: torch.Tensor
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
 
@@ -149,13 +149,13 @@ def policy_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, inputs: 
         logprobs, entropy = chunked.LogprobsFromHidden.apply(hidden, weight, inputs.targets, temperature, chunk_tokens)
         per_token, kl, clipped = token_losses(logprobs, inputs.old_logprobs, inputs.advantages.float(),
                                               inputs.ref_logprobs, entropy, cfg)
-        loss = (per_token * inputs.weights.float()).sum()
+        loss = (per_token * inputs.token_weights.float()).sum()
         return PolicyLossOutput(loss, logprobs.detach(), entropy.detach(), kl.detach(), clipped)
     from grpo_ds.kernels import fused_linear
 
     loss, stats = fused_linear.PolicyLossFromHidden.apply(
         hidden.contiguous(), weight, inputs.targets.contiguous(), inputs.old_logprobs, inputs.ref_logprobs,
-        inputs.advantages, inputs.weights, cfg, temperature, chunk_tokens)
+        inputs.advantages, inputs.token_weights, cfg, temperature, chunk_tokens)
     return PolicyLossOutput(loss, stats[0], stats[1], stats[2], stats[3])
 
 

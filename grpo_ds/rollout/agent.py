@@ -38,7 +38,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from grpo_ds.envs.base import EnvFactory, Environment, StepResult
-from grpo_ds.envs.loading import load_env_factory  # noqa: F401  (for grpo_ds.check until it imports grpo_ds.envs)
 from grpo_ds.errors import first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine, generate_left_padded, generation_config

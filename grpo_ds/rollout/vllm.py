@@ -79,7 +79,7 @@ def require_vllm() -> str:
 
 
 def check_vllm_setup(recipe, world_size: int, device_type: str) -> None:
-    """Start-up checks for rollout.engine "vllm" (grpo_ds.check.prepare_inputs runs them before any model loads):
+    """Start-up checks for rollout.engine "vllm" (grpo_ds.inputs.prepare_inputs runs them before any model loads):
     the tensor-parallel size divides the world size, there are GPUs, sleep mode can work, and a supported vLLM
     imports. Prints a note when algorithm.rollout_is_cap is off."""
     r = recipe.rollout

@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from grpo_ds.algo.aggregation import LOSS_AGG_MODES, aggregate, sequence_token_weights
+from grpo_ds.algo.aggregation import LOSS_AGG_MODES, aggregate, sequence_weights
 
 # Hand example, three sequences (padding positions hold NaN to prove they are never read):
 #   seq 0: L=2, losses [1, 2]     sum 3
@@ -46,12 +46,12 @@ def test_hand_example(mode):
     ("seq-mean-token-sum-norm", [1 / 12, 1 / 12, 1 / 12, 0.0]),
 ])
 def test_weights_with_empty_sequence(mode, expected):
-    w = sequence_token_weights([2, 1, 3, 0], mode, norm_tokens=4)
+    w = sequence_weights([2, 1, 3, 0], mode, norm_tokens=4)
     assert w.dtype == torch.float64
     assert bool(torch.isfinite(w).all())
     torch.testing.assert_close(w, torch.tensor(expected, dtype=torch.float64))
     # A tensor of lengths gives the same weights as a list.
-    torch.testing.assert_close(sequence_token_weights(torch.tensor([2, 1, 3, 0]), mode, 4), w)
+    torch.testing.assert_close(sequence_weights(torch.tensor([2, 1, 3, 0]), mode, 4), w)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -64,7 +64,7 @@ def test_empty_sequence_and_padding_rows_do_not_change_loss(mode):
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_all_empty_gives_zero(mode):
-    assert torch.equal(sequence_token_weights([0, 0], mode, 4), torch.zeros(2, dtype=torch.float64))
+    assert torch.equal(sequence_weights([0, 0], mode, 4), torch.zeros(2, dtype=torch.float64))
     assert aggregate(torch.ones(2, 3), torch.zeros(2, 3), mode, 4).item() == 0.0
 
 
@@ -91,7 +91,7 @@ def test_any_split_into_ranks_and_micro_batches_sums_to_the_same_loss(mode, seed
     whole = aggregate(per_token, mask, mode, norm_tokens=16)
     whole.backward()
 
-    weights = sequence_token_weights(lengths, mode, norm_tokens=16)  # (N,) from the global lengths
+    weights = sequence_weights(lengths, mode, norm_tokens=16)  # (N,) from the global lengths
     order = list(range(len(seqs)))
     rng.shuffle(order)
     cuts = sorted(rng.sample(range(1, len(order)), 2))
@@ -142,10 +142,10 @@ def test_gradient_is_weight_per_token():
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="unknown loss aggregation mode 'token_mean'"):
-        sequence_token_weights([1, 2], "token_mean", 4)
+        sequence_weights([1, 2], "token_mean", 4)
     with pytest.raises(ValueError, match="norm_tokens"):
-        sequence_token_weights([1, 2], "seq-mean-token-sum-norm", 0)
+        sequence_weights([1, 2], "seq-mean-token-sum-norm", 0)
     with pytest.raises(ValueError, match=">= 0"):
-        sequence_token_weights([1, -2], "token-mean", 4)
+        sequence_weights([1, -2], "token-mean", 4)
     with pytest.raises(ValueError, match=r"\(N, T\)"):
         aggregate(torch.zeros(2, 3), torch.zeros(2, 4), "token-mean", 4)

@@ -9,9 +9,9 @@ import torch
 
 from grpo_ds import kernels
 from grpo_ds.algo.policy_loss import LossConfig
-from grpo_ds.batching import collate
 from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.envs import CalculatorEnv, StepResult
+from grpo_ds.micro_batch import collate
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 
@@ -282,7 +282,7 @@ def test_observation_tokens_get_exactly_zero_gradient():
     loss_mask = torch.tensor([m for sid in order for m in out.token_loss_mask(sid)], dtype=torch.float32)
     model = tiny_model().train()
     hidden = model.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state  # (B, T, H)
-    scored = hidden[mb.row, mb.logit_pos]  # (N_tok, H) the states that score each response token
+    scored = hidden.reshape(-1, hidden.shape[-1])[mb.logit_index]  # (N_tok, H) the states that score each token
     scored.retain_grad()
     advantages = torch.linspace(-1.0, 1.0, len(order))[mb.seq_index]  # (N_tok,) non-zero for every sample
     sequence_weight = torch.full((mb.num_tokens,), 1.0 / mb.num_tokens)

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo_ds
 from grpo_ds import check
+from grpo_ds import inputs as inputs_module
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.engine import init_distributed
@@ -314,7 +315,7 @@ def test_sleep_mode_releases_memory_between_generations(fake_vllm):
 def test_the_driver_trains_with_the_vllm_engine(fake_vllm, monkeypatch, tmp_path):
     """grpo_ds.train end to end with engine "vllm" (the fake one, and the start-up guard off since this machine
     has no GPU): generation, importance weights from vLLM's log-probs, weight sync, the final model."""
-    monkeypatch.setattr(check, "check_vllm_setup", lambda *args: None)
+    monkeypatch.setattr(inputs_module, "check_vllm_setup", lambda *args: None)
     metrics = grpo_ds.train(str(REPO / "recipes" / "tiny_cpu.json"), {
         "run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
         "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "algorithm.rollout_is_cap": 2.0,
@@ -333,7 +334,7 @@ def test_the_driver_trains_with_the_vllm_engine(fake_vllm, monkeypatch, tmp_path
 def test_a_lora_run_syncs_merged_adapted_layers_into_vllm(fake_vllm, monkeypatch, tmp_path):
     """model.lora_rank with engine "vllm": each sync sends only the adapted layers, merged, under the base names
     vLLM's load_weights takes; what vLLM received last is the saved (merged) final model."""
-    monkeypatch.setattr(check, "check_vllm_setup", lambda *args: None)
+    monkeypatch.setattr(inputs_module, "check_vllm_setup", lambda *args: None)
     grpo_ds.train(str(REPO / "recipes" / "lora_tiny_cpu.json"), {
         "run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
         "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "train.lr": 0.05,

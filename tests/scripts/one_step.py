@@ -28,6 +28,7 @@ from grpo_ds.planner import plan_minibatch
 from grpo_ds.recipe import load_recipe
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
+from grpo_ds.step_data import StepData
 from grpo_ds.update import UpdateSettings, optimizer_step
 
 VOCAB = 64
@@ -63,7 +64,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
         plan = plan_minibatch(list(tokens), tokens, dist.world_size, max_samples=cfg["micro"],
                               max_tokens=cfg["max_tokens"])
         settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend=cfg.get("backend", "torch"))
-        optimizer_step(engine, rollouts, plan, advantages, None, None, settings, dist)
+        optimizer_step(engine, StepData([], rollouts, [], advantages=advantages), plan, settings, dist)
         params = {name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)}
         if dist.is_main:
             torch.save({"params": params, "micro_batches": plan.micro_batches,

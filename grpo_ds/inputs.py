@@ -1,0 +1,82 @@
+"""Validation before load: every user input is checked before any model is loaded or any file is written.
+
+``prepare_inputs`` is the first thing ``grpo_ds.train`` (and the dry run ``grpo_ds.check``) does: the recipe and
+its overrides, the DeepSpeed file, the model path and tokenizer, the reward functions, the agent environment,
+the logging extras and the dataset rows. What it returns (``Inputs``) is everything the run needs besides the
+model. A problem is one ``UserError`` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_ds import lora
+from grpo_ds.data import PromptRow, load_rows, prepare_prompts
+from grpo_ds.ds_config import resolve_deepspeed_config
+from grpo_ds.envs.loading import load_env_factory
+from grpo_ds.errors import UserError
+from grpo_ds.kernels import resolve_backend
+from grpo_ds.metrics import check_logging_extras
+from grpo_ds.models import load_tokenizer
+from grpo_ds.recipe import Recipe, load_recipe
+from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
+from grpo_ds.rollout.vllm import check_vllm_setup
+
+
+@dataclass
+class Inputs:
+    recipe: Recipe
+    ds_config: dict
+    tokenizer: object
+    reward_functions: list[RewardFunction]
+    prompts: list[PromptRow]
+    skipped_rows: int
+    kernels_backend: str  # "triton" or "torch", resolved for the device
+    env_factory: Callable[[], Any] | None  # rollout.engine "agent": builds one environment per episode
+    eval_prompts: list[PromptRow]  # eval.data's prompts (empty: no evaluation)
+
+
+def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
+                   device_type: str) -> Inputs:
+    """Check everything the user controls; raise UserError on the first problem. Loads no model."""
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, overrides)
+    check_vllm_setup(recipe, world_size, device_type)  # rollout.engine "vllm": GPUs, a supported vLLM, TP size
+    if lora.enabled(recipe.model):
+        lora.check_peft()  # model.lora_rank: peft installed and recent enough
+    ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
+    backend = _kernels_backend(recipe.kernels.backend, device_type)
+    tokenizer = load_tokenizer(recipe.model)  # checks model.path first
+    reward_functions = load_reward_functions(recipe.reward.functions)
+    check_logging_extras(recipe.logging)
+    env_factory = load_env_factory(recipe.rollout.env, recipe.rollout.env_options) \
+        if recipe.rollout.engine == "agent" else None
+    prompts, skipped = prepare_prompts(load_rows(recipe.data, recipe.source_dir), recipe.data, tokenizer,
+                                       where=f"data.train {recipe.data.train}")
+    check_columns({key for row in prompts for key in row.columns})
+    eval_prompts = _eval_prompts(recipe, tokenizer)
+    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts)
+
+
+def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:
+    if recipe.eval.data is None:
+        return []
+    cfg = dataclasses.replace(recipe.data, train=recipe.eval.data)
+    try:
+        prompts, _ = prepare_prompts(load_rows(cfg, recipe.source_dir), cfg, tokenizer,
+                                     where=f"eval.data {recipe.eval.data}")
+    except UserError as err:
+        raise UserError(err.where.replace("data.train", "eval.data"), err.what, err.fix) from None
+    return prompts[:recipe.eval.max_prompts] if recipe.eval.max_prompts else prompts
+
+
+def _kernels_backend(requested: str, device_type: str) -> str:
+    try:
+        return resolve_backend(requested, device_type)
+    except ValueError as err:
+        raise UserError(f"kernels.backend {requested!r}", str(err),
+                        'Set kernels.backend to "auto" or "torch"') from None

@@ -1,0 +1,178 @@
+"""One micro-batch's loss on the flat token layout, and how it reaches DeepSpeed's gradients.
+
+Loss contract (DESIGN.md). The loss of one optimizer step is sum_i w_i sum_t l_it over the whole global
+mini-batch: w_i comes from grpo_ds.algo.aggregation (computed on every sequence of the mini-batch, by the
+update phase) and l_it from grpo_ds.algo.policy_loss. A micro-batch contributes its partial sum
+
+    loss = sum_t token_weight_t * l_t,     token_weight_t = w_i(t) x loss mask_t x importance weight_t
+
+over its flat tokens (``TokenTerms``). ``backward`` hands it to DeepSpeed so that the summed partials, not an
+average of them, become the gradient: DeepSpeed averages gradients over the data-parallel ranks, so the
+partial loss is multiplied by the data-parallel size, and ``scale_wrt_gas=False`` stops it from dividing by
+its accumulation steps (the resolved config sets ``managed_gradient_accumulation`` false, see
+grpo_ds.ds_config, because the driver owns the optimizer-step boundary). The result does not depend on world
+size, micro-batch size, dynamic batching or padding micro-batches.
+
+``micro_batch_loss`` has three variants behind one call, all on the same flat tokens:
+- **gspo** (sequence-level ratio): the kernels give every token's log-prob and entropy, then the reference math
+  (grpo_ds.algo.policy_loss.token_losses) needs whole sequences at once;
+- **fused lm_head** (``LossSettings.fused_lm_head``): the model's lm_head is swapped, for one forward, for the
+  fused-linear kernels, so (tokens x vocab) logits never exist. The swap happens inside the lm_head module's
+  call, so DeepSpeed's ZeRO-3 hooks gather the (partitioned) weight for it as for any forward, and gather it
+  again for the backward. The swapped head returns the loss and its statistics as one small tensor;
+- **full logits**: the model computes the logits, the logits kernels score the trained tokens and the masked
+  policy-loss kernel sums them per sequence.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+import torch
+
+from grpo_ds import kernels
+from grpo_ds.algo.policy_loss import LossConfig, token_losses
+from grpo_ds.micro_batch import MicroBatch, as_sequence_rows
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    config: LossConfig
+    temperature: float  # the sampling temperature: log-probs are those of softmax(logits / temperature)
+    backend: str  # resolved kernels backend: "triton" or "torch"
+    chunk_tokens: int
+    fused_lm_head: bool  # the recipe asks for it and the model allows it (grpo_ds.policy decides, once)
+
+
+@dataclass
+class TokenTerms:
+    """The inputs of one micro-batch's loss besides the model's own output."""
+
+    advantages: torch.Tensor  # (S,) one per sequence
+    token_weight: torch.Tensor  # (N,) w_i x loss mask x importance weight; 0 = the token trains nothing
+    old_logprobs: torch.Tensor | None  # (N,) None: on-policy (the ratio is exactly 1)
+    ref_logprobs: torch.Tensor | None  # (N,) None: no KL term in the loss
+
+
+@dataclass
+class LossStats:
+    """Sums over the trained tokens (token_weight > 0) of micro-batches, for the step's metrics."""
+
+    loss: float = 0.0  # the step loss sum_i w_i sum_t l_it
+    kl: float = 0.0  # sum of KL_t
+    entropy: float = 0.0  # sum of H_t
+    clipped_tokens: float = 0.0  # tokens whose loss a clip changed
+    response_tokens: float = 0.0  # the model's response tokens (loss mask 1), trained or not
+    sequence_tokens: float = 0.0  # prompt + response tokens the model read
+
+    def __add__(self, other: LossStats) -> LossStats:
+        return LossStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def summed_over_ranks(self, dist) -> LossStats:
+        totals = torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+        dist.all_reduce_sum(totals)
+        return LossStats(*totals.tolist())
+
+
+def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) -> tuple[torch.Tensor, LossStats]:
+    """(sum_t token_weight_t * l_t, differentiable; this micro-batch's LossStats, zero for a padding one)."""
+    if s.config.policy_loss == "gspo":
+        logprobs, entropy = _logprobs_and_entropy(model, mb, s)
+        per_token, kl, clipped = token_losses(logprobs, terms.old_logprobs, terms.advantages[mb.seq_index],
+                                              terms.ref_logprobs, entropy, s.config, (mb.seq_index, terms.token_weight))
+        loss = (per_token * terms.token_weight).sum()
+        counted = terms.token_weight > 0
+        sums = [torch.where(counted, t.detach().float(), 0.0).sum() for t in (kl, entropy, clipped)]
+    elif s.fused_lm_head:
+        inputs = kernels.LossInputs(mb.target_ids, terms.advantages[mb.seq_index], terms.token_weight,
+                                    terms.old_logprobs, terms.ref_logprobs)
+
+        def head(module, hidden):  # (B, T, H) -> (4,): the loss (differentiable), then KL, entropy, clipped sums
+            out = kernels.policy_loss_from_hidden(_trained_positions(hidden, mb), module.weight, inputs, s.config,
+                                                  s.temperature, s.chunk_tokens, s.backend)
+            counted = terms.token_weight > 0
+            sums = [torch.where(counted, t.detach().float(), 0.0).sum() for t in (out.kl, out.entropy, out.clipped)]
+            return torch.stack([out.loss.float(), *sums])
+
+        packed = _forward_with_head(model, mb, head)
+        loss, sums = packed[0], list(packed[1:])
+    else:
+        logprobs, entropy = kernels.logprobs_from_logits(_logits(model, mb), mb.target_ids, mb.logit_index,
+                                                         s.temperature, s.chunk_tokens, s.backend)  # (N,)
+
+        def rows(values):
+            return None if values is None else as_sequence_rows(values.float(), mb)
+
+        per_sequence = kernels.masked_policy_loss(rows(logprobs), terms.advantages, rows(terms.token_weight),
+                                                  s.config, rows(terms.old_logprobs), rows(terms.ref_logprobs),
+                                                  rows(entropy), s.backend)
+        loss = per_sequence.loss.sum()
+        sums = [t.sum() for t in (per_sequence.kl, per_sequence.entropy, per_sequence.clipped)]
+    if mb.padding:
+        return loss, LossStats()
+    kl, entropy, clipped = (float(t) for t in torch.stack(sums).detach().double().cpu())
+    return loss, LossStats(loss.item(), kl, entropy, clipped, float(mb.loss_mask.sum()),
+                           float(mb.attention_mask.sum()))
+
+
+@torch.no_grad()
+def token_logprobs(model, mb: MicroBatch, s: LossSettings) -> torch.Tensor:
+    """Log-probs (N,) float32 of the micro-batch's response tokens under softmax(logits / T); no gradient."""
+    return _logprobs_and_entropy(model, mb, s)[0]
+
+
+def backward(engine, loss: torch.Tensor, dp_size: int) -> None:
+    """Accumulate d(step loss)/d(weights) for this micro-batch's partial sum (see the module docstring)."""
+    engine.backward(loss * dp_size, scale_wrt_gas=False)
+
+
+def discard_gradients(engine) -> None:
+    """Forget the gradients accumulated since the last optimizer step without stepping (the NaN guard): ZeRO's next
+    backward then overwrites its gradient partitions (as after a step)."""
+    engine.optimizer.zero_grad()
+    # The one read of DeepSpeed's private state: its count of backwards since the last step, which decides when
+    # unmanaged accumulation starts a new step. It has no public reset, and a step that was skipped must start over.
+    if hasattr(engine, "_unmanaged_backward_count"):
+        engine._unmanaged_backward_count = 0
+
+
+# ------------------------------------------------------------------------------------------------- forwards
+
+def _logprobs_and_entropy(model, mb: MicroBatch, s: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    if s.fused_lm_head:
+        def head(module, hidden):  # (B, T, H) -> (2, N): log-probs and entropies
+            return torch.stack(kernels.logprobs_from_hidden(_trained_positions(hidden, mb), module.weight,
+                                                            mb.target_ids, s.temperature, s.chunk_tokens, s.backend))
+        both = _forward_with_head(model, mb, head)
+        return both[0], both[1]
+    return kernels.logprobs_from_logits(_logits(model, mb), mb.target_ids, mb.logit_index, s.temperature,
+                                        s.chunk_tokens, s.backend)
+
+
+def _trained_positions(hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    return hidden.reshape(-1, hidden.shape[-1])[mb.logit_index]  # (B, T, H) -> (N, H)
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)  # a DeepSpeed engine wraps the transformers model
+
+
+@contextmanager
+def _lm_head_replaced(model, head_fn):
+    head = _unwrap(model).get_output_embeddings()
+    head.forward = lambda hidden: head_fn(head, hidden)  # the instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _forward_with_head(model, mb: MicroBatch, head_fn) -> torch.Tensor:
+    with _lm_head_replaced(model, head_fn):
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+
+
+def _logits(model, mb: MicroBatch) -> torch.Tensor:
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits  # (B, T, V)
+    return logits.view(-1, logits.shape[-1])  # (B*T, V)

@@ -1,0 +1,96 @@
+"""The policy being trained: its DeepSpeed engine, its KL reference, and what leaves it (rollout weights,
+checkpoints). Full fine-tuning or LoRA is decided once, here, when it is built.
+
+                  full fine-tuning                        LoRA (model.lora_rank, grpo_ds.lora)
+    engine        ZeRO engine over every weight           ZeRO engine over the peft model; only adapters train
+    reference     a second, frozen ZeRO engine (kl > 0)   the policy's own engine with its adapters disabled
+    rollout sync  every weight, bucket by bucket          W + scaling * B @ A of each adapted layer
+    checkpoint    every weight and its optimizer state    the adapters and their optimizer state
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_ds import lora
+from grpo_ds.engine import create_reference_engine, create_train_engine
+from grpo_ds.models import load_model
+from grpo_ds.recipe import Recipe
+from grpo_ds.rollout.weight_sync import gathered_named_parameters
+
+
+@dataclass
+class Policy:
+    engine: Any  # the DeepSpeed engine being trained
+    lora: bool  # only LoRA adapters train (decided from model.lora_rank when built)
+    reference_engine: Any | None  # scores the KL reference (LoRA: ``engine`` itself, adapters off); None: no KL
+    fused_lm_head_problem: str | None  # why the fused lm_head kernels cannot run on this model (None: they can)
+
+    @staticmethod
+    def build(model: torch.nn.Module, recipe: Recipe, ds_config: dict, vocab_size: int, announce: bool) -> Policy:
+        """Wrap ``model`` (already loaded) in its engine and build its reference. ``announce``: print the one-line
+        notes (LoRA summary, fused-head fallback) on this rank."""
+        use_lora = lora.enabled(recipe.model)
+        engine = create_train_engine(lora.apply_lora(model, recipe.model) if use_lora else model, ds_config)
+        reference = None
+        if recipe.algorithm.kl_coef > 0:
+            reference = engine if use_lora else create_reference_engine(
+                load_model(recipe.model, vocab_size, recipe.run.seed), ds_config)
+        policy = Policy(engine, use_lora, reference, _fused_lm_head_problem(engine.module))
+        if announce:
+            if use_lora:
+                print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
+            if recipe.kernels.fused_lm_head and policy.fused_lm_head_problem:
+                print(f"note: kernels.fused_lm_head: {policy.fused_lm_head_problem}; computing full logits",
+                      file=sys.stderr, flush=True)
+        return policy
+
+    @property
+    def fused_lm_head_allowed(self) -> bool:
+        return self.fused_lm_head_problem is None
+
+    @contextmanager
+    def reference(self):
+        """The engine that scores the reference policy, for the duration (LoRA: the adapters are off)."""
+        if self.reference_engine is None:
+            raise RuntimeError("this policy has no reference model (algorithm.kl_coef is 0)")
+        if self.lora:
+            with lora.adapters_disabled(self.reference_engine):
+                yield self.reference_engine
+        else:
+            yield self.reference_engine
+
+    def rollout_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends the rollout engine (every rank must consume it to the end)."""
+        if self.lora:
+            return lora.merged_weights(self.engine.module, bucket_bytes)
+        return gathered_named_parameters(self.engine.module, bucket_bytes)
+
+    def save_state(self, folder: Path, tag: str) -> None:
+        """The engine's sharded state into ``folder/tag`` (collective); a LoRA policy's frozen base is left out: it
+        is rebuilt from model.path on resume and export."""
+        self.engine.save_checkpoint(str(folder), tag=tag, exclude_frozen_parameters=self.lora)
+
+    def load_state(self, folder: Path, tag: str) -> bool:
+        """Restore weights, optimizer and lr schedule from ``folder/tag``; False if DeepSpeed found nothing."""
+        load_path, _ = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True, load_module_strict=not self.lora)
+        return load_path is not None
+
+
+def _fused_lm_head_problem(module: torch.nn.Module) -> str | None:
+    """The fused path computes hidden states x the lm_head weight; a model that changes its logits after that
+    product, or an lm_head that adds its own (a LoRA adapter), would be skipped by it."""
+    config = getattr(module, "config", None)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return "the model soft-caps its final logits (final_logit_softcapping)"
+    if hasattr(module.get_output_embeddings(), "lora_A"):
+        return "the lm_head has a LoRA adapter"
+    return None

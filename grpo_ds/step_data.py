@@ -1,0 +1,30 @@
+"""One step's data, in the order the driver fills it: samples and rewards (grpo_ds.collect), the plan, the old and
+reference log-probs, the advantages; plus the step's metrics and phase times, which every phase adds to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_ds.planner import StepPlan
+from grpo_ds.rollout.base import Rollouts
+
+PerSample = dict[int, torch.Tensor]  # {sample id: (L_i,) float32 per response token}
+
+
+@dataclass
+class StepData:
+    prompt_index: list[int]  # (P,) dataset rows of the groups, in order
+    rollouts: Rollouts  # P*G samples, the G of a prompt consecutive
+    rewards: list[float]  # (P*G,) reward functions' weighted total plus environment rewards
+    metrics: dict = field(default_factory=dict)  # this step's metrics so far
+    times: dict = field(default_factory=dict)  # seconds per phase ("rollout", "reward", "logprob", ...)
+    plan: StepPlan | None = None  # optimizer steps, per-rank shards, micro-batches
+    old_logprobs: PerSample | None = None  # None: no old-log-prob pass (old = current, detached)
+    ref_logprobs: PerSample | None = None  # None: no reference model
+    advantages: list[float] | None = None  # (P*G,) after reward shaping
+
+    def sequence_tokens(self) -> list[int]:
+        """Prompt + response tokens of every sample."""
+        return [len(p) + len(r) for p, r in zip(self.rollouts.prompt_ids, self.rollouts.response_ids, strict=True)]
