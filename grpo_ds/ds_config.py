@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import Recipe, read_json_object
+from grpo_ds.recipe import Recipe
+from grpo_ds.recipe_parse import read_json_object
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # ds_configs/ sits beside grpo_ds/ in the repo
 

@@ -1,11 +1,12 @@
-"""The recipe: schema (frozen dataclasses), JSON loading, overrides and validation.
+"""The recipe: schema (frozen dataclasses), loading and cross-field validation.
 
 Every default lives here and nowhere else. Each field declares its documentation, and where it
 applies its allowed choices and numeric range, in ``field(metadata=...)``; validation, ``grpo_ds.check``
 and the README's key reference all read that one declaration.
 
 Load order (nothing touches a model): JSON file -> ``section.key=value`` overrides -> type, choice
-and range checks per field -> cross-field checks (batch algebra) -> a frozen ``Recipe``.
+and range checks per field (grpo_ds.recipe_parse) -> cross-field checks (batch algebra, here) -> a frozen
+``Recipe``.
 The DeepSpeed side (``train_batch_size`` and friends) is resolved in ``grpo_ds.ds_config``.
 """
 
@@ -13,18 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from grpo_ds.algo.advantages import ESTIMATORS, SCALES
 from grpo_ds.algo.aggregation import LOSS_AGG_MODES
 from grpo_ds.algo.kl import KL_ESTIMATORS
 from grpo_ds.algo.policy_loss import POLICY_LOSSES
-from grpo_ds.errors import UserError, json_type_name, suggest
+from grpo_ds.errors import UserError
 from grpo_ds.kernels import BACKENDS
+from grpo_ds.recipe_parse import apply_override, build, normalise_overrides, read_json_object
 from grpo_ds.rewards.loading import parse_reward_specs
 from grpo_ds.rewards.scoring import ON_ERROR_CHOICES
 
@@ -316,145 +317,11 @@ def load_recipe(source: str | Path | dict, overrides: list[str] | dict | None = 
         if not path.is_file():
             raise UserError(where, "recipe file not found", "check the path, e.g. recipes/tiny_cpu.json")
         raw = read_json_object(path, "a recipe", '{"run": {...}, ...}')
-    for key, value in _normalise_overrides(overrides):
-        _apply_override(raw, key, value)
-    recipe = _build(raw, where, source_dir)
+    for key, value in normalise_overrides(overrides):
+        apply_override(raw, key, value, SECTIONS, TOP_LEVEL_VALUES)
+    recipe = build(Recipe, raw, where, source_dir, SECTIONS, TOP_LEVEL_VALUES)
     validate(recipe)
     return recipe
-
-
-def read_json_object(path: Path, what: str, example: str) -> dict:
-    """A JSON file that must hold one object; syntax errors point at line and column."""
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        where = f"{path}:{err.lineno}:{err.colno}"
-        raise UserError(where, f"invalid JSON ({err.msg})", "fix the JSON syntax") from None
-    if not isinstance(raw, dict):
-        raise UserError(str(path), f"{what} must be a JSON object", f"e.g. {example}")
-    return raw
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``section.key=value``: the value is JSON when it parses, otherwise a plain string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise UserError(f"override {text!r}", "expected section.key=value", "e.g. train.lr=1e-5")
-    try:
-        return key.strip(), json.loads(value)
-    except json.JSONDecodeError:
-        return key.strip(), value
-
-
-def _normalise_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]:
-    if not overrides:
-        return []
-    if isinstance(overrides, dict):
-        return list(overrides.items())
-    return [parse_override(o) for o in overrides]
-
-
-def _apply_override(raw: dict, key: str, value: Any) -> None:
-    where = f"override {key}"
-    parts = key.split(".")
-    if parts[0] in TOP_LEVEL_VALUES and len(parts) == 1:
-        raw[parts[0]] = value
-        return
-    if parts[0] == "deepspeed" and len(parts) > 1:  # deepspeed.zero_optimization.stage=2 edits an inline object
-        if not isinstance(raw.get("deepspeed"), dict):
-            raise UserError(where, "deepspeed is a file path, so its keys cannot be overridden one by one",
-                            "edit the file, or give an inline deepspeed object in the recipe")
-        target = raw["deepspeed"]
-        for depth, p in enumerate(parts[1:-1], start=1):
-            target = target.setdefault(p, {})
-            if not isinstance(target, dict):
-                raise UserError(where, f"deepspeed.{'.'.join(parts[1:depth + 1])} is not an object",
-                                "override the key itself, e.g. deepspeed.train_batch_size=\"auto\"")
-        target[parts[-1]] = value
-        return
-    if len(parts) != 2:
-        raise UserError(where, "overrides are section.key=value", "e.g. train.lr=1e-5")
-    section, name = parts
-    if section not in SECTIONS:
-        raise UserError(where, f"unknown section {section!r}", suggest(section, list(SECTIONS) + ["deepspeed"]))
-    raw.setdefault(section, {})
-    if not isinstance(raw[section], dict):
-        raise UserError(section, "must be a JSON object", f'write "{section}": {{...}}')
-    raw[section][name] = value
-
-
-def _build(raw: dict, where: str, source_dir: str) -> Recipe:
-    values: dict[str, Any] = {"source_dir": source_dir}
-    for key, section_raw in raw.items():
-        if key in TOP_LEVEL_VALUES:
-            if not isinstance(section_raw, (str, dict)):
-                raise UserError(key, f"must be a path string or a JSON object, got {json_type_name(section_raw)}",
-                                'e.g. "ds_configs/zero3.json"')
-            values[key] = section_raw
-            continue
-        if key not in SECTIONS:
-            raise UserError(f"{where}: {key}", "unknown section", suggest(key, list(SECTIONS) + ["deepspeed"]))
-        if not isinstance(section_raw, dict):
-            raise UserError(key, f"must be a JSON object, got {json_type_name(section_raw)}", f'write "{key}": {{...}}')
-        values[key] = _build_section(key, SECTIONS[key], section_raw)
-    return Recipe(**values)
-
-
-def _build_section(section: str, cls: type, raw: dict) -> Any:
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in raw.items():
-        if name not in known:
-            raise UserError(f"{section}.{name}", "unknown key", suggest(name, known))
-        f = known[name]
-        kwargs[name] = _check_field(f"{section}.{name}", value, f)
-    return cls(**kwargs)
-
-
-def _check_field(where: str, value: Any, f: dataclasses.Field) -> Any:
-    """Check one value against its declared type, choices and range; return it (ints widened to float)."""
-    hint = typing.get_type_hints(_owner_of(f))[f.name]
-    args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
-    nullable = type(None) in args
-    base = next(a for a in args if a is not type(None))
-    meta = f.metadata
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    if value is None:
-        if nullable:
-            return None
-        raise UserError(where, "must not be null", f"give a value like {json.dumps(default)}")
-    ok = {bool: isinstance(value, bool),
-          int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          str: isinstance(value, str), list: isinstance(value, list), dict: isinstance(value, dict)}[base]
-    if not ok:
-        raise UserError(where, f"expected {json_type_name(base())}, got {json_type_name(value)} {json.dumps(value)}",
-                        f"e.g. {json.dumps(default)}")
-    if base is float:
-        value = float(value)
-    if meta.get("choices") and value not in meta["choices"]:
-        raise UserError(where, f"{value!r} is not one of {', '.join(map(repr, meta['choices']))}",
-                        suggest(str(value), meta["choices"], "valid values") if isinstance(value, str)
-                        else "pick one of them")
-    low, high = meta.get("low"), meta.get("high")
-    if low is not None and (value < low or (meta.get("low_open") and value == low)):
-        rule = f"> {low}" if meta.get("low_open") else f">= {low}"
-        raise UserError(where, f"{value} is out of range: must be {rule}" + (f" and <= {high}" if high else ""),
-                        f"e.g. {default}" if default is not None else "use a larger value")
-    if high is not None and value > high:
-        raise UserError(where, f"{value} is out of range: must be <= {high}", f"e.g. {default}")
-    return value
-
-
-_OWNERS: dict[int, type] = {}
-
-
-def _owner_of(f: dataclasses.Field) -> type:
-    if not _OWNERS:
-        for cls in SECTIONS.values():
-            for sub in dataclasses.fields(cls):
-                _OWNERS[id(sub)] = cls
-    return _OWNERS[id(f)]
 
 
 # -------------------------------------------------------------------------------------- validation

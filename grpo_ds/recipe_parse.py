@@ -1,0 +1,140 @@
+"""JSON objects into the recipe's frozen dataclasses (grpo_ds.recipe declares them): files, ``section.key=value``
+overrides, and the per-field type, choice and range checks that every field's declaration (``recipe.opt``) drives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+from grpo_ds.errors import UserError, json_type_name, suggest
+
+
+def read_json_object(path: Path, what: str, example: str) -> dict:
+    """A JSON file that must hold one object; syntax errors point at line and column."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        where = f"{path}:{err.lineno}:{err.colno}"
+        raise UserError(where, f"invalid JSON ({err.msg})", "fix the JSON syntax") from None
+    if not isinstance(raw, dict):
+        raise UserError(str(path), f"{what} must be a JSON object", f"e.g. {example}")
+    return raw
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``section.key=value``: the value is JSON when it parses, otherwise a plain string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {text!r}", "expected section.key=value", "e.g. train.lr=1e-5")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def normalise_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]:
+    if not overrides:
+        return []
+    if isinstance(overrides, dict):
+        return list(overrides.items())
+    return [parse_override(o) for o in overrides]
+
+
+def apply_override(raw: dict, key: str, value: Any, sections: dict[str, type], top_level: tuple[str, ...]) -> None:
+    """Set ``section.key`` (or a top-level value, or a key of an inline deepspeed object) in the raw recipe."""
+    where = f"override {key}"
+    parts = key.split(".")
+    if parts[0] in top_level and len(parts) == 1:
+        raw[parts[0]] = value
+        return
+    if parts[0] == "deepspeed" and len(parts) > 1:  # deepspeed.zero_optimization.stage=2 edits an inline object
+        if not isinstance(raw.get("deepspeed"), dict):
+            raise UserError(where, "deepspeed is a file path, so its keys cannot be overridden one by one",
+                            "edit the file, or give an inline deepspeed object in the recipe")
+        target = raw["deepspeed"]
+        for depth, p in enumerate(parts[1:-1], start=1):
+            target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise UserError(where, f"deepspeed.{'.'.join(parts[1:depth + 1])} is not an object",
+                                "override the key itself, e.g. deepspeed.train_batch_size=\"auto\"")
+        target[parts[-1]] = value
+        return
+    if len(parts) != 2:
+        raise UserError(where, "overrides are section.key=value", "e.g. train.lr=1e-5")
+    section, name = parts
+    if section not in sections:
+        raise UserError(where, f"unknown section {section!r}", suggest(section, list(sections) + ["deepspeed"]))
+    raw.setdefault(section, {})
+    if not isinstance(raw[section], dict):
+        raise UserError(section, "must be a JSON object", f'write "{section}": {{...}}')
+    raw[section][name] = value
+
+
+def build(recipe_cls: type, raw: dict, where: str, source_dir: str, sections: dict[str, type],
+          top_level: tuple[str, ...]) -> Any:
+    """The frozen recipe of a raw JSON object: every section's keys checked against their declarations."""
+    values: dict[str, Any] = {"source_dir": source_dir}
+    for key, section_raw in raw.items():
+        if key in top_level:
+            if not isinstance(section_raw, (str, dict)):
+                raise UserError(key, f"must be a path string or a JSON object, got {json_type_name(section_raw)}",
+                                'e.g. "ds_configs/zero3.json"')
+            values[key] = section_raw
+            continue
+        if key not in sections:
+            raise UserError(f"{where}: {key}", "unknown section", suggest(key, list(sections) + ["deepspeed"]))
+        if not isinstance(section_raw, dict):
+            raise UserError(key, f"must be a JSON object, got {json_type_name(section_raw)}", f'write "{key}": {{...}}')
+        values[key] = _build_section(key, sections[key], section_raw)
+    return recipe_cls(**values)
+
+
+def _build_section(section: str, cls: type, raw: dict) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in raw.items():
+        if name not in known:
+            raise UserError(f"{section}.{name}", "unknown key", suggest(name, known))
+        f = known[name]
+        kwargs[name] = _check_field(f"{section}.{name}", value, f, cls)
+    return cls(**kwargs)
+
+
+def _check_field(where: str, value: Any, f: dataclasses.Field, owner: type) -> Any:
+    """Check one value against its declared type, choices and range; return it (ints widened to float)."""
+    hint = typing.get_type_hints(owner)[f.name]
+    args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    nullable = type(None) in args
+    base = next(a for a in args if a is not type(None))
+    meta = f.metadata
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if value is None:
+        if nullable:
+            return None
+        raise UserError(where, "must not be null", f"give a value like {json.dumps(default)}")
+    ok = {bool: isinstance(value, bool),
+          int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str), list: isinstance(value, list), dict: isinstance(value, dict)}[base]
+    if not ok:
+        raise UserError(where, f"expected {json_type_name(base())}, got {json_type_name(value)} {json.dumps(value)}",
+                        f"e.g. {json.dumps(default)}")
+    if base is float:
+        value = float(value)
+    if meta.get("choices") and value not in meta["choices"]:
+        raise UserError(where, f"{value!r} is not one of {', '.join(map(repr, meta['choices']))}",
+                        suggest(str(value), meta["choices"], "valid values") if isinstance(value, str)
+                        else "pick one of them")
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None and (value < low or (meta.get("low_open") and value == low)):
+        rule = f"> {low}" if meta.get("low_open") else f">= {low}"
+        raise UserError(where, f"{value} is out of range: must be {rule}" + (f" and <= {high}" if high else ""),
+                        f"e.g. {default}" if default is not None else "use a larger value")
+    if high is not None and value > high:
+        raise UserError(where, f"{value} is out of range: must be <= {high}", f"e.g. {default}")
+    return value
