@@ -49,10 +49,9 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                     seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A small random Llama causal LM (sdpa attention, fine on CPU); the same ``seed`` gives the same weights."""
-    config = LlamaConfig(
+def tiny_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4) -> LlamaConfig:
+    """The tiny model's architecture: a small Llama causal LM with sdpa attention (fine on CPU)."""
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -66,9 +65,14 @@ def build_tiny_model(vocab_size: int, hidden_size: int = 64, num_layers: int = 2
         bos_token_id=1,
         attn_implementation="sdpa",
     )
+
+
+def build_tiny_model(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                     seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A small random Llama causal LM; the same ``seed`` gives the same weights."""
     # Built on the CPU with a locally seeded CPU generator: identical weights on every machine and rank, and the
     # caller's RNG stream is left untouched. The caller moves the model to its device.
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(tiny_config(vocab_size, hidden_size, num_layers, num_heads))
     return model.to(dtype)

@@ -30,7 +30,7 @@ import torch
 
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import ModelConfig
-from grpo_ds.rollout.weight_sync import gathered_parameters
+from grpo_ds.rollout.weight_sync import gathered_named_parameters, gathered_parameters
 
 PEFT_SPEC = "peft>=0.21"
 ALL_LINEAR = "all-linear"
@@ -140,6 +140,24 @@ def merged_weights(module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtyp
             continue
         _add_delta(tensor, adapters.pop("B"), adapters.pop("A"), layers[name].scaling[_ADAPTER])
         yield _base_name(name) + ".weight", tensor
+
+
+def merged_model_weights(module: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the merged model under the plain model's names: the frozen weights no adapter touches, then
+    ``merged_weights`` (same validity rule; every rank must consume it)."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = {f"{name}.base_layer.weight" for name, layer in module.named_modules()
+               if isinstance(layer, LoraLayer) and _ADAPTER in layer.lora_A}
+
+    def rename(name: str) -> str | None:
+        if ".lora_" in name or name in adapted:
+            return None
+        owner, _, leaf = name.rpartition(".")
+        return f"{_base_name(owner)}.{leaf}"
+
+    yield from gathered_named_parameters(module, bucket_bytes, rename=rename)
+    yield from merged_weights(module, bucket_bytes)
 
 
 def _add_delta(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling: float) -> None:

@@ -2,16 +2,26 @@
 
 Nothing is ever downloaded (``local_files_only=True``). ``check_model_path`` runs the same path checks
 without loading anything, so a wrong path is reported before any model is loaded.
+
+Partitioned loading. Given a ZeRO-3 DeepSpeed config, ``load_model`` loads with transformers' DeepSpeed
+integration alive (an ``HfDeepSpeedConfig`` of the resolved config, kept for the duration of the load only): the
+model is built inside ``deepspeed.zero.Init``, rank 0 reads the weights and each module's are scattered as it
+loads, so every rank holds 1/dp of every weight from the start and no rank holds the whole model. ``builtin:tiny``
+goes the same way: rank 0 builds the seeded model (tiny) and its weights are scattered into the partitioned
+skeleton, so the initial weights are the same on every rank and at every world size (a bare ``zero.Init`` around
+the constructor would initialise empty partitions; see ../shared/notes). Outside ZeRO-3 transformers loads on the
+meta device first and then reads the weights (no random initialisation, no second copy).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import ModelConfig
 
@@ -69,21 +79,24 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
-    """The policy model in model.dtype; ``vocab_size`` and ``seed`` only shape the builtin tiny model."""
+def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int, ds_config: dict | None = None) -> PreTrainedModel:
+    """The policy model in model.dtype; ``vocab_size`` and ``seed`` only shape the builtin tiny model. With a ZeRO-3
+    ``ds_config`` the model is born partitioned (see the module docstring). The caller's RNG stream is untouched."""
     check_model_path(model_cfg)
     dtype = torch_dtype(model_cfg.dtype)
-    if model_cfg.path == BUILTIN_TINY:
-        model = build_tiny_model(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers,
+    with torch.random.fork_rng(devices=[]), _partitioned_loading(ds_config) as partitioned:
+        if model_cfg.path == BUILTIN_TINY:
+            model = _tiny_partitioned(model_cfg, vocab_size, seed, dtype) if partitioned else \
+                build_tiny_model(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers,
                                  model_cfg.tiny_num_heads, seed=seed, dtype=dtype)
-    else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype, local_files_only=True,
-                                                         trust_remote_code=model_cfg.trust_remote_code)
-        except (OSError, ValueError) as err:
-            raise UserError("model.path", f"cannot load a causal LM from {model_cfg.path} ({first_line(err)})",
-                            "the folder needs config.json and the weights (*.safetensors); set "
-                            "model.trust_remote_code=true only if it ships its own modelling code") from None
+        else:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype, local_files_only=True,
+                                                             trust_remote_code=model_cfg.trust_remote_code)
+            except (OSError, ValueError) as err:
+                raise UserError("model.path", f"cannot load a causal LM from {model_cfg.path} ({first_line(err)})",
+                                "the folder needs config.json and the weights (*.safetensors); set "
+                                "model.trust_remote_code=true only if it ships its own modelling code") from None
     if model_cfg.gradient_checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable (deprecated, warns) to activation_checkpointing_enable.
         if hasattr(model, "activation_checkpointing_enable"):
@@ -91,4 +104,49 @@ def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrained
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # the KV cache is useless when activations are recomputed
+    return model
+
+
+def is_partitioned(ds_config: dict | None) -> bool:
+    """Whether models load partitioned under ``ds_config`` (ZeRO stage 3)."""
+    return ds_config is not None and (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
+
+
+@contextmanager
+def _partitioned_loading(ds_config: dict | None):
+    """transformers' DeepSpeed integration alive for the duration (ZeRO-3 only). It is not kept beyond the load:
+    while it is alive transformers' ``generate`` syncs every rank at every token (``synced_gpus``), which the
+    rollout engines' unsharded copies must not do."""
+    if not is_partitioned(ds_config):
+        yield False
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    alive = HfDeepSpeedConfig(ds_config)  # transformers keeps only a weak reference: hold it while loading
+    try:
+        yield True
+    finally:
+        unset_hf_deepspeed_config()
+        del alive
+
+
+def _tiny_partitioned(model_cfg: ModelConfig, vocab_size: int, seed: int, dtype: torch.dtype) -> PreTrainedModel:
+    """builtin:tiny inside zero.Init, its seeded weights built on rank 0 and scattered module by module."""
+    import deepspeed
+    from transformers.initialization import no_init_weights
+
+    config = tiny_config(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers, model_cfg.tiny_num_heads)
+    with no_init_weights():  # every weight is overwritten below
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    main = torch.distributed.get_rank() == 0
+    source = dict(build_tiny_model(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers,
+                                   model_cfg.tiny_num_heads, seed=seed, dtype=dtype).named_parameters()) if main else {}
+    for prefix, module in model.named_modules():
+        params = dict(module.named_parameters(prefix=prefix, recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+            if main:
+                for name, param in params.items():
+                    param.copy_(source[name])
     return model

@@ -1,15 +1,22 @@
 """The policy being trained: its DeepSpeed engine, its KL reference, and what leaves it (rollout weights,
-checkpoints). Full fine-tuning or LoRA is decided once, here, when it is built.
+checkpoints, the final model). Full fine-tuning or LoRA is decided once, here, when it is built.
 
                   full fine-tuning                        LoRA (model.lora_rank, grpo_ds.lora)
     engine        ZeRO engine over every weight           ZeRO engine over the peft model; only adapters train
     reference     a second, frozen ZeRO engine (kl > 0)   the policy's own engine with its adapters disabled
     rollout sync  every weight, bucket by bucket          W + scaling * B @ A of each adapted layer
     checkpoint    every weight and its optimizer state    the adapters and their optimizer state
+    final model   every weight                            the base with the adapters merged
+
+Under ZeRO-3 the policy and the reference are loaded partitioned (grpo_ds.models.load_model): no rank ever holds
+either whole, except rank 0 while it writes the final model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,15 +41,16 @@ class Policy:
     fused_lm_head_problem: str | None  # why the fused lm_head kernels cannot run on this model (None: they can)
 
     @staticmethod
-    def build(model: torch.nn.Module, recipe: Recipe, ds_config: dict, vocab_size: int, announce: bool) -> Policy:
-        """Wrap ``model`` (already loaded) in its engine and build its reference. ``announce``: print the one-line
-        notes (LoRA summary, fused-head fallback) on this rank."""
+    def build(recipe: Recipe, ds_config: dict, vocab_size: int, announce: bool) -> Policy:
+        """Load the model (partitioned under ZeRO-3), wrap it in its engine and build its reference. ``announce``:
+        print the one-line notes (LoRA summary, fused-head fallback) on this rank."""
         use_lora = lora.enabled(recipe.model)
+        model = load_model(recipe.model, vocab_size, recipe.run.seed, ds_config)
         engine = create_train_engine(lora.apply_lora(model, recipe.model) if use_lora else model, ds_config)
         reference = None
         if recipe.algorithm.kl_coef > 0:
             reference = engine if use_lora else create_reference_engine(
-                load_model(recipe.model, vocab_size, recipe.run.seed), ds_config)
+                load_model(recipe.model, vocab_size, recipe.run.seed, ds_config), ds_config)
         policy = Policy(engine, use_lora, reference, _fused_lm_head_problem(engine.module))
         if announce:
             if use_lora:
@@ -73,6 +81,31 @@ class Policy:
             return lora.merged_weights(self.engine.module, bucket_bytes)
         return gathered_named_parameters(self.engine.module, bucket_bytes)
 
+    def full_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight of the model the policy stands for (LoRA: merged), under transformers' names, bucket by
+        bucket (every rank must consume it to the end; each tensor is valid until the next)."""
+        if self.lora:
+            return lora.merged_model_weights(self.engine.module, bucket_bytes)
+        return gathered_named_parameters(self.engine.module, bucket_bytes)
+
+    def final_weights(self, bucket_bytes: int, keep: bool) -> tuple[str, dict[str, torch.Tensor] | None]:
+        """(``weights_sha256`` of ``full_weights``, the same on every rank; with ``keep``, those weights as a CPU
+        state dict). Collective: every rank calls it."""
+        state: dict[str, torch.Tensor] = {}
+        digests = {}
+        for name, tensor in self.full_weights(bucket_bytes):
+            digests[name] = _tensor_sha256(tensor)
+            if keep:
+                state[name] = tensor.detach().to("cpu", copy=True)
+        return _combine(digests), (state if keep else None)
+
+    def save_pretrained(self, folder: Path, state: dict[str, torch.Tensor], tokenizer) -> None:
+        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder."""
+        module = self.engine.module.get_base_model() if self.lora else self.engine.module
+        with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
+            module.save_pretrained(folder, state_dict=state)
+        tokenizer.save_pretrained(folder)
+
     def save_state(self, folder: Path, tag: str) -> None:
         """The engine's sharded state into ``folder/tag`` (collective); a LoRA policy's frozen base is left out: it
         is rebuilt from model.path on resume and export."""
@@ -94,3 +127,16 @@ def _fused_lm_head_problem(module: torch.nn.Module) -> str | None:
     if hasattr(module.get_output_embeddings(), "lora_A"):
         return "the lm_head has a LoRA adapter"
     return None
+
+
+def weights_sha256(named_tensors) -> str:
+    """One digest of (name, tensor) pairs that does not depend on their order (float32 bytes of each tensor)."""
+    return _combine({name: _tensor_sha256(tensor) for name, tensor in named_tensors})
+
+
+def _tensor_sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _combine(digests: dict[str, str]) -> str:
+    return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(digests.items())).encode()).hexdigest()

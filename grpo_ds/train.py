@@ -14,8 +14,6 @@ before a model loads or a file is written.
 from __future__ import annotations
 
 import argparse
-import copy
-import hashlib
 import json
 import math
 import sys
@@ -37,7 +35,7 @@ from grpo_ds.loss import LossStats
 from grpo_ds.metrics import MetricsLogger, peak_memory_gib
 from grpo_ds.models import load_model
 from grpo_ds.planner import plan_recipe_step, token_imbalance
-from grpo_ds.policy import Policy
+from grpo_ds.policy import Policy, weights_sha256
 from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
@@ -59,9 +57,8 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         run_folder.prepare(folder, recipe, inputs.ds_config)
     dist.barrier()
     torch.manual_seed(recipe.run.seed)
-    model = load_model(recipe.model, len(tokenizer), recipe.run.seed)
-    rollout = _rollout_engine(recipe, inputs, copy.deepcopy(model).to(dist.device))  # the plain model
-    policy = Policy.build(model, recipe, inputs.ds_config, len(tokenizer), announce=dist.is_main)
+    rollout = _rollout_engine(recipe, inputs, dist)  # before the trainer: vLLM measures the free GPU memory
+    policy = Policy.build(recipe, inputs.ds_config, len(tokenizer), announce=dist.is_main)  # ZeRO-3: partitioned
     sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
     logger = MetricsLogger(run_dir if dist.is_main else None, recipe.train.steps, recipe.logging, recipe.run.name,
                            recipe.to_dict())
@@ -142,10 +139,15 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
             checkpoint.save(policy, run_dir, step, {"sampler": sampler.state_dict(), "history": logger.history},
                             recipe.checkpoint.keep, dist)
 
-    _append_json(rank_log, {"final_weights_sha256": _weights_sha256(rollout.model)})
-    if dist.is_main and recipe.run.save_final_model:  # the rollout copy holds the full, synced weights
-        rollout.model.save_pretrained(run_dir / "final_model")
-        tokenizer.save_pretrained(run_dir / "final_model")
+    # ---- the end: the final weights' hash on every rank (and the rollout copy's, which must equal it), the model
+    save = dist.is_main and recipe.run.save_final_model
+    digest, state = policy.final_weights(bucket_bytes, keep=save)
+    final = {"final_weights_sha256": digest}
+    if getattr(rollout, "model", None) is not None:
+        final["rollout_weights_sha256"] = weights_sha256(rollout.model.named_parameters())
+    _append_json(rank_log, final)
+    if save:
+        policy.save_pretrained(run_dir / "final_model", state, tokenizer)
     logger.close()
     dist.barrier()
     return logger.history
@@ -241,12 +243,16 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
     return resumed.step + 1
 
 
-def _rollout_engine(recipe: Recipe, inputs: Inputs, model: torch.nn.Module):
+def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist):
+    """The rollout engine: hf and agent generate with an unsharded copy of the policy, loaded here (the one full copy
+    a rank holds); vLLM loads its own weights from model.path and gets no copy."""
     r, tokenizer = recipe.rollout, inputs.tokenizer
     if r.engine == "vllm":  # vLLM is imported only when chosen (an optional extra; GPUs only)
         from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
 
-        return VLLMRolloutEngine(VLLMSettings.from_recipe(recipe), model, tokenizer)
+        return VLLMRolloutEngine(VLLMSettings.from_recipe(recipe), tokenizer,
+                                 lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed))
+    model = load_model(recipe.model, len(tokenizer), recipe.run.seed).to(dist.device)
     if r.engine == "agent":
         return AgentRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer, inputs.env_factory,
                                   r.max_turns, recipe.max_response_tokens, r.generation_batch_prompts)
@@ -258,14 +264,6 @@ def _rollout_engine(recipe: Recipe, inputs: Inputs, model: torch.nn.Module):
 def _append_json(path: Path, record: dict) -> None:
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _weights_sha256(model: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------- CLI

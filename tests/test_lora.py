@@ -90,7 +90,8 @@ def test_lora_recipe_learns_on_two_ranks(tmp_path):
     assert first < 0.1 and last >= first + 0.2, (first, last)
     ranks = [json.loads((tmp_path / "lora_tiny_cpu" / "ranks" / f"rank{r}.jsonl").read_text().splitlines()[-1])
              for r in range(2)]
-    assert ranks[0]["final_weights_sha256"] == ranks[1]["final_weights_sha256"]  # both rollout copies in sync
+    assert ranks[0]["final_weights_sha256"] == ranks[1]["final_weights_sha256"]
+    assert all(r["rollout_weights_sha256"] == r["final_weights_sha256"] for r in ranks)  # rollout copies in sync
 
 
 # ------------------------------------------------------------------------------- sync and reference (in process)

@@ -119,3 +119,21 @@ def test_folder_tokenizer_without_pad_uses_eos(tmp_path, saved_folder):
     tok = load_tokenizer(ModelConfig(path=str(tmp_path)))
     assert tok.pad_token == "<eos>" and tok.pad_token_id == 1
     assert tok.padding_side == "left"
+
+
+@pytest.mark.slow
+def test_zero3_loads_partitioned_and_identical_at_world_size_2(tmp_path):
+    """Each rank holds ceil(numel / 2) of every weight from the start (builtin:tiny and a saved HF folder); the
+    gathered weights and the logits equal a plain load exactly; LoRA trains on the partitioned base."""
+    from tests.launch import REPO, deepspeed_launch
+
+    folder = tmp_path / "hf"
+    build_tiny_model(64, hidden_size=32, num_layers=2, num_heads=4, seed=7).save_pretrained(folder)
+    deepspeed_launch(2, [str(REPO / "tests" / "scripts" / "partitioned_load_check.py"), str(tmp_path), str(folder)])
+    result = json.loads((tmp_path / "result.json").read_text())
+    for kind in ("tiny", "hf"):
+        r = result[kind]
+        assert r["shards_ok"] and r["weights_equal"] and r["logits_equal"], (kind, r)
+        assert r["weights_compared"] == 2 * 9 + 3  # 9 per layer, embedding, final norm, lm_head: nothing skipped
+        assert r["local"] <= r["total"] / 2 + 64, (kind, r)  # 1/2 of the model (each tensor rounded up)
+    assert result["lora_trainable_partitioned"] and result["lora_loss"] == result["lora_loss"]

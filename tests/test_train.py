@@ -147,6 +147,8 @@ def test_two_ranks_train_different_samples_and_end_identical(tmp_path):
         assert a and b and not a & b  # different samples of the same step
         assert a | b == set(range(400))  # together: every sample of the step
     assert logs[0][-1]["final_weights_sha256"] == logs[1][-1]["final_weights_sha256"]
+    # every rank's rollout copy holds exactly the policy's weights after the last sync
+    assert all(log[-1]["rollout_weights_sha256"] == log[-1]["final_weights_sha256"] for log in logs)
 
 
 @pytest.mark.slow
@@ -188,13 +190,11 @@ def test_final_model_is_a_local_hf_folder_to_train_from(tmp_path):
 
     tokenizer = load_tokenizer(ModelConfig(path=str(folder)))
     assert tokenizer.decode(tokenizer.encode("3+4=")) == "3+4="
+    from grpo_ds.policy import weights_sha256
+
     model = load_model(ModelConfig(path=str(folder)), len(tokenizer), seed=0)
-    digest = __import__("hashlib").sha256()
-    for name, param in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().float().contiguous().numpy().tobytes())
     rank_log = (tmp_path / "runs" / "first" / "ranks" / "rank0.jsonl").read_text().splitlines()
-    assert json.loads(rank_log[-1])["final_weights_sha256"] == digest.hexdigest()  # the trained weights
+    assert json.loads(rank_log[-1])["final_weights_sha256"] == weights_sha256(model.named_parameters())  # trained
     metrics = grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.name": "second",
                                                       "model.path": str(folder)}))
     assert len(metrics) == 1

@@ -28,8 +28,8 @@ gathered weights alive at a time) and hands each tensor to the model's own ``loa
 ``LLM.apply_model`` (vllm/entrypoints/llm.py; the function runs on the model in this process), which maps
 transformers names onto vLLM's fused layers, shards for tensor parallelism, casts to vLLM's dtype, and skips
 ``lm_head.weight`` of tied-embedding models. Then the prefix cache is reset: cached KV was computed by the old
-weights. The same tensors also refresh a CPU copy of the policy, ``self.model``, from which the driver saves
-the final model and its hash.
+weights. vLLM loads its initial weights from ``model.path`` itself: the trainer keeps no copy of the policy for it
+(the final model is written from the trainer's own partitioned weights, grpo_ds.policy).
 
 Supported vLLM: ``VLLM_SPEC`` (also the ``grpo_ds[vllm]`` extra in setup.cfg), the versions TRL validates its
 colocated mode on (trl/import_utils.py), whose torch pins (2.10, 2.11) fit grpo_ds's. vLLM is imported only in
@@ -44,7 +44,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -182,9 +182,12 @@ def rollouts_from_outputs(prompts: Sequence[list[int]], outputs: Sequence, group
 # ------------------------------------------------------------------------------------------------- the engine
 
 class VLLMRolloutEngine:
-    """Same surface as HFRolloutEngine (generate, update_weights, ``model``) plus sleep() and wake()."""
+    """Same surface as HFRolloutEngine (generate, update_weights) plus sleep() and wake(); no copy of the model.
 
-    def __init__(self, settings: VLLMSettings, model: torch.nn.Module, tokenizer) -> None:
+    ``builtin_model`` builds the model when ``model.path`` is a builtin one, which vLLM cannot load from a name: it
+    is written to a temporary folder once and dropped."""
+
+    def __init__(self, settings: VLLMSettings, tokenizer, builtin_model: Callable[[], torch.nn.Module]) -> None:
         import vllm  # only here: CPU machines never import vLLM
 
         self._vllm = vllm
@@ -198,12 +201,9 @@ class VLLMRolloutEngine:
         if tp > 1:  # every rank creates every group, in the same order
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
                 [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)])
-        # The CPU copy of the policy: the driver saves the final model from it (and hashes it)
-        self.model = model.to("cpu").eval().requires_grad_(False)
-        self._mirror = dict(self.model.named_parameters())
         folder = settings.model_path
         if folder.startswith("builtin:"):
-            folder = _save_for_vllm(self.model, tokenizer)
+            folder = _save_for_vllm(builtin_model(), tokenizer)
         # the external launcher reads the launcher's variables; a single process (python -m) has none of them
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -264,13 +264,11 @@ class VLLMRolloutEngine:
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Load the stream into vLLM tensor by tensor (each is valid only until the next), then drop cached KV."""
         self.wake(("weights",))
-        mirror = self._mirror
 
         def load(model: torch.nn.Module) -> int:  # runs on vLLM's model, in this process
             count = 0
             for name, tensor in named_tensors:
                 model.load_weights(weights=[(name, tensor)])
-                mirror[name].copy_(tensor)
                 count += 1
             return count
 
