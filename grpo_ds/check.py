@@ -82,7 +82,9 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
     r = inputs.recipe
     lengths = simulated_lengths(inputs, lengths_mode)
     t = r.train
-    plan = plan_recipe_step(r, lengths, world_size, step=1)
+    tp = t.tensor_parallel_size
+    dp = world_size // tp
+    plan = plan_recipe_step(r, lengths, dp, step=1)
     ds = inputs.ds_config
     _, ds_where = load_deepspeed_json(r)
     first = plan.minibatches[0]
@@ -92,6 +94,9 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
         else f"{t.logprob_micro_batch_samples_per_gpu} samples"
     lines = [
         f"recipe is valid for world size {world_size}",
+        f"parallel layout: world size {world_size} = data parallel {dp} x tensor parallel {tp}"
+        + (f" (ranks {tp}d .. {tp}d+{tp - 1} form tensor-parallel group d and run the same samples)" if tp > 1
+           else ""),
         "",
         "batch algebra",
         f"  samples per step             {r.samples_per_step} = prompts_per_step {r.rollout.prompts_per_step}"
@@ -106,7 +111,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
         "  reference log-prob pass      " + (f"runs (kl_coef {r.algorithm.kl_coef})" if r.algorithm.kl_coef > 0
                                              else "off (kl_coef 0)"),
         "",
-        f"per-rank shards of optimizer step 1 (simulated lengths: {lengths_mode}; prompt lengths from the data)",
+        f"per-rank shards of optimizer step 1 (simulated lengths: {lengths_mode}; prompt lengths from the data"
+        + ("; one line per data-parallel rank" if tp > 1 else "") + ")",
     ]
     for rank, micro in enumerate(first.micro_batches):
         ids = [s for mb in micro for s in mb]
@@ -120,10 +126,12 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
               f"  gradient_accumulation_steps     {ds['gradient_accumulation_steps']} (static plan; grpo_ds owns the "
               f"step boundary, so padding and dynamic batches need no change here)",
               f"  train_batch_size                {ds['train_batch_size']} = {ds['train_micro_batch_size_per_gpu']}"
-              f" x {ds['gradient_accumulation_steps']} x world size {world_size}",
+              f" x {ds['gradient_accumulation_steps']} x world size {world_size}" if "train_batch_size" in ds else
+              "  train_batch_size                left out (AutoTP under ZeRO-3: DeepSpeed checks it against two sizes)",
               f"  zero stage                      {ds.get('zero_optimization', {}).get('stage', 0)}", "",
               f"kernels: {inputs.kernels_backend} backend (kernels.backend {r.kernels.backend!r}), "
-              + ("fused lm_head (no full logits), " if r.kernels.fused_lm_head else "full logits, ")
+              + ("full logits, " if not r.kernels.fused_lm_head else "fused lm_head (no full logits), " if tp == 1
+                 else "full logits (tensor parallelism splits the lm_head), ")
               + f"{r.kernels.logprob_chunk_tokens} tokens per chunk"]
     params, trainable = parameter_counts(r, len(inputs.tokenizer))
     trained = f", {trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) else ""

@@ -39,11 +39,11 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
         lo, hi = slice_for_rank(P, dist)
         sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p,
                                   recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003 + step * 1_009
-                                  + round_index * 100_003 + dist.rank)
+                                  + round_index * 100_003 + dist.dp_rank)
         mine = prompt_index[lo:hi]
         local = engine.generate([inputs.prompts[i].prompt_ids for i in mine], G, sampling,
                                 [inputs.prompts[i].columns for i in mine])
-        rollouts = Rollouts.concat(dist.all_gather(local))
+        rollouts = Rollouts.concat(dist.dp_parts(dist.all_gather(local)))  # a TP group generated the same
         times["rollout"] += time.perf_counter() - t
 
         t = time.perf_counter()
@@ -124,7 +124,8 @@ def _reward_metrics(scored: list[RewardResult], rewards: list[float], drawn) -> 
 
 
 def slice_for_rank(count: int, dist: Dist) -> tuple[int, int]:
-    """Contiguous, near-equal slice of `count` items for this rank."""
-    base, extra = divmod(count, dist.world_size)
-    lo = dist.rank * base + min(dist.rank, extra)
-    return lo, lo + base + (dist.rank < extra)
+    """Contiguous, near-equal slice of `count` items for this rank's data-parallel group (the ranks of a
+    tensor-parallel group get the same slice)."""
+    base, extra = divmod(count, dist.dp_size)
+    lo = dist.dp_rank * base + min(dist.dp_rank, extra)
+    return lo, lo + base + (dist.dp_rank < extra)

@@ -5,8 +5,15 @@ are written as "auto" in ``ds_configs/*.json`` and filled here:
 
     train_micro_batch_size_per_gpu = train.micro_batch_samples_per_gpu
     gradient_accumulation_steps    = micro-batches per rank per optimizer step (static plan:
-                                     ceil(ceil(samples_per_optimizer_step / world) / micro))
+                                     ceil(ceil(samples_per_optimizer_step / dp) / micro))
     train_batch_size               = micro x gradient_accumulation_steps x world_size
+    tensor_parallel.autotp_size    = train.tensor_parallel_size (tp > 1 only)
+
+dp = world size / tp. With tensor parallelism DeepSpeed checks ``train_batch_size`` twice: once against the world
+size (its top-level config counts the TP ranks) and, under ZeRO-3, once against dp (the partitioner re-reads the
+config with the TP groups). No number satisfies both under ZeRO-3, so there the key is left out (DeepSpeed then
+derives it from micro and accumulation); under ZeRO 0-2 it is micro x accumulation x world. AutoTP keeps a
+tied lm_head whole (``vocab_parallel_lm_head`` false): the loss needs every rank's logits over the whole vocabulary.
 
 A number in the file that contradicts the derived value is an error naming the number to change.
 The driver owns the optimizer-step boundary: ``managed_gradient_accumulation`` is false and
@@ -57,20 +64,33 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
     """The DeepSpeed config grpo_ds passes to deepspeed.initialize (and writes into the run folder)."""
     raw, where = load_deepspeed_json(recipe)
     train = recipe.train
+    tp = _tensor_parallel_size(recipe, raw, world_size, where)
+    dp = world_size // tp
     micro = train.micro_batch_samples_per_gpu
-    gas = static_micro_batches_per_rank(recipe.samples_per_optimizer_step, world_size, micro)
+    gas = static_micro_batches_per_rank(recipe.samples_per_optimizer_step, dp, micro)
+    zero = raw.get("zero_optimization")
+    zero3 = isinstance(zero, dict) and zero.get("stage", 0) == 3
     derived = {
         "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_samples_per_gpu"),
         "gradient_accumulation_steps": (gas, f"ceil(ceil(samples_per_optimizer_step {recipe.samples_per_optimizer_step}"
-                                             f" / world size {world_size}) / micro {micro})"),
+                                             f" / data-parallel size {dp}) / micro {micro})"),
         "train_batch_size": (micro * gas * world_size, f"micro {micro} x gradient accumulation {gas} x world size "
                                                        f"{world_size}"),
         "gradient_clipping": (train.max_grad_norm, "train.max_grad_norm"),
         "managed_gradient_accumulation": (False, "grpo_ds owns the optimizer-step boundary"),
     }
     out = copy.deepcopy(raw)
+    if tp > 1 and zero3:  # see the module docstring: no train_batch_size satisfies DeepSpeed under AutoTP + ZeRO-3
+        del derived["train_batch_size"]
+        if out.pop("train_batch_size", "auto") != "auto":
+            raise UserError(f"{where}: train_batch_size", "cannot be given with tensor parallelism under ZeRO-3 "
+                            "(DeepSpeed checks it against two different sizes)", 'set it to "auto" or remove it')
+    if tp > 1:
+        derived["tensor_parallel.autotp_size"] = (tp, "train.tensor_parallel_size")
+        derived["tensor_parallel.vocab_parallel_lm_head"] = (False, "the loss needs the logits over the whole "
+                                                                    "vocabulary on every rank")
     for key, (value, origin) in derived.items():
-        _fill(out, [key], value, origin, where)
+        _fill(out, key.split("."), value, origin, where)
     dtype = recipe.model.dtype
     for section, wanted in (("bf16", dtype == "bfloat16"), ("fp16", dtype == "float16")):
         _fill(out, [section, "enabled"], wanted, f"model.dtype {dtype!r}", where)
@@ -82,6 +102,22 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
     if leftover:
         raise UserError(f"{where}: {leftover}", '"auto" is not a value grpo_ds can derive', "give a number")
     return out
+
+
+def _tensor_parallel_size(recipe: Recipe, raw: dict, world_size: int, where: str) -> int:
+    """train.tensor_parallel_size, checked against the world size and against an autotp_size in the file."""
+    tp = recipe.train.tensor_parallel_size
+    section = raw.get("tensor_parallel")
+    in_file = section.get("autotp_size", "auto") if isinstance(section, dict) else "auto"
+    if in_file not in ("auto", 0, 1, tp):
+        raise UserError(f"{where}: tensor_parallel.autotp_size", f"is {json.dumps(in_file)} but "
+                        f"train.tensor_parallel_size is {tp}", 'set it to "auto" and choose the size in the recipe '
+                        "(train.tensor_parallel_size)")
+    if world_size % tp:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise UserError("train.tensor_parallel_size", f"{tp} does not divide the world size {world_size}",
+                        f"use one of {', '.join(map(str, fits))}")
+    return tp
 
 
 def _fill(cfg: dict, keys: list[str], value: Any, origin: str, where: str) -> None:

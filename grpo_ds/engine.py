@@ -20,14 +20,31 @@ import torch
 
 @dataclass(frozen=True)
 class Dist:
+    """This process's place in the job. world = dp x tp: the ranks of a tensor-parallel group are consecutive
+    (DeepSpeed's (dp, tp) mesh), hold the same samples and run the same micro-batches; samples are sharded over
+    the data-parallel ranks."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    tp_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    def dp_parts(self, parts: list) -> list:
+        """One entry per data-parallel rank of a list with one entry per rank (the TP group's first rank's)."""
+        return parts[::self.tp_size]
 
     # Collectives for the driver's small objects; no-ops at world size 1. Kernels never communicate.
     def broadcast(self, obj: Any) -> Any:
@@ -89,8 +106,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> Dist:
-    """Join (or, alone, create) the process group; idempotent so a notebook can train twice."""
+def init_distributed(tp_size: int = 1) -> Dist:
+    """Join (or, alone, create) the process group; idempotent so a notebook can train twice. ``tp_size``: the
+    tensor-parallel size (train.tensor_parallel_size), which must divide the world size (checked before)."""
     kind = device_type()
     if kind == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -119,7 +137,7 @@ def init_distributed() -> Dist:
     device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local_rank)
     if kind == "cuda":
         torch.cuda.set_device(device)
-    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=device, tp_size=tp_size)
 
 
 def create_train_engine(model: torch.nn.Module, ds_config: dict):

@@ -34,7 +34,9 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,7 @@ from grpo_ds.models import BUILTIN_TINY, check_model_path, load_model, load_toke
 from grpo_ds.recipe import ModelConfig, load_recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
+_MP_RANK = re.compile(r"mp_rank_(\d+)")  # a tensor-parallel rank's files in a DeepSpeed checkpoint
 
 
 @dataclass(frozen=True)
@@ -166,13 +169,14 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
                if older else "there is no older checkpoint to export instead; restore this one from a backup")
         raise UserError(str(checkpoint.path), problem, fix)
 
-    state_dict = _consolidate(checkpoint.path, frozen_excluded=use_lora)
     if use_lora:
+        state_dict = _consolidate(checkpoint.path, frozen_excluded=True)
         model = _lora_model(model_cfg, seed, len(tokenizer), state_dict, checkpoint.path)
         if merge:
             model = model.merge_and_unload()
     else:
         model = _build_model(model_cfg, len(tokenizer))
+        state_dict = _consolidate(checkpoint.path, full_shapes={n: t.shape for n, t in model.state_dict().items()})
         _load_strict(model, state_dict, checkpoint.path)
     del state_dict
     model.to(torch_dtype(dtype))
@@ -258,9 +262,41 @@ def _lora_model(model_cfg: ModelConfig, seed: int, vocab_size: int, adapters: di
     return model
 
 
-def _consolidate(folder: Path, frozen_excluded: bool = False) -> dict[str, torch.Tensor]:
+def _consolidate(folder: Path, frozen_excluded: bool = False, full_shapes: dict[str, torch.Size] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """DeepSpeed's own ZeRO consolidation of ``folder/ds`` (any world size) into a full fp32 state dict (only
-    the trainable weights when the checkpoint left the frozen ones out)."""
+    the trainable weights when the checkpoint left the frozen ones out). A tensor-parallel run saved one set of files
+    per tensor-parallel rank (``mp_rank_XX``): each set is consolidated on its own and the layers' slices are joined
+    along the dimension AutoTP split (the one in which they add up to ``full_shapes``)."""
+    mp_ranks = sorted({int(m.group(1)) for f in (folder / DS_TAG).iterdir() if (m := _MP_RANK.search(f.name))})
+    if len(mp_ranks) <= 1:
+        return _zero_consolidate(folder, frozen_excluded)
+    parts = []
+    for rank in mp_ranks:
+        with tempfile.TemporaryDirectory(prefix="grpo_ds_tp_") as tmp:
+            view = Path(tmp) / DS_TAG  # this tensor-parallel rank's files only, as a checkpoint of its own
+            view.mkdir()
+            for f in (folder / DS_TAG).iterdir():
+                if (m := _MP_RANK.search(f.name)) and int(m.group(1)) == rank:
+                    (view / f.name).symlink_to(f.resolve())
+            parts.append(_zero_consolidate(Path(tmp), frozen_excluded, shown=folder))
+    return {name: _join_tensor_parallel(name, [p[name] for p in parts], (full_shapes or {}).get(name), folder)
+            for name in parts[0]}
+
+
+def _join_tensor_parallel(name: str, slices: list[torch.Tensor], full: torch.Size | None, folder: Path
+                          ) -> torch.Tensor:
+    if full is None or slices[0].shape == full:  # replicated over the tensor-parallel group
+        return slices[0]
+    for dim in range(len(full)):
+        others = all(s.shape[:dim] == full[:dim] and s.shape[dim + 1:] == full[dim + 1:] for s in slices)
+        if others and sum(s.shape[dim] for s in slices) == full[dim]:
+            return torch.cat(slices, dim)
+    raise UserError(str(folder / DS_TAG), f"the tensor-parallel slices of {name} {[tuple(s.shape) for s in slices]} "
+                    f"do not make up its shape {tuple(full)}", "export with the recipe.json the run was trained with")
+
+
+def _zero_consolidate(folder: Path, frozen_excluded: bool, shown: Path | None = None) -> dict[str, torch.Tensor]:
     if device_type() == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, hence imported here
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -272,7 +308,7 @@ def _consolidate(folder: Path, frozen_excluded: bool = False) -> dict[str, torch
             return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=DS_TAG,
                                                             exclude_frozen_parameters=frozen_excluded)
     except (OSError, ValueError, RuntimeError, KeyError) as err:  # a checkpoint DeepSpeed cannot read
-        raise UserError(str(folder / DS_TAG), f"DeepSpeed cannot consolidate it ({first_line(err)})",
+        raise UserError(str((shown or folder) / DS_TAG), f"DeepSpeed cannot consolidate it ({first_line(err)})",
                         "export another checkpoint with --step") from None
 
 

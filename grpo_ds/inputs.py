@@ -21,7 +21,7 @@ from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
 from grpo_ds.kernels import resolve_backend
 from grpo_ds.metrics import check_logging_extras
-from grpo_ds.models import load_tokenizer
+from grpo_ds.models import BUILTIN_TINY, load_tokenizer
 from grpo_ds.recipe import Recipe, load_recipe
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm import check_vllm_setup
@@ -51,6 +51,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
     backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
+    _check_tensor_parallel(recipe)
     reward_functions = load_reward_functions(recipe.reward.functions)
     check_logging_extras(recipe.logging)
     env_factory = load_env_factory(recipe.rollout.env, recipe.rollout.env_options) \
@@ -80,3 +81,19 @@ def _kernels_backend(requested: str, device_type: str) -> str:
     except ValueError as err:
         raise UserError(f"kernels.backend {requested!r}", str(err),
                         'Set kernels.backend to "auto" or "torch"') from None
+
+
+def _check_tensor_parallel(recipe: Recipe) -> None:
+    """Every rank of a tensor-parallel group must hold whole attention heads (read from the model's config; the
+    builtin model's heads are checked with the recipe)."""
+    tp, m = recipe.train.tensor_parallel_size, recipe.model
+    if tp == 1 or m.path == BUILTIN_TINY:
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is not None and heads % tp:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise UserError("train.tensor_parallel_size", f"{tp} does not divide the model's {heads} attention heads "
+                        f"({m.path}/config.json)", f"use one of {', '.join(map(str, fits))}")

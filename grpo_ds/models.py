@@ -108,8 +108,12 @@ def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int, ds_config: di
 
 
 def is_partitioned(ds_config: dict | None) -> bool:
-    """Whether models load partitioned under ``ds_config`` (ZeRO stage 3)."""
-    return ds_config is not None and (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
+    """Whether models load partitioned under ``ds_config``: ZeRO stage 3 without tensor parallelism (AutoTP splits
+    whole layers when the engine is built, so under it every rank loads the whole model on the host first)."""
+    if ds_config is None:
+        return False
+    tp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1)
+    return (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3 and tp in (0, 1)
 
 
 @contextmanager

@@ -51,7 +51,7 @@ class Policy:
         if recipe.algorithm.kl_coef > 0:
             reference = engine if use_lora else create_reference_engine(
                 load_model(recipe.model, vocab_size, recipe.run.seed, ds_config), ds_config)
-        policy = Policy(engine, use_lora, reference, _fused_lm_head_problem(engine.module))
+        policy = Policy(engine, use_lora, reference, fused_lm_head_problem(engine.module))
         if announce:
             if use_lora:
                 print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
@@ -118,14 +118,17 @@ class Policy:
         return load_path is not None
 
 
-def _fused_lm_head_problem(module: torch.nn.Module) -> str | None:
+def fused_lm_head_problem(module: torch.nn.Module) -> str | None:
     """The fused path computes hidden states x the lm_head weight; a model that changes its logits after that
     product, or an lm_head that adds its own (a LoRA adapter), would be skipped by it."""
     config = getattr(module, "config", None)
+    head = module.get_output_embeddings()
     if getattr(config, "final_logit_softcapping", None) is not None:
         return "the model soft-caps its final logits (final_logit_softcapping)"
-    if hasattr(module.get_output_embeddings(), "lora_A"):
+    if hasattr(head, "lora_A"):
         return "the lm_head has a LoRA adapter"
+    if getattr(head.weight, "ds_is_replaced_module", False):
+        return "tensor parallelism splits the lm_head weight over ranks"
     return None
 
 

@@ -188,6 +188,8 @@ class TrainConfig:
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (0 = off)", low=0.0)
     max_nonfinite_steps: int = opt(3, "Stop after this many optimizer steps in a row with a non-finite loss or "
                                    "gradient norm (each one's update is skipped and logged)", low=1)
+    tensor_parallel_size: int = opt(1, "Ranks that split every layer of the policy (DeepSpeed AutoTP, "
+                                    "tensor_parallel.autotp_size); samples are sharded over world size / this", low=1)
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,15 @@ def validate(recipe: Recipe) -> None:
                         'set rollout.engine to "agent", or remove rollout.env')
     _validate_vllm(recipe)
     m = recipe.model
+    tp = recipe.train.tensor_parallel_size
+    if tp > 1 and m.lora_rank is not None:
+        raise UserError("train.tensor_parallel_size", f"{tp} with model.lora_rank: AutoTP would split the layers "
+                        "peft wraps, and adapters on split layers cannot be merged for the rollout engine",
+                        "train LoRA with tensor_parallel_size 1 (ZeRO-3 already partitions the base)")
+    if tp > 1 and m.path == "builtin:tiny" and m.tiny_num_heads % tp:
+        raise UserError("train.tensor_parallel_size", f"{tp} does not divide model.tiny_num_heads "
+                        f"{m.tiny_num_heads}: each rank must hold whole attention heads",
+                        f"use a divisor of {m.tiny_num_heads}")
     if m.path == "builtin:tiny" and m.tiny_hidden_size % m.tiny_num_heads:
         raise UserError("model.tiny_num_heads", f"{m.tiny_num_heads} does not divide tiny_hidden_size "
                         f"{m.tiny_hidden_size}", "pick a divisor, e.g. 4")

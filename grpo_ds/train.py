@@ -52,7 +52,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     run_dir = folder.path
 
     # ---- 2. processes, run folder, models
-    dist = init_distributed()
+    dist = init_distributed(recipe.train.tensor_parallel_size)
     if dist.is_main:
         run_folder.prepare(folder, recipe, inputs.ds_config)
     dist.barrier()
@@ -76,7 +76,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         data = collect(step, recipe, inputs, rollout, sampler, dist)
 
         # ---- plan: optimizer steps, per-rank shards, micro-batches (rank 0 decides)
-        data.plan = dist.decide(plan_recipe_step, recipe, data.sequence_tokens(), dist.world_size, step)
+        data.plan = dist.decide(plan_recipe_step, recipe, data.sequence_tokens(), dist.dp_size, step)
 
         # ---- old / reference log-probs, each pass with the log-prob phase's own micro size
         t = time.perf_counter()
@@ -130,7 +130,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         if dist.is_main and every is not None and (step % every == 0 or step == 1):
             logger.samples(step, _sample_records(inputs, data, recipe.logging.samples_per_log))
         _append_json(rank_log, {"step": step, "trained_sample_ids": sorted(
-            s for m in data.plan.minibatches for mb in m.micro_batches[dist.rank] for s in mb)})
+            s for m in data.plan.minibatches for mb in m.micro_batches[dist.dp_rank] for s in mb)})
 
         # ---- checkpoint: atomically, every checkpoint.every_steps and after the last step
         # (never after a non-finite step: its weights may not be good)

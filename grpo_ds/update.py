@@ -70,7 +70,7 @@ def logprob_pass(engine, data: StepData, settings: UpdateSettings, dist: Dist) -
     engine.eval()
     plan = data.plan.logprob_pass
     mine: PerSample = {}
-    for ids in plan.micro_batches[dist.rank]:
+    for ids in plan.micro_batches[dist.dp_rank]:
         mb = _micro_batch(data.rollouts, ids, plan, settings, dist)
         logprobs = token_logprobs(engine, mb, settings.loss)
         if ids:
@@ -97,11 +97,11 @@ def optimizer_step(engine, data: StepData, minibatch: MiniBatchPlan, settings: U
     advantage = torch.tensor(data.advantages, dtype=torch.float32, device=dist.device)  # (P*G,)
     stats = LossStats()
     finite = True
-    for ids in minibatch.micro_batches[dist.rank]:
+    for ids in minibatch.micro_batches[dist.dp_rank]:
         mb = _micro_batch(rollouts, ids, minibatch, settings, dist)
         terms = _token_terms(data, mb, advantage, weight_of, settings)
         loss, mb_stats = micro_batch_loss(engine, mb, terms, settings.loss)
-        backward(engine, loss, dist.world_size)  # data-parallel size = world size (no tensor or sequence parallel)
+        backward(engine, loss, dist.dp_size)
         finite = finite and bool(torch.isfinite(loss))
         stats += mb_stats
     # NaN guard: every rank ran every backward (ZeRO-3's collectives need it); if any rank saw a non-finite loss,

@@ -162,3 +162,29 @@ def test_report_says_when_importance_weights_need_the_old_logprob_pass():
     inputs = prepare_inputs(RECIPE, ["algorithm.rollout_is_cap=2"], 1, "cpu")
     assert "old-log-prob pass            runs (importance weights (algorithm.rollout_is_cap) need the policy's " \
         "log-probs at sampling time)" in check.report(inputs, 1, "uniform")
+
+
+def test_report_shows_the_tensor_parallel_layout_and_refuses_impossible_ones():
+    from grpo_ds.errors import UserError
+
+    inputs = prepare_inputs(RECIPE, ["train.tensor_parallel_size=2"], 4, "cpu")
+    out = check.report(inputs, 4, "uniform")
+    assert "world size 4 = data parallel 2 x tensor parallel 2" in out
+    assert len(rank_lines(out)) == 2  # one line per data-parallel rank
+    assert "left out (AutoTP under ZeRO-3" in out and "full logits (tensor parallelism splits the lm_head)" in out
+    with pytest.raises(UserError) as err:  # tiny_num_heads is 4
+        prepare_inputs(RECIPE, ["train.tensor_parallel_size=3"], 3, "cpu")
+    assert err.value.where == "train.tensor_parallel_size" and "tiny_num_heads" in err.value.what
+
+
+def test_tensor_parallel_size_must_divide_a_saved_models_heads(tmp_path):
+    from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+    from grpo_ds.errors import UserError
+
+    tok = build_tiny_tokenizer()
+    build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=4).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(UserError) as err:
+        prepare_inputs(RECIPE, [f"model.path={tmp_path}", "train.tensor_parallel_size=3"], 3, "cpu")
+    assert err.value.where == "train.tensor_parallel_size" and "4 attention heads" in err.value.what
+    assert prepare_inputs(RECIPE, [f"model.path={tmp_path}", "train.tensor_parallel_size=2"], 2, "cpu")

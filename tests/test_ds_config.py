@@ -250,3 +250,33 @@ def test_optimizer_block_without_type_is_adamw():
     """An inline block that only tunes eps must still give DeepSpeed an optimizer (else it builds none)."""
     cfg = resolve_deepspeed_config(load_recipe({"deepspeed": {"optimizer": {"params": {"eps": 1e-6}}}}), 1, "cpu")
     assert cfg["optimizer"]["type"] == "AdamW" and cfg["optimizer"]["params"]["eps"] == 1e-6
+
+
+# ------------------------------------------------------------------------------------ tensor parallelism
+
+def test_tensor_parallel_counts_data_parallel_ranks_and_fills_autotp():
+    # world 4 = dp 2 x tp 2: 20 samples / dp 2 = 10 per rank, 3 per micro-batch -> 4 micro-batches (not 2 as for dp 4)
+    cfg = resolve({"zero_optimization": {"stage": 1}}, world_size=4, train={"tensor_parallel_size": 2})
+    assert cfg["gradient_accumulation_steps"] == 4
+    assert cfg["train_batch_size"] == 3 * 4 * 4  # ZeRO 0-2: DeepSpeed counts every rank, the TP ones included
+    assert cfg["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
+
+
+def test_tensor_parallel_under_zero3_leaves_train_batch_size_out():
+    cfg = resolve({"zero_optimization": {"stage": 3}}, world_size=4, train={"tensor_parallel_size": 2})
+    assert "train_batch_size" not in cfg and cfg["gradient_accumulation_steps"] == 4
+    err = resolve_error({"zero_optimization": {"stage": 3}, "train_batch_size": 48}, world_size=4,
+                        train={"tensor_parallel_size": 2})
+    assert err.where.endswith("train_batch_size") and "two different sizes" in err.what
+
+
+def test_tensor_parallel_contradictions_are_named():
+    err = resolve_error(world_size=3, train={"tensor_parallel_size": 2})
+    assert err.where == "train.tensor_parallel_size" and "does not divide the world size 3" in err.what
+    assert "1, 3" in err.fix
+    err = resolve_error({"tensor_parallel": {"autotp_size": 4}}, world_size=4, train={"tensor_parallel_size": 2})
+    assert err.where.endswith("tensor_parallel.autotp_size") and "train.tensor_parallel_size" in err.fix
+    err = resolve_error({"tensor_parallel": {"vocab_parallel_lm_head": True}}, world_size=2,
+                        train={"tensor_parallel_size": 2})
+    assert err.where.endswith("tensor_parallel.vocab_parallel_lm_head")
+    assert "tensor_parallel" not in resolve(world_size=2)  # tp 1: nothing added

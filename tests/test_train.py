@@ -198,3 +198,34 @@ def test_final_model_is_a_local_hf_folder_to_train_from(tmp_path):
     metrics = grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.name": "second",
                                                       "model.path": str(folder)}))
     assert len(metrics) == 1
+
+
+@pytest.mark.slow
+def test_tensor_parallel_run_trains_like_one_rank_and_exports_a_full_model(tmp_path):
+    """train.tensor_parallel_size=2 on 2 ranks (dp = 1): the same samples and metrics as one rank, both ranks' rollout
+    copies equal the policy, and the export of its checkpoint (one set of files per tensor-parallel rank) is a full
+    transformers folder with the single-rank run's weights."""
+    overrides = ["train.steps=3", "checkpoint.every_steps=3", "logging.progress_bar=false"]
+    single = grpo_ds.train(TINY, [f"run.output_dir={tmp_path / 'one'}", *overrides])
+    deepspeed_launch(2, ["--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path / 'tp'}",
+                         "train.tensor_parallel_size=2", *overrides])
+    run_dir = tmp_path / "tp" / "tiny_cpu"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(single, metrics, strict=True):
+        assert a["reward_mean"] == b["reward_mean"]  # the same rollouts
+        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-5) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=1e-4)
+    logs = _rank_logs(run_dir, 2)
+    assert {log[-1]["final_weights_sha256"] for log in logs} == {log[-1]["rollout_weights_sha256"] for log in logs}
+    assert len({log[-1]["final_weights_sha256"] for log in logs}) == 1
+    assert len(list((run_dir / "checkpoints" / "step_00000003" / "ds").glob("*mp_rank_01*"))) > 0  # split checkpoint
+    subprocess.run([sys.executable, "-m", "grpo_ds.export", str(run_dir), "--out", str(tmp_path / "export")],
+                   cwd=REPO, env=clean_env(), check=True, capture_output=True)
+    check = ("import sys, torch; from transformers import AutoModelForCausalLM as M; "
+             "a, b = (dict(M.from_pretrained(p).named_parameters()) for p in sys.argv[1:]); "
+             "assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a); "
+             "print(max((a[k] - b[k]).abs().max().item() for k in a))")
+    out = subprocess.run([sys.executable, "-c", check, str(tmp_path / "export"),
+                          str(tmp_path / "one" / "tiny_cpu" / "final_model")], env=clean_env(), check=True,
+                         capture_output=True, text=True).stdout
+    assert float(out.strip().splitlines()[-1]) < 1e-5  # transformers alone loads it: the one-rank run's weights

@@ -27,8 +27,10 @@ None keeps the training dtype (vLLM casts while copying into its own parameters 
 
 Parameters that are not plain ZeRO-3 shards (quantized ZeRO++ weights, NVMe-offloaded partitions that are
 swapped out) are gathered with DeepSpeed's own ``GatheredParameters`` a bucket at a time; parameters outside
-ZeRO (no ``ds_id``) are already whole and are yielded as they are. Every rank must iterate to the end: the
-gathers are collective.
+ZeRO (no ``ds_id``) are already whole and are yielded as they are. Parameters of layers that AutoTP split over a
+tensor-parallel group are gathered one layer at a time, over ZeRO (``GatheredParameters``) and then over the
+tensor-parallel group (DeepSpeed's ``GatherReplacedLayerParams``), as DeepSpeed's own consolidation does. Every
+rank must iterate to the end: the gathers are collective.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class _Item:
     unpacked_bytes: int  # bytes of its unpacked copy in the output dtype
     copied: bool  # handed out as a private copy: the output dtype differs from the gathered one, or it was asked
     extra_bytes: int = 0  # memory the consumer holds while this item is handed out (counted in the bucket)
+    layer: torch.nn.Module | None = None  # kind "tp": the AutoTP layer that owns it
 
 
 def gathered_named_parameters(module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
@@ -68,30 +71,34 @@ def gathered_named_parameters(module: torch.nn.Module, bucket_bytes: int, dtype:
     if tied not in TIED_MODES:
         raise ValueError(f"tied must be one of {TIED_MODES}, got {tied!r}")
     chosen = []
+    layers = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)
+              if getattr(p, "ds_is_replaced_module", False)}  # AutoTP layers
     for param, names in _parameters_with_names(module):
         sent = names if tied == "all" else names[:1]
         targets = tuple(rename(n) if rename is not None else n for n in sent)
         if any(t is not None for t in targets):  # a parameter every name of which is dropped is never gathered
             chosen.append((param, tuple(t for t in targets if t is not None)))
-    for names, tensor in gathered_parameters(chosen, bucket_bytes, dtype):
+    for names, tensor in gathered_parameters(chosen, bucket_bytes, dtype, layers=layers):
         for name in names:
             yield name, tensor
 
 
 def gathered_parameters(parameters: list[tuple[torch.nn.Parameter, tuple]], bucket_bytes: int,
                         dtype: torch.dtype | None = None, private: frozenset[int] = frozenset(),
-                        extra_bytes: dict[int, int] | None = None) -> Iterator[tuple[tuple, torch.Tensor]]:
+                        extra_bytes: dict[int, int] | None = None, layers: dict[int, torch.nn.Module] | None = None
+                        ) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Yield (tag, full tensor) for each (parameter, tag) in the given order, bucket by bucket.
 
     The lower layer of ``gathered_named_parameters``, for consumers that choose the order themselves (LoRA merges
     need a layer's adapters before its weight). Parameters whose id is in ``private`` are handed out as a copy the
     consumer may modify in place (counted in the bucket plan, like a cast); ``extra_bytes[id(param)]`` is memory
-    the consumer holds while that parameter is out (also counted). Same validity rule: until the next request.
+    the consumer holds while that parameter is out (also counted); ``layers[id(param)]`` is the AutoTP layer of a
+    tensor-parallel parameter. Same validity rule: until the next request.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    extra = extra_bytes or {}
-    items = [_describe(param, tag, dtype, id(param) in private, extra.get(id(param), 0))
+    extra, layers = extra_bytes or {}, layers or {}
+    items = [_describe(param, tag, dtype, id(param) in private, extra.get(id(param), 0), layers.get(id(param)))
              for param, tag in parameters]
     for bucket in _plan_buckets(items, bucket_bytes):
         for item, tensor in _gather_bucket(bucket, dtype):
@@ -106,7 +113,7 @@ def _plan_buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
     current: list[_Item] = []
     for item in items:
         if current and (item.key != current[0].key or item.kind == "whole"
-                        or _bucket_cost(current + [item]) > bucket_bytes):
+                        or (item.kind != "tp" and _bucket_cost(current + [item]) > bucket_bytes)):
             buckets.append(current)
             current = []
         current.append(item)
@@ -142,9 +149,13 @@ def _is_plain_shard(param: torch.nn.Parameter) -> bool:
 
 
 def _describe(param: torch.nn.Parameter, names: tuple, dtype: torch.dtype | None, private: bool = False,
-              extra_bytes: int = 0) -> _Item:
+              extra_bytes: int = 0, layer: torch.nn.Module | None = None) -> _Item:
     out_size = torch.empty((), dtype=dtype or param.dtype).element_size()
     copied = private or (dtype is not None and dtype != param.dtype)
+    if layer is not None:  # an AutoTP layer's parameter: its layer travels alone (one bucket per layer)
+        numel = getattr(param, "ds_numel", param.numel()) * layer.tp_world_size
+        return _Item(param, names, "tp", ("tp", id(layer)), numel * param.element_size(), numel * out_size, copied,
+                     extra_bytes, layer)
     if not hasattr(param, "ds_id"):
         return _Item(param, names, "whole", ("whole",), 0, param.numel() * out_size if copied else 0, copied,
                      extra_bytes)
@@ -166,6 +177,15 @@ def _gather_bucket(bucket: list[_Item], dtype: torch.dtype | None) -> Iterator[t
         yield from _handed_out(bucket[0], bucket[0].param.data, dtype, copy=False)
     elif kind == "shard":
         yield from _gather_shards(bucket, dtype)
+    elif kind == "tp":
+        import deepspeed
+        from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+        params = list(bucket[0].layer.parameters(recurse=False))  # a row-parallel layer gathers its weight first
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None), GatherReplacedLayerParams(params,
+                                                                                                     bucket[0].layer):
+            for item in bucket:
+                yield from _handed_out(item, item.param.data, dtype, copy=False)
     else:
         import deepspeed
 

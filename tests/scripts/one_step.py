@@ -7,8 +7,8 @@ its first update is lr * g / (|g| + eps) ~= g: a plain gradient step, sensitive 
 
     deepspeed --num_gpus W tests/scripts/one_step.py OUT_DIR CONFIGS_JSON
 CONFIGS_JSON: list of {"loss_agg": ..., "micro": int, "max_tokens": int | null, optional "fused_lm_head": bool,
-"backend": "torch" | "triton"}; one file OUT_DIR/<i>.pt each. Without a GPU the Triton backend runs through
-Triton's interpreter.
+"backend": "torch" | "triton", "tp": int (tensor-parallel size, AutoTP), "stage": int (ZeRO stage, default 3)}; one
+file OUT_DIR/<i>.pt each. Without a GPU the Triton backend runs through Triton's interpreter.
 """
 
 import json
@@ -25,6 +25,7 @@ from grpo_ds.builtin_tiny import build_tiny_model
 from grpo_ds.ds_config import resolve_deepspeed_config
 from grpo_ds.engine import create_train_engine, init_distributed
 from grpo_ds.planner import plan_minibatch
+from grpo_ds.policy import fused_lm_head_problem
 from grpo_ds.recipe import load_recipe
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
@@ -45,25 +46,26 @@ def fixed_rollouts(num_samples: int = 9, seed: int = 0) -> tuple[Rollouts, list[
 
 
 def main(out_dir: str, configs: list[dict]) -> None:
-    dist = init_distributed()
     rollouts, advantages = fixed_rollouts()
     pairs = zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)
     tokens = {i: len(p) + len(r) for i, (p, r) in enumerate(pairs)}
     for index, cfg in enumerate(configs):
+        dist = init_distributed(cfg.get("tp", 1))
         recipe = load_recipe({
             "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12},
             "data": {"max_prompt_tokens": 6},
             "algorithm": {"loss_agg": cfg["loss_agg"]},
             "kernels": {"fused_lm_head": cfg.get("fused_lm_head", True), "logprob_chunk_tokens": 16},
             "train": {"micro_batch_samples_per_gpu": cfg["micro"], "max_tokens_per_micro_batch": cfg["max_tokens"],
-                      "lr": 1e4, "max_grad_norm": 0.0},
-            "deepspeed": {"zero_optimization": {"stage": 3}, "optimizer": {"params": {"eps": 1e4}}},
+                      "lr": 1e4, "max_grad_norm": 0.0, "tensor_parallel_size": cfg.get("tp", 1)},
+            "deepspeed": {"zero_optimization": {"stage": cfg.get("stage", 3)}, "optimizer": {"params": {"eps": 1e4}}},
         })
         engine = create_train_engine(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0),
                                      resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
-        plan = plan_minibatch(list(tokens), tokens, dist.world_size, max_samples=cfg["micro"],
+        plan = plan_minibatch(list(tokens), tokens, dist.dp_size, max_samples=cfg["micro"],
                               max_tokens=cfg["max_tokens"])
-        settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend=cfg.get("backend", "torch"))
+        settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend=cfg.get("backend", "torch"),
+                                              fused_lm_head_allowed=fused_lm_head_problem(engine.module) is None)
         optimizer_step(engine, StepData([], rollouts, [], advantages=advantages), plan, settings, dist)
         params = {name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)}
         if dist.is_main:
