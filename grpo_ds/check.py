@@ -9,14 +9,16 @@ report only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 
-from grpo_ds import lora
-from grpo_ds.ds_config import load_deepspeed_json
+from grpo_ds import lora, memory
+from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
 from grpo_ds.engine import device_type
-from grpo_ds.errors import exit_on_user_error
+from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.inputs import Inputs, prepare_inputs
+from grpo_ds.memory import GIB
 from grpo_ds.planner import old_logprob_pass_reason, plan_recipe_step, token_imbalance
 from grpo_ds.recipe import Recipe
 
@@ -38,47 +40,7 @@ def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
     return out
 
 
-def parameter_counts(recipe: Recipe, vocab_size: int) -> tuple[int, int]:
-    """(all, trainable) parameters, exact, from the model config built on the meta device (no weights, no memory);
-    with model.lora_rank the trainable ones are the adapters."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from grpo_ds.builtin_tiny import build_tiny_model
-    from grpo_ds.models import BUILTIN_TINY
-
-    m = recipe.model
-    with torch.device("meta"):
-        if m.path == BUILTIN_TINY:
-            model = build_tiny_model(vocab_size, m.tiny_hidden_size, m.tiny_num_layers, m.tiny_num_heads)
-        else:
-            config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
-        if lora.enabled(m):
-            model = lora.apply_lora(model, m)
-    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def memory_estimate_gib(recipe: Recipe, params: int, trainable: int, world_size: int) -> dict[str, float]:
-    """Per-GPU bytes of model states under ZeRO-3 (activations not included); gradients and optimizer states
-    exist for the trainable parameters only (a LoRA run: the adapters)."""
-    width = 4 if recipe.model.dtype == "float32" else 2
-    master = 0 if width == 4 else 4  # fp32 master copy in mixed precision
-    gib = 2**30
-    lora_run = lora.enabled(recipe.model)
-    what = "weights (base + adapters)" if lora_run else "weights"
-    base = params - trainable if lora_run else params  # the rollout engine holds the plain (merged) model
-    out = {f"policy {what} (sharded)": params * width / world_size / gib,
-           "gradients (sharded)": trainable * width / world_size / gib,
-           "optimizer states (sharded, fp32 Adam m, v" + (", master" if master else "") + ")":
-               trainable * (8 + master) / world_size / gib,
-           "rollout copy (hf engine, unsharded)": base * width / gib}
-    if recipe.algorithm.kl_coef > 0 and not lora_run:  # LoRA: the reference is the base, adapters disabled
-        out["reference model (sharded)"] = params * width / world_size / gib
-    return out
-
-
-def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
+def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: float | None = None) -> str:
     r = inputs.recipe
     lengths = simulated_lengths(inputs, lengths_mode)
     t = r.train
@@ -133,14 +95,80 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str) -> str:
               + ("full logits, " if not r.kernels.fused_lm_head else "fused lm_head (no full logits), " if tp == 1
                  else "full logits (tensor parallelism splits the lm_head), ")
               + f"{r.kernels.logprob_chunk_tokens} tokens per chunk"]
-    params, trainable = parameter_counts(r, len(inputs.tokenizer))
-    trained = f", {trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) else ""
-    lines += ["", f"memory estimate per GPU (model states only; {params / 1e6:.2f} M parameters{trained}, "
-                  f"{r.model.dtype})"]
-    for name, value in memory_estimate_gib(r, params, trainable, world_size).items():
-        lines.append(f"  {name:<52} {value:8.3f} GiB")
+    shape = memory.model_shape(r, len(inputs.tokenizer))
+    est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib)
+    trained = f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) \
+        else ""
+    lines += ["", f"memory estimate per rank ({shape.params / 1e6:.2f} M parameters{trained}, {r.model.dtype}; "
+                  "grpo_ds/memory.py says how each line is counted)"]
+    lines += [f"  {name:<52} {value / GIB:8.3f} GiB" for name, value in est.device.items()]
+    lines += [f"  {name + ' (offloaded to host)':<52} {value / GIB:8.3f} GiB" for name, value in est.host.items()]
+    lines += [f"  + {name:<50} {value / GIB:8.3f} GiB" for name, value in est.phases.items()]
+    lines.append(f"  {'peak on the device (the larger phase)':<52} {est.peak / GIB:8.3f} GiB")
+    if est.host:
+        lines.append(f"  {'host memory (offload)':<52} {sum(est.host.values()) / GIB:8.3f} GiB")
+    if gpu_memory_gib is not None:
+        lines += _fit(inputs, world_size, lengths, est, gpu_memory_gib)
     lines.append(f"dataset: {len(inputs.prompts)} prompts ({inputs.skipped_rows} bad rows skipped)")
     return "\n".join(lines)
+
+
+def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_size: int, lengths: list[int],
+                    gpu_memory_gib: float | None = None) -> memory.MemoryEstimate:
+    """The estimate for the recipe's first planned step over ``lengths``."""
+    dp = world_size // r.train.tensor_parallel_size
+    plan = plan_recipe_step(r, lengths, dp, step=1)
+    micro = [mb for m in plan.minibatches for rank in m.micro_batches for mb in rank if mb]
+    padded = max(len(mb) * max(lengths[s] for s in mb) for mb in micro)
+    per_rank_prompts = -(-r.rollout.prompts_per_step // dp)
+    generation = min(r.rollout.generation_batch_prompts, per_rank_prompts) * r.rollout.group_size
+    return memory.estimate(r, shape, ds_config, world_size, padded, max(lengths), generation, gpu_memory_gib)
+
+
+def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float
+         ) -> list[str]:
+    """Whether the peak fits ``gpu_memory_gib``; if not, the changes that would make it fit, tried in the order of
+    the Ultra-Scale Playbook (activation checkpointing, a smaller micro-batch with more accumulation, offload,
+    tensor parallelism), each added to the ones before, with its estimate, up to the first that fits."""
+    if est.peak <= gpu_memory_gib * GIB:
+        return [f"  fits in {gpu_memory_gib:g} GiB ({100 * est.peak / (gpu_memory_gib * GIB):.0f}% of it)"]
+    lines = [f"  does NOT fit in {gpu_memory_gib:g} GiB; the smallest changes that would, in order:"]
+    r, changes = inputs.recipe, []
+    for change, candidate in _candidates(r, world_size):
+        try:
+            ds = resolve_deepspeed_config(candidate, world_size, device_type())
+            shape = memory.model_shape(candidate, len(inputs.tokenizer))
+            peak = estimate_memory(candidate, shape, ds, world_size, lengths, gpu_memory_gib).peak
+        except UserError:
+            continue  # a layout this world size or model cannot take
+        r, changes = candidate, changes + [change]
+        fits = peak <= gpu_memory_gib * GIB
+        lines.append(f"    {'+ ' if len(changes) > 1 else '  '}{change:<90} {peak / GIB:8.3f} GiB"
+                     + ("  fits" if fits else ""))
+        if fits:
+            return lines + [f"  overrides: {' '.join(changes)}"]
+    return lines + ["  nothing tried fits: more GPUs (a larger world size), or a smaller model"]
+
+
+def _candidates(r: Recipe, world_size: int):
+    """(override, recipe with it and the ones yielded before) in the playbook's order."""
+    if not r.model.gradient_checkpointing:
+        r = dataclasses.replace(r, model=dataclasses.replace(r.model, gradient_checkpointing=True))
+        yield "model.gradient_checkpointing=true", r
+    micro = r.train.micro_batch_samples_per_gpu
+    while micro > 1:
+        micro //= 2
+        r = dataclasses.replace(r, train=dataclasses.replace(r.train, micro_batch_samples_per_gpu=micro,
+                                                             logprob_micro_batch_samples_per_gpu=micro))
+        yield f"train.micro_batch_samples_per_gpu={micro} train.logprob_micro_batch_samples_per_gpu={micro}", r
+    if r.deepspeed == "ds_configs/zero3.json":
+        r = dataclasses.replace(r, deepspeed="ds_configs/zero3_offload.json")
+        yield "deepspeed=ds_configs/zero3_offload.json", r
+    tp = r.train.tensor_parallel_size
+    while tp * 2 <= min(world_size, 8) and not lora.enabled(r.model):
+        tp *= 2
+        yield f"train.tensor_parallel_size={tp}", dataclasses.replace(
+            r, train=dataclasses.replace(r.train, tensor_parallel_size=tp))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,12 +179,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs) to plan for")
     parser.add_argument("--lengths", choices=("uniform", "max"), default="uniform",
                         help="completion lengths to simulate: uniform in [1, max_new_tokens], or all at the maximum")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="memory of one GPU: say whether the estimate fits and what would make it fit (default: "
+                             "the visible GPU's, if there is one)")
     args = parser.parse_intermixed_args(argv)
     if args.world_size < 1:
         parser.error("--world-size must be >= 1")
+    if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0:
+        parser.error("--gpu-memory-gib must be > 0")
+    gpu = args.gpu_memory_gib
+    if gpu is None and device_type() == "cuda":
+        import torch
+
+        gpu = torch.cuda.get_device_properties(0).total_memory / GIB
     with exit_on_user_error():
         inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type())
-        print(report(inputs, args.world_size, args.lengths))
+        print(report(inputs, args.world_size, args.lengths, gpu))
 
 
 if __name__ == "__main__":

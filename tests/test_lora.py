@@ -329,14 +329,17 @@ def test_missing_peft_is_one_line_before_any_model_loads(monkeypatch):
 
 
 def test_dry_run_counts_the_adapters_as_the_trained_parameters():
-    from grpo_ds.check import memory_estimate_gib, parameter_counts
+    from grpo_ds.ds_config import resolve_deepspeed_config
+    from grpo_ds.memory import estimate, model_shape
 
     recipe = load_recipe(LORA_TINY, {"algorithm.kl_coef": 0.1})
     vocab = len(build_tiny_tokenizer())
     wrapped = lora.apply_lora(load_model(recipe.model, vocab, 0), recipe.model)
-    expected = (sum(p.numel() for p in wrapped.parameters()),
-                sum(p.numel() for p in wrapped.parameters() if p.requires_grad))
-    assert parameter_counts(recipe, vocab) == expected  # built on the meta device, adapters included
-    estimate = memory_estimate_gib(recipe, *expected, world_size=1)
-    assert estimate["optimizer states (sharded, fp32 Adam m, v)"] == expected[1] * 8 / 2**30
-    assert "reference model (sharded)" not in estimate  # the base with the adapters disabled: no second copy
+    params = sum(p.numel() for p in wrapped.parameters())
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    shape = model_shape(recipe, vocab)
+    assert (shape.params, shape.trainable) == (params, trainable)  # built on the meta device, adapters included
+    est = estimate(recipe, shape, resolve_deepspeed_config(recipe, 1, "cpu"), 1, 64, 16, 8)
+    assert est.device["Adam moments (fp32 m, v)"] == trainable * 8  # the adapters' moments only
+    assert est.device["policy weights"] == params * 4  # base and adapters, float32
+    assert "reference model" not in est.device  # the base with the adapters disabled: no second copy

@@ -1,0 +1,122 @@
+"""grpo_ds.check's memory estimate against measured peaks, per rank, for several layouts on the CPU.
+
+    python benchmarks/bench_memory_estimate.py [--record]
+
+A random Qwen2-architecture model (56 M parameters, vocabulary 32,000, float32) is saved once into --workdir. Each
+configuration trains two steps of a real grpo_ds.train run (the hf rollout engine, 8 prompts x 4 completions of 32
+tokens: a random model over this vocabulary practically never samples EOS, so completions run to the limit), each
+rank inside benchmarks/memory_probe.py, which samples its anonymous resident memory (RssAnon, every 5 ms, glibc's
+mmap threshold pinned) above what the imports hold. The estimate is grpo_ds.check's for the same recipe with every
+completion at the limit (--lengths max). On a CPU machine device and host memory are the same RAM, so the measured
+peak is compared with the estimate's device peak plus its host (offloaded) part. Target: within +-25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+SHAPE = dict(vocab_size=32_000, hidden_size=512, intermediate_size=1_408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=1_024, tie_word_embeddings=False)
+COMMON = ["rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32",
+          "train.micro_batch_samples_per_gpu=8", "train.logprob_micro_batch_samples_per_gpu=8", "train.steps=2",
+          "checkpoint.every_steps=null", "logging.progress_bar=false", "run.save_final_model=false"]
+CONFIGS = {  # name -> (world size, overrides)
+    "ZeRO-3": (1, []),
+    "ZeRO-3 + optimizer offload": (1, ["deepspeed=ds_configs/zero3_offload.json"]),
+    "ZeRO-3 + tp=2": (2, ["train.tensor_parallel_size=2"]),
+    "ZeRO-3 + dp=2 + KL reference": (2, ["algorithm.kl_coef=0.05"]),
+}
+
+
+def build_model(folder: Path) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_ds.builtin_tiny import build_tiny_tokenizer
+
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(**SHAPE)).save_pretrained(folder)
+        build_tiny_tokenizer().save_pretrained(folder)
+    return 0
+
+
+def measured(world: int, overrides: list[str], workdir: Path, tag: str) -> list[dict]:
+    from tests.launch import clean_env, remove_shm_buffers
+
+    out = workdir / f"{tag}.json"
+    env = {**clean_env(), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    port = 29850 + world
+    cmd = ["deepspeed", "--num_gpus", str(world), "--master_port", str(port), str(REPO / "benchmarks" /
+                                                                                "memory_probe.py"),
+           str(out), str(REPO / "recipes" / "tiny_cpu.json"), *overrides]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    finally:
+        remove_shm_buffers(port)
+    if proc.returncode:
+        raise SystemExit(f"{tag} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
+
+
+def estimated(world: int, overrides: list[str]):
+    from grpo_ds.check import estimate_memory, simulated_lengths
+    from grpo_ds.inputs import prepare_inputs
+    from grpo_ds.memory import model_shape
+
+    inputs = prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), overrides, world, "cpu")
+    shape = model_shape(inputs.recipe, len(inputs.tokenizer))
+    return estimate_memory(inputs.recipe, shape, inputs.ds_config, world, simulated_lengths(inputs, "max"))
+
+
+def main() -> None:
+    from common import report
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="/tmp/grpo_ds_bench_memory_estimate")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    build_model(workdir / "model")
+    rows, within = [], []
+    for index, name in enumerate(n.strip() for n in args.configs.split(",")):
+        world, extra = CONFIGS[name]
+        overrides = [f"model.path={workdir / 'model'}", f"run.output_dir={workdir / 'runs'}", f"run.name=c{index}",
+                     "run.overwrite=true", *COMMON, *extra]
+        ranks = measured(world, overrides, workdir, f"c{index}")
+        est = estimated(world, overrides)
+        peak = max(r["peak_mib"] for r in ranks)
+        expected = est.total / 2**20
+        error = expected / peak - 1
+        within.append(abs(error) <= 0.25)
+        phase = max(ranks[0]["phases"], key=ranks[0]["phases"].get)
+        rows.append([name, world, f"{peak:,.0f}", phase, f"{expected:,.0f}", f"{100 * error:+.0f}%",
+                     "met" if within[-1] else "NOT met"])
+        print(rows[-1], flush=True)
+    headers = ["configuration", "world size", "measured peak MiB (largest rank)", "at phase", "estimate MiB",
+               "estimate / measured - 1", "within 25%"]
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    body = "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    notes = ["model: random Qwen2 architecture, hidden 512, 8 layers, vocabulary 32,000, 56 M parameters, float32; "
+             "recipe tiny_cpu.json with " + " ".join(COMMON),
+             "measured: RssAnon above the imports, sampled every 5 ms in each rank (benchmarks/memory_probe.py); "
+             "estimate: grpo_ds.check's device peak plus its host part, completions at the limit",
+             f"{sum(within)} of {len(within)} configurations within +-25%"]
+    report("Memory estimate vs measured", "56 M parameters, CPU", "cpu", body, notes, args.record)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Per-rank memory estimate of a recipe, before anything loads: model states, buffers and the largest phase.
+
+Everything is per rank, in bytes, for a model of P parameters (T of them trained; W bytes each in model.dtype)
+split over dp data-parallel and tp tensor-parallel ranks. The model-state terms are DeepSpeed's own allocations
+(deepspeed/runtime/zero/stage3.py: the low-precision parameter partition, an fp32 master partition, a gradient
+partition in the parameters' dtype, and AdamW's two fp32 moments), which measure at 20 bytes per trained parameter
+in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py):
+
+    policy weights     P x W / shard            ZeRO-3: shard = dp x tp; ZeRO 0-2: tp (the TP-split part)
+    master weights     T x 4 / opt shard        opt shard = dp x tp from ZeRO-1 on
+    gradients          T x W / grad shard       grad shard = dp x tp from ZeRO-2 on
+    Adam moments       T x 8 / opt shard
+    reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
+    rollout copy       P x W                    the hf and agent engines' unsharded copy (vLLM: its own share)
+    reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters)
+
+Offload moves the master weights and the Adam moments (offload_optimizer), or the weights (offload_param), to
+host memory: they are listed under ``host``. Then the largest phase on top:
+
+    update          one micro-batch's activations (without activation checkpointing: every layer's saved
+                    tensors, 8h + 3kv + 4i values a token, plus heads x T attention probabilities; with it: one
+                    value of h a layer, plus one layer's worth), the lm_head's logits (the fused head: two fp32
+                    chunks of chunk x vocab; full logits: the logits and their gradient) and, under ZeRO-3, the
+                    gathered working set twice (the parameters and their full gradients before reduction): the
+                    prefetch bucket plus the largest layer, capped at the rank's parameters
+    optimizer step  torch's AdamW (DeepSpeed's torch_adam, on the CPU) makes three fp32 temporaries the size of the
+                    trained partition; DeepSpeed's fused and CPU Adam work in place (counted as 0)
+    generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position) and two
+                    fp32 (batch x vocab) score tensors
+
+The estimate is checked against measured peaks by benchmarks/bench_memory_estimate.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from grpo_ds import lora
+from grpo_ds.recipe import Recipe
+
+GIB = 2**30
+_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
+# DeepSpeed's defaults for the keys the estimate reads (deepspeed/runtime/zero/config.py)
+_REDUCE_BUCKET, _PREFETCH_BUCKET, _MAX_LIVE = 500_000_000, 50_000_000, 1_000_000_000
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know of the model, read from its config on the meta device (no weights)."""
+
+    params: int  # every parameter (LoRA: base + adapters)
+    trainable: int  # the trained ones (LoRA: the adapters)
+    split: int  # parameters AutoTP splits over tensor-parallel ranks (the decoder's linear layers)
+    largest_layer: int  # parameters of the largest module ZeRO-3 gathers at once
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+
+@dataclass
+class MemoryEstimate:
+    device: dict[str, int] = field(default_factory=dict)  # bytes per rank on the accelerator (CPU runs: RAM)
+    host: dict[str, int] = field(default_factory=dict)  # bytes per rank offloaded to host memory
+    phases: dict[str, int] = field(default_factory=dict)  # the transient of each phase (device)
+
+    @property
+    def persistent(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def peak(self) -> int:
+        """Device bytes at the largest phase."""
+        return self.persistent + max(self.phases.values(), default=0)
+
+    @property
+    def total(self) -> int:
+        """Device and host together (what a CPU-only run holds in RAM)."""
+        return self.peak + sum(self.host.values())
+
+
+def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
+    """The model's shape from its config, built on the meta device (no weights, no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_ds.builtin_tiny import build_tiny_model
+    from grpo_ds.models import BUILTIN_TINY
+
+    m = recipe.model
+    with torch.device("meta"):
+        if m.path == BUILTIN_TINY:
+            model = build_tiny_model(vocab_size, m.tiny_hidden_size, m.tiny_num_layers, m.tiny_num_heads)
+        else:
+            config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
+        config = model.config
+        head = model.get_output_embeddings()
+        split = sum(p.numel() for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+                    and module is not head for p in module.parameters(recurse=False))
+        largest = max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())
+        if lora.enabled(m):
+            model = lora.apply_lora(model, m)
+        params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    heads = config.num_attention_heads
+    return ModelShape(params, trainable, split, largest, config.hidden_size, config.num_hidden_layers,
+                      getattr(config, "intermediate_size", 4 * config.hidden_size), heads,
+                      getattr(config, "num_key_value_heads", None) or heads, config.vocab_size)
+
+
+def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int, update_tokens: int,
+             longest_sequence: int, generation_sequences: int, gpu_memory_gib: float | None = None
+             ) -> MemoryEstimate:
+    """Per-rank bytes. ``update_tokens``: padded tokens (samples x longest) of the largest update micro-batch;
+    ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
+    generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share."""
+    w = _WIDTH[recipe.model.dtype]
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    tp = recipe.train.tensor_parallel_size
+    dp = world_size // tp
+    offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") not in (None, "none")
+    offload_param = (zero.get("offload_param") or {}).get("device", "none") not in (None, "none")
+    replicated = shape.params - shape.split  # embeddings, norms, the lm_head: whole on every TP rank
+    per_rank = shape.split / tp + replicated  # parameters a rank's layers hold
+    weights_shard = dp if stage == 3 else 1
+    est = MemoryEstimate()
+    weights = (est.host if offload_param else est.device)
+    weights["policy weights"] = _b(per_rank * w / weights_shard)
+    trained_share = shape.trainable / shape.params  # LoRA: the adapters' share of every rank's parameters
+    trained = per_rank * trained_share
+    opt_shard = dp if stage >= 1 else 1
+    grad_shard = dp if stage >= 2 else 1
+    states = est.host if offload_opt else est.device
+    states["master weights (fp32)"] = _b(trained * 4 / opt_shard)
+    states["Adam moments (fp32 m, v)"] = _b(trained * 8 / opt_shard)
+    est.device["gradients"] = _b(trained * w / grad_shard)
+    if recipe.algorithm.kl_coef > 0 and not lora.enabled(recipe.model):
+        est.device["reference model"] = _b(per_rank * w / weights_shard)
+    if recipe.rollout.engine == "vllm":
+        if gpu_memory_gib:
+            est.device["vLLM (gpu_memory_utilization)"] = _b(recipe.rollout.vllm_gpu_memory_utilization
+                                                              * gpu_memory_gib * GIB)
+    else:
+        est.device["rollout copy (unsharded)"] = _b((shape.params - (shape.trainable if lora.enabled(recipe.model)
+                                                                      else 0)) * w)
+    est.device["reduce bucket"] = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)
+    gathered = 0
+    if stage == 3:
+        prefetch = zero.get("stage3_prefetch_bucket_size", _PREFETCH_BUCKET)
+        gathered = 2 * min(prefetch + shape.largest_layer, zero.get("stage3_max_live_parameters", _MAX_LIVE),
+                           per_rank) * w
+    est.phases["update micro-batch (activations, logits, gathers)"] = _update_bytes(
+        recipe, shape, w, tp, update_tokens, longest_sequence) + _b(gathered)
+    torch_adam = bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam")) and not offload_opt
+    est.phases["optimizer step (torch AdamW temporaries)" if torch_adam else "optimizer step (in place)"] = \
+        _b(3 * trained * 4 / opt_shard) if torch_adam else 0
+    est.phases["generation (KV cache, scores)"] = _b(generation_sequences * (
+        longest_sequence * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w
+        + 2 * shape.vocab * 4))
+    return est
+
+
+def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: int, longest: int) -> int:
+    h, i, kv = shape.hidden, shape.intermediate / tp, shape.kv_heads * (shape.hidden // shape.heads) / tp
+    per_layer = 8 * h + 3 * kv + 4 * i + shape.heads / tp * longest  # values a token saves in one layer
+    if recipe.model.gradient_checkpointing:
+        activations = tokens * (shape.layers * h + per_layer) * w
+    else:
+        activations = tokens * shape.layers * per_layer * w
+    chunk = min(tokens, recipe.kernels.logprob_chunk_tokens)
+    head_adapted = lora.enabled(recipe.model) and "lm_head" in recipe.model.lora_target_modules
+    fused = recipe.kernels.fused_lm_head and tp == 1 and not head_adapted  # grpo_ds.policy's rule
+    logits = 2 * chunk * shape.vocab * 4 if fused else tokens * shape.vocab * (2 * w) + chunk * shape.vocab * 4
+    return _b(activations + logits)
+
+
+def _b(value: float) -> int:
+    return int(math.ceil(value))

@@ -1,0 +1,77 @@
+"""The memory estimate (grpo_ds/memory.py) and grpo_ds.check's --gpu-memory-gib advice.
+
+The estimate's model-state terms follow DeepSpeed's allocations, measured at 20 bytes per trained parameter in
+float32 and 16 in bfloat16 under ZeRO-3 (benchmarks/bench_memory_estimate.py compares whole runs with it)."""
+
+import pytest
+
+from grpo_ds import check
+from grpo_ds.ds_config import resolve_deepspeed_config
+from grpo_ds.inputs import prepare_inputs
+from grpo_ds.memory import ModelShape, estimate
+from grpo_ds.recipe import load_recipe
+from tests.launch import REPO
+
+TINY = str(REPO / "recipes" / "tiny_cpu.json")
+# a 7B-like shape: every parameter in the decoder's linear layers but the embeddings and the head
+SHAPE = ModelShape(params=7_000_000_000, trainable=7_000_000_000, split=6_000_000_000, largest_layer=500_000_000,
+                   hidden=4096, layers=32, intermediate=11008, heads=32, kv_heads=32, vocab=32000)
+
+
+def _estimate(world=8, shape=SHAPE, deepspeed="ds_configs/zero3.json", **sections):
+    raw = {"deepspeed": deepspeed, **sections}
+    recipe = load_recipe(raw)
+    return estimate(recipe, shape, resolve_deepspeed_config(recipe, world, "cpu"), world, 4096, 1024, 32)
+
+
+@pytest.mark.parametrize(("dtype", "bytes_per_param"), [("float32", 20), ("bfloat16", 16)])
+def test_zero3_model_states_are_deepspeeds_bytes_per_parameter_over_dp(dtype, bytes_per_param):
+    est = _estimate(model={"dtype": dtype})
+    states = sum(est.device[k] for k in ("policy weights", "master weights (fp32)", "gradients",
+                                         "Adam moments (fp32 m, v)"))
+    assert states == pytest.approx(SHAPE.params * bytes_per_param / 8, rel=1e-6)
+
+
+def test_tensor_parallel_divides_the_split_layers_and_offload_moves_states_to_host():
+    plain = _estimate(model={"dtype": "bfloat16"})
+    tp = _estimate(model={"dtype": "bfloat16"}, train={"tensor_parallel_size": 2})
+    # world 8 = dp 4 x tp 2: the split layers over 8 ranks as before, the replicated ones over 4 instead of 8
+    replicated = SHAPE.params - SHAPE.split
+    assert tp.device["policy weights"] - plain.device["policy weights"] == pytest.approx(replicated * 2 / 8, rel=1e-6)
+    offload = _estimate(model={"dtype": "bfloat16"}, deepspeed="ds_configs/zero3_offload.json")
+    assert set(offload.host) == {"policy weights", "master weights (fp32)", "Adam moments (fp32 m, v)"}
+    assert offload.peak < plain.peak and offload.total == pytest.approx(plain.total, rel=0.05)
+
+
+def test_the_reference_and_the_rollout_copy_are_counted_where_they_exist():
+    est = _estimate(algorithm={"kl_coef": 0.1})
+    assert est.device["reference model"] == est.device["policy weights"]
+    assert est.device["rollout copy (unsharded)"] == SHAPE.params * 4  # hf engine: whole on every rank
+    vllm = _estimate(rollout={"engine": "vllm"})
+    assert "rollout copy (unsharded)" not in vllm.device  # vLLM loads its own weights (its share is its setting)
+
+
+def test_activation_checkpointing_and_the_fused_head_shrink_the_update_phase():
+    def update(**sections):
+        est = _estimate(**sections)
+        return next(v for k, v in est.phases.items() if k.startswith("update"))
+
+    assert update(model={"gradient_checkpointing": True}) < update() / 4
+    assert update(kernels={"fused_lm_head": False}) > update()
+
+
+def test_check_says_whether_it_fits_and_what_would_make_it_fit():
+    inputs = prepare_inputs(TINY, None, 1, "cpu")
+    assert "fits in 80 GiB" in check.report(inputs, 1, "max", 80)
+    tight = check.report(inputs, 1, "max", 0.012)  # between the states alone and the full peak
+    assert "does NOT fit in 0.012 GiB" in tight
+    advice = tight.split("does NOT fit")[1].split("overrides: ")
+    steps = [line.strip() for line in advice[0].splitlines()[1:] if line.strip()]
+    assert steps[0].split()[0] == "model.gradient_checkpointing=true"  # the playbook's first change
+    assert steps[-1].endswith("fits") and not any(s.endswith("fits") for s in steps[:-1])
+    overrides = advice[1].splitlines()[0].split()
+    assert overrides[0] == "model.gradient_checkpointing=true"
+    fixed = check.report(prepare_inputs(TINY, overrides, 1, "cpu"), 1, "max", 0.012)
+    assert "fits in 0.012 GiB" in fixed  # the advice, applied, fits
+    hopeless = check.report(inputs, 1, "max", 0.0001)
+    assert "nothing tried fits" in hopeless
