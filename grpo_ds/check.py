@@ -133,7 +133,7 @@ def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.Memory
     if est.peak <= gpu_memory_gib * GIB:
         return [f"  fits in {gpu_memory_gib:g} GiB ({100 * est.peak / (gpu_memory_gib * GIB):.0f}% of it)"]
     lines = [f"  does NOT fit in {gpu_memory_gib:g} GiB; the smallest changes that would, in order:"]
-    r, changes = inputs.recipe, []
+    r, changes = inputs.recipe, {}
     for change, candidate in _candidates(r, world_size):
         try:
             ds = resolve_deepspeed_config(candidate, world_size, device_type())
@@ -141,12 +141,13 @@ def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.Memory
             peak = estimate_memory(candidate, shape, ds, world_size, lengths, gpu_memory_gib).peak
         except UserError:
             continue  # a layout this world size or model cannot take
-        r, changes = candidate, changes + [change]
+        r = candidate
+        changes.update({o.split("=")[0]: o for o in change.split()})  # a later value of a key replaces the earlier
         fits = peak <= gpu_memory_gib * GIB
-        lines.append(f"    {'+ ' if len(changes) > 1 else '  '}{change:<90} {peak / GIB:8.3f} GiB"
+        lines.append(f"    {'+ ' if len(lines) > 1 else '  '}{change:<90} {peak / GIB:8.3f} GiB"
                      + ("  fits" if fits else ""))
         if fits:
-            return lines + [f"  overrides: {' '.join(changes)}"]
+            return lines + [f"  overrides: {' '.join(changes.values())}"]
     return lines + ["  nothing tried fits: more GPUs (a larger world size), or a smaller model"]
 
 
@@ -193,8 +194,11 @@ def main(argv: list[str] | None = None) -> None:
 
         gpu = torch.cuda.get_device_properties(0).total_memory / GIB
     with exit_on_user_error():
-        inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type())
+        inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type(), machine=False)
         print(report(inputs, args.world_size, args.lengths, gpu))
+        if inputs.recipe.rollout.engine == "vllm":
+            print('note: rollout.engine "vllm": GPUs and the installed vLLM are checked when the run starts, on the '
+                  "machine it runs on")
 
 
 if __name__ == "__main__":

@@ -41,11 +41,13 @@ class Inputs:
 
 
 def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
-                   device_type: str) -> Inputs:
-    """Check everything the user controls; raise UserError on the first problem. Loads no model."""
+                   device_type: str, machine: bool = True) -> Inputs:
+    """Check everything the user controls; raise UserError on the first problem. Loads no model. ``machine`` False
+    (the dry run, which may plan a GPU run on another machine) skips what only the machine the run uses can tell:
+    GPUs and an importable vLLM."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
-    check_vllm_setup(recipe, world_size, device_type)  # rollout.engine "vllm": GPUs, a supported vLLM, TP size
+    check_vllm_setup(recipe, world_size, device_type, machine)  # rollout.engine "vllm": TP size, GPUs, vLLM
     if lora.enabled(recipe.model):
         lora.check_peft()  # model.lora_rank: peft installed and recent enough
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)

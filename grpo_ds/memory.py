@@ -11,7 +11,9 @@ in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py):
     gradients          T x W / grad shard       grad shard = dp x tp from ZeRO-2 on
     Adam moments       T x 8 / opt shard
     reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
-    rollout copy       P x W                    the hf and agent engines' unsharded copy (vLLM: its own share)
+    rollout copy       P x W                    the hf and agent engines' unsharded copy
+    vLLM               gpu_memory_utilization x the GPU's memory (--gpu-memory-gib); with sleep mode only while
+                       it generates, its weights in host memory (P x W / vllm tp) otherwise
     reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters)
 
 Offload moves the master weights and the Adam moments (offload_optimizer), or the weights (offload_param), to
@@ -141,10 +143,12 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     est.device["gradients"] = _b(trained * w / grad_shard)
     if recipe.algorithm.kl_coef > 0 and not lora.enabled(recipe.model):
         est.device["reference model"] = _b(per_rank * w / weights_shard)
-    if recipe.rollout.engine == "vllm":
-        if gpu_memory_gib:
-            est.device["vLLM (gpu_memory_utilization)"] = _b(recipe.rollout.vllm_gpu_memory_utilization
-                                                              * gpu_memory_gib * GIB)
+    r = recipe.rollout
+    vllm_share = _b(r.vllm_gpu_memory_utilization * (gpu_memory_gib or 0) * GIB)  # 0 when the GPU is not known
+    if r.engine == "vllm" and r.vllm_sleep_mode:  # asleep (weights in host memory) except while it generates
+        est.host["vLLM weights while asleep"] = _b(shape.params * w / r.vllm_tensor_parallel_size)
+    elif r.engine == "vllm":
+        est.device["vLLM (gpu_memory_utilization)"] = vllm_share
     else:
         est.device["rollout copy (unsharded)"] = _b((shape.params - (shape.trainable if lora.enabled(recipe.model)
                                                                       else 0)) * w)
@@ -159,9 +163,13 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     torch_adam = bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam")) and not offload_opt
     est.phases["optimizer step (torch AdamW temporaries)" if torch_adam else "optimizer step (in place)"] = \
         _b(3 * trained * 4 / opt_shard) if torch_adam else 0
-    est.phases["generation (KV cache, scores)"] = _b(generation_sequences * (
-        longest_sequence * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w
-        + 2 * shape.vocab * 4))
+    if r.engine == "vllm":
+        if r.vllm_sleep_mode:
+            est.phases["generation (vLLM awake: gpu_memory_utilization)"] = vllm_share
+    else:
+        est.phases["generation (KV cache, scores)"] = _b(generation_sequences * (
+            longest_sequence * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w
+            + 2 * shape.vocab * 4))
     return est
 
 

@@ -78,10 +78,11 @@ def require_vllm() -> str:
     return found
 
 
-def check_vllm_setup(recipe, world_size: int, device_type: str) -> None:
+def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = True) -> None:
     """Start-up checks for rollout.engine "vllm" (grpo_ds.inputs.prepare_inputs runs them before any model loads):
-    the tensor-parallel size divides the world size, there are GPUs, sleep mode can work, and a supported vLLM
-    imports. Prints a note when algorithm.rollout_is_cap is off."""
+    the tensor-parallel size divides the world size and, with ``machine`` (not in a dry run planned elsewhere),
+    there are GPUs, sleep mode can work, and a supported vLLM imports. Prints a note when algorithm.rollout_is_cap
+    is off."""
     r = recipe.rollout
     if r.engine != "vllm":
         return
@@ -90,6 +91,8 @@ def check_vllm_setup(recipe, world_size: int, device_type: str) -> None:
         fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise UserError("rollout.vllm_tensor_parallel_size", f"{tp} does not divide the world size {world_size} "
                         "(each group of that many ranks runs one vLLM engine)", f"use one of {fits}")
+    if not machine:
+        return
     if device_type != "cuda":
         raise UserError("rollout.engine", '"vllm" needs CUDA GPUs and this process sees none',
                         'use rollout.engine "hf" on a CPU machine')

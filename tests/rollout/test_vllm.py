@@ -256,13 +256,22 @@ def test_other_engines_never_look_for_vllm(monkeypatch):
     check_vllm_setup(load_recipe({"rollout": {"vllm_sleep_mode": True}}), 3, "cpu")  # hf ignores the vllm keys
 
 
-def test_dry_run_reports_the_guard_in_one_line_before_any_model(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "model.path=/no/such/model"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err == 'error: rollout.engine: "vllm" needs CUDA GPUs and this process sees none. use rollout.engine ' \
-                  '"hf" on a CPU machine.'  # the guard runs before the model path is even looked at
+def test_the_start_guard_is_one_line_and_the_dry_run_plans_for_another_machine(capsys):
+    from grpo_ds.inputs import prepare_inputs
+
+    with pytest.raises(UserError) as err:  # what grpo_ds.train runs first, before the model path is looked at
+        prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), ["rollout.engine=vllm", "model.path=/no/such/model"],
+                       1, "cpu")
+    assert str(err.value) == 'rollout.engine: "vllm" needs CUDA GPUs and this process sees none. use rollout.engine ' \
+                             '"hf" on a CPU machine.'
+    # the dry run plans a GPU run from anywhere (a login node): GPUs and vLLM are the run's machine's to check
+    check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "--world-size", "2"])
+    out = capsys.readouterr().out
+    assert "recipe is valid for world size 2" in out and "checked when the run starts" in out
+    with pytest.raises(SystemExit) as exit_info:  # but not a layout vLLM cannot take
+        check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "--world-size", "3",
+                    "rollout.vllm_tensor_parallel_size=2"])
+    assert exit_info.value.code == 2 and "does not divide the world size 3" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------ the engine against a fake vLLM
