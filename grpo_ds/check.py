@@ -50,10 +50,10 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     ds = inputs.ds_config
     _, ds_where = load_deepspeed_json(r)
     first = plan.minibatches[0]
-    micro_rule = f"<= {t.max_tokens_per_micro_batch} padded tokens (dynamic)" if t.max_tokens_per_micro_batch \
-        else f"{t.micro_batch_samples_per_gpu} samples"
-    lp_rule = f"<= {t.max_tokens_per_micro_batch} padded tokens (dynamic)" if t.max_tokens_per_micro_batch \
-        else f"{t.logprob_micro_batch_samples_per_gpu} samples"
+    layout = "packed into one row" if t.packing else "one padded row each"
+    cap = f"<= {t.max_tokens_per_micro_batch} {'real' if t.packing else 'padded'} tokens (dynamic)"
+    micro_rule = cap if t.max_tokens_per_micro_batch else f"{t.micro_batch_samples_per_gpu} samples"
+    lp_rule = cap if t.max_tokens_per_micro_batch else f"{t.logprob_micro_batch_samples_per_gpu} samples"
     lines = [
         f"recipe is valid for world size {world_size}",
         f"parallel layout: world size {world_size} = data parallel {dp} x tensor parallel {tp}"
@@ -66,7 +66,7 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
         f"  samples per optimizer step   {r.samples_per_optimizer_step}",
         f"  optimizer steps per rollout  {r.optimizer_steps_per_rollout} = {r.samples_per_step} / "
         f"{r.samples_per_optimizer_step} x epochs_per_rollout {t.epochs_per_rollout}",
-        f"  update micro-batch           {micro_rule} per GPU",
+        f"  update micro-batch           {micro_rule} per GPU, {layout}",
         f"  log-prob micro-batch         {lp_rule} per GPU",
         "  old-log-prob pass            " + (f"runs ({reason})" if (reason := old_logprob_pass_reason(r))
                                              else "skipped (one optimizer step per rollout: old = current)"),
@@ -119,10 +119,11 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
     dp = world_size // r.train.tensor_parallel_size
     plan = plan_recipe_step(r, lengths, dp, step=1)
     micro = [mb for m in plan.minibatches for rank in m.micro_batches for mb in rank if mb]
-    padded = max(len(mb) * max(lengths[s] for s in mb) for mb in micro)
+    model_tokens = max(sum(lengths[s] for s in mb) if r.train.packing else len(mb) * max(lengths[s] for s in mb)
+                       for mb in micro)
     per_rank_prompts = -(-r.rollout.prompts_per_step // dp)
     generation = min(r.rollout.generation_batch_prompts, per_rank_prompts) * r.rollout.group_size
-    return memory.estimate(r, shape, ds_config, world_size, padded, max(lengths), generation, gpu_memory_gib)
+    return memory.estimate(r, shape, ds_config, world_size, model_tokens, max(lengths), generation, gpu_memory_gib)
 
 
 def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float

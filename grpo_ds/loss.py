@@ -112,8 +112,7 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
     if mb.padding:
         return loss, LossStats()
     kl, entropy, clipped = (float(t) for t in torch.stack(sums).detach().double().cpu())
-    return loss, LossStats(loss.item(), kl, entropy, clipped, float(mb.loss_mask.sum()),
-                           float(mb.attention_mask.sum()))
+    return loss, LossStats(loss.item(), kl, entropy, clipped, float(mb.loss_mask.sum()), float(mb.sequence_tokens))
 
 
 @torch.no_grad()
@@ -151,7 +150,7 @@ def _logprobs_and_entropy(model, mb: MicroBatch, s: LossSettings) -> tuple[torch
 
 
 def _trained_positions(hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    return hidden.reshape(-1, hidden.shape[-1])[mb.logit_index]  # (B, T, H) -> (N, H)
+    return hidden.reshape(-1, hidden.shape[-1])[mb.logit_index]  # (B, T, H) or (1, sum L_i, H) -> (N, H)
 
 
 def _unwrap(model):
@@ -170,9 +169,9 @@ def _lm_head_replaced(model, head_fn):
 
 def _forward_with_head(model, mb: MicroBatch, head_fn) -> torch.Tensor:
     with _lm_head_replaced(model, head_fn):
-        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        return model(**mb.model_inputs()).logits
 
 
 def _logits(model, mb: MicroBatch) -> torch.Tensor:
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits  # (B, T, V)
-    return logits.view(-1, logits.shape[-1])  # (B*T, V)
+    logits = model(**mb.model_inputs()).logits  # (B, T, V) padded, (1, sum L_i, V) packed
+    return logits.view(-1, logits.shape[-1])  # one row per position

@@ -117,7 +117,8 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
 def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int, update_tokens: int,
              longest_sequence: int, generation_sequences: int, gpu_memory_gib: float | None = None
              ) -> MemoryEstimate:
-    """Per-rank bytes. ``update_tokens``: padded tokens (samples x longest) of the largest update micro-batch;
+    """Per-rank bytes. ``update_tokens``: the model's tokens (packed: the real ones; padded: samples x longest) of the
+    largest update micro-batch;
     ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
     generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share."""
     w = _WIDTH[recipe.model.dtype]

@@ -1,17 +1,26 @@
 """From sample ids to one micro-batch's tensors, on the flat token layout.
 
-A training sequence is prompt + response with no padding inside it. The model sees the micro-batch's sequences
-as rows right-padded to the longest one (``input_ids``, ``attention_mask``: the model layout). Everything the loss
-needs is per trained token, flat over the micro-batch:
+A training sequence is prompt + response with no padding inside it. The model sees the micro-batch's sequences in
+one of two layouts:
+
+    packed (the default)  one row of every sequence concatenated, ``position_ids`` restarting at 0 per sequence,
+                          no attention mask; transformers then keeps each sequence's attention to itself (eager and
+                          sdpa build a block-diagonal causal mask from the position ids, flash attention takes the
+                          sequence boundaries ``cu_seq_lens_*`` / ``max_length_*``). The forward must be called with
+                          ``use_cache=False``: with a cache transformers does not look for packed sequences and the
+                          tokens of one sequence attend to the ones before it (tests/test_micro_batch.py)
+    padded                one row per sequence, right-padded to the longest, with an attention mask
+
+Everything the loss needs is per trained token, flat over the micro-batch, the same in both layouts:
 
     target_ids   (N,)  the response token
-    logit_index  (N,)  where, in the model's flattened (B*T) output positions, its predicting logits are:
-                       response token t of a sample with P prompt tokens is predicted at position P + t - 1
+    logit_index  (N,)  where, in the model's flattened output positions, its predicting logits are: response token
+                       t of a sequence with P prompt tokens that starts at position o is predicted at o + P + t - 1
     seq_index    (N,)  which sample of ``sample_ids`` it belongs to
     col          (N,)  its position within its response
     loss_mask    (N,)  1.0 for a token the model sampled, 0.0 for an environment observation token
 
-so the loss never depends on how the sequences are laid out for the model (rows today, packed rows later).
+so the loss never depends on the layout.
 """
 
 from __future__ import annotations
@@ -26,14 +35,17 @@ from grpo_ds.rollout.base import Rollouts
 @dataclass
 class MicroBatch:
     sample_ids: list[int]
-    input_ids: torch.Tensor  # (B, T) the model layout
-    attention_mask: torch.Tensor  # (B, T)
+    input_ids: torch.Tensor  # (1, sum L_i) packed, or (B, T) padded
+    attention_mask: torch.Tensor | None  # (B, T) padded; None packed
+    position_ids: torch.Tensor | None  # (1, sum L_i) packed, restarting per sequence; None padded
     target_ids: torch.Tensor  # (N,)
-    logit_index: torch.Tensor  # (N,) into the (B*T) output positions
+    logit_index: torch.Tensor  # (N,) into the flattened output positions
     seq_index: torch.Tensor  # (N,) into sample_ids
     col: torch.Tensor  # (N,) position within the response
     loss_mask: torch.Tensor  # (N,) float32
+    sequence_tokens: int  # prompt + response tokens the model reads (no padding)
     padding: bool = False  # a stand-in that every rank must run (ZeRO-3's collectives) but that trains nothing
+    boundaries: dict | None = None  # packed: flash attention's cu_seq_lens_q/k (int32) and max_length_q/k
 
     @property
     def num_tokens(self) -> int:
@@ -43,30 +55,50 @@ class MicroBatch:
     def num_sequences(self) -> int:
         return len(self.sample_ids)
 
+    def model_inputs(self) -> dict:
+        """The keyword arguments of the model's forward (always without a KV cache: see the module docstring)."""
+        inputs = {"input_ids": self.input_ids, "use_cache": False}
+        if self.position_ids is None:
+            inputs["attention_mask"] = self.attention_mask
+        else:
+            inputs.update(position_ids=self.position_ids, **self.boundaries)
+        return inputs
+
 
 def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torch.device,
-            padding: bool = False) -> MicroBatch:
-    """The micro-batch of ``sample_ids`` (``padding``: it stands in for an empty micro-batch and trains nothing)."""
+            padding: bool = False, packed: bool = True) -> MicroBatch:
+    """The micro-batch of ``sample_ids`` in the packed or the padded layout (``padding``: it stands in for an empty
+    micro-batch and trains nothing)."""
     seqs = [rollouts.prompt_ids[s] + rollouts.response_ids[s] for s in sample_ids]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
+    lengths = [len(s) for s in seqs]
+    width = sum(lengths) if packed else max(lengths)
+    starts = [sum(lengths[:b]) if packed else b * width for b in range(len(seqs))]  # flat position of each start
+    input_ids = torch.full((1, width) if packed else (len(seqs), width), pad_id, dtype=torch.long)
+    flat = input_ids.view(-1)
     index, col, seq, loss_mask = [], [], [], []
     for b, (sid, tokens) in enumerate(zip(sample_ids, seqs, strict=True)):
-        input_ids[b, : len(tokens)] = torch.tensor(tokens)
-        attention_mask[b, : len(tokens)] = 1
+        flat[starts[b]:starts[b] + len(tokens)] = torch.tensor(tokens)
         p, r = len(rollouts.prompt_ids[sid]), len(rollouts.response_ids[sid])
-        index += range(b * width + p - 1, b * width + p + r - 1)
+        index += range(starts[b] + p - 1, starts[b] + p + r - 1)
         col += range(r)
         seq += [b] * r
         loss_mask += rollouts.token_loss_mask(sid)
     logit_index = torch.tensor(index, dtype=torch.long)
-    targets = input_ids.view(-1)[logit_index + 1]  # the token after each predicting position
-    return MicroBatch(sample_ids=list(sample_ids), input_ids=input_ids.to(device),
-                      attention_mask=attention_mask.to(device), target_ids=targets.to(device),
-                      logit_index=logit_index.to(device), seq_index=torch.tensor(seq, dtype=torch.long).to(device),
+    targets = flat[logit_index + 1]  # the token after each predicting position
+    attention_mask = position_ids = boundaries = None
+    if packed:
+        position_ids = torch.cat([torch.arange(n) for n in lengths]).view(1, -1).to(device)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        boundaries = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
+                      "max_length_k": max(lengths)}
+    else:
+        attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long().to(device)
+    return MicroBatch(sample_ids=list(sample_ids), input_ids=input_ids.to(device), attention_mask=attention_mask,
+                      position_ids=position_ids, target_ids=targets.to(device), logit_index=logit_index.to(device),
+                      seq_index=torch.tensor(seq, dtype=torch.long).to(device),
                       col=torch.tensor(col, dtype=torch.long).to(device),
-                      loss_mask=torch.tensor(loss_mask, dtype=torch.float32).to(device), padding=padding)
+                      loss_mask=torch.tensor(loss_mask, dtype=torch.float32).to(device), sequence_tokens=sum(lengths),
+                      padding=padding, boundaries=boundaries)
 
 
 def split_per_sample(values: torch.Tensor, mb: MicroBatch) -> dict[int, torch.Tensor]:

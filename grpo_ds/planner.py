@@ -76,12 +76,13 @@ def shard_by_tokens(sample_ids: list[int], tokens: dict[int, int], world_size: i
 
 
 def pack_micro_batches(sample_ids: list[int], tokens: dict[int, int], *, max_samples: int | None = None,
-                       max_tokens: int | None = None) -> list[MicroBatch]:
+                       max_tokens: int | None = None, packed: bool = False) -> list[MicroBatch]:
     """Cut one rank's shard into micro-batches of at most ``max_samples`` samples, or (dynamic batching)
-    of at most ``max_tokens`` padded tokens: len(micro-batch) x its longest sequence.
+    of at most ``max_tokens`` tokens: the sum of the sequences' lengths when they are ``packed`` into one row,
+    else len(micro-batch) x its longest sequence (the padded rows).
 
-    Dynamic batching packs longest-first (first-fit decreasing): similar lengths share a micro-batch,
-    so little is padding.
+    Dynamic batching fills micro-batches longest-first (first-fit decreasing): padded, similar lengths share a
+    micro-batch, so little is padding; packed, the budget is filled with real tokens.
     """
     ordered = sorted(sample_ids, key=lambda s: (-tokens[s], s))
     if max_tokens is None:
@@ -94,7 +95,8 @@ def pack_micro_batches(sample_ids: list[int], tokens: dict[int, int], *, max_sam
                             f"completion) is longer than the cap {max_tokens}",
                             f"raise the cap to at least {tokens[sid]} (max_prompt_tokens + max_new_tokens is safe)")
         for b in bins:  # b[0] is the longest in its bin (longest-first order)
-            if (len(b) + 1) * tokens[b[0]] <= max_tokens:
+            cost = sum(tokens[x] for x in b) + tokens[sid] if packed else (len(b) + 1) * tokens[b[0]]
+            if cost <= max_tokens:
                 b.append(sid)
                 break
         else:
@@ -103,10 +105,12 @@ def pack_micro_batches(sample_ids: list[int], tokens: dict[int, int], *, max_sam
 
 
 def plan_minibatch(sample_ids: list[int], tokens: dict[int, int], world_size: int, *,
-                   max_samples: int | None = None, max_tokens: int | None = None) -> MiniBatchPlan:
+                   max_samples: int | None = None, max_tokens: int | None = None, packed: bool = False
+                   ) -> MiniBatchPlan:
     """Shard one mini-batch over ranks and cut each shard into micro-batches; pad to equal counts."""
     shards = shard_by_tokens(sample_ids, tokens, world_size, balance_counts=max_tokens is None)
-    per_rank = [pack_micro_batches(s, tokens, max_samples=max_samples, max_tokens=max_tokens) for s in shards]
+    per_rank = [pack_micro_batches(s, tokens, max_samples=max_samples, max_tokens=max_tokens, packed=packed)
+                for s in shards]
     count = max(1, max(len(m) for m in per_rank))
     padded = tuple(tuple(m) + ((),) * (count - len(m)) for m in per_rank)
     return MiniBatchPlan(sample_ids=tuple(sorted(sample_ids)), micro_batches=padded)
@@ -123,25 +127,28 @@ class StepPlan:
 
 def plan_step(tokens: list[int], world_size: int, *, samples_per_minibatch: int, epochs: int,
               update_micro_samples: int, logprob_micro_samples: int, max_tokens: int | None,
-              seed: int, old_logprob_pass: bool) -> StepPlan:
+              seed: int, old_logprob_pass: bool, packed: bool = False) -> StepPlan:
     """Plan one step for samples ``0..len(tokens)-1`` whose sequence lengths are ``tokens``."""
     token_map = dict(enumerate(tokens))
     groups = split_minibatches(len(tokens), samples_per_minibatch, epochs, seed)
     minibatches = tuple(plan_minibatch(ids, token_map, world_size, max_samples=update_micro_samples,
-                                       max_tokens=max_tokens) for ids in groups)
+                                       max_tokens=max_tokens, packed=packed) for ids in groups)
     logprob_pass = plan_minibatch(list(range(len(tokens))), token_map, world_size,
-                                  max_samples=logprob_micro_samples, max_tokens=max_tokens)
+                                  max_samples=logprob_micro_samples, max_tokens=max_tokens, packed=packed)
     return StepPlan(minibatches=minibatches, logprob_pass=logprob_pass, old_logprob_pass=old_logprob_pass)
 
 
-def plan_recipe_step(recipe: Recipe, tokens: list[int], world_size: int, step: int) -> StepPlan:
-    """``plan_step`` with the recipe's batch settings for step ``step`` (the driver and the dry run)."""
+def plan_recipe_step(recipe: Recipe, tokens: list[int], world_size: int, step: int, packed: bool | None = None
+                     ) -> StepPlan:
+    """``plan_step`` with the recipe's batch settings for step ``step`` (the driver and the dry run). ``packed``:
+    the layout the run uses (train.packing unless the model cannot pack, which the policy finds out when built)."""
     t = recipe.train
     return plan_step(tokens, world_size, samples_per_minibatch=recipe.samples_per_optimizer_step,
                      epochs=t.epochs_per_rollout, update_micro_samples=t.micro_batch_samples_per_gpu,
                      logprob_micro_samples=t.logprob_micro_batch_samples_per_gpu,
                      max_tokens=t.max_tokens_per_micro_batch, seed=recipe.run.seed * 7919 + step,
-                     old_logprob_pass=old_logprob_pass_reason(recipe) is not None)
+                     old_logprob_pass=old_logprob_pass_reason(recipe) is not None,
+                     packed=t.packing if packed is None else packed)
 
 
 def old_logprob_pass_reason(recipe: Recipe) -> str | None:

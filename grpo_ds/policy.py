@@ -39,6 +39,7 @@ class Policy:
     lora: bool  # only LoRA adapters train (decided from model.lora_rank when built)
     reference_engine: Any | None  # scores the KL reference (LoRA: ``engine`` itself, adapters off); None: no KL
     fused_lm_head_problem: str | None  # why the fused lm_head kernels cannot run on this model (None: they can)
+    packing_problem: str | None = None  # why this model cannot take packed micro-batches (None: it can)
 
     @staticmethod
     def build(recipe: Recipe, ds_config: dict, vocab_size: int, announce: bool) -> Policy:
@@ -51,18 +52,26 @@ class Policy:
         if recipe.algorithm.kl_coef > 0:
             reference = engine if use_lora else create_reference_engine(
                 load_model(recipe.model, vocab_size, recipe.run.seed, ds_config), ds_config)
-        policy = Policy(engine, use_lora, reference, fused_lm_head_problem(engine.module))
+        packing = packing_problem(engine) if recipe.train.packing else None
+        policy = Policy(engine, use_lora, reference, fused_lm_head_problem(engine.module), packing)
         if announce:
             if use_lora:
                 print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
             if recipe.kernels.fused_lm_head and policy.fused_lm_head_problem:
                 print(f"note: kernels.fused_lm_head: {policy.fused_lm_head_problem}; computing full logits",
                       file=sys.stderr, flush=True)
+            if packing:
+                print(f"note: train.packing: {packing}; padding each micro-batch instead", file=sys.stderr,
+                      flush=True)
         return policy
 
     @property
     def fused_lm_head_allowed(self) -> bool:
         return self.fused_lm_head_problem is None
+
+    @property
+    def packing_allowed(self) -> bool:
+        return self.packing_problem is None
 
     @contextmanager
     def reference(self):
@@ -143,3 +152,33 @@ def _tensor_sha256(tensor: torch.Tensor) -> str:
 
 def _combine(digests: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(digests.items())).encode()).hexdigest()
+
+
+@torch.no_grad()
+def packing_problem(engine) -> str | None:
+    """Why the model cannot take packed micro-batches (grpo_ds.micro_batch), found by trying: two short sequences
+    packed into one row must give the logits each gives alone. A model whose attention ignores the position ids'
+    boundaries (remote code, an attention implementation without packed-sequence support) attends across them.
+    Every rank runs it (ZeRO-3 gathers the weights collectively)."""
+    module = getattr(engine, "module", engine)  # a DeepSpeed engine, or a plain model
+    config = getattr(module, "config", None)
+    vocab = getattr(config, "vocab_size", 2) or 2
+    first, second = [1 % vocab, 2 % vocab, 3 % vocab, 4 % vocab], [5 % vocab, 6 % vocab, 7 % vocab]
+    device = getattr(engine, "device", None) or next(module.parameters()).device
+    was_training = module.training
+    module.eval()
+    try:
+        alone = [engine(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float()
+                 for ids in (first, second)]
+        packed = engine(input_ids=torch.tensor([first + second], device=device), use_cache=False,
+                        position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]], device=device)).logits[0].float()
+    except Exception as err:  # noqa: BLE001 - any failure means: do not pack
+        return f"a packed forward fails ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    finally:
+        module.train(was_training)
+    expected = torch.cat(alone)
+    scale = expected.abs().max().clamp(min=1.0)
+    if (packed - expected).abs().max() > 1e-2 * scale:  # attention across sequences changes the logits by far more
+        name = getattr(config, "_attn_implementation", "?")
+        return f"{type(module).__name__} with attention {name!r} attends across packed sequences"
+    return None

@@ -177,8 +177,11 @@ class TrainConfig:
                                                  low=1)
     epochs_per_rollout: int = opt(1, "Passes over each step's samples", low=1)
     micro_batch_samples_per_gpu: int = opt(4, "Samples per micro-batch per GPU in the policy update", low=1)
-    max_tokens_per_micro_batch: int | None = opt(None, "Dynamic batching: cap on padded tokens (samples x longest "
-                                                 "sequence) per micro-batch, all phases (null = off)", low=1)
+    max_tokens_per_micro_batch: int | None = opt(None, "Dynamic batching: cap on the tokens of a micro-batch, all "
+                                                 "phases: real tokens when packing, else samples x longest "
+                                                 "sequence (null = off: micro_batch_samples_per_gpu)", low=1)
+    packing: bool = opt(True, "Pack a micro-batch's sequences into one row (position ids restart per sequence, no "
+                        "padding); false = one right-padded row per sequence")
     logprob_micro_batch_samples_per_gpu: int = opt(8, "Samples per micro-batch per GPU in the old/ref log-prob "
                                                    "passes", low=1)
     lr: float = opt(1e-6, "Peak learning rate (AdamW)", low=0.0, low_open=True)
@@ -235,6 +238,11 @@ class LoggingConfig:
     samples_per_log: int = opt(4, "Samples written each time (the first group's first ones)", low=1)
     wandb_mode: str = opt("online", "Weights & Biases mode (offline writes to <run folder>/wandb)",
                           choices=("online", "offline", "disabled"))
+    profile_steps: list | None = opt(None, "[first, last]: record a torch.profiler trace of these steps (inclusive, "
+                                     "at most 10) per rank to <run folder>/profile/rank<r>.pt.trace.json, phases "
+                                     "labelled grpo/<phase> (null = off)")
+    profile_comms: bool = opt(False, "With profile_steps: also log DeepSpeed's collectives of those steps (op, "
+                              "message size, count) per rank to <run folder>/profile/rank<r>.comms.txt")
 
 
 @dataclass(frozen=True)
@@ -383,6 +391,7 @@ def validate(recipe: Recipe) -> None:
     a = recipe.algorithm
     _validate_algorithm(recipe)
     _validate_eval(recipe.eval)
+    _validate_profiling(recipe)
     if a.advantage == "dr_grpo" and a.scale_rewards not in (None, "none"):
         raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
@@ -407,6 +416,33 @@ def _validate_eval(e: EvalConfig) -> None:
                          for k in ks):
         raise UserError("eval.pass_at", f"{ks} must be a non-empty list of whole numbers from 1 to "
                         f"eval.samples_per_prompt {e.samples_per_prompt}", f"e.g. [1, {e.samples_per_prompt}]")
+
+
+PROFILE_MAX_STEPS = 10  # a trace holds every operator of every step: MBs per step even for builtin:tiny
+
+
+def _validate_profiling(recipe: Recipe) -> None:
+    steps, last_step = recipe.logging.profile_steps, recipe.train.steps
+    example = f"e.g. [{min(2, last_step)}, {min(3, last_step)}]"
+    if steps is None:
+        if recipe.logging.profile_comms:
+            raise UserError("logging.profile_comms", "logs the profiled steps, but logging.profile_steps is null",
+                            f"set logging.profile_steps too, {example}")
+        return
+    if len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        raise UserError("logging.profile_steps", f"{json.dumps(steps)} is not [first, last], two step numbers",
+                        example)
+    first, last = steps
+    if first < 1 or first > last:
+        raise UserError("logging.profile_steps", f"{steps} must have 1 <= first <= last (steps count from 1)",
+                        f"e.g. [{max(1, min(first, last))}, {max(1, first, last)}]")
+    if last > last_step:
+        raise UserError("logging.profile_steps", f"{steps} ends after the run's last step (train.steps {last_step})",
+                        example if first > last_step else f"e.g. [{first}, {min(first + 1, last_step)}]")
+    if last - first + 1 > PROFILE_MAX_STEPS:
+        raise UserError("logging.profile_steps", f"{steps} is {last - first + 1} steps; at most {PROFILE_MAX_STEPS} "
+                        "(a trace holds every operator of every step it covers)",
+                        f"e.g. [{first}, {first + 1}]: a few steps show where the time goes")
 
 
 def _validate_algorithm(recipe: Recipe) -> None:

@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from grpo_ds.metrics import MetricsLogger, peak_memory_gib
 from grpo_ds.models import load_model
 from grpo_ds.planner import plan_recipe_step, token_imbalance
 from grpo_ds.policy import Policy, weights_sha256
+from grpo_ds.profiling import Phase, profiled_steps
 from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
@@ -66,54 +66,52 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
     settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend,
-                                          policy.fused_lm_head_allowed)
+                                          policy.fused_lm_head_allowed, policy.packing_allowed)
     first_step = _resume(folder, policy, rollout, sampler, logger, dist, bucket_bytes, rank_log)
     nonfinite_in_a_row = 0
 
-    for step in range(first_step, recipe.train.steps + 1):
+    for step in profiled_steps(range(first_step, recipe.train.steps + 1), recipe.logging, run_dir, dist):
         # ---- rollout and reward (grpo_ds.collect): rank 0 picks the prompts, every rank generates a slice,
         # rank 0 scores them; with dynamic sampling, equal-reward groups are replaced by new prompts
         data = collect(step, recipe, inputs, rollout, sampler, dist)
 
         # ---- plan: optimizer steps, per-rank shards, micro-batches (rank 0 decides)
-        data.plan = dist.decide(plan_recipe_step, recipe, data.sequence_tokens(), dist.dp_size, step)
+        data.plan = dist.decide(plan_recipe_step, recipe, data.sequence_tokens(), dist.dp_size, step, settings.packed)
 
         # ---- old / reference log-probs, each pass with the log-prob phase's own micro size
-        t = time.perf_counter()
-        if data.plan.old_logprob_pass:
-            data.old_logprobs = logprob_pass(policy.engine, data, settings, dist)
-        if policy.reference_engine is not None:
-            with policy.reference() as reference:
-                data.ref_logprobs = logprob_pass(reference, data, settings, dist)
-        data.times["logprob"] = time.perf_counter() - t
+        with Phase("logprob", data.times):
+            if data.plan.old_logprob_pass:
+                data.old_logprobs = logprob_pass(policy.engine, data, settings, dist)
+            if policy.reference_engine is not None:
+                with policy.reference() as reference:
+                    data.ref_logprobs = logprob_pass(reference, data, settings, dist)
 
         # ---- advantage: shaped rewards (overlong penalty, KL in the reward) -> group advantages (rank 0)
-        data.advantages, shaping_metrics = dist.decide(_advantages, recipe, inputs, data, dist.device)
+        with Phase("advantage"):  # labelled for traces; not timed into time_step_s
+            data.advantages, shaping_metrics = dist.decide(_advantages, recipe, inputs, data, dist.device)
         data.metrics.update(shaping_metrics)
 
         # ---- policy update: one optimizer step per mini-batch
-        t = time.perf_counter()
         stats, grad_norms, nonfinite = LossStats(), [], 0
-        for minibatch in data.plan.minibatches:
-            step_stats, stepped = optimizer_step(policy.engine, data, minibatch, settings, dist)
-            stats += step_stats
-            # NaN guard: a non-finite loss skipped the update (optimizer_step); a non-finite norm is counted too.
-            # Engines that report no norm (ZeRO stages 0-2 on some paths) give None: nothing to check.
-            grad_norm = policy.engine.get_global_grad_norm() if stepped else math.nan
-            if grad_norm is None or math.isfinite(grad_norm):
-                if grad_norm is not None:
-                    grad_norms.append(float(grad_norm))
-                nonfinite_in_a_row = 0
-            else:
-                nonfinite, nonfinite_in_a_row = nonfinite + 1, nonfinite_in_a_row + 1
-            if nonfinite_in_a_row >= recipe.train.max_nonfinite_steps:
-                _stop_nonfinite(step, nonfinite_in_a_row, run_dir)
-        data.times["update"] = time.perf_counter() - t
+        with Phase("update", data.times):
+            for minibatch in data.plan.minibatches:
+                step_stats, stepped = optimizer_step(policy.engine, data, minibatch, settings, dist)
+                stats += step_stats
+                # NaN guard: a non-finite loss skipped the update (optimizer_step); a non-finite norm is counted
+                # too. Engines that report no norm (ZeRO stages 0-2 on some paths) give None: nothing to check.
+                grad_norm = policy.engine.get_global_grad_norm() if stepped else math.nan
+                if grad_norm is None or math.isfinite(grad_norm):
+                    if grad_norm is not None:
+                        grad_norms.append(float(grad_norm))
+                    nonfinite_in_a_row = 0
+                else:
+                    nonfinite, nonfinite_in_a_row = nonfinite + 1, nonfinite_in_a_row + 1
+                if nonfinite_in_a_row >= recipe.train.max_nonfinite_steps:
+                    _stop_nonfinite(step, nonfinite_in_a_row, run_dir)
 
         # ---- weight sync: ZeRO-3 shards -> full weights (LoRA: merged adapted layers), bucket by bucket
-        t = time.perf_counter()
-        rollout.update_weights(policy.rollout_weights(bucket_bytes))
-        data.times["sync"] = time.perf_counter() - t
+        with Phase("sync", data.times):
+            rollout.update_weights(policy.rollout_weights(bucket_bytes))
 
         # ---- log
         stats = stats.summed_over_ranks(dist)
@@ -122,9 +120,9 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
                        lr=policy.engine.get_lr()[0], skipped_rows=inputs.skipped_rows,
                        peak_memory_gib=peak_memory_gib(dist.device))
         if inputs.eval_prompts and (step % recipe.eval.every_steps == 0 or step == recipe.train.steps):
-            t = time.perf_counter()
-            metrics.update(evaluate(step, recipe, inputs, inputs.eval_prompts, rollout, dist))
-            metrics["time_eval_s"] = time.perf_counter() - t
+            with Phase("eval") as phase:
+                metrics.update(evaluate(step, recipe, inputs, inputs.eval_prompts, rollout, dist))
+            metrics["time_eval_s"] = phase.seconds
         logger.log(metrics)
         every = recipe.logging.samples_every_steps
         if dist.is_main and every is not None and (step % every == 0 or step == 1):
@@ -136,8 +134,9 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
         # (never after a non-finite step: its weights may not be good)
         every = recipe.checkpoint.every_steps
         if every is not None and (step % every == 0 or step == recipe.train.steps) and not nonfinite:
-            checkpoint.save(policy, run_dir, step, {"sampler": sampler.state_dict(), "history": logger.history},
-                            recipe.checkpoint.keep, dist)
+            with Phase("checkpoint"):
+                checkpoint.save(policy, run_dir, step, {"sampler": sampler.state_dict(), "history": logger.history},
+                                recipe.checkpoint.keep, dist)
 
     # ---- the end: the final weights' hash on every rank (and the rollout copy's, which must equal it), the model
     save = dist.is_main and recipe.run.save_final_model

@@ -42,11 +42,13 @@ class UpdateSettings:
     loss: LossSettings
     mask_truncated: bool  # completions cut by the length limit get no loss (DAPO's overlong filtering)
     rollout_is_cap: float | None  # truncated importance weight min(pi_old / pi_sampler, cap); None = off
+    packed: bool = True  # the micro-batch layout (grpo_ds.micro_batch)
 
     @staticmethod
-    def from_recipe(recipe: Recipe, pad_id: int, backend: str, fused_lm_head_allowed: bool = True) -> UpdateSettings:
+    def from_recipe(recipe: Recipe, pad_id: int, backend: str, fused_lm_head_allowed: bool = True,
+                    packing_allowed: bool = True) -> UpdateSettings:
         """``backend``: the resolved kernels backend ("triton" or "torch", see grpo_ds.kernels.resolve_backend);
-        ``fused_lm_head_allowed``: whether the model can use it (grpo_ds.policy.Policy.fused_lm_head_allowed)."""
+        ``fused_lm_head_allowed`` / ``packing_allowed``: whether the model can take them (grpo_ds.policy)."""
         a = recipe.algorithm
         kl_in_loss = 0.0 if a.kl_in_reward else a.kl_coef
         config = LossConfig(a.clip_low, a.clip_high, a.dual_clip, kl_in_loss, a.kl_estimator, a.entropy_coef,
@@ -54,14 +56,15 @@ class UpdateSettings:
         loss = LossSettings(config, recipe.rollout.temperature, backend, recipe.kernels.logprob_chunk_tokens,
                             recipe.kernels.fused_lm_head and fused_lm_head_allowed)
         return UpdateSettings(pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, a.mask_truncated,
-                              a.rollout_is_cap)
+                              a.rollout_is_cap, recipe.train.packing and packing_allowed)
 
 
 def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, settings: UpdateSettings,
                  dist: Dist) -> MicroBatch:
     # A padding micro-batch () runs a real sample with weight 0: every rank must run the same
     # forwards and backwards, because ZeRO-3 gathers parameters collectively inside them.
-    return collate(rollouts, list(ids) or [plan.sample_ids[0]], settings.pad_id, dist.device, padding=not ids)
+    return collate(rollouts, list(ids) or [plan.sample_ids[0]], settings.pad_id, dist.device, padding=not ids,
+                   packed=settings.packed)
 
 
 @torch.no_grad()

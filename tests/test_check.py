@@ -106,8 +106,8 @@ def test_several_optimizer_steps_run_the_old_logprob_pass(outputs):
 @pytest.mark.slow
 def test_dynamic_batching_is_shown(outputs):
     out = outputs["dynamic"].stdout
-    assert "<= 64 padded tokens (dynamic)" in line_of(out, "update micro-batch")
-    assert "<= 64 padded tokens (dynamic)" in line_of(out, "log-prob micro-batch")
+    assert "<= 64 real tokens (dynamic)" in line_of(out, "update micro-batch")  # packed: real tokens
+    assert "<= 64 real tokens (dynamic)" in line_of(out, "log-prob micro-batch")
     ((_, samples, _, update_mbs, _, _),) = rank_lines(out)
     assert samples == 400
     assert update_mbs > 400 // 100  # a 64-token cap splits finer than the 100-sample micro-batches would

@@ -24,9 +24,14 @@ SCRIPT = str(REPO / "tests" / "scripts" / "one_step.py")
 
 @pytest.mark.slow
 def test_one_optimizer_step_is_independent_of_the_parallel_layout(tmp_path):
-    single = [{"loss_agg": mode, "micro": 9, "max_tokens": None} for mode in LOSS_AGG_MODES]
-    split = [{"loss_agg": mode, "micro": micro, "max_tokens": cap}
-             for mode in LOSS_AGG_MODES for micro, cap in ((2, None), (2, 40))]
+    """Every loss_agg mode, packed and padded micro-batches, sdpa and eager attention: the log-probs before the step and
+    the weights after it equal world size 1's packed sdpa run with one micro-batch."""
+    layouts = [{"packing": packing, "attn": attn} for packing in (True, False) for attn in ("sdpa", "eager")]
+    single = [{"loss_agg": mode, "micro": 9, "max_tokens": None, **layout}
+              for mode in LOSS_AGG_MODES for layout in layouts]
+    split = [{"loss_agg": mode, "micro": micro, "max_tokens": cap, **layout}
+             for mode in LOSS_AGG_MODES for micro, cap in ((2, None), (2, 40)) for layout in layouts[:2]]
+    split += [{"loss_agg": mode, "micro": 2, "max_tokens": None, **layouts[3]} for mode in LOSS_AGG_MODES]
     # The same step through full logits (logits kernels + masked policy loss) and, when Triton is installed,
     # through the Triton kernels (the interpreter on CPU) with the lm_head weight a partitioned ZeRO-3 parameter.
     split += [{"loss_agg": "seq-mean-token-mean", "micro": 2, "max_tokens": None, "fused_lm_head": False}]
@@ -40,14 +45,19 @@ def test_one_optimizer_step_is_independent_of_the_parallel_layout(tmp_path):
     deepspeed_launch(2, [SCRIPT, str(tmp_path / "w2"), json.dumps(split)])
 
     initial = dict(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0).named_parameters())
-    baselines = [torch.load(tmp_path / "w1" / f"{i}.pt") for i in range(len(single))]
-    for i, cfg in enumerate(split):
-        result = torch.load(tmp_path / "w2" / f"{i}.pt")
+    runs = [torch.load(tmp_path / "w1" / f"{i}.pt") for i in range(len(single))]
+    baselines = runs[::len(layouts)]  # per mode: packed, sdpa
+    results = [(cfg, run) for cfg, run in zip(single, runs, strict=True)]
+    results += [(cfg, torch.load(tmp_path / "w2" / f"{i}.pt")) for i, cfg in enumerate(split)]
+    for cfg, result in results:
         base = baselines[LOSS_AGG_MODES.index(cfg["loss_agg"])]
         assert len(base["micro_batches"][0]) == 1  # world 1: one micro-batch
-        assert all(len(rank) > 1 for rank in result["micro_batches"])  # world 2: several per rank
-        if cfg["max_tokens"] is None:
-            assert result["padding"] >= 1  # 5 + 4 samples at 2 per micro-batch: one padding micro-batch
+        if cfg["micro"] == 2:
+            assert all(len(rank) > 1 for rank in result["micro_batches"])  # world 2: several per rank
+            if cfg["max_tokens"] is None:
+                assert result["padding"] >= 1  # 5 + 4 samples at 2 per micro-batch: one padding micro-batch
+        for sample, logprobs in base["logprobs"].items():  # fp32 sums in another order: ~1e-7
+            torch.testing.assert_close(result["logprobs"][sample], logprobs, rtol=0, atol=2e-6)
         for name, value in base["params"].items():
             # fp32 sums in another order differ by ~1e-7 relative; atol covers entries that are ~0
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-7,
@@ -97,11 +107,17 @@ class _Recorder:
         def factory(model, ds_config):
             engine = real(model, ds_config)
             self.engines[label] = engine
-            engine.module.register_forward_pre_hook(
-                lambda _m, _a, kw: self.calls.append((label, torch.is_grad_enabled(), kw["input_ids"].shape[0])),
-                with_kwargs=True)
+            engine.module.register_forward_pre_hook(lambda _m, _a, kw: self._record(label, kw), with_kwargs=True)
             return engine
         return factory
+
+    def _record(self, label, kwargs):
+        """A micro-batch's sequences: packed (cu_seq_lens) or padded rows; other forwards (the start-up packing
+        probe) are not micro-batches."""
+        if "cu_seq_lens_q" in kwargs:
+            self.calls.append((label, torch.is_grad_enabled(), len(kwargs["cu_seq_lens_q"]) - 1))
+        elif kwargs.get("attention_mask") is not None:
+            self.calls.append((label, torch.is_grad_enabled(), kwargs["input_ids"].shape[0]))
 
     def sizes(self, label: str, grad: bool) -> list[int]:
         return [n for lab, g, n in self.calls if lab == label and g == grad]

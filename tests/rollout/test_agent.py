@@ -12,8 +12,10 @@ from grpo_ds.algo.policy_loss import LossConfig
 from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.envs import CalculatorEnv, StepResult
 from grpo_ds.micro_batch import collate
+from grpo_ds.rollout import agent
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import Rollouts, SamplingParams
+from tests.rollout.test_hf import SAMPLINGS, all_steps_generate_left_padded, favour_eos
 
 TOK = build_tiny_tokenizer()
 EOS = TOK.eos_token_id
@@ -110,6 +112,34 @@ def arith_prompts(rows=ARITH):
 
 
 # ------------------------------------------------------------------------------------------ layout
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_sampler_logprobs_equal_the_all_steps_path_bitwise(sampling, monkeypatch):
+    """Multi-turn: every turn's generate call records one step's log-probs at a time and gives exactly the numbers
+    of keeping every step's scores (tests/rollout/test_hf.py has the reference), with turns that end at EOS while
+    other episodes of the same call keep sampling."""
+    model = favour_eos(tiny_model(), EOS)
+
+    def run():
+        factory, _ = recording(EchoEnv, done_after=3, intro="<go>")
+        return engine(factory, model, max_turns=3, max_total_tokens=40).generate(
+            arith_prompts(), 3, SamplingParams(max_new_tokens=6, seed=2, **sampling), ARITH)
+
+    ours = run()
+    monkeypatch.setattr(agent, "generate_left_padded", all_steps_generate_left_padded)
+    reference = run()
+    assert ours.response_ids == reference.response_ids and ours.loss_mask == reference.loss_mask
+    assert ours.finish_reason == reference.finish_reason
+    assert ours.sampler_logprobs == reference.sampler_logprobs  # float lists: bitwise
+    turns = [(ids[s:e], logprobs[s:e]) for ids, mask, logprobs in
+             zip(ours.response_ids, ours.loss_mask, ours.sampler_logprobs, strict=True)
+             for m, s, e in runs(mask) if m == 1]
+    assert any(len(runs(mask)) >= 4 for mask in ours.loss_mask)  # reset text, turn, observation, turn, ...
+    assert any(ids[-1] == EOS and len(ids) < 6 for ids, _ in turns) and any(len(ids) == 6 for ids, _ in turns)
+    assert all(lp <= 0.0 for _, logprobs in turns for lp in logprobs)
+
+
 
 
 def test_random_model_layout_loss_mask_observation_tokens_and_sampler_logprobs():
@@ -264,12 +294,15 @@ def _multi_turn_rollouts():
 def test_the_tokens_the_trainer_sees_are_exactly_the_tokens_the_rollout_produced():
     out = _multi_turn_rollouts()
     order = [5, 0, 3, 1, 4, 2]  # a micro-batch in any order
-    mb = collate(out, order, TOK.pad_token_id, torch.device("cpu"))
+    mb = collate(out, order, TOK.pad_token_id, torch.device("cpu"), packed=False)
     for b, sid in enumerate(order):
         seq = out.prompt_ids[sid] + out.response_ids[sid]
         assert mb.input_ids[b, : len(seq)].tolist() == seq
         assert mb.attention_mask[b].sum().item() == len(seq)
-    assert mb.target_ids.tolist() == [t for sid in order for t in out.response_ids[sid]]
+    packed = collate(out, order, TOK.pad_token_id, torch.device("cpu"))
+    assert packed.input_ids.tolist() == [[t for sid in order for t in out.prompt_ids[sid] + out.response_ids[sid]]]
+    for layout in (mb, packed):
+        assert layout.target_ids.tolist() == [t for sid in order for t in out.response_ids[sid]]
     loss_mask = [m for sid in order for m in out.token_loss_mask(sid)]  # flat, in collate's order
     assert len(loss_mask) == mb.num_tokens
     assert mb.loss_mask.tolist() == loss_mask  # what the driver multiplies into the token weights
@@ -281,7 +314,8 @@ def test_observation_tokens_get_exactly_zero_gradient():
     mb = collate(out, order, TOK.pad_token_id, torch.device("cpu"))
     loss_mask = torch.tensor([m for sid in order for m in out.token_loss_mask(sid)], dtype=torch.float32)
     model = tiny_model().train()
-    hidden = model.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state  # (B, T, H)
+    inputs = {k: v for k, v in mb.model_inputs().items() if k in ("input_ids", "position_ids", "use_cache")}
+    hidden = model.model(**inputs).last_hidden_state  # (1, sum L_i, H) packed
     scored = hidden.reshape(-1, hidden.shape[-1])[mb.logit_index]  # (N_tok, H) the states that score each token
     scored.retain_grad()
     advantages = torch.linspace(-1.0, 1.0, len(order))[mb.seq_index]  # (N_tok,) non-zero for every sample

@@ -7,8 +7,9 @@ its first update is lr * g / (|g| + eps) ~= g: a plain gradient step, sensitive 
 
     deepspeed --num_gpus W tests/scripts/one_step.py OUT_DIR CONFIGS_JSON
 CONFIGS_JSON: list of {"loss_agg": ..., "micro": int, "max_tokens": int | null, optional "fused_lm_head": bool,
-"backend": "torch" | "triton", "tp": int (tensor-parallel size, AutoTP), "stage": int (ZeRO stage, default 3)}; one
-file OUT_DIR/<i>.pt each. Without a GPU the Triton backend runs through Triton's interpreter.
+"backend": "torch" | "triton", "tp": int (tensor-parallel size, AutoTP), "stage": int (ZeRO stage, default 3),
+"packing": bool (default true), "attn": "sdpa" | "eager"}; one file OUT_DIR/<i>.pt each with the parameters after
+the step and every sample's log-probs before it. Without a GPU the Triton backend runs through Triton's interpreter.
 """
 
 import json
@@ -24,13 +25,13 @@ if not torch.cuda.is_available():
 from grpo_ds.builtin_tiny import build_tiny_model
 from grpo_ds.ds_config import resolve_deepspeed_config
 from grpo_ds.engine import create_train_engine, init_distributed
-from grpo_ds.planner import plan_minibatch
+from grpo_ds.planner import StepPlan, plan_minibatch
 from grpo_ds.policy import fused_lm_head_problem
 from grpo_ds.recipe import load_recipe
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
 from grpo_ds.step_data import StepData
-from grpo_ds.update import UpdateSettings, optimizer_step
+from grpo_ds.update import UpdateSettings, logprob_pass, optimizer_step
 
 VOCAB = 64
 
@@ -57,19 +58,23 @@ def main(out_dir: str, configs: list[dict]) -> None:
             "algorithm": {"loss_agg": cfg["loss_agg"]},
             "kernels": {"fused_lm_head": cfg.get("fused_lm_head", True), "logprob_chunk_tokens": 16},
             "train": {"micro_batch_samples_per_gpu": cfg["micro"], "max_tokens_per_micro_batch": cfg["max_tokens"],
-                      "lr": 1e4, "max_grad_norm": 0.0, "tensor_parallel_size": cfg.get("tp", 1)},
+                      "lr": 1e4, "max_grad_norm": 0.0, "tensor_parallel_size": cfg.get("tp", 1),
+                      "packing": cfg.get("packing", True)},
             "deepspeed": {"zero_optimization": {"stage": cfg.get("stage", 3)}, "optimizer": {"params": {"eps": 1e4}}},
         })
-        engine = create_train_engine(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0),
-                                     resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
+        model = build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0)
+        model.set_attn_implementation(cfg.get("attn", "sdpa"))
+        engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
         plan = plan_minibatch(list(tokens), tokens, dist.dp_size, max_samples=cfg["micro"],
-                              max_tokens=cfg["max_tokens"])
+                              max_tokens=cfg["max_tokens"], packed=recipe.train.packing)
         settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend=cfg.get("backend", "torch"),
                                               fused_lm_head_allowed=fused_lm_head_problem(engine.module) is None)
-        optimizer_step(engine, StepData([], rollouts, [], advantages=advantages), plan, settings, dist)
+        data = StepData([], rollouts, [], advantages=advantages, plan=StepPlan((plan,), plan, False))
+        logprobs = logprob_pass(engine, data, settings, dist)
+        optimizer_step(engine, data, plan, settings, dist)
         params = {name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)}
         if dist.is_main:
-            torch.save({"params": params, "micro_batches": plan.micro_batches,
+            torch.save({"params": params, "logprobs": logprobs, "micro_batches": plan.micro_batches,
                         "padding": plan.padding_micro_batches()}, Path(out_dir) / f"{index}.pt")
         del engine
     dist.barrier()

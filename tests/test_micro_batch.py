@@ -1,0 +1,76 @@
+"""The micro-batch layouts (grpo_ds/micro_batch.py): packed and padded rows give the same per-token numbers, and a
+packed forward needs use_cache=False."""
+
+import pytest
+import torch
+
+from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.builtin_tiny import build_tiny_model
+from grpo_ds.loss import LossSettings, token_logprobs
+from grpo_ds.micro_batch import MicroBatch, collate
+from grpo_ds.policy import packing_problem
+from grpo_ds.rollout.base import Rollouts
+from tests.scripts.one_step import fixed_rollouts
+
+SETTINGS = LossSettings(LossConfig(), temperature=1.0, backend="torch", chunk_tokens=16, fused_lm_head=True)
+
+
+def _model(attn: str):
+    model = build_tiny_model(64, hidden_size=32, num_layers=2, num_heads=4, seed=0).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def _alone(model, rollouts: Rollouts, ids: list[int]) -> torch.Tensor:
+    """Each sequence's log-probs from a forward of that sequence alone (no padding, no neighbours)."""
+    return torch.cat([token_logprobs(model, collate(rollouts, [i], 0, torch.device("cpu"), packed=False), SETTINGS)
+                      for i in ids])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_packed_and_padded_layouts_score_every_token_as_each_sequence_alone(attn, fused):
+    rollouts, _ = fixed_rollouts()
+    ids = [4, 0, 7, 2, 8]  # lengths differ: the padded rows hold padding, the packed row none
+    model = _model(attn)
+    settings = LossSettings(LossConfig(), 1.0, "torch", 16, fused)
+    alone = _alone(model, rollouts, ids)
+    for packed in (True, False):
+        mb = collate(rollouts, ids, 0, torch.device("cpu"), packed=packed)
+        torch.testing.assert_close(token_logprobs(model, mb, settings), alone, rtol=0, atol=2e-6)
+    packed = collate(rollouts, ids, 0, torch.device("cpu"))
+    assert packed.input_ids.shape == (1, packed.sequence_tokens) and packed.attention_mask is None
+    assert packed.position_ids[0].tolist()[:4] == list(range(4))
+
+
+def test_a_packed_forward_with_the_kv_cache_on_attends_across_sequences(monkeypatch):
+    """The regression test for use_cache=False: with the cache on, transformers does not look for packed sequences
+    and every token attends to the sequences before it in the row."""
+    rollouts, _ = fixed_rollouts()
+    ids = [4, 0, 7]
+    model = _model("sdpa")
+    assert model.config.use_cache  # the model's own default: the flag must come from the micro-batch
+    mb = collate(rollouts, ids, 0, torch.device("cpu"))
+    assert mb.model_inputs()["use_cache"] is False
+    alone = _alone(model, rollouts, ids)
+    real = MicroBatch.model_inputs
+    monkeypatch.setattr(MicroBatch, "model_inputs", lambda self: {**real(self), "use_cache": True})
+    leaked = token_logprobs(model, mb, SETTINGS)
+    first = len(rollouts.response_ids[ids[0]])
+    torch.testing.assert_close(leaked[:first], alone[:first], rtol=0, atol=2e-6)  # the first sequence has no past
+    assert (leaked[first:] - alone[first:]).abs().max() > 1e-2  # the others see their neighbours
+
+
+def test_the_packing_probe_accepts_transformers_models_and_refuses_one_that_ignores_position_ids():
+    model = _model("sdpa")
+    assert packing_problem(model) is None
+
+    class Unpacked(torch.nn.Module):  # attends over the whole row whatever the position ids say
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, position_ids=None, **kwargs):
+            return self.inner(input_ids=input_ids, **kwargs)
+
+    assert "attends across packed sequences" in packing_problem(Unpacked(model))
