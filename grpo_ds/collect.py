@@ -12,11 +12,10 @@ so the batch algebra stays exact. Reward metrics describe every sample drawn in 
 
 from __future__ import annotations
 
-import time
-
 from grpo_ds.data import PromptRow, PromptSampler
 from grpo_ds.engine import Dist
 from grpo_ds.inputs import Inputs
+from grpo_ds.profiling import Phase
 from grpo_ds.recipe import Recipe
 from grpo_ds.rewards import RewardResult, score
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
@@ -34,21 +33,20 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     scored: list[RewardResult] = []
     informative: list[tuple[int, int]] = []  # (round, group) with unequal rewards
     for round_index in range(rounds):
-        t = time.perf_counter()
-        prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
-        lo, hi = slice_for_rank(P, dist)
-        sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p,
-                                  recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003 + step * 1_009
-                                  + round_index * 100_003 + dist.dp_rank)
-        mine = prompt_index[lo:hi]
-        local = engine.generate([inputs.prompts[i].prompt_ids for i in mine], G, sampling,
-                                [inputs.prompts[i].columns for i in mine])
-        rollouts = Rollouts.concat(dist.dp_parts(dist.all_gather(local)))  # a TP group generated the same
-        times["rollout"] += time.perf_counter() - t
+        with Phase("rollout", times):
+            prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
+            lo, hi = slice_for_rank(P, dist)
+            sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature,
+                                      recipe.rollout.top_p, recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003
+                                      + step * 1_009 + round_index * 100_003 + dist.dp_rank)
+            mine = prompt_index[lo:hi]
+            local = engine.generate([inputs.prompts[i].prompt_ids for i in mine], G, sampling,
+                                    [inputs.prompts[i].columns for i in mine])
+            rollouts = Rollouts.concat(dist.dp_parts(dist.all_gather(local)))  # a TP group generated the same
 
-        t = time.perf_counter()
-        result = dist.decide(score_rewards, recipe, inputs, [inputs.prompts[i] for i in prompt_index], rollouts, G)
-        times["reward"] += time.perf_counter() - t
+        with Phase("reward", times):
+            result = dist.decide(score_rewards, recipe, inputs, [inputs.prompts[i] for i in prompt_index], rollouts,
+                                 G)
         scored.append(result)
         rewards = _with_env_rewards(result.total, rollouts)
         drawn.append((prompt_index, rollouts, rewards))

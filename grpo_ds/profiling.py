@@ -1,0 +1,141 @@
+"""Where a step's time goes: the driver's phases, timed and labelled, and torch.profiler traces of chosen steps.
+
+``Phase(name, times)`` wraps one phase of the loop (rollout, reward, logprob, advantage, update, sync, eval,
+checkpoint): it adds the phase's wall time to ``times[name]`` (the step's ``time_<name>_s`` metric) and
+labels the block ``grpo/<name>`` with ``torch.profiler.record_function``, so a trace shows every operator,
+collective and kernel under the phase that ran it. With no profiler running the label costs about 10 us.
+
+``profiled_steps(steps, logging, run_dir, dist)`` yields the loop's step numbers. With ``logging.profile_steps``
+``[first, last]`` it records those steps with torch.profiler (CPU activities, CUDA too on a GPU; operator input
+shapes) and writes one Chrome-trace JSON per rank, ``<run folder>/profile/rank<r>.pt.trace.json``, for
+ui.perfetto.dev or chrome://tracing. The step before ``first`` (when the run has one) is a warm-up: the profiler
+runs but keeps nothing, so its start-up cost stays out of the trace. Each step is labelled ``grpo/step <n>``. With
+``logging.profile_comms`` DeepSpeed's communication logger counts the same steps' collectives (op, message size,
+count) into ``profile/rank<r>.comms.txt``. Off, the loop runs ``steps`` untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, record_function
+
+from grpo_ds.engine import Dist
+from grpo_ds.recipe import LoggingConfig
+
+LABEL_PREFIX = "grpo/"
+PROFILE_DIR = "profile"
+
+
+class Phase:
+    """Time one phase of a step into ``times[name]`` (added, so a phase may run several times per step) and label
+    it ``grpo/<name>`` in a profiler trace. ``times=None``: label only; ``.seconds`` holds the wall time."""
+
+    def __init__(self, name: str, times: dict[str, float] | None = None) -> None:
+        self.name, self.times, self.seconds = name, times, 0.0
+        self._label = record_function(LABEL_PREFIX + name)
+
+    def __enter__(self) -> Phase:
+        self._label.__enter__()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._start
+        self._label.__exit__(*exc)
+        if self.times is not None:
+            self.times[self.name] = self.times.get(self.name, 0.0) + self.seconds
+
+
+def trace_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / PROFILE_DIR / f"rank{rank}.pt.trace.json"
+
+
+def comms_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / PROFILE_DIR / f"rank{rank}.comms.txt"
+
+
+def profiled_steps(steps: range, cfg: LoggingConfig, run_dir: Path, dist: Dist) -> Iterator[int]:
+    """The step numbers of ``steps``; those of ``cfg.profile_steps`` that the run reaches are traced (a resumed
+    run traces the part of the range it runs)."""
+    wanted = [s for s in steps if cfg.profile_steps and cfg.profile_steps[0] <= s <= cfg.profile_steps[1]]
+    if not wanted:
+        yield from steps
+        return
+    first, last = wanted[0], wanted[-1]
+    start = first - 1 if first - 1 in steps else first  # the warm-up step, when there is one
+    profiler, comms = None, None
+    try:
+        for step in steps:
+            if step == start:
+                profiler = _profiler(first - start, last - first + 1, trace_path(run_dir, dist.rank), dist.device)
+                profiler.start()
+            if step == first and cfg.profile_comms:
+                comms = _CommsLog()
+            with record_function(f"{LABEL_PREFIX}step {step}") if profiler else contextlib.nullcontext():
+                yield step
+            if profiler is None:
+                continue
+            if step < last:
+                profiler.step()
+                continue
+            profiler.stop()  # writes the trace (on_trace_ready)
+            profiler = None
+            if comms is not None:
+                comms.finish(comms_path(run_dir, dist.rank))
+                comms = None
+            if dist.is_main:
+                which = f"step {first}" if first == last else f"steps {first}-{last}"
+                print(f"profile: {which} traced to {trace_path(run_dir, 0).parent}/rank*.pt.trace.json (open in "
+                      "ui.perfetto.dev)", file=sys.stderr, flush=True)
+    finally:  # the loop stopped inside the range: keep what was recorded
+        if profiler is not None:
+            profiler.stop()
+        if comms is not None:
+            comms.finish(comms_path(run_dir, dist.rank))
+
+
+def _profiler(warmup: int, active: int, path: Path, device: torch.device) -> torch.profiler.profile:
+    """A profiler whose schedule warms up for ``warmup`` steps, then records ``active`` steps and writes ``path``."""
+
+    def schedule(index: int) -> ProfilerAction:
+        if index < warmup:
+            return ProfilerAction.WARMUP
+        return ProfilerAction.RECORD_AND_SAVE if index == warmup + active - 1 else ProfilerAction.RECORD
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True,
+                                  on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)))
+
+
+class _CommsLog:
+    """DeepSpeed's communication logger (``deepspeed.comm``: ZeRO-3's gathers and reductions) switched on for the
+    profiled steps; ``finish`` writes this rank's collectives as op, message size, count and bytes. It takes no
+    collective of its own, so no rank waits on another. Its latencies are left out: DeepSpeed 0.19 records each one
+    as the running total of that op's earlier calls (``timers(name).elapsed(reset=False)`` in ``timed_op``), so the
+    trace's ``gloo:*`` / ``nccl:*`` spans are the times to read. The logger synchronises the device after every
+    collective it counts, so with it on a GPU trace shows no communication overlapping compute."""
+
+    def __init__(self) -> None:
+        import deepspeed.comm as ds_comm
+
+        self._comm, logger = ds_comm, ds_comm.comms_logger
+        self._before = (logger.enabled, logger.prof_all)  # a DeepSpeed config may have switched it on itself
+        logger.reset_data()
+        ds_comm.configure(enabled=True, prof_all=True)
+
+    def finish(self, path: Path) -> None:
+        logger = self._comm.comms_logger
+        lines = [f"{'op':<28}{'message bytes':>14}{'count':>8}{'total MiB':>12}"]
+        for op, by_size in logger.get_raw_data().items():
+            for size, (count, *_) in sorted(by_size.items()):
+                lines.append(f"{op:<28}{size:>14}{count:>8}{size * count / 2**20:>12.3f}")
+        path.write_text("\n".join(lines) + "\n")
+        logger.reset_data()
+        self._comm.configure(enabled=self._before[0], prof_all=self._before[1])
