@@ -40,7 +40,7 @@ from transformers.generation import StoppingCriteria, StoppingCriteriaList
 from grpo_ds.envs.base import EnvFactory, Environment, StepResult
 from grpo_ds.errors import first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams
-from grpo_ds.rollout.hf import HFRolloutEngine, generate_left_padded, generation_config
+from grpo_ds.rollout.hf import HFRolloutEngine, generate_left_padded
 
 
 class AgentRolloutEngine:
@@ -117,9 +117,9 @@ class AgentRolloutEngine:
         # the stopping criterion counts new tokens from the padded width
         turn_end = _TurnEnd(max(len(c) for c in contexts), budgets, [e.stop for e in episodes], self.eos_token_id,
                             self.tokenizer)
-        config = generation_config(sampling, max(budgets), 1, self.pad_token_id, self.eos_token_id)
-        new_tokens, token_logprobs = generate_left_padded(self.model, contexts, self.pad_token_id, config,
-                                                          stopping_criteria=StoppingCriteriaList([turn_end]))
+        new_tokens, token_logprobs = generate_left_padded(self.model, contexts, sampling, max(budgets), 1,
+                                                          self.pad_token_id, self.eos_token_id,
+                                                          StoppingCriteriaList([turn_end]))
         turns = []
         for b, length in enumerate(turn_end.lengths):
             if length is None:  # generate stopped without this criterion seeing the turn end: cannot happen

@@ -3,6 +3,11 @@
 The copy lives on the training device and is refreshed after every optimizer step from the
 ZeRO-3 shards (see grpo_ds.rollout.weight_sync). Prompts are left-padded for batched generation;
 position ids come from the attention mask, so they match the unpadded sequences used in training.
+
+Each sampled token's log-prob under the distribution it was sampled from (after temperature, top-k and top-p;
+greedy: the logits) is recorded inside the generate loop by SampledLogprobs, one step at a time, so the rollout's
+memory does not grow with the completion length (asking generate for every step's scores held samples x length x
+vocabulary floats, twice: 40 GB each at 64 x 1,024 x 151,936).
 """
 
 from __future__ import annotations
@@ -11,38 +16,129 @@ from collections.abc import Iterator
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 
+# Warpers that transformers would take from the model's own generation_config (a key our config leaves unset is
+# filled from it) and apply after top-p, that is after SampledLogprobs: refused, see _check_model_warpers.
+_LATE_WARPERS = {"min_p": None, "top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                 "watermarking_config": None, "renormalize_logits": False}  # key: its off value
 
-def generation_config(sampling: SamplingParams, max_new_tokens: int, num_return_sequences: int, pad_token_id: int,
-                      eos_token_id: int) -> GenerationConfig:
-    """transformers' settings for one generate call: sampling, or greedy decoding when temperature is 0."""
-    sampled = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
-               "top_k": sampling.top_k} if sampling.temperature > 0 else {"do_sample": False}  # top_k 0 = off, not 50
+
+class SampledLogprobs(LogitsProcessor):
+    """The last logits processor: log p(token) of each sampled token under the processed scores it was sampled
+    from, holding one step's log-probs at a time instead of every step's scores.
+
+    ``generate`` calls it at step t with the scores token t is sampled from (after every warper, see
+    generate_left_padded) and at step t + 1 with input_ids ending in token t. So at step t it first gathers the
+    previous token's log-prob from step t - 1's log-softmax (B, V), drops that, then keeps step t's; the last
+    token is gathered by ``finish``. The log-softmax is the very op the all-steps path (output_scores, then a
+    log-softmax of each step) ran on every step's scores, so the numbers are bitwise the same. It is one fused pass;
+    torch.logsumexp (amax, subtract, exp, sum) also allocates a (B, V) temporary and took twice as long on the CPU
+    (33 vs 16 ms at 64 x 151,936). Nothing leaves the device inside the loop.
+    """
+
+    def __init__(self) -> None:
+        self._logprobs: torch.Tensor | None = None  # (B, V) log-softmax of the latest step's scores
+        self._taken: list[torch.Tensor] = []  # (B,) per step: log-prob of the token sampled at that step
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._logprobs is not None:
+            self._take(input_ids[:, -1])
+        self._logprobs = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self._taken.append(self._logprobs.gather(-1, tokens[:, None]).squeeze(-1))
+        self._logprobs = None
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) log-probs of ``new_tokens`` (B, T), the tokens generate returned. Rows that finished early hold
+        pad tokens after EOS, with meaningless log-probs there, as before."""
+        steps = new_tokens.shape[1]
+        if len(self._taken) == steps - 1:  # the last token was sampled after the last call
+            self._take(new_tokens[:, -1])
+        if len(self._taken) != steps:  # (generate may run a step it then undoes: its scores are dropped here)
+            raise RuntimeError(f"generate returned {steps} new tokens but SampledLogprobs saw {len(self._taken)}")
+        self._logprobs = None
+        return torch.stack(self._taken, dim=1)
+
+
+def _warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
+    """transformers' temperature, top-k and top-p warpers, built and ordered as generate builds them
+    (GenerationMixin._get_logits_processor); none for greedy decoding."""
+    if sampling.temperature <= 0:
+        return []
+    warpers: list[LogitsProcessor] = []
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+    return warpers
+
+
+def _generation_config(sampling: SamplingParams, max_new_tokens: int, num_return_sequences: int, pad_token_id: int,
+                       eos_token_id: int) -> GenerationConfig:
+    """transformers' settings for one generate call: sampling, or greedy decoding when temperature is 0. The
+    warpers are off here and passed as processors instead: generate puts a caller's processors before its own
+    warpers, and SampledLogprobs must come after them (top_k 0 = off, where unset would mean 50)."""
+    sampled = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0} if sampling.temperature > 0 else {
+        "do_sample": False}
     return GenerationConfig(**sampled, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
-                            pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_scores=True,
-                            return_dict_in_generate=True,
+                            pad_token_id=pad_token_id, eos_token_id=eos_token_id,
                             use_cache=True)  # the policy's config may turn the cache off for training
 
 
-def generate_left_padded(model, contexts: list[list[int]], pad_token_id: int, config: GenerationConfig,
-                         **generate_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched generate call on left-padded contexts: (new tokens (B, T_new), their log-probs under the
-    distribution actually sampled from (B, T_new)), both on the CPU."""
+def _check_model_warpers(model: PreTrainedModel) -> None:
+    """Refuse a model generation_config that sets a warper generate would apply after SampledLogprobs."""
+    own = getattr(model, "generation_config", None)
+    for key, off in _LATE_WARPERS.items():
+        value = getattr(own, key, off)
+        if value is not None and value != off:
+            raise ValueError(f"the model's generation_config sets {key}={value!r}; grpo_ds samples with the recipe's "
+                             f"temperature, top_p and top_k only (and records the log-probs of that distribution): "
+                             f"remove {key} from generation_config.json or set it to {off!r}")
+
+
+def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], sampling: SamplingParams,
+                         max_new_tokens: int, num_return_sequences: int, pad_token_id: int, eos_token_id: int,
+                         stopping_criteria: StoppingCriteriaList | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched generate call on left-padded contexts, ``num_return_sequences`` consecutive rows per context:
+    (new tokens (B, T_new), their log-probs under the distribution actually sampled from (B, T_new)), on the CPU.
+    That distribution is the model's next-token logits after generate's own processors and the recipe's
+    temperature, top-k and top-p (greedy: the logits themselves)."""
+    if sampling.temperature > 0:
+        _check_model_warpers(model)
+    input_ids, attention_mask = left_padded(contexts, pad_token_id)
+    device = next(model.parameters()).device
+    recorder = SampledLogprobs()
+    config = _generation_config(sampling, max_new_tokens, num_return_sequences, pad_token_id, eos_token_id)
+    sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                               generation_config=config, logits_processor=LogitsProcessorList([
+                                   *_warpers(sampling), recorder]), stopping_criteria=stopping_criteria)
+    new_tokens = sequences[:, input_ids.shape[1]:]  # (B, T_new)
+    return new_tokens.cpu(), recorder.finish(new_tokens).cpu()
+
+
+def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, longest context) on the CPU: each context right-aligned after pads."""
     width = max(len(c) for c in contexts)
     input_ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for i, c in enumerate(contexts):
         input_ids[i, width - len(c):] = torch.tensor(c)
         attention_mask[i, width - len(c):] = 1
-    device = next(model.parameters()).device
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         generation_config=config, **generate_kwargs)
-    new_tokens = out.sequences[:, width:].cpu()  # (B, T_new)
-    # scores are the processed logits actually sampled from: T_new tensors of (B, V)
-    logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
-    return new_tokens, logprobs.gather(-1, new_tokens[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
+    return input_ids, attention_mask
 
 
 class HFRolloutEngine:
@@ -64,8 +160,8 @@ class HFRolloutEngine:
     def _generate_batch(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> Rollouts:
         if not prompts:
             return Rollouts([], [], [], [])
-        config = generation_config(sampling, sampling.max_new_tokens, group_size, self.pad_token_id, self.eos_token_id)
-        new_tokens, token_logprobs = generate_left_padded(self.model, prompts, self.pad_token_id, config)
+        new_tokens, token_logprobs = generate_left_padded(self.model, prompts, sampling, sampling.max_new_tokens,
+                                                          group_size, self.pad_token_id, self.eos_token_id)
         result = Rollouts([], [], [], [])
         for row in range(new_tokens.shape[0]):
             ids = new_tokens[row].tolist()

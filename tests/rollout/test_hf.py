@@ -1,10 +1,18 @@
-"""The hf rollout engine: grouping, EOS handling, sampler log-probs, weight updates."""
+"""The hf rollout engine: grouping, EOS handling, sampler log-probs (the same numbers as the all-steps path it
+replaced, recorded after every warper), weight updates."""
 
+import pytest
 import torch
+from transformers import GenerationConfig
 
 from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.rollout import hf
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
+
+# temperature 1; a lower temperature with top-k and top-p (three warpers); greedy decoding
+SAMPLINGS = {"t1": dict(temperature=1.0), "t0.7_topk_topp": dict(temperature=0.7, top_k=20, top_p=0.9),
+             "greedy": dict(temperature=0.0)}
 
 
 def _engine(seed=0, batch_prompts=64):
@@ -85,3 +93,94 @@ def test_generation_uses_the_kv_cache_even_when_training_turned_it_off():
                                            with_kwargs=True)
     engine.generate([tok.encode("1+1=")], 1, SamplingParams(max_new_tokens=4, seed=0))
     assert lengths[0] == 4 and all(n == 1 for n in lengths[1:])  # with a cache, later steps feed one token
+
+
+def all_steps_generate_left_padded(model, contexts, sampling, max_new_tokens, num_return_sequences, pad_token_id,
+                                   eos_token_id, stopping_criteria=None):
+    """The reference: grpo_ds.rollout.hf.generate_left_padded as it was up to commit 8643ce6. generate kept every
+    step's processed scores (output_scores, T tensors of (B, V)) and the log-probs were a float32 log-softmax of
+    each, stacked, gathered at the new tokens. Same signature as the one-step recorder it must equal."""
+    sampled = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+               "top_k": sampling.top_k} if sampling.temperature > 0 else {"do_sample": False}
+    config = GenerationConfig(**sampled, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
+                              pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_scores=True,
+                              return_dict_in_generate=True, use_cache=True)
+    input_ids, attention_mask = hf.left_padded(contexts, pad_token_id)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         stopping_criteria=stopping_criteria)
+    new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
+    logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
+    return new_tokens, logprobs.gather(-1, new_tokens[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
+
+
+def favour_eos(model, eos_token_id, bias=2.0, every=3):
+    """Raise the EOS logit after tokens that are multiples of ``every``, so that some sequences of a batch end early
+    and the others keep going, also under greedy decoding: in HF's loop the finished rows then receive pad tokens
+    while the rest still sample."""
+    def hook(module, args, kwargs, output):
+        last = kwargs["input_ids"][:, -1]  # (B,) the token fed last
+        output.logits[:, -1, eos_token_id] += bias * (last % every == 0)
+        return output
+
+    model.register_forward_hook(hook, with_kwargs=True)
+    return model
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_sampler_logprobs_equal_the_all_steps_path_bitwise(sampling, monkeypatch):
+    """One step's log-probs at a time gives exactly the numbers of keeping every step's scores: the same tokens
+    (the recorder draws no random numbers) and bitwise the same log-probs (the same log-softmax of the same
+    scores), with EOS in the middle of some sequences and prompts of different lengths (left padding)."""
+    engine, tok = _engine()
+    favour_eos(engine.model, tok.eos_token_id)
+    prompts = [tok.encode(f"{a}+{b}=") for a in range(0, 30, 7) for b in (1, 22, 5, 9)]
+    group = 2 if sampling["temperature"] > 0 else 1  # transformers refuses several greedy sequences per prompt
+    params = SamplingParams(max_new_tokens=8, seed=4, **sampling)
+    ours = engine.generate(prompts, group, params)
+    monkeypatch.setattr(hf, "generate_left_padded", all_steps_generate_left_padded)
+    reference = engine.generate(prompts, group, params)
+    assert ours.response_ids == reference.response_ids and ours.finish_reason == reference.finish_reason
+    assert ours.sampler_logprobs == reference.sampler_logprobs  # float lists: bitwise
+    lengths = [len(r) for r in ours.response_ids]
+    assert "stop" in ours.finish_reason and "length" in ours.finish_reason and min(lengths) < max(lengths)
+    assert all(lp <= 0.0 for row in ours.sampler_logprobs for lp in row)
+    if sampling["temperature"] == 0:  # greedy: the sampled token is the argmax, not a sure thing under softmax
+        assert all(lp < 0.0 for row in ours.sampler_logprobs for lp in row)
+
+
+def test_sampler_logprobs_are_recorded_after_every_warper():
+    """transformers puts a caller's logits processors before its own warpers (GenerationMixin
+    ._get_logits_processor), so the engine passes temperature, top-k and top-p itself, before the recorder. With
+    top_k=1 the distribution sampled from is one token, so every log-prob is exactly 0; a recorder placed before
+    top-k would see the whole vocabulary."""
+    engine, tok = _engine()
+    out = engine.generate([tok.encode("1+2="), tok.encode("30+41=")], 3,
+                          SamplingParams(max_new_tokens=6, temperature=0.7, top_k=1, top_p=0.9, seed=0))
+    assert all(lp == 0.0 for row in out.sampler_logprobs for lp in row)
+    recorded = []
+    warped = hf.LogitsProcessorList([*hf._warpers(SamplingParams(8, temperature=0.5, top_k=5, top_p=0.8)),
+                                     _Spy(recorded)])
+    logits = torch.randn(3, 40)
+    warped(torch.zeros(3, 1, dtype=torch.long), logits)
+    # the scores the last processor sees: temperature first, then the 5 best, then the nucleus
+    assert torch.isfinite(recorded[0]).sum(-1).le(5).all()
+    kept = torch.isfinite(recorded[0])
+    torch.testing.assert_close(recorded[0][kept], (logits / 0.5)[kept], rtol=0, atol=0)
+
+
+class _Spy(hf.LogitsProcessor):
+    def __init__(self, seen):
+        self.seen = seen
+
+    def __call__(self, input_ids, scores):
+        self.seen.append(scores.clone())
+        return scores
+
+
+def test_a_warper_in_the_model_generation_config_is_refused_in_one_line():
+    engine, tok = _engine()
+    engine.model.generation_config.min_p = 0.05  # generate would apply it after the recorder
+    with pytest.raises(ValueError, match="generation_config sets min_p=0.05"):
+        engine.generate([tok.encode("1+2=")], 2, SamplingParams(max_new_tokens=2, seed=0))
+    out = engine.generate([tok.encode("1+2=")], 1, SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert len(out) == 1  # greedy decoding uses no warper
