@@ -143,7 +143,10 @@ def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Ten
 
 class HFRolloutEngine:
     def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int) -> None:
-        self.model = model.eval().requires_grad_(False)
+        # The parameters keep requires_grad (generate runs under no_grad): with a frozen lm_head, torch.matmul does
+        # not fold the prefill's last-position hidden states (a non-contiguous (B, 1, H) slice) into one matrix
+        # product but runs B matrix-vector products over the whole lm_head (9x slower at vocabulary 151,936).
+        self.model = model.eval()
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
         self.batch_prompts = batch_prompts  # prompts per generate() call
         self._params = dict(self.model.named_parameters())
