@@ -161,8 +161,9 @@ def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) 
                         f'set optimizer.params.betas to "auto" or to {json.dumps(list(train.adam_betas))}')
     params["betas"] = list(train.adam_betas)
     params.setdefault("eps", 1e-8)
-    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    if device_type == "cpu" and offload in (None, "none"):
+    zero = cfg.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None  # DeepSpeed reads null as no offload
+    if device_type == "cpu" and (offload.get("device") if isinstance(offload, dict) else None) in (None, "none"):
         params.setdefault("torch_adam", True)  # DeepSpeed's fused Adam needs a GPU
 
 
