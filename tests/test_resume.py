@@ -1,5 +1,8 @@
-"""Durable runs: SIGKILL at random moments (in a step, in a checkpoint write), resume, same metrics; damaged
-checkpoints are reported and skipped; the run folder refuses another recipe's run."""
+"""Durable runs: SIGKILL at random moments (in a step, in a checkpoint write), resume, same metrics, with and
+without CPU offload; damaged checkpoints are reported and skipped; the run folder refuses another recipe's run.
+
+Run as a module (``python -m tests.test_resume RECIPE OVERRIDES...``, also under the ``deepspeed`` launcher), this
+file is grpo_ds.train that also records what DeepSpeed built for the policy (see ``_train_recording_offload``)."""
 
 import json
 import os
@@ -23,6 +26,17 @@ ARGS = [f"train.steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep=2",
         "logging.progress_bar=false"]
 # Wall-clock and memory figures differ between attempts; everything else must be identical.
 VOLATILE = ("time_", "tokens_per_s", "generated_tokens_per_s", "peak_memory_gib")
+# What DeepSpeed must have built for the policy with each offload config (recorded by _train_recording_offload):
+# the optimizer class, DeepSpeed's ZeRO-3 offload flags, and whether every parameter partition lives in the flat
+# CPU buffer that ZeRO-3 allocates only for parameter offload. On the CPU accelerator nothing crosses a device
+# boundary: this proves the offload code paths (DeepSpeedCPUAdam, the offloaded partitions) ran.
+OFFLOAD_RECORD = "GRPO_DS_TEST_OFFLOAD_RECORD"  # folder the recording entry point writes one JSON per process into
+OFFLOAD = {
+    "ds_configs/zero3_offload_optimizer.json": {"optimizer": "DeepSpeedCPUAdam", "offload_optimizer": True,
+                                                "offload_param": False, "partitions_in_cpu_offload_buffer": False},
+    "ds_configs/zero3_offload.json": {"optimizer": "DeepSpeedCPUAdam", "offload_optimizer": True,
+                                      "offload_param": True, "partitions_in_cpu_offload_buffer": True},
+}
 
 
 PORTS: list[int] = []  # this module's multi-rank runs; their shared-memory buffers are removed at the end
@@ -35,13 +49,26 @@ def _remove_shm_buffers():
         remove_shm_buffers(port)
 
 
-def _command(world: int, out: Path) -> list[str]:
+@pytest.fixture(scope="session")
+def cpu_adam_built():
+    """DeepSpeed's CPU Adam (what an offloaded optimizer runs) is compiled with g++ on first use, about 100 s on 2
+    cores, and cached in ~/.cache/torch_extensions. Build it once here, so that no timed or killed run pays for
+    it and concurrent ranks do not queue on torch's build lock; with a warm cache this takes seconds."""
+    code = "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('CPUAdamBuilder').load()"
+    built = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                           timeout=900)
+    assert built.returncode == 0, built.stderr[-4000:]
+
+
+def _command(world: int, out: Path, deepspeed: str | None = None) -> list[str]:
+    """The tiny run; with a DeepSpeed config, through this file's recording entry point (see OFFLOAD)."""
+    module, extra = ("grpo_ds.train", []) if deepspeed is None else ("tests.test_resume", [f"deepspeed={deepspeed}"])
     if world == 1:
-        return [sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
+        return [sys.executable, "-m", module, TINY, f"run.output_dir={out}", *ARGS, *extra]
     launcher = Path(sys.executable).parent / "deepspeed"
     PORTS.append(_free_port())
     return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(world), "--master_port",
-            str(PORTS[-1]), "--module", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
+            str(PORTS[-1]), "--module", module, TINY, f"run.output_dir={out}", *ARGS, *extra]
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
@@ -71,9 +98,16 @@ def _kill_when(proc: subprocess.Popen, condition, limit_s: float = 300) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, world):
-    reference = subprocess.run(_command(world, tmp_path / "reference"), cwd=REPO, env=clean_env(),
+@pytest.mark.parametrize(("world", "deepspeed"), [
+    (1, None), (2, None),
+    (1, "ds_configs/zero3_offload_optimizer.json"),
+    (1, "ds_configs/zero3_offload.json"), (2, "ds_configs/zero3_offload.json")])
+def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, request, world, deepspeed):
+    env = clean_env()
+    if deepspeed is not None:
+        request.getfixturevalue("cpu_adam_built")
+        env[OFFLOAD_RECORD] = str(tmp_path / "offload")
+    reference = subprocess.run(_command(world, tmp_path / "reference", deepspeed), cwd=REPO, env=env,
                                capture_output=True, text=True, timeout=900)
     assert reference.returncode == 0, reference.stderr[-4000:]
     expected = _metrics(tmp_path / "reference" / "tiny_cpu")
@@ -86,7 +120,7 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, 
     # checkpoint write (the moment a .tmp- folder appears), and once more inside a step.
     plan = ["in_step", "in_checkpoint_write", "in_step"]
     for attempt in range(12):
-        proc = subprocess.Popen(_command(world, tmp_path / "crashy"), cwd=REPO, env=clean_env(),
+        proc = subprocess.Popen(_command(world, tmp_path / "crashy", deepspeed), cwd=REPO, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         if attempt < len(plan):
             kind = plan[attempt]
@@ -122,6 +156,11 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, 
                 for folder in (run_dir, tmp_path / "reference" / "tiny_cpu")]
         assert [r.get("step") for r in logs[0]] == [*range(1, STEPS + 1), None]
         assert logs[0] == logs[1]  # the same samples trained at every step, and the same final weights
+    if deepspeed is not None:  # every process that built its policy (reference, killed and resumed) offloaded
+        records = [json.loads(p.read_text()) for p in sorted((tmp_path / "offload").glob("*.json"))]
+        # at least the reference's and the finishing run's, plus each killed attempt that got that far
+        assert sorted({r.pop("rank") for r in records}) == list(range(world)) and len(records) >= 2 * world, records
+        assert all(r == OFFLOAD[deepspeed] for r in records), records
 
 
 @pytest.mark.slow
@@ -173,3 +212,41 @@ def test_another_recipes_run_folder_is_refused(tmp_path):
     never = subprocess.run([*base, "checkpoint.resume=never"], cwd=REPO, env=clean_env(), capture_output=True,
                            text=True, timeout=900)
     assert never.returncode == 2 and "already holds a run" in never.stderr
+
+
+def _train_recording_offload(folder: Path) -> None:
+    """grpo_ds.train (command line as given) that writes, for each policy engine DeepSpeed builds in this process,
+    folder/<rank>-<pid>.json with the facts OFFLOAD lists, read from DeepSpeed's own objects."""
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from grpo_ds.train import main
+
+    initialize = deepspeed.initialize
+
+    def recording(*args, **kwargs):
+        built = initialize(*args, **kwargs)
+        engine = built[0]
+        if kwargs.get("model_parameters") is not None:  # the policy (a KL reference engine has no optimizer)
+            zero = engine.optimizer  # DeepSpeedZeroOptimizer_Stage3; .optimizer is the one it steps
+            buffers = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size())
+                       for b in zero.param_groups_fp16_flat_cpu_memory]
+            partitions = [p.ds_tensor for p in engine.module.parameters() if p.requires_grad]
+            record = {"rank": engine.global_rank,
+                      "optimizer": type(zero.optimizer).__name__ if isinstance(zero.optimizer, DeepSpeedCPUAdam)
+                      else f"not DeepSpeedCPUAdam: {type(zero.optimizer).__name__}",
+                      "offload_optimizer": zero.offload_optimizer, "offload_param": zero.offload_param,
+                      "partitions_in_cpu_offload_buffer": bool(partitions) and all(
+                          any(lo <= t.data_ptr() < hi for lo, hi in buffers) for t in partitions)}
+            path = folder / f"{record['rank']}-{os.getpid()}.json"
+            path.with_suffix(".tmp").write_text(json.dumps(record))
+            path.with_suffix(".tmp").replace(path)  # whole or absent, whenever the process is killed
+        return built
+
+    folder.mkdir(parents=True, exist_ok=True)
+    deepspeed.initialize = recording
+    main()
+
+
+if __name__ == "__main__":
+    _train_recording_offload(Path(os.environ[OFFLOAD_RECORD]))
