@@ -1,0 +1,170 @@
+"""The hf rollout engine's generation against a plain transformers ``generate`` (what TRL's GRPOTrainer calls).
+
+Issue 18's realistic CPU shape by default: a random Qwen2-architecture model built from a config in code (vocabulary
+151,936, hidden 256, 4 layers, tied embeddings, about 42 M parameters), 8 prompts x 8 completions of 64 new tokens,
+float32, 2 threads. The variants sample with the same settings from the same left-padded batch and the same seed:
+
+    grpo_ds    HFRolloutEngine.generate: the tokens and their sampler log-probs, recorded one step at a time
+               (grpo_ds.rollout.hf.SampledLogprobs)
+    all_steps  the same engine with the log-prob path it had before: generate keeps every step's scores
+               (output_scores) and they are log-softmaxed and stacked at the end (the reference in
+               tests/rollout/test_hf.py)
+    generate   model.generate(..., generation_config=...) returning the sequences only, no scores
+
+Per variant: the median wall time and process CPU time of ``--repeats`` calls after ``--warmup`` untimed ones, ms
+per generated token step, and the peak extra resident memory of a call (benchmarks/common.py's CPU method: the
+resident-set high-water mark reset just before; glibc's mmap threshold is pinned at 128 KiB when the script starts
+the variants so that freed tensors go back to the OS). Each variant runs in its own process, one after the other.
+
+    python benchmarks/bench_rollout.py                  # every variant, a table
+    python benchmarks/bench_rollout.py --variant grpo_ds  # one variant in this process
+    python benchmarks/bench_rollout.py --record         # append the table to benchmarks/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("grpo_ds", "all_steps", "generate")
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", choices=("all", *VARIANTS), default="all",
+                        help="all: each variant in its own process, then a table")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--prompt-len", type=int, default=16, help="longest prompt; the others are shorter")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="with one --variant: also print torch.profiler's top ROWS ops (self CPU time) of one call")
+    parser.add_argument("--json", action="store_true", help="print one JSON line (used by --variant all)")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    return parser.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def run_variant(args: argparse.Namespace) -> dict:
+    import torch
+    from common import _PeakMemory
+    from transformers import GenerationConfig
+
+    from grpo_ds.rollout import hf
+    from grpo_ds.rollout.base import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    model = build_model(args)
+    pad, eos = 0, 1
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(2, args.vocab, (args.prompt_len - i % 4,), generator=g).tolist()
+               for i in range(args.prompts)]
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed)
+    if args.variant in ("grpo_ds", "all_steps"):
+        if args.variant == "all_steps":
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from tests.rollout.test_hf import all_steps_generate_left_padded
+
+            hf.generate_left_padded = all_steps_generate_left_padded
+        engine = hf.HFRolloutEngine(model, pad, eos, batch_prompts=args.prompts)
+
+        def call() -> int:
+            out = engine.generate(prompts, args.group, sampling)
+            return max(len(r) for r in out.response_ids)
+    else:
+        input_ids, attention_mask = hf.left_padded(prompts, pad)
+        sampled = ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+                   if args.temperature > 0 else {"do_sample": False})
+        config = GenerationConfig(**sampled, max_new_tokens=args.new_tokens, num_return_sequences=args.group,
+                                  pad_token_id=pad, eos_token_id=eos, use_cache=True)
+
+        @torch.no_grad()
+        def call() -> int:
+            torch.manual_seed(args.seed)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            return out.shape[1] - input_ids.shape[1]
+
+    for _ in range(args.warmup):  # untimed: first-call allocations and thread start-up
+        call()
+    times, cpu_times, peaks, steps = [], [], [], 0
+    for _ in range(args.repeats):
+        memory = _PeakMemory("cpu")
+        start, cpu_start = time.perf_counter(), time.process_time()
+        steps = call()
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        peaks.append(memory.peak_extra_mib())
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            call()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
+    median = statistics.median(times)
+    return {"variant": args.variant, "seconds": median, "cpu_seconds": statistics.median(cpu_times),
+            "ms_per_step": 1000 * median / steps, "steps": steps, "peak_extra_mib": max(peaks)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.variant != "all":
+        row = run_variant(args)
+        print(json.dumps(row) if args.json else row)
+        return
+    rows = []
+    for variant in VARIANTS:
+        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--variant", variant, "--json"]
+        cmd = [c for c in cmd if c != "--record"]
+        done = subprocess.run(cmd, env={**os.environ, **MALLOC_ENV}, capture_output=True, text=True, check=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    base = next(r for r in rows if r["variant"] == "generate")
+    shape = (f"vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.prompts} prompts x {args.group} "
+             f"completions x {args.new_tokens} new tokens, float32, {args.threads} threads")
+    lines = ["| variant | wall s (median) | ms / token step | wall vs plain generate | CPU s (median) | CPU vs plain "
+             "generate | peak extra RSS MiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['seconds']:.2f} | {r['ms_per_step']:.1f} | "
+                     f"{r['seconds'] / base['seconds']:.2f}x | {r['cpu_seconds']:.2f} | "
+                     f"{r['cpu_seconds'] / base['cpu_seconds']:.2f}x | {r['peak_extra_mib']:.0f} |")
+    notes = [f"sampling: temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}; median of "
+             f"{args.repeats} calls after {args.warmup} untimed, each variant in its own process",
+             "plain generate: model.generate on the same left-padded batch and settings, sequences only (what TRL's "
+             "GRPOTrainer calls); grpo_ds adds the sampled tokens' log-probs",
+             "CPU s: the process's CPU time during the call (all threads), steadier than wall time on a shared machine"]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+    from common import report
+
+    torch.set_num_threads(args.threads)
+    report("bench_rollout", shape, "cpu", "\n".join(lines), notes, args.record)
+
+if __name__ == "__main__":
+    main()
