@@ -3,12 +3,17 @@
 A training sequence is prompt + response with no padding inside it. The model sees the micro-batch's sequences in
 one of two layouts:
 
-    packed (the default)  one row of every sequence concatenated, ``position_ids`` restarting at 0 per sequence,
-                          no attention mask; transformers then keeps each sequence's attention to itself (eager and
-                          sdpa build a block-diagonal causal mask from the position ids, flash attention takes the
-                          sequence boundaries ``cu_seq_lens_*`` / ``max_length_*``). The forward must be called with
-                          ``use_cache=False``: with a cache transformers does not look for packed sequences and the
-                          tokens of one sequence attend to the ones before it (tests/test_micro_batch.py)
+    packed (the default)  whole sequences concatenated in a row, ``position_ids`` restarting at 0 per sequence, no
+                          attention mask; transformers then keeps each sequence's attention to itself. With flash
+                          attention all of them go into one row and flash attention takes the sequence boundaries
+                          (``cu_seq_lens_*`` / ``max_length_*``: no mask is built). Eager and sdpa build a
+                          block-diagonal causal mask over the whole row, whose cost grows as the row's length
+                          squared, so for them the sequences are packed first-fit-decreasing into rows of
+                          ``ROW_TOKENS`` (the longest sequence, if longer; all of them, if fewer); a row's unused end
+                          is a segment of its own (pad tokens, positions from 0) that no sequence sees. The forward
+                          must be called with ``use_cache=False``: with a cache transformers does not look for packed
+                          sequences and the tokens of one sequence attend to the ones before it
+                          (tests/test_micro_batch.py)
     padded                one row per sequence, right-padded to the longest, with an attention mask
 
 Everything the loss needs is per trained token, flat over the micro-batch, the same in both layouts:
@@ -31,13 +36,17 @@ import torch
 
 from grpo_ds.rollout.base import Rollouts
 
+# Packed rows for eager/sdpa attention: long enough that little of a row is left over, short enough that the
+# attention over a row (its length squared) stays below the linear layers' cost per token for hidden sizes >= 512.
+ROW_TOKENS = 1024
+
 
 @dataclass
 class MicroBatch:
     sample_ids: list[int]
-    input_ids: torch.Tensor  # (1, sum L_i) packed, or (B, T) padded
-    attention_mask: torch.Tensor | None  # (B, T) padded; None packed
-    position_ids: torch.Tensor | None  # (1, sum L_i) packed, restarting per sequence; None padded
+    input_ids: torch.Tensor  # (rows, width): packed rows, or one padded row per sequence
+    attention_mask: torch.Tensor | None  # padded: (B, T); packed: None
+    position_ids: torch.Tensor | None  # packed: (rows, width), restarting per sequence; padded: None
     target_ids: torch.Tensor  # (N,)
     logit_index: torch.Tensor  # (N,) into the flattened output positions
     seq_index: torch.Tensor  # (N,) into sample_ids
@@ -45,7 +54,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # (N,) float32
     sequence_tokens: int  # prompt + response tokens the model reads (no padding)
     padding: bool = False  # a stand-in that every rank must run (ZeRO-3's collectives) but that trains nothing
-    boundaries: dict | None = None  # packed: flash attention's cu_seq_lens_q/k (int32) and max_length_q/k
+    boundaries: dict | None = None  # packed into one row: flash attention's cu_seq_lens_q/k and max_length_q/k
 
     @property
     def num_tokens(self) -> int:
@@ -61,19 +70,34 @@ class MicroBatch:
         if self.position_ids is None:
             inputs["attention_mask"] = self.attention_mask
         else:
-            inputs.update(position_ids=self.position_ids, **self.boundaries)
+            inputs.update(position_ids=self.position_ids, **(self.boundaries or {}))
         return inputs
 
 
 def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torch.device,
-            padding: bool = False, packed: bool = True) -> MicroBatch:
+            padding: bool = False, packed: bool = True, one_row: bool = False) -> MicroBatch:
     """The micro-batch of ``sample_ids`` in the packed or the padded layout (``padding``: it stands in for an empty
-    micro-batch and trains nothing)."""
+    micro-batch and trains nothing; ``one_row``: pack every sequence into a single row, for flash attention)."""
     seqs = [rollouts.prompt_ids[s] + rollouts.response_ids[s] for s in sample_ids]
     lengths = [len(s) for s in seqs]
-    width = sum(lengths) if packed else max(lengths)
-    starts = [sum(lengths[:b]) if packed else b * width for b in range(len(seqs))]  # flat position of each start
-    input_ids = torch.full((1, width) if packed else (len(seqs), width), pad_id, dtype=torch.long)
+    if not packed:
+        rows = [[b] for b in range(len(seqs))]
+        width = max(lengths)
+    elif one_row:
+        rows, width = [list(range(len(seqs)))], sum(lengths)
+    else:
+        width = max(max(lengths), min(ROW_TOKENS, sum(lengths)))
+        rows = _rows_first_fit(lengths, width)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros_like(input_ids)
+    starts = [0] * len(seqs)  # flat position of each sequence's first token
+    for r, members in enumerate(rows):
+        offset = r * width
+        for b in members:
+            starts[b] = offset
+            positions.view(-1)[offset:offset + lengths[b]] = torch.arange(lengths[b])
+            offset += lengths[b]
+        positions.view(-1)[offset:(r + 1) * width] = torch.arange((r + 1) * width - offset)  # the unused end
     flat = input_ids.view(-1)
     index, col, seq, loss_mask = [], [], [], []
     for b, (sid, tokens) in enumerate(zip(sample_ids, seqs, strict=True)):
@@ -87,10 +111,11 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
     targets = flat[logit_index + 1]  # the token after each predicting position
     attention_mask = position_ids = boundaries = None
     if packed:
-        position_ids = torch.cat([torch.arange(n) for n in lengths]).view(1, -1).to(device)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        boundaries = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
-                      "max_length_k": max(lengths)}
+        position_ids = positions.to(device)
+        if one_row:
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            boundaries = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
+                          "max_length_k": max(lengths)}
     else:
         attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long().to(device)
     return MicroBatch(sample_ids=list(sample_ids), input_ids=input_ids.to(device), attention_mask=attention_mask,
@@ -99,6 +124,21 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
                       col=torch.tensor(col, dtype=torch.long).to(device),
                       loss_mask=torch.tensor(loss_mask, dtype=torch.float32).to(device), sequence_tokens=sum(lengths),
                       padding=padding, boundaries=boundaries)
+
+
+def _rows_first_fit(lengths: list[int], width: int) -> list[list[int]]:
+    """Sequence indices grouped into rows of ``width`` tokens, longest first (first-fit decreasing)."""
+    rows, room = [], []
+    for b in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, free in enumerate(room):
+            if lengths[b] <= free:
+                rows[r].append(b)
+                room[r] -= lengths[b]
+                break
+        else:
+            rows.append([b])
+            room.append(width - lengths[b])
+    return rows
 
 
 def split_per_sample(values: torch.Tensor, mb: MicroBatch) -> dict[int, torch.Tensor]:

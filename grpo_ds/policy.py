@@ -73,6 +73,12 @@ class Policy:
     def packing_allowed(self) -> bool:
         return self.packing_problem is None
 
+    @property
+    def packs_one_row(self) -> bool:
+        """Flash attention takes packed sequences' boundaries, so one row holds them all (grpo_ds.micro_batch)."""
+        name = getattr(getattr(self.engine.module, "config", None), "_attn_implementation", "") or ""
+        return name.startswith("flash_attention")
+
     @contextmanager
     def reference(self):
         """The engine that scores the reference policy, for the duration (LoRA: the adapters are off)."""

@@ -66,7 +66,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
     settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend,
-                                          policy.fused_lm_head_allowed, policy.packing_allowed)
+                                          policy.fused_lm_head_allowed, policy.packing_allowed, policy.packs_one_row)
     first_step = _resume(folder, policy, rollout, sampler, logger, dist, bucket_bytes, rank_log)
     nonfinite_in_a_row = 0
 

@@ -43,12 +43,13 @@ class UpdateSettings:
     mask_truncated: bool  # completions cut by the length limit get no loss (DAPO's overlong filtering)
     rollout_is_cap: float | None  # truncated importance weight min(pi_old / pi_sampler, cap); None = off
     packed: bool = True  # the micro-batch layout (grpo_ds.micro_batch)
+    one_row: bool = False  # packed into a single row (flash attention takes the boundaries)
 
     @staticmethod
     def from_recipe(recipe: Recipe, pad_id: int, backend: str, fused_lm_head_allowed: bool = True,
-                    packing_allowed: bool = True) -> UpdateSettings:
+                    packing_allowed: bool = True, one_row: bool = False) -> UpdateSettings:
         """``backend``: the resolved kernels backend ("triton" or "torch", see grpo_ds.kernels.resolve_backend);
-        ``fused_lm_head_allowed`` / ``packing_allowed``: whether the model can take them (grpo_ds.policy)."""
+        ``fused_lm_head_allowed`` / ``packing_allowed`` / ``one_row``: what the model can take (grpo_ds.policy)."""
         a = recipe.algorithm
         kl_in_loss = 0.0 if a.kl_in_reward else a.kl_coef
         config = LossConfig(a.clip_low, a.clip_high, a.dual_clip, kl_in_loss, a.kl_estimator, a.entropy_coef,
@@ -56,7 +57,7 @@ class UpdateSettings:
         loss = LossSettings(config, recipe.rollout.temperature, backend, recipe.kernels.logprob_chunk_tokens,
                             recipe.kernels.fused_lm_head and fused_lm_head_allowed)
         return UpdateSettings(pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, a.mask_truncated,
-                              a.rollout_is_cap, recipe.train.packing and packing_allowed)
+                              a.rollout_is_cap, recipe.train.packing and packing_allowed, one_row)
 
 
 def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, settings: UpdateSettings,
@@ -64,7 +65,7 @@ def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, 
     # A padding micro-batch () runs a real sample with weight 0: every rank must run the same
     # forwards and backwards, because ZeRO-3 gathers parameters collectively inside them.
     return collate(rollouts, list(ids) or [plan.sample_ids[0]], settings.pad_id, dist.device, padding=not ids,
-                   packed=settings.packed)
+                   packed=settings.packed, one_row=settings.one_row)
 
 
 @torch.no_grad()

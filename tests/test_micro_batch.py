@@ -74,3 +74,22 @@ def test_the_packing_probe_accepts_transformers_models_and_refuses_one_that_igno
             return self.inner(input_ids=input_ids, **kwargs)
 
     assert "attends across packed sequences" in packing_problem(Unpacked(model))
+
+
+def test_rows_for_eager_and_sdpa_hold_whole_sequences_and_flash_gets_one_row(monkeypatch):
+    import grpo_ds.micro_batch as micro_batch
+
+    rollouts, _ = fixed_rollouts()
+    ids = list(range(9))
+    lengths = [len(rollouts.prompt_ids[i]) + len(rollouts.response_ids[i]) for i in ids]
+    monkeypatch.setattr(micro_batch, "ROW_TOKENS", max(lengths) + 3)  # a few rows, some holding two sequences
+    mb = collate(rollouts, ids, 0, torch.device("cpu"))
+    rows, width = mb.input_ids.shape
+    assert width == max(lengths) + 3 and 1 < rows < len(ids) and rows * width >= sum(lengths)
+    assert mb.boundaries is None  # eager / sdpa: the mask comes from the position ids
+    model = _model("sdpa")
+    torch.testing.assert_close(token_logprobs(model, mb, SETTINGS), _alone(model, rollouts, ids), rtol=0, atol=2e-6)
+    one = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)
+    assert one.input_ids.shape == (1, sum(lengths))
+    assert one.boundaries["cu_seq_lens_q"].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert one.boundaries["max_length_q"] == max(lengths)
