@@ -86,10 +86,12 @@ def variant(packed: bool, steps: int, out: str) -> None:
         t = time.perf_counter()
         optimizer_step(engine, step, plan, settings, dist)
         times.append(time.perf_counter() - t)
-    micro = plan.micro_batches[0]
-    padded_tokens = sum(len(mb) * max(tokens[s] for s in mb) for mb in micro)
+    from grpo_ds.micro_batch import collate
+
+    positions = sum(collate(data, list(mb), 0, torch.device("cpu"), packed=packed).input_ids.numel()
+                    for mb in plan.micro_batches[0])  # what the model computes: tokens and padding
     Path(out).write_text(json.dumps({"times": times, "peak_mib": peak[0] - base, "real": sum(tokens.values()),
-                                     "padded": padded_tokens}))
+                                     "positions": positions}))
 
 
 def main() -> None:
@@ -119,16 +121,17 @@ def main() -> None:
             results[name].append(json.loads(out.read_text()))
             print(name, run, results[name][-1]["times"], round(results[name][-1]["peak_mib"]), flush=True)
     first = results["padded"][0]
-    padding = 1 - first["real"] / first["padded"]
+    padding = 1 - first["real"] / first["positions"]
     rows, medians, peaks = [], {}, {}
     for name, runs in results.items():
         medians[name] = statistics.median(t for r in runs for t in r["times"])
         peaks[name] = statistics.median(r["peak_mib"] for r in runs)
-        tokens = first["real"] if name == "packed" else first["padded"]
-        rows.append([name, f"{tokens:,}", f"{medians[name]:.2f}", f"{min(t for r in runs for t in r['times']):.2f}",
-                     f"{max(t for r in runs for t in r['times']):.2f}", f"{peaks[name]:,.0f}"])
+        every = [t for r in runs for t in r["times"]]
+        rows.append([name, f"{runs[0]['positions']:,}", f"{medians[name]:.2f}", f"{min(every):.2f}",
+                     f"{max(every):.2f}", f"{peaks[name]:,.0f}"])
     speedup = medians["padded"] / medians["packed"]
-    headers = ["layout", "model tokens per step", "step s (median)", "min", "max", "peak MiB (median)"]
+    headers = ["layout", "model positions per step (tokens + padding)", "step s (median)", "min", "max",
+               "peak MiB (median)"]
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
 
     def line(cells):

@@ -8,12 +8,12 @@ one of two layouts:
                           attention all of them go into one row and flash attention takes the sequence boundaries
                           (``cu_seq_lens_*`` / ``max_length_*``: no mask is built). Eager and sdpa build a
                           block-diagonal causal mask over the whole row, whose cost grows as the row's length
-                          squared, so for them the sequences are packed first-fit-decreasing into rows of
-                          ``ROW_TOKENS`` (the longest sequence, if longer; all of them, if fewer); a row's unused end
-                          is a segment of its own (pad tokens, positions from 0) that no sequence sees. The forward
-                          must be called with ``use_cache=False``: with a cache transformers does not look for packed
-                          sequences and the tokens of one sequence attend to the ones before it
-                          (tests/test_micro_batch.py)
+                          squared, so for them the sequences are packed first-fit-decreasing into rows of at most
+                          ``ROW_TOKENS`` (the longest sequence, if longer), their width chosen to leave the least
+                          unused; a row's unused end is a segment of its own (pad tokens, positions from 0) that no
+                          sequence sees. The forward must be called with ``use_cache=False``: with a cache
+                          transformers does not look for packed sequences and the tokens of one sequence attend to
+                          the ones before it (tests/test_micro_batch.py)
     padded                one row per sequence, right-padded to the longest, with an attention mask
 
 Everything the loss needs is per trained token, flat over the micro-batch, the same in both layouts:
@@ -30,6 +30,7 @@ so the loss never depends on the layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +87,7 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
     elif one_row:
         rows, width = [list(range(len(seqs)))], sum(lengths)
     else:
-        width = max(max(lengths), min(ROW_TOKENS, sum(lengths)))
-        rows = _rows_first_fit(lengths, width)
+        rows, width = _packed_rows(lengths)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros_like(input_ids)
     starts = [0] * len(seqs)  # flat position of each sequence's first token
@@ -124,6 +124,20 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
                       col=torch.tensor(col, dtype=torch.long).to(device),
                       loss_mask=torch.tensor(loss_mask, dtype=torch.float32).to(device), sequence_tokens=sum(lengths),
                       padding=padding, boundaries=boundaries)
+
+
+def _packed_rows(lengths: list[int]) -> tuple[list[list[int]], int]:
+    """(rows of sequence indices, row width) for eager/sdpa: the fewest model positions (rows x width) among widths
+    that split the tokens into k, k + 1, ... k + 3 rows of at most ROW_TOKENS (the longest sequence, if longer)."""
+    total, longest = sum(lengths), max(lengths)
+    fewest = math.ceil(total / ROW_TOKENS)
+    best = None
+    for k in range(fewest, fewest + 4):
+        width = max(longest, math.ceil(total / k))
+        rows = _rows_first_fit(lengths, width)
+        if best is None or len(rows) * width < len(best[0]) * best[1]:
+            best = rows, width
+    return best
 
 
 def _rows_first_fit(lengths: list[int], width: int) -> list[list[int]]:
