@@ -44,8 +44,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     r = inputs.recipe
     lengths = simulated_lengths(inputs, lengths_mode)
     t = r.train
-    tp = t.tensor_parallel_size
-    dp = world_size // tp
+    tp, sp = t.tensor_parallel_size, t.sequence_parallel_size
+    dp = world_size // tp // sp
     plan = plan_recipe_step(r, lengths, dp, step=1)
     ds = inputs.ds_config
     _, ds_where = load_deepspeed_json(r)
@@ -56,8 +56,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     lp_rule = cap if t.max_tokens_per_micro_batch else f"{t.logprob_micro_batch_samples_per_gpu} samples"
     lines = [
         f"recipe is valid for world size {world_size}",
-        f"parallel layout: world size {world_size} = data parallel {dp} x tensor parallel {tp}"
-        + (f" (ranks {tp}d .. {tp}d+{tp - 1} form tensor-parallel group d and run the same samples)" if tp > 1
+        f"parallel layout: world size {world_size} = data parallel {dp} x tensor parallel {tp} x sequence parallel {sp}"
+        + (f" (ranks {tp * sp}d .. {tp * sp}d+{tp * sp - 1} form group d and run the same samples)" if tp * sp > 1
            else ""),
         "",
         "batch algebra",
@@ -74,7 +74,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
                                              else "off (kl_coef 0)"),
         "",
         f"per-rank shards of optimizer step 1 (simulated lengths: {lengths_mode}; prompt lengths from the data"
-        + ("; one line per data-parallel rank" if tp > 1 else "") + ")",
+        + ("; one line per data-parallel rank" if tp * sp > 1 else "")
+        + (f"; tokens per rank: each sequence split in {sp}" if sp > 1 else "") + ")",
     ]
     for rank, micro in enumerate(first.micro_batches):
         ids = [s for mb in micro for s in mb]
@@ -88,7 +89,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
               f"  gradient_accumulation_steps     {ds['gradient_accumulation_steps']} (static plan; grpo_ds owns the "
               f"step boundary, so padding and dynamic batches need no change here)",
               f"  train_batch_size                {ds['train_batch_size']} = {ds['train_micro_batch_size_per_gpu']}"
-              f" x {ds['gradient_accumulation_steps']} x world size {world_size}" if "train_batch_size" in ds else
+              f" x {ds['gradient_accumulation_steps']} x "
+              + (f"data-parallel size {dp}" if sp > 1 else f"world size {world_size}") if "train_batch_size" in ds else
               "  train_batch_size                left out (AutoTP under ZeRO-3: DeepSpeed checks it against two sizes)",
               f"  zero stage                      {ds.get('zero_optimization', {}).get('stage', 0)}", "",
               f"kernels: {inputs.kernels_backend} backend (kernels.backend {r.kernels.backend!r}), "

@@ -9,11 +9,13 @@ are written as "auto" in ``ds_configs/*.json`` and filled here:
     train_batch_size               = micro x gradient_accumulation_steps x world_size
     tensor_parallel.autotp_size    = train.tensor_parallel_size (tp > 1 only)
 
-dp = world size / tp. With tensor parallelism DeepSpeed checks ``train_batch_size`` twice: once against the world
-size (its top-level config counts the TP ranks) and, under ZeRO-3, once against dp (the partitioner re-reads the
-config with the TP groups). No number satisfies both under ZeRO-3, so there the key is left out (DeepSpeed then
-derives it from micro and accumulation); under ZeRO 0-2 it is micro x accumulation x world. AutoTP keeps a
-tied lm_head whole (``vocab_parallel_lm_head`` false): the loss needs every rank's logits over the whole vocabulary.
+dp = world size / tp / sp. With Ulysses sequence parallelism DeepSpeed gets the sequence-parallel groups (mpu)
+and counts ``train_batch_size`` over dp. With tensor parallelism DeepSpeed checks ``train_batch_size`` twice: once
+against the world size (its top-level config counts the TP ranks) and, under ZeRO-3, once against dp (the
+partitioner re-reads the config with the TP groups). No number satisfies both under ZeRO-3, so there the key is
+left out (DeepSpeed then derives it from micro and accumulation); under ZeRO 0-2 it is micro x accumulation x
+world. AutoTP keeps a tied lm_head whole (``vocab_parallel_lm_head`` false): the loss needs every rank's logits over
+the whole vocabulary.
 
 A number in the file that contradicts the derived value is an error naming the number to change.
 The driver owns the optimizer-step boundary: ``managed_gradient_accumulation`` is false and
@@ -65,17 +67,22 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
     raw, where = load_deepspeed_json(recipe)
     train = recipe.train
     tp = _tensor_parallel_size(recipe, raw, world_size, where)
-    dp = world_size // tp
+    sp = recipe.train.sequence_parallel_size
+    dp = world_size // tp // sp
     micro = train.micro_batch_samples_per_gpu
     gas = static_micro_batches_per_rank(recipe.samples_per_optimizer_step, dp, micro)
     zero = raw.get("zero_optimization")
     zero3 = isinstance(zero, dict) and zero.get("stage", 0) == 3
+    if sp > 1:
+        _check_sequence_parallel(sp, tp, world_size, zero3, where)
+    batch_ranks = dp if sp > 1 else world_size  # with Ulysses' groups DeepSpeed counts data-parallel ranks
     derived = {
         "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_samples_per_gpu"),
         "gradient_accumulation_steps": (gas, f"ceil(ceil(samples_per_optimizer_step {recipe.samples_per_optimizer_step}"
                                              f" / data-parallel size {dp}) / micro {micro})"),
-        "train_batch_size": (micro * gas * world_size, f"micro {micro} x gradient accumulation {gas} x world size "
-                                                       f"{world_size}"),
+        "train_batch_size": (micro * gas * batch_ranks, f"micro {micro} x gradient accumulation {gas} x "
+                                                        + (f"data-parallel size {dp}" if sp > 1 else
+                                                           f"world size {world_size}")),
         "gradient_clipping": (train.max_grad_norm, "train.max_grad_norm"),
         "managed_gradient_accumulation": (False, "grpo_ds owns the optimizer-step boundary"),
     }
@@ -118,6 +125,17 @@ def _tensor_parallel_size(recipe: Recipe, raw: dict, world_size: int, where: str
         raise UserError("train.tensor_parallel_size", f"{tp} does not divide the world size {world_size}",
                         f"use one of {', '.join(map(str, fits))}")
     return tp
+
+
+def _check_sequence_parallel(sp: int, tp: int, world_size: int, zero3: bool, where: str) -> None:
+    if world_size % (sp * tp):
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise UserError("train.sequence_parallel_size", f"{sp} does not divide the world size {world_size}",
+                        f"use one of {', '.join(map(str, fits))}")
+    if not zero3:
+        raise UserError(f"{where}: zero_optimization.stage", "sequence parallelism runs under ZeRO-3 only (how "
+                        "DeepSpeed reduces gradients over the sequence-parallel ranks differs by stage, and grpo_ds "
+                        "compensates for ZeRO-3's)", "use ds_configs/zero3.json or set the stage to 3")
 
 
 def _fill(cfg: dict, keys: list[str], value: Any, origin: str, where: str) -> None:

@@ -20,31 +20,42 @@ import torch
 
 @dataclass(frozen=True)
 class Dist:
-    """This process's place in the job. world = dp x tp: the ranks of a tensor-parallel group are consecutive
-    (DeepSpeed's (dp, tp) mesh), hold the same samples and run the same micro-batches; samples are sharded over
-    the data-parallel ranks."""
+    """This process's place in the job. world = dp x tp x sp (one of tp, sp is 1): the ranks of a tensor- or
+    sequence-parallel group are consecutive (DeepSpeed's groups), hold the same samples and run the same
+    micro-batches (a sequence-parallel rank its slice of every sequence); samples are sharded over the
+    data-parallel ranks."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     tp_size: int = 1
+    sp_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def group_size(self) -> int:
+        """Ranks that hold the same samples: a tensor- or sequence-parallel group."""
+        return self.tp_size * self.sp_size
+
+    @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp_size
+        return self.world_size // self.group_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp_size
+        return self.rank // self.group_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_size
 
     def dp_parts(self, parts: list) -> list:
-        """One entry per data-parallel rank of a list with one entry per rank (the TP group's first rank's)."""
-        return parts[::self.tp_size]
+        """One entry per data-parallel rank of a list with one entry per rank (each group's first rank's)."""
+        return parts[::self.group_size]
 
     # Collectives for the driver's small objects; no-ops at world size 1. Kernels never communicate.
     def broadcast(self, obj: Any) -> Any:
@@ -106,9 +117,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tp_size: int = 1) -> Dist:
-    """Join (or, alone, create) the process group; idempotent so a notebook can train twice. ``tp_size``: the
-    tensor-parallel size (train.tensor_parallel_size), which must divide the world size (checked before)."""
+def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
+    """Join (or, alone, create) the process group; idempotent so a notebook can train twice. ``tp_size`` /
+    ``sp_size``: the tensor- / sequence-parallel sizes (train.*_parallel_size), which divide the world size
+    (checked before)."""
     kind = device_type()
     if kind == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -137,25 +149,26 @@ def init_distributed(tp_size: int = 1) -> Dist:
     device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local_rank)
     if kind == "cuda":
         torch.cuda.set_device(device)
-    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=device, tp_size=tp_size)
+    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=device, tp_size=tp_size, sp_size=sp_size)
 
 
-def create_train_engine(model: torch.nn.Module, ds_config: dict):
-    """ZeRO-3 engine with the optimizer (and scheduler) described by the resolved config."""
+def create_train_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
+    """ZeRO-3 engine with the optimizer (and scheduler) described by the resolved config; ``mpu``: Ulysses' groups."""
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                          if p.requires_grad], config=ds_config)
+                                                                          if p.requires_grad], config=ds_config,
+                                           mpu=mpu)
     return engine
 
 
-def create_reference_engine(model: torch.nn.Module, ds_config: dict):
+def create_reference_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     """Frozen reference policy for the KL term: ZeRO sharded like the policy, no optimizer."""
     import deepspeed
 
     cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
     cfg["managed_gradient_accumulation"] = True
     model.requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
     engine.module.eval()
     return engine

@@ -86,16 +86,23 @@ def _kernels_backend(requested: str, device_type: str) -> str:
 
 
 def _check_tensor_parallel(recipe: Recipe) -> None:
-    """Every rank of a tensor-parallel group must hold whole attention heads (read from the model's config; the
-    builtin model's heads are checked with the recipe)."""
-    tp, m = recipe.train.tensor_parallel_size, recipe.model
-    if tp == 1 or m.path == BUILTIN_TINY:
+    """Every rank of a tensor- or sequence-parallel group must hold whole attention heads (read from the model's
+    config; the builtin model's heads are checked with the recipe). Ulysses also needs sdpa or flash attention."""
+    m = recipe.model
+    sizes = {"train.tensor_parallel_size": recipe.train.tensor_parallel_size,
+             "train.sequence_parallel_size": recipe.train.sequence_parallel_size}
+    if all(size == 1 for size in sizes.values()) or m.path == BUILTIN_TINY:
         return
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
     heads = getattr(config, "num_attention_heads", None)
-    if heads is not None and heads % tp:
-        fits = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise UserError("train.tensor_parallel_size", f"{tp} does not divide the model's {heads} attention heads "
-                        f"({m.path}/config.json)", f"use one of {', '.join(map(str, fits))}")
+    for key, size in sizes.items():
+        if heads is not None and heads % size:
+            fits = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise UserError(key, f"{size} does not divide the model's {heads} attention heads "
+                            f"({m.path}/config.json)", f"use one of {', '.join(map(str, fits))}")
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if sizes["train.sequence_parallel_size"] > 1 and attention == "eager":
+        raise UserError("train.sequence_parallel_size", f"{m.path} asks for eager attention, which DeepSpeed's "
+                        "Ulysses cannot wrap", 'set "attn_implementation": "sdpa" in its config.json')

@@ -7,8 +7,9 @@ update phase) and l_it from grpo_ds.algo.policy_loss. A micro-batch contributes 
     loss = sum_t token_weight_t * l_t,     token_weight_t = w_i(t) x loss mask_t x importance weight_t
 
 over its flat tokens (``TokenTerms``). ``backward`` hands it to DeepSpeed so that the summed partials, not an
-average of them, become the gradient: DeepSpeed averages gradients over the data-parallel ranks, so the
-partial loss is multiplied by the data-parallel size, and ``scale_wrt_gas=False`` stops it from dividing by
+average of them, become the gradient: DeepSpeed averages gradients over the data-parallel ranks (under ZeRO-3 with
+sequence parallelism, over the data- and sequence-parallel ranks, each of which holds a slice of the micro-batch's
+tokens), so the partial loss is multiplied by that many ranks, and ``scale_wrt_gas=False`` stops it from dividing by
 its accumulation steps (the resolved config sets ``managed_gradient_accumulation`` false, see
 grpo_ds.ds_config, because the driver owns the optimizer-step boundary). The result does not depend on world
 size, micro-batch size, dynamic batching or padding micro-batches.
@@ -70,9 +71,11 @@ class LossStats:
         return LossStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def summed_over_ranks(self, dist) -> LossStats:
+        """The sums over every sample of the step: over the ranks, once per tensor-parallel group (whose ranks
+        compute the same); sequence-parallel ranks each hold a slice of every sequence, so they all count."""
         totals = torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
         dist.all_reduce_sum(totals)
-        return LossStats(*totals.tolist())
+        return LossStats(*(totals / dist.tp_size).tolist())
 
 
 def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) -> tuple[torch.Tensor, LossStats]:
@@ -121,9 +124,10 @@ def token_logprobs(model, mb: MicroBatch, s: LossSettings) -> torch.Tensor:
     return _logprobs_and_entropy(model, mb, s)[0]
 
 
-def backward(engine, loss: torch.Tensor, dp_size: int) -> None:
-    """Accumulate d(step loss)/d(weights) for this micro-batch's partial sum (see the module docstring)."""
-    engine.backward(loss * dp_size, scale_wrt_gas=False)
+def backward(engine, loss: torch.Tensor, averaged_over: int) -> None:
+    """Accumulate d(step loss)/d(weights) for this micro-batch's partial sum; ``averaged_over``: the ranks DeepSpeed
+    averages gradients over (see the module docstring)."""
+    engine.backward(loss * averaged_over, scale_wrt_gas=False)
 
 
 def discard_gradients(engine) -> None:

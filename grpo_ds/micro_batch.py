@@ -156,17 +156,30 @@ def _rows_first_fit(lengths: list[int], width: int) -> list[list[int]]:
 
 
 def split_per_sample(values: torch.Tensor, mb: MicroBatch) -> dict[int, torch.Tensor]:
-    """Flat per-token values (N,) -> {sample id: (L_i,) float32 tensor on CPU}."""
+    """Flat per-token values (N,) -> {sample id: its tokens' values in response order, float32 on CPU} (a
+    sequence-parallel rank has some of a sample's tokens: its slice)."""
     values = values.detach().float().cpu()
-    seq = mb.seq_index.cpu()
-    return {sid: values[seq == b] for b, sid in enumerate(mb.sample_ids)}
+    seq, col = mb.seq_index.cpu(), mb.col.cpu()
+    out = {}
+    for b, sid in enumerate(mb.sample_ids):
+        mine = seq == b
+        out[sid] = values[mine][torch.argsort(col[mine])]
+    return out
 
 
 def gather_per_token(per_sample: dict[int, torch.Tensor] | None, mb: MicroBatch) -> torch.Tensor | None:
-    """{sample id: (L_i,)} -> the micro-batch's flat (N,) tensor (None stays None)."""
+    """{sample id: (L_i,) per response token} -> the micro-batch's flat (N,) tensor (None stays None)."""
     if per_sample is None:
         return None
-    return torch.cat([per_sample[s] for s in mb.sample_ids]).to(mb.target_ids.device)
+    return per_token([per_sample[s] for s in mb.sample_ids], mb)
+
+
+def per_token(per_sequence: list, mb: MicroBatch) -> torch.Tensor:
+    """Each micro-batch sequence's per-response-token values (tensors or lists, in sample order) -> (N,) float32 for
+    the micro-batch's tokens, picked by (sequence, column): the same in every layout and shard."""
+    flat = torch.cat([torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in per_sequence])
+    starts = torch.tensor([0, *[len(v) for v in per_sequence]]).cumsum(0)[:-1]
+    return flat[(starts.to(mb.seq_index.device)[mb.seq_index] + mb.col).cpu()].to(mb.target_ids.device)
 
 
 def as_sequence_rows(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

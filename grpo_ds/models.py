@@ -126,7 +126,9 @@ def _partitioned_loading(ds_config: dict | None):
         return
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    alive = HfDeepSpeedConfig(ds_config)  # transformers keeps only a weak reference: hold it while loading
+    # zero.Init reads only the ZeRO and precision settings, but checks the batch keys against the world size, which
+    # a sequence-parallel run's train_batch_size (counted over the data-parallel ranks) does not fit: leave it out.
+    alive = HfDeepSpeedConfig({k: v for k, v in ds_config.items() if k != "train_batch_size"})  # held while loading
     try:
         yield True
     finally:

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
-from grpo_ds import lora
+from grpo_ds import lora, sequence_parallel
 from grpo_ds.engine import create_reference_engine, create_train_engine
 from grpo_ds.models import load_model
 from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
+from grpo_ds.update import sequence_parallel_rows
 
 
 @dataclass
@@ -47,12 +48,19 @@ class Policy:
         print the one-line notes (LoRA summary, fused-head fallback) on this rank."""
         use_lora = lora.enabled(recipe.model)
         model = load_model(recipe.model, vocab_size, recipe.run.seed, ds_config)
-        engine = create_train_engine(lora.apply_lora(model, recipe.model) if use_lora else model, ds_config)
+        if use_lora:
+            model = lora.apply_lora(model, recipe.model)
+        sp = recipe.train.sequence_parallel_size
+        mpu = sequence_parallel.register(model, sp, sequence_parallel_rows(recipe)) if sp > 1 else None
+        engine = create_train_engine(model, ds_config, mpu)
         reference = None
         if recipe.algorithm.kl_coef > 0:
             reference = engine if use_lora else create_reference_engine(
-                load_model(recipe.model, vocab_size, recipe.run.seed, ds_config), ds_config)
-        packing = packing_problem(engine) if recipe.train.packing else None
+                load_model(recipe.model, vocab_size, recipe.run.seed, ds_config), ds_config, mpu)
+        packing = None
+        if recipe.train.packing:
+            packing = ("sequence parallelism drops attention masks, which packed rows need" if sp > 1
+                       else packing_problem(engine))
         policy = Policy(engine, use_lora, reference, fused_lm_head_problem(engine.module), packing)
         if announce:
             if use_lora:

@@ -193,6 +193,8 @@ class TrainConfig:
                                    "gradient norm (each one's update is skipped and logged)", low=1)
     tensor_parallel_size: int = opt(1, "Ranks that split every layer of the policy (DeepSpeed AutoTP, "
                                     "tensor_parallel.autotp_size); samples are sharded over world size / this", low=1)
+    sequence_parallel_size: int = opt(1, "Ranks that split every sequence along its length (DeepSpeed Ulysses, "
+                                      "ZeRO-3 only); samples are sharded over world size / this", low=1)
 
 
 @dataclass(frozen=True)
@@ -373,6 +375,7 @@ def validate(recipe: Recipe) -> None:
         raise UserError("train.tensor_parallel_size", f"{tp} with model.lora_rank: AutoTP would split the layers "
                         "peft wraps, and adapters on split layers cannot be merged for the rollout engine",
                         "train LoRA with tensor_parallel_size 1 (ZeRO-3 already partitions the base)")
+    _validate_sequence_parallel(recipe)
     if tp > 1 and m.path == "builtin:tiny" and m.tiny_num_heads % tp:
         raise UserError("train.tensor_parallel_size", f"{tp} does not divide model.tiny_num_heads "
                         f"{m.tiny_num_heads}: each rank must hold whole attention heads",
@@ -396,6 +399,26 @@ def validate(recipe: Recipe) -> None:
         raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
     _validate_reward_specs(recipe.reward.functions, scored_by_env=recipe.rollout.engine == "agent")
+
+
+def _validate_sequence_parallel(recipe: Recipe) -> None:
+    """What Ulysses sequence parallelism (grpo_ds.sequence_parallel) cannot take, refused with the reason."""
+    sp, t, m = recipe.train.sequence_parallel_size, recipe.train, recipe.model
+    if sp == 1:
+        return
+    where = "train.sequence_parallel_size"
+    if t.tensor_parallel_size > 1:
+        raise UserError(where, f"{sp} with train.tensor_parallel_size {t.tensor_parallel_size}: the two cannot be "
+                        "combined yet", "use one of them")
+    if t.max_tokens_per_micro_batch is not None:
+        raise UserError(where, f"{sp} with train.max_tokens_per_micro_batch: Ulysses needs the same number of rows "
+                        "in every micro-batch", "set train.max_tokens_per_micro_batch to null")
+    if recipe.algorithm.policy_loss == "gspo":
+        raise UserError(where, f"{sp} with policy_loss \"gspo\": a sequence's ratio needs all of its tokens on one "
+                        "rank", 'use policy_loss "ppo_clip" or sequence_parallel_size 1')
+    if m.path == "builtin:tiny" and m.tiny_num_heads % sp:
+        raise UserError(where, f"{sp} does not divide model.tiny_num_heads {m.tiny_num_heads}: each rank attends "
+                        "with whole heads", f"use a divisor of {m.tiny_num_heads}")
 
 
 def _validate_vllm(recipe: Recipe) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds import checkpoint, kernels, run_folder
+from grpo_ds import checkpoint, kernels, run_folder, sequence_parallel
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 from grpo_ds.collect import collect
 from grpo_ds.data import PromptSampler
@@ -45,6 +45,13 @@ from grpo_ds.update import UpdateSettings, importance_metrics, logprob_pass, opt
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
     """Run a recipe to the end; return one metrics dict per step (on every rank)."""
+    try:
+        return _run(recipe, overrides)
+    finally:
+        sequence_parallel.restore()  # transformers' attention as it was, for whatever this process runs next
+
+
+def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None) -> list[dict]:
     # ---- 1. validate everything before any model loads or any file is written
     inputs = prepare_inputs(recipe, overrides, world_size_from_env(), device_type())
     recipe, tokenizer, prompts = inputs.recipe, inputs.tokenizer, inputs.prompts
@@ -52,7 +59,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     run_dir = folder.path
 
     # ---- 2. processes, run folder, models
-    dist = init_distributed(recipe.train.tensor_parallel_size)
+    dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
     if dist.is_main:
         run_folder.prepare(folder, recipe, inputs.ds_config)
     dist.barrier()
@@ -252,6 +259,8 @@ def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist):
         return VLLMRolloutEngine(VLLMSettings.from_recipe(recipe), tokenizer,
                                  lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed))
     model = load_model(recipe.model, len(tokenizer), recipe.run.seed).to(dist.device)
+    if recipe.train.sequence_parallel_size > 1:  # Ulysses replaces the policy's attention process-wide
+        sequence_parallel.keep_out(model)
     if r.engine == "agent":
         return AgentRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer, inputs.env_factory,
                                   r.max_turns, recipe.max_response_tokens, r.generation_batch_prompts)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_ds import sequence_parallel
 from grpo_ds.algo.aggregation import sequence_weights
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.algo.policy_loss import LossConfig
@@ -25,7 +26,7 @@ from grpo_ds.loss import (
     micro_batch_loss,
     token_logprobs,
 )
-from grpo_ds.micro_batch import MicroBatch, collate, gather_per_token, split_per_sample
+from grpo_ds.micro_batch import MicroBatch, collate, gather_per_token, per_token, split_per_sample
 from grpo_ds.planner import MiniBatchPlan
 from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.base import Rollouts
@@ -44,6 +45,7 @@ class UpdateSettings:
     rollout_is_cap: float | None  # truncated importance weight min(pi_old / pi_sampler, cap); None = off
     packed: bool = True  # the micro-batch layout (grpo_ds.micro_batch)
     one_row: bool = False  # packed into a single row (flash attention takes the boundaries)
+    sequence_parallel_rows: int = 0  # > 0: Ulysses shards every micro-batch of this many rows (sequence_parallel)
 
     @staticmethod
     def from_recipe(recipe: Recipe, pad_id: int, backend: str, fused_lm_head_allowed: bool = True,
@@ -51,21 +53,26 @@ class UpdateSettings:
         """``backend``: the resolved kernels backend ("triton" or "torch", see grpo_ds.kernels.resolve_backend);
         ``fused_lm_head_allowed`` / ``packing_allowed`` / ``one_row``: what the model can take (grpo_ds.policy)."""
         a = recipe.algorithm
+        sp = recipe.train.sequence_parallel_size
         kl_in_loss = 0.0 if a.kl_in_reward else a.kl_coef
         config = LossConfig(a.clip_low, a.clip_high, a.dual_clip, kl_in_loss, a.kl_estimator, a.entropy_coef,
                             a.policy_loss)
         loss = LossSettings(config, recipe.rollout.temperature, backend, recipe.kernels.logprob_chunk_tokens,
                             recipe.kernels.fused_lm_head and fused_lm_head_allowed)
         return UpdateSettings(pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, a.mask_truncated,
-                              a.rollout_is_cap, recipe.train.packing and packing_allowed, one_row)
+                              a.rollout_is_cap, recipe.train.packing and packing_allowed and sp == 1, one_row,
+                              sequence_parallel_rows(recipe) if sp > 1 else 0)
 
 
 def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, settings: UpdateSettings,
                  dist: Dist) -> MicroBatch:
     # A padding micro-batch () runs a real sample with weight 0: every rank must run the same
     # forwards and backwards, because ZeRO-3 gathers parameters collectively inside them.
-    return collate(rollouts, list(ids) or [plan.sample_ids[0]], settings.pad_id, dist.device, padding=not ids,
-                   packed=settings.packed, one_row=settings.one_row)
+    mb = collate(rollouts, list(ids) or [plan.sample_ids[0]], settings.pad_id, dist.device, padding=not ids,
+                 packed=settings.packed, one_row=settings.one_row)
+    if settings.sequence_parallel_rows:
+        mb = sequence_parallel.shard(mb, settings.sequence_parallel_rows, dist.sp_rank, dist.sp_size, settings.pad_id)
+    return mb
 
 
 @torch.no_grad()
@@ -79,10 +86,11 @@ def logprob_pass(engine, data: StepData, settings: UpdateSettings, dist: Dist) -
         logprobs = token_logprobs(engine, mb, settings.loss)
         if ids:
             mine.update(split_per_sample(logprobs, mb))
-    merged: PerSample = {}
-    for part in dist.all_gather(mine):
-        merged.update(part)
-    return merged
+    pieces: dict[int, list[torch.Tensor]] = {}
+    for part in dist.all_gather(mine)[::dist.tp_size]:  # tensor-parallel ranks repeat; sequence-parallel ones
+        for sid, values in part.items():                # hold consecutive slices, in rank order
+            pieces.setdefault(sid, []).append(values)
+    return {sid: torch.cat(values) for sid, values in pieces.items()}
 
 
 def optimizer_step(engine, data: StepData, minibatch: MiniBatchPlan, settings: UpdateSettings, dist: Dist
@@ -105,7 +113,7 @@ def optimizer_step(engine, data: StepData, minibatch: MiniBatchPlan, settings: U
         mb = _micro_batch(rollouts, ids, minibatch, settings, dist)
         terms = _token_terms(data, mb, advantage, weight_of, settings)
         loss, mb_stats = micro_batch_loss(engine, mb, terms, settings.loss)
-        backward(engine, loss, dist.dp_size)
+        backward(engine, loss, dist.dp_size * dist.sp_size)  # ZeRO-3 averages over the sequence-parallel ranks too
         finite = finite and bool(torch.isfinite(loss))
         stats += mb_stats
     # NaN guard: every rank ran every backward (ZeRO-3's collectives need it); if any rank saw a non-finite loss,
@@ -127,8 +135,7 @@ def _token_terms(data: StepData, mb: MicroBatch, advantage: torch.Tensor, weight
     old = gather_per_token(data.old_logprobs, mb)
     token_factor = mb.loss_mask  # (N,)
     if settings.rollout_is_cap is not None:
-        sampler = torch.tensor(sum((data.rollouts.sampler_logprobs[s] for s in mb.sample_ids), []),
-                               dtype=torch.float32, device=device)  # (N,)
+        sampler = per_token([data.rollouts.sampler_logprobs[s] for s in mb.sample_ids], mb)  # (N,)
         token_factor = token_factor * truncated_importance_weights(old, sampler, settings.rollout_is_cap)
     ref = gather_per_token(data.ref_logprobs, mb) if settings.loss.config.kl_coef > 0 else None
     advantages = advantage[torch.tensor(mb.sample_ids, device=device)]  # (S,)
@@ -153,3 +160,9 @@ def trained_tokens(rollouts: Rollouts, sample: int, settings: UpdateSettings) ->
     if settings.mask_truncated and rollouts.finish_reason[sample] == "length":
         return 0
     return rollouts.trained_tokens(sample)
+
+
+def sequence_parallel_rows(recipe: Recipe) -> int:
+    """Rows of every micro-batch under sequence parallelism: the larger of the update and log-prob micro sizes."""
+    t = recipe.train
+    return max(t.micro_batch_samples_per_gpu, t.logprob_micro_batch_samples_per_gpu)

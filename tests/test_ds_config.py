@@ -280,3 +280,31 @@ def test_tensor_parallel_contradictions_are_named():
                         train={"tensor_parallel_size": 2})
     assert err.where.endswith("tensor_parallel.vocab_parallel_lm_head")
     assert "tensor_parallel" not in resolve(world_size=2)  # tp 1: nothing added
+
+
+# --------------------------------------------------------------------------------- sequence parallelism
+
+def test_sequence_parallel_counts_data_parallel_ranks_and_needs_zero3():
+    # world 4 = dp 2 x sp 2: 20 samples / dp 2 = 10 per rank, 3 per micro-batch -> 4; DeepSpeed (given Ulysses'
+    # groups) counts train_batch_size over dp
+    cfg = resolve({"zero_optimization": {"stage": 3}}, world_size=4, train={"sequence_parallel_size": 2})
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["train_batch_size"] == 3 * 4 * 2
+    err = resolve_error({"zero_optimization": {"stage": 2}}, world_size=2, train={"sequence_parallel_size": 2})
+    assert err.where.endswith("zero_optimization.stage") and "ZeRO-3 only" in err.what
+    err = resolve_error(world_size=3, train={"sequence_parallel_size": 2})
+    assert err.where == "train.sequence_parallel_size" and "does not divide the world size 3" in err.what
+
+
+@pytest.mark.parametrize(("sections", "says"), [
+    ({"train": {"tensor_parallel_size": 2}}, "cannot be combined"),
+    ({"train": {"max_tokens_per_micro_batch": 100_000}}, "same number of rows"),
+    ({"algorithm": {"policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"}}, "all of its tokens on one rank"),
+    ({"model": {"tiny_num_heads": 2, "tiny_hidden_size": 32}, "train": {"sequence_parallel_size": 4}}, "whole heads"),
+])
+def test_what_sequence_parallelism_cannot_take_is_refused_in_one_line(sections, says):
+    raw = {"train": {"sequence_parallel_size": 2}}
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    with pytest.raises(UserError) as err:
+        recipe(**raw)
+    assert err.value.where == "train.sequence_parallel_size" and says in err.value.what

@@ -215,6 +215,7 @@ def test_tensor_parallel_run_trains_like_one_rank_and_exports_a_full_model(tmp_p
         assert a["reward_mean"] == b["reward_mean"]  # the same rollouts
         assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-5) and b["grad_norm"] == pytest.approx(
             a["grad_norm"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-9)  # summed once per tensor-parallel group
     logs = _rank_logs(run_dir, 2)
     assert {log[-1]["final_weights_sha256"] for log in logs} == {log[-1]["rollout_weights_sha256"] for log in logs}
     assert len({log[-1]["final_weights_sha256"] for log in logs}) == 1
@@ -229,3 +230,22 @@ def test_tensor_parallel_run_trains_like_one_rank_and_exports_a_full_model(tmp_p
                           str(tmp_path / "one" / "tiny_cpu" / "final_model")], env=clean_env(), check=True,
                          capture_output=True, text=True).stdout
     assert float(out.strip().splitlines()[-1]) < 1e-5  # transformers alone loads it: the one-rank run's weights
+
+
+@pytest.mark.slow
+def test_sequence_parallel_run_trains_like_one_rank(tmp_path):
+    """train.sequence_parallel_size=2 on 2 ranks (dp = 1, every sequence split in two): the same samples, metrics and
+    final weights as one rank, step after step."""
+    overrides = ["train.steps=6", "checkpoint.every_steps=null", "logging.progress_bar=false"]
+    single = grpo_ds.train(TINY, [f"run.output_dir={tmp_path / 'one'}", *overrides])
+    deepspeed_launch(2, ["--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path / 'sp'}",
+                         "train.sequence_parallel_size=2", *overrides])
+    run_dir = tmp_path / "sp" / "tiny_cpu"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(single, metrics, strict=True):
+        assert a["reward_mean"] == b["reward_mean"]  # the same rollouts: the weights stayed equal
+        for key in ("entropy", "grad_norm", "loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-9), key
+    logs = _rank_logs(run_dir, 2)
+    assert logs[0][-1]["final_weights_sha256"] == logs[1][-1]["final_weights_sha256"]
+    assert all(log[-1]["rollout_weights_sha256"] == log[-1]["final_weights_sha256"] for log in logs)

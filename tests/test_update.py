@@ -71,25 +71,30 @@ def test_one_optimizer_step_is_independent_of_the_parallel_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_step_equals_world_size_1(tmp_path):
+def test_tensor_and_sequence_parallel_steps_equal_world_size_1(tmp_path):
     """AutoTP: one optimizer step at tp=2 (ZeRO-1 and ZeRO-3) and at tp=2 x dp=2 (ZeRO-3, uneven shards and a padding
-    micro-batch) gives the weights of world size 1, gathered over ZeRO and the tensor-parallel group to full shapes."""
+    micro-batch) gives the weights of world size 1, gathered over ZeRO and the tensor-parallel group to full shapes.
+    Ulysses: at sp=2 (ZeRO-3; the fused lm_head and full logits) every sequence is split over the two ranks, and the
+    log-probs before the step and the weights after it are world size 1's."""
     base = {"loss_agg": "seq-mean-token-mean", "max_tokens": None}
-    (tmp_path / "w1").mkdir()
-    (tmp_path / "tp2").mkdir()
-    (tmp_path / "tp2dp2").mkdir()
+    for name in ("w1", "two", "tp2dp2"):
+        (tmp_path / name).mkdir()
     deepspeed_launch(1, [SCRIPT, str(tmp_path / "w1"), json.dumps([{**base, "micro": 9}])])
-    deepspeed_launch(2, [SCRIPT, str(tmp_path / "tp2"), json.dumps([{**base, "micro": 2, "tp": 2, "stage": 1},
-                                                                    {**base, "micro": 2, "tp": 2, "stage": 3}])])
+    two = [{**base, "micro": 2, "tp": 2, "stage": 1}, {**base, "micro": 2, "tp": 2, "stage": 3},
+           {**base, "micro": 2, "sp": 2}, {**base, "micro": 3, "sp": 2, "fused_lm_head": False}]
+    deepspeed_launch(2, [SCRIPT, str(tmp_path / "two"), json.dumps(two)])
     deepspeed_launch(4, [SCRIPT, str(tmp_path / "tp2dp2"), json.dumps([{**base, "micro": 2, "tp": 2, "stage": 3}])])
-    baseline = torch.load(tmp_path / "w1" / "0.pt")["params"]
+    baseline = torch.load(tmp_path / "w1" / "0.pt")
     initial = dict(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0).named_parameters())
-    assert max((baseline[n] - p.detach()).abs().max().item() for n, p in initial.items()) > 1e-3  # it moved
-    results = [torch.load(tmp_path / "tp2" / f"{i}.pt") for i in range(2)] + [torch.load(tmp_path / "tp2dp2" / "0.pt")]
-    assert len(results[2]["micro_batches"]) == 2 and results[2]["padding"] == 1  # dp = 2: two shards, one padded
+    assert max((baseline["params"][n] - p.detach()).abs().max().item() for n, p in initial.items()) > 1e-3  # moved
+    results = [torch.load(tmp_path / "two" / f"{i}.pt") for i in range(len(two))]
+    results.append(torch.load(tmp_path / "tp2dp2" / "0.pt"))
+    assert len(results[-1]["micro_batches"]) == 2 and results[-1]["padding"] == 1  # dp = 2: two shards, one padded
     for result in results:
-        assert result["params"].keys() == baseline.keys()
-        for name, value in baseline.items():
+        assert result["params"].keys() == baseline["params"].keys()
+        for sample, logprobs in baseline["logprobs"].items():
+            torch.testing.assert_close(result["logprobs"][sample], logprobs, rtol=0, atol=2e-6)
+        for name, value in baseline["params"].items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-7)
 
 

@@ -8,8 +8,9 @@ its first update is lr * g / (|g| + eps) ~= g: a plain gradient step, sensitive 
     deepspeed --num_gpus W tests/scripts/one_step.py OUT_DIR CONFIGS_JSON
 CONFIGS_JSON: list of {"loss_agg": ..., "micro": int, "max_tokens": int | null, optional "fused_lm_head": bool,
 "backend": "torch" | "triton", "tp": int (tensor-parallel size, AutoTP), "stage": int (ZeRO stage, default 3),
-"packing": bool (default true), "attn": "sdpa" | "eager"}; one file OUT_DIR/<i>.pt each with the parameters after
-the step and every sample's log-probs before it. Without a GPU the Triton backend runs through Triton's interpreter.
+"packing": bool (default true), "attn": "sdpa" | "eager", "sp": int (sequence-parallel size, Ulysses)}; one file
+OUT_DIR/<i>.pt each with the parameters after the step and every sample's log-probs before it. Without a GPU the
+Triton backend runs through Triton's interpreter.
 """
 
 import json
@@ -22,6 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from grpo_ds import sequence_parallel
 from grpo_ds.builtin_tiny import build_tiny_model
 from grpo_ds.ds_config import resolve_deepspeed_config
 from grpo_ds.engine import create_train_engine, init_distributed
@@ -31,7 +33,7 @@ from grpo_ds.recipe import load_recipe
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
 from grpo_ds.step_data import StepData
-from grpo_ds.update import UpdateSettings, logprob_pass, optimizer_step
+from grpo_ds.update import UpdateSettings, logprob_pass, optimizer_step, sequence_parallel_rows
 
 VOCAB = 64
 
@@ -51,7 +53,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
     pairs = zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)
     tokens = {i: len(p) + len(r) for i, (p, r) in enumerate(pairs)}
     for index, cfg in enumerate(configs):
-        dist = init_distributed(cfg.get("tp", 1))
+        dist = init_distributed(cfg.get("tp", 1), cfg.get("sp", 1))
         recipe = load_recipe({
             "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12},
             "data": {"max_prompt_tokens": 6},
@@ -59,12 +61,14 @@ def main(out_dir: str, configs: list[dict]) -> None:
             "kernels": {"fused_lm_head": cfg.get("fused_lm_head", True), "logprob_chunk_tokens": 16},
             "train": {"micro_batch_samples_per_gpu": cfg["micro"], "max_tokens_per_micro_batch": cfg["max_tokens"],
                       "lr": 1e4, "max_grad_norm": 0.0, "tensor_parallel_size": cfg.get("tp", 1),
-                      "packing": cfg.get("packing", True)},
+                      "packing": cfg.get("packing", True), "sequence_parallel_size": cfg.get("sp", 1)},
             "deepspeed": {"zero_optimization": {"stage": cfg.get("stage", 3)}, "optimizer": {"params": {"eps": 1e4}}},
         })
         model = build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0)
         model.set_attn_implementation(cfg.get("attn", "sdpa"))
-        engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
+        mpu = sequence_parallel.register(model, dist.sp_size, sequence_parallel_rows(recipe)) if dist.sp_size > 1 \
+            else None
+        engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"), mpu)
         plan = plan_minibatch(list(tokens), tokens, dist.dp_size, max_samples=cfg["micro"],
                               max_tokens=cfg["max_tokens"], packed=recipe.train.packing)
         settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend=cfg.get("backend", "torch"),
@@ -77,6 +81,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
             torch.save({"params": params, "logprobs": logprobs, "micro_batches": plan.micro_batches,
                         "padding": plan.padding_micro_batches()}, Path(out_dir) / f"{index}.pt")
         del engine
+        sequence_parallel.restore()
     dist.barrier()
 
 
