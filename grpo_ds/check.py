@@ -21,6 +21,7 @@ from grpo_ds.inputs import Inputs, prepare_inputs
 from grpo_ds.memory import GIB
 from grpo_ds.planner import old_logprob_pass_reason, plan_recipe_step, token_imbalance
 from grpo_ds.recipe import Recipe
+from grpo_ds.update import sequence_parallel_rows
 
 
 def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
@@ -50,7 +51,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     ds = inputs.ds_config
     _, ds_where = load_deepspeed_json(r)
     first = plan.minibatches[0]
-    layout = "packed into one row" if t.packing else "one padded row each"
+    layout = ("one padded row each (sequence parallelism: no packing)" if sp > 1 else "packed into rows" if t.packing
+              else "one padded row each")
     cap = f"<= {t.max_tokens_per_micro_batch} {'real' if t.packing else 'padded'} tokens (dynamic)"
     micro_rule = cap if t.max_tokens_per_micro_batch else f"{t.micro_batch_samples_per_gpu} samples"
     lp_rule = cap if t.max_tokens_per_micro_batch else f"{t.logprob_micro_batch_samples_per_gpu} samples"
@@ -83,6 +85,12 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
         lines.append(f"  rank {rank:>3}: {len(ids):>5} samples {sum(lengths[s] for s in ids):>8} tokens  "
                      f"{len(micro)} update micro-batches ({padding} padding)  "
                      f"{len(plan.logprob_pass.micro_batches[rank])} log-prob micro-batches")
+    if sp > 1:  # every micro-batch: sequence_parallel_rows rows, padded to a multiple of sp, split in sp
+        rows = sequence_parallel_rows(r)
+        widest = max(max(lengths[s] for s in mb) for m in plan.minibatches for rank in m.micro_batches
+                     for mb in rank if mb)
+        lines.append(f"  per sequence-parallel rank: {rows} rows x {-(-widest // sp)} positions in the longest "
+                     f"micro-batch ({rows * -(-widest // sp)} model positions, of {rows * widest} unsplit)")
     lines += [f"  token imbalance (max/mean over ranks): {token_imbalance(first, lengths):.3f}", "",
               f"DeepSpeed (resolved from {ds_where})",
               f"  train_micro_batch_size_per_gpu  {ds['train_micro_batch_size_per_gpu']}",
@@ -121,8 +129,12 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
     dp = world_size // r.train.tensor_parallel_size
     plan = plan_recipe_step(r, lengths, dp, step=1)
     micro = [mb for m in plan.minibatches for rank in m.micro_batches for mb in rank if mb]
-    model_tokens = max(sum(lengths[s] for s in mb) if r.train.packing else len(mb) * max(lengths[s] for s in mb)
-                       for mb in micro)
+    sp = r.train.sequence_parallel_size
+    if sp > 1:  # padded rows, split along the positions
+        model_tokens = sequence_parallel_rows(r) * -(-max(max(lengths[s] for s in mb) for mb in micro) // sp)
+    else:
+        model_tokens = max(sum(lengths[s] for s in mb) if r.train.packing else len(mb) * max(lengths[s] for s in mb)
+                           for mb in micro)
     per_rank_prompts = -(-r.rollout.prompts_per_step // dp)
     generation = min(r.rollout.generation_batch_prompts, per_rank_prompts) * r.rollout.group_size
     return memory.estimate(r, shape, ds_config, world_size, model_tokens, max(lengths), generation, gpu_memory_gib)

@@ -176,7 +176,8 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
 
 def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: int, longest: int) -> int:
     h, i, kv = shape.hidden, shape.intermediate / tp, shape.kv_heads * (shape.hidden // shape.heads) / tp
-    per_layer = 8 * h + 3 * kv + 4 * i + shape.heads / tp * longest  # values a token saves in one layer
+    heads = shape.heads / tp / recipe.train.sequence_parallel_size  # Ulysses: a rank attends with 1/sp of the heads
+    per_layer = 8 * h + 3 * kv + 4 * i + heads * longest  # values a token saves in one layer
     if recipe.model.gradient_checkpointing:
         activations = tokens * (shape.layers * h + per_layer) * w
     else:

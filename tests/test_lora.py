@@ -43,8 +43,8 @@ def _capture_engines(monkeypatch) -> list:
     """Every engine grpo_ds.train creates, for inspection after the run."""
     engines, real = [], policy_module.create_train_engine
 
-    def capturing(model, config):
-        engines.append(real(model, config))
+    def capturing(model, config, *args):
+        engines.append(real(model, config, *args))
         return engines[-1]
 
     monkeypatch.setattr(policy_module, "create_train_engine", capturing)

@@ -109,8 +109,8 @@ class _Recorder:
             monkeypatch.setattr(policy_module, factory, self._wrap(real, label))
 
     def _wrap(self, real, label):
-        def factory(model, ds_config):
-            engine = real(model, ds_config)
+        def factory(model, ds_config, *args):
+            engine = real(model, ds_config, *args)
             self.engines[label] = engine
             engine.module.register_forward_pre_hook(lambda _m, _a, kw: self._record(label, kw), with_kwargs=True)
             return engine
