@@ -37,10 +37,13 @@ LAYOUTS = [  # (model, what, overrides)
     ("32B", "ZeRO-3, vLLM tp 4", ["rollout.vllm_tensor_parallel_size=4", "rollout.vllm_gpu_memory_utilization=0.6"]),
     ("32B", "ZeRO-3 + optimizer offload, vLLM tp 4", ["rollout.vllm_tensor_parallel_size=4",
                                                      "rollout.vllm_gpu_memory_utilization=0.6",
-                                                     "deepspeed=ds_configs/zero3_offload.json"]),
+                                                     "deepspeed=ds_configs/zero3_offload_optimizer.json"]),
     ("72B", "ZeRO-3 + optimizer offload, vLLM tp 8", ["rollout.vllm_tensor_parallel_size=8",
                                                      "rollout.vllm_gpu_memory_utilization=0.7",
-                                                     "deepspeed=ds_configs/zero3_offload.json"]),
+                                                     "deepspeed=ds_configs/zero3_offload_optimizer.json"]),
+    ("72B", "ZeRO-3 + optimizer and parameter offload, vLLM tp 8", ["rollout.vllm_tensor_parallel_size=8",
+                                                                   "rollout.vllm_gpu_memory_utilization=0.7",
+                                                                   "deepspeed=ds_configs/zero3_offload.json"]),
 ]
 BEGIN, END = "<!-- large-models:begin (python benchmarks/large_model_estimates.py --update-readme) -->", \
     "<!-- large-models:end -->"
@@ -89,7 +92,7 @@ def main() -> None:
         text = check_output(model_folder(Path(args.workdir), name), overrides)
         params = re.search(r"\(([\d.]+) M parameters", text).group(1)
         fits = "yes" if re.search(r"fits in 80 GiB", text) else "no"
-        advice = re.search(r"overrides: (.*)", text)
+        advice = re.search(r"overrides that fit: (.*)", text)
         rows.append([f"{name} ({float(params) / 1e3:.1f} B)", what, gib(text, "policy weights"),
                      gib(text, "gradients"), gib(text, "peak on the device (the larger phase)"),
                      gib(text, "host memory (offload)"), fits + (f"; fits with {advice.group(1)}" if advice else "")])

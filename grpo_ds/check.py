@@ -144,47 +144,62 @@ def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.Memory
          ) -> list[str]:
     """Whether the peak fits ``gpu_memory_gib``; if not, the changes that would make it fit, tried in the order of
     the Ultra-Scale Playbook (activation checkpointing, a smaller micro-batch with more accumulation, offload,
-    tensor parallelism), each added to the ones before, with its estimate, up to the first that fits."""
+    tensor parallelism), each added to the ones before, with its estimate, up to the first that fits; then the
+    changes on the way that the fit does not need are dropped again."""
     if est.peak <= gpu_memory_gib * GIB:
         return [f"  fits in {gpu_memory_gib:g} GiB ({100 * est.peak / (gpu_memory_gib * GIB):.0f}% of it)"]
-    lines = [f"  does NOT fit in {gpu_memory_gib:g} GiB; the smallest changes that would, in order:"]
-    r, changes = inputs.recipe, {}
-    for change, candidate in _candidates(r, world_size):
+    base, shape = inputs.recipe, memory.model_shape(inputs.recipe, len(inputs.tokenizer))
+
+    def peak(changes: dict) -> float | None:  # the estimate with these changes, None for a layout that cannot be
+        r = base
+        for _, apply in changes.values():
+            r = apply(r)
         try:
-            ds = resolve_deepspeed_config(candidate, world_size, device_type())
-            shape = memory.model_shape(candidate, len(inputs.tokenizer))
-            peak = estimate_memory(candidate, shape, ds, world_size, lengths, gpu_memory_gib).peak
+            return estimate_memory(r, shape, resolve_deepspeed_config(r, world_size, device_type()), world_size,
+                                   lengths, gpu_memory_gib).peak
         except UserError:
-            continue  # a layout this world size or model cannot take
-        r = candidate
-        changes.update({o.split("=")[0]: o for o in change.split()})  # a later value of a key replaces the earlier
-        fits = peak <= gpu_memory_gib * GIB
-        lines.append(f"    {'+ ' if len(lines) > 1 else '  '}{change:<90} {peak / GIB:8.3f} GiB"
-                     + ("  fits" if fits else ""))
+            return None
+
+    lines = [f"  does NOT fit in {gpu_memory_gib:g} GiB; the changes tried, in order, each with the ones before:"]
+    changes: dict = {}
+    for knob, text, apply in _changes(base, world_size):
+        trial = {**changes, knob: (text, apply)}  # a later value of a knob (the micro size) replaces the earlier
+        value = peak(trial)
+        if value is None:
+            continue
+        changes = trial
+        fits = value <= gpu_memory_gib * GIB
+        lines.append(f"    {text:<90} {value / GIB:8.3f} GiB" + ("  fits" if fits else ""))
         if fits:
-            return lines + [f"  overrides: {' '.join(changes.values())}"]
+            for needless in list(changes)[:-1]:  # drop what the fit does not need
+                fewer = {k: v for k, v in changes.items() if k != needless}
+                if (value := peak(fewer)) is not None and value <= gpu_memory_gib * GIB:
+                    changes = fewer
+            return lines + [f"  overrides that fit: {' '.join(text for text, _ in changes.values())}"]
     return lines + ["  nothing tried fits: more GPUs (a larger world size), or a smaller model"]
 
 
-def _candidates(r: Recipe, world_size: int):
-    """(override, recipe with it and the ones yielded before) in the playbook's order."""
+def _changes(r: Recipe, world_size: int):
+    """(knob, override, function applying it to a recipe) in the playbook's order; later ones of a knob go further."""
+    def replace(section: str, **values):
+        return lambda recipe: dataclasses.replace(recipe, **{section: dataclasses.replace(
+            getattr(recipe, section), **values)})
+
     if not r.model.gradient_checkpointing:
-        r = dataclasses.replace(r, model=dataclasses.replace(r.model, gradient_checkpointing=True))
-        yield "model.gradient_checkpointing=true", r
+        yield "checkpointing", "model.gradient_checkpointing=true", replace("model", gradient_checkpointing=True)
     micro = r.train.micro_batch_samples_per_gpu
     while micro > 1:
         micro //= 2
-        r = dataclasses.replace(r, train=dataclasses.replace(r.train, micro_batch_samples_per_gpu=micro,
-                                                             logprob_micro_batch_samples_per_gpu=micro))
-        yield f"train.micro_batch_samples_per_gpu={micro} train.logprob_micro_batch_samples_per_gpu={micro}", r
-    if r.deepspeed == "ds_configs/zero3.json":
-        r = dataclasses.replace(r, deepspeed="ds_configs/zero3_offload.json")
-        yield "deepspeed=ds_configs/zero3_offload.json", r
+        yield "micro", f"train.micro_batch_samples_per_gpu={micro} train.logprob_micro_batch_samples_per_gpu={micro}", \
+            replace("train", micro_batch_samples_per_gpu=micro, logprob_micro_batch_samples_per_gpu=micro)
+    offload = ["ds_configs/zero3.json", "ds_configs/zero3_offload_optimizer.json", "ds_configs/zero3_offload.json"]
+    for config in offload[offload.index(r.deepspeed) + 1:] if r.deepspeed in offload else []:
+        # the optimizer's states, then the weights too, to the CPU
+        yield "offload", f"deepspeed={config}", lambda recipe, c=config: dataclasses.replace(recipe, deepspeed=c)
     tp = r.train.tensor_parallel_size
     while tp * 2 <= min(world_size, 8) and not lora.enabled(r.model):
         tp *= 2
-        yield f"train.tensor_parallel_size={tp}", dataclasses.replace(
-            r, train=dataclasses.replace(r.train, tensor_parallel_size=tp))
+        yield "tp", f"train.tensor_parallel_size={tp}", replace("train", tensor_parallel_size=tp)
 
 
 def main(argv: list[str] | None = None) -> None:
