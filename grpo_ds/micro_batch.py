@@ -7,13 +7,14 @@ one of two layouts:
                           attention mask; transformers then keeps each sequence's attention to itself. With flash
                           attention all of them go into one row and flash attention takes the sequence boundaries
                           (``cu_seq_lens_*`` / ``max_length_*``: no mask is built). Eager and sdpa build a
-                          block-diagonal causal mask over the whole row, whose cost grows as the row's length
-                          squared, so for them the sequences are packed first-fit-decreasing into rows of at most
-                          ``ROW_TOKENS`` (the longest sequence, if longer), their width chosen to leave the least
-                          unused; a row's unused end is a segment of its own (pad tokens, positions from 0) that no
-                          sequence sees. The forward must be called with ``use_cache=False``: with a cache
-                          transformers does not look for packed sequences and the tokens of one sequence attend to
-                          the ones before it (tests/test_micro_batch.py)
+                          block-diagonal causal mask over the whole row and attend over all of it, at a cost that
+                          grows as the row's length squared, so for them the sequences are packed first-fit-
+                          decreasing into rows as wide as the longest one: never more positions, nor more attention,
+                          than the padded layout, and the short sequences share rows instead of padding them. A row's
+                          unused end is a segment of its own (pad tokens, positions from 0) that no sequence sees.
+                          The forward must be called with ``use_cache=False``: with a cache transformers does not
+                          look for packed sequences and the tokens of one sequence attend to the ones before it
+                          (tests/test_micro_batch.py)
     padded                one row per sequence, right-padded to the longest, with an attention mask
 
 Everything the loss needs is per trained token, flat over the micro-batch, the same in both layouts:
@@ -30,16 +31,11 @@ so the loss never depends on the layout.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from grpo_ds.rollout.base import Rollouts
-
-# Packed rows for eager/sdpa attention: long enough that little of a row is left over, short enough that the
-# attention over a row (its length squared) stays below the linear layers' cost per token for hidden sizes >= 512.
-ROW_TOKENS = 1024
 
 
 @dataclass
@@ -87,7 +83,8 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
     elif one_row:
         rows, width = [list(range(len(seqs)))], sum(lengths)
     else:
-        rows, width = _packed_rows(lengths)
+        width = max(lengths)
+        rows = _rows_first_fit(lengths, width)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros_like(input_ids)
     starts = [0] * len(seqs)  # flat position of each sequence's first token
@@ -124,20 +121,6 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
                       col=torch.tensor(col, dtype=torch.long).to(device),
                       loss_mask=torch.tensor(loss_mask, dtype=torch.float32).to(device), sequence_tokens=sum(lengths),
                       padding=padding, boundaries=boundaries)
-
-
-def _packed_rows(lengths: list[int]) -> tuple[list[list[int]], int]:
-    """(rows of sequence indices, row width) for eager/sdpa: the fewest model positions (rows x width) among widths
-    that split the tokens into k, k + 1, ... k + 3 rows of at most ROW_TOKENS (the longest sequence, if longer)."""
-    total, longest = sum(lengths), max(lengths)
-    fewest = math.ceil(total / ROW_TOKENS)
-    best = None
-    for k in range(fewest, fewest + 4):
-        width = max(longest, math.ceil(total / k))
-        rows = _rows_first_fit(lengths, width)
-        if best is None or len(rows) * width < len(best[0]) * best[1]:
-            best = rows, width
-    return best
 
 
 def _rows_first_fit(lengths: list[int], width: int) -> list[list[int]]:

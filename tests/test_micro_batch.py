@@ -39,8 +39,10 @@ def test_packed_and_padded_layouts_score_every_token_as_each_sequence_alone(attn
         mb = collate(rollouts, ids, 0, torch.device("cpu"), packed=packed)
         torch.testing.assert_close(token_logprobs(model, mb, settings), alone, rtol=0, atol=2e-6)
     packed = collate(rollouts, ids, 0, torch.device("cpu"))
-    assert packed.input_ids.shape == (1, packed.sequence_tokens) and packed.attention_mask is None
-    assert packed.position_ids[0].tolist()[:4] == list(range(4))
+    assert packed.attention_mask is None and packed.position_ids[0].tolist()[:4] == list(range(4))
+    one_row = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)
+    assert one_row.input_ids.shape == (1, one_row.sequence_tokens)  # flash attention's layout: no padding at all
+    torch.testing.assert_close(token_logprobs(model, one_row, settings), alone, rtol=0, atol=2e-6)
 
 
 def test_a_packed_forward_with_the_kv_cache_on_attends_across_sequences(monkeypatch):
@@ -50,7 +52,7 @@ def test_a_packed_forward_with_the_kv_cache_on_attends_across_sequences(monkeypa
     ids = [4, 0, 7]
     model = _model("sdpa")
     assert model.config.use_cache  # the model's own default: the flag must come from the micro-batch
-    mb = collate(rollouts, ids, 0, torch.device("cpu"))
+    mb = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)  # all three sequences in one row
     assert mb.model_inputs()["use_cache"] is False
     alone = _alone(model, rollouts, ids)
     real = MicroBatch.model_inputs
@@ -76,16 +78,13 @@ def test_the_packing_probe_accepts_transformers_models_and_refuses_one_that_igno
     assert "attends across packed sequences" in packing_problem(Unpacked(model))
 
 
-def test_rows_for_eager_and_sdpa_hold_whole_sequences_and_flash_gets_one_row(monkeypatch):
-    import grpo_ds.micro_batch as micro_batch
-
-    rollouts, _ = fixed_rollouts()
-    ids = list(range(9))
+def test_rows_for_eager_and_sdpa_hold_whole_sequences_and_flash_gets_one_row():
+    rollouts, _ = fixed_rollouts(24, seed=3)  # lengths 4 to 18: short ones share rows with others
+    ids = list(range(24))
     lengths = [len(rollouts.prompt_ids[i]) + len(rollouts.response_ids[i]) for i in ids]
-    monkeypatch.setattr(micro_batch, "ROW_TOKENS", max(lengths) + 3)  # a few rows, some holding two sequences
     mb = collate(rollouts, ids, 0, torch.device("cpu"))
     rows, width = mb.input_ids.shape
-    assert max(lengths) <= width <= max(lengths) + 3 and 1 < rows < len(ids) and rows * width >= sum(lengths)
+    assert width == max(lengths) and rows < len(ids) and rows * width >= sum(lengths)  # fewer rows than padded
     assert mb.boundaries is None  # eager / sdpa: the mask comes from the position ids
     model = _model("sdpa")
     torch.testing.assert_close(token_logprobs(model, mb, SETTINGS), _alone(model, rollouts, ids), rtol=0, atol=2e-6)
