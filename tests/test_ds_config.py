@@ -308,3 +308,8 @@ def test_what_sequence_parallelism_cannot_take_is_refused_in_one_line(sections, 
     with pytest.raises(UserError) as err:
         recipe(**raw)
     assert err.value.where == "train.sequence_parallel_size" and says in err.value.what
+
+
+def test_offload_optimizer_null_is_no_offload():
+    cfg = resolve({"zero_optimization": {"stage": 3, "offload_optimizer": None}})  # DeepSpeed's own "off"
+    assert cfg["optimizer"]["params"]["torch_adam"] is True  # CPU, no offload: torch's Adam, as without the key
