@@ -14,6 +14,7 @@ import torch
 
 import grpo_ds.policy as policy_module
 import grpo_ds.train as train_module
+import grpo_ds.update as update_module
 from grpo_ds.algo.aggregation import LOSS_AGG_MODES
 from grpo_ds.builtin_tiny import build_tiny_model
 from tests.launch import REPO, deepspeed_launch
@@ -99,14 +100,23 @@ def test_tensor_and_sequence_parallel_steps_equal_world_size_1(tmp_path):
 
 
 class _Recorder:
-    """Wraps engine factories to record (phase, batch size) of every forward."""
+    """Records (phase, grad enabled, sequences) of every micro-batch forward: the engines' forward hook reads how many
+    sequences the micro-batch it runs was collated from (packed rows hold several)."""
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[str, bool, int]] = []
         self.engines: dict = {}
+        self._collated: list = []
         for factory, label in (("create_train_engine", "policy"), ("create_reference_engine", "reference")):
             real = getattr(policy_module, factory)
             monkeypatch.setattr(policy_module, factory, self._wrap(real, label))
+        real_collate = update_module.collate
+
+        def collate(*args, **kwargs):
+            mb = real_collate(*args, **kwargs)
+            self._collated.append(mb)
+            return mb
+        monkeypatch.setattr(update_module, "collate", collate)
 
     def _wrap(self, real, label):
         def factory(model, ds_config, *args):
@@ -117,12 +127,11 @@ class _Recorder:
         return factory
 
     def _record(self, label, kwargs):
-        """A micro-batch's sequences: packed (cu_seq_lens) or padded rows; other forwards (the start-up packing
-        probe) are not micro-batches."""
-        if "cu_seq_lens_q" in kwargs:
-            self.calls.append((label, torch.is_grad_enabled(), len(kwargs["cu_seq_lens_q"]) - 1))
-        elif kwargs.get("attention_mask") is not None:
-            self.calls.append((label, torch.is_grad_enabled(), kwargs["input_ids"].shape[0]))
+        """A forward of the last collated micro-batch's tensors; other forwards (the start-up packing probe) are not
+        micro-batches."""
+        mb = self._collated[-1] if self._collated else None
+        if mb is not None and kwargs.get("input_ids") is mb.input_ids:
+            self.calls.append((label, torch.is_grad_enabled(), mb.num_sequences))
 
     def sizes(self, label: str, grad: bool) -> list[int]:
         return [n for lab, g, n in self.calls if lab == label and g == grad]

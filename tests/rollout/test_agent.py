@@ -299,9 +299,10 @@ def test_the_tokens_the_trainer_sees_are_exactly_the_tokens_the_rollout_produced
         seq = out.prompt_ids[sid] + out.response_ids[sid]
         assert mb.input_ids[b, : len(seq)].tolist() == seq
         assert mb.attention_mask[b].sum().item() == len(seq)
-    packed = collate(out, order, TOK.pad_token_id, torch.device("cpu"))
+    packed = collate(out, order, TOK.pad_token_id, torch.device("cpu"), one_row=True)
     assert packed.input_ids.tolist() == [[t for sid in order for t in out.prompt_ids[sid] + out.response_ids[sid]]]
-    for layout in (mb, packed):
+    rows = collate(out, order, TOK.pad_token_id, torch.device("cpu"))  # eager/sdpa: rows as wide as the longest
+    for layout in (mb, packed, rows):
         assert layout.target_ids.tolist() == [t for sid in order for t in out.response_ids[sid]]
     loss_mask = [m for sid in order for m in out.token_loss_mask(sid)]  # flat, in collate's order
     assert len(loss_mask) == mb.num_tokens
