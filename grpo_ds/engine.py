@@ -95,6 +95,13 @@ class Dist:
             torch.distributed.all_reduce(moved)
             tensor.copy_(moved.cpu())
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """In-place maximum over ranks."""
+        if self.world_size > 1:
+            moved = tensor.to(self.device)
+            torch.distributed.all_reduce(moved, op=torch.distributed.ReduceOp.MAX)
+            tensor.copy_(moved.cpu())
+
     def barrier(self) -> None:
         if self.world_size > 1:
             torch.distributed.barrier()

@@ -4,7 +4,9 @@ A folder that already holds a run (metrics or checkpoints) is replaced only with
 ``checkpoint.resume: "auto"`` it is continued when it holds the SAME recipe's run — the saved recipe.json
 may differ only in keys that do not change the trajectory (run.overwrite, train.steps, checkpoint.*,
 logging.*) — and refused when it holds another recipe's run, naming the first key that differs. With
-``"never"`` it is refused. ``resume`` may also name a checkpoint folder to start from.
+``"never"`` it is refused. ``resume`` may also name a checkpoint folder to start from. A run that finished
+(its ``complete.json`` counts at least ``train.steps``) is left as it is: the same command again does nothing, and
+a larger ``train.steps`` continues it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from grpo_ds.recipe import Recipe
 
 # Keys that may change between the attempts of one run (extending it, checkpointing or logging differently).
 _MAY_DIFFER = ("run.overwrite", "train.steps", "checkpoint.", "logging.")
+COMPLETE = "complete.json"  # written when a run finishes: {"steps": N, "final_weights_sha256": ...}
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class RunFolder:
     path: Path
     fresh: bool  # wipe (if present) and start at step 1
     checkpoint: Path | None  # resume from this checkpoint folder (None: from the newest good one, if any)
+    completed_steps: int | None = None  # the folder holds this recipe's run, finished at train.steps: nothing to do
 
 
 def decide(recipe: Recipe) -> RunFolder:
@@ -54,12 +59,42 @@ def decide(recipe: Recipe) -> RunFolder:
     if difference:
         raise UserError("run.name", f"the run folder {path} holds another recipe's run ({difference})",
                         "choose another run.name, or set run.overwrite=true to replace it")
+    completed = completed_steps(path)
+    if explicit is None and completed is not None and completed >= recipe.train.steps:
+        return RunFolder(path, False, None, completed)
     return RunFolder(path, False, explicit)
+
+
+def completed_steps(path: Path) -> int | None:
+    """The steps of the run that finished in ``path`` (its COMPLETE record), None if none finished there."""
+    try:
+        return int(json.loads((path / COMPLETE).read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def logged_history(path: Path) -> list[dict]:
+    """The per-step metrics a run folder's metrics.jsonl holds (a torn line is skipped)."""
+    records = []
+    for line in (path / "metrics.jsonl").read_text().splitlines() if (path / "metrics.jsonl").exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def mark_complete(path: Path, steps: int, final_weights_sha256: str) -> None:
+    """Rank 0, at the end of a run: record that it finished (running the same command again does nothing)."""
+    _write_atomic(path / COMPLETE, json.dumps({"steps": steps, "final_weights_sha256": final_weights_sha256}) + "\n")
 
 
 def prepare(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None:
     """Rank 0: wipe a replaced run and write the recipe and the resolved DeepSpeed config."""
     if folder.fresh and folder.path.exists():
+        if (folder.path / "metrics.jsonl").exists() or (folder.path / CHECKPOINTS).exists():
+            print(f"replacing the run folder {folder.path} (run.overwrite is true): {_held(folder.path)} deleted",
+                  file=sys.stderr, flush=True)
         shutil.rmtree(folder.path)
     folder.path.mkdir(parents=True, exist_ok=True)
     _write_atomic(folder.path / "recipe.json", json.dumps(recipe.to_dict(), indent=2) + "\n")
@@ -86,6 +121,17 @@ def trim_log(log: Path, last_step: int) -> None:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
             kept.append(line)
     _write_atomic(log, "".join(line + "\n" for line in kept))
+
+
+def _held(path: Path) -> str:
+    """What a run folder about to be replaced holds, for the notice: its checkpoints and logged steps."""
+    folders = sorted((path / CHECKPOINTS).glob("step_*"))
+    try:
+        logged = sum(1 for _ in (path / "metrics.jsonl").open())
+    except OSError:
+        logged = 0
+    held = f"{len(folders)} checkpoint(s)" + (f" (newest {folders[-1].name})" if folders else "")
+    return f"{held} and the metrics of {logged} step(s)"
 
 
 def _first_difference(saved_path: Path, current: dict) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -35,6 +36,7 @@ from grpo_ds.metrics import MetricsLogger, peak_memory_gib
 from grpo_ds.models import load_model
 from grpo_ds.planner import plan_recipe_step, token_imbalance
 from grpo_ds.policy import Policy, weights_sha256
+from grpo_ds.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals
 from grpo_ds.profiling import Phase, profiled_steps
 from grpo_ds.recipe import Recipe
 from grpo_ds.rollout.agent import AgentRolloutEngine
@@ -46,17 +48,24 @@ from grpo_ds.update import UpdateSettings, importance_metrics, logprob_pass, opt
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
     """Run a recipe to the end; return one metrics dict per step (on every rank)."""
     try:
-        return _run(recipe, overrides)
+        with stop_on_signals() as stop:
+            return _run(recipe, overrides, stop)
     finally:
         sequence_parallel.restore()  # transformers' attention as it was, for whatever this process runs next
 
 
-def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None) -> list[dict]:
+def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, stop: StopRequest) -> list[dict]:
     # ---- 1. validate everything before any model loads or any file is written
     inputs = prepare_inputs(recipe, overrides, world_size_from_env(), device_type())
     recipe, tokenizer, prompts = inputs.recipe, inputs.tokenizer, inputs.prompts
-    folder = run_folder.decide(recipe)  # fresh, resume, or refuse (another recipe's run)
+    folder = run_folder.decide(recipe)  # fresh, resume, finished already, or refuse (another recipe's run)
     run_dir = folder.path
+    if folder.completed_steps is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"the run in {run_dir} has already finished its {folder.completed_steps} steps: nothing to do "
+                  "(raise train.steps to continue it; run.overwrite=true or another run.name starts again)",
+                  file=sys.stderr, flush=True)
+        return run_folder.logged_history(run_dir)
 
     # ---- 2. processes, run folder, models
     dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
@@ -139,11 +148,20 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None)
 
         # ---- checkpoint: atomically, every checkpoint.every_steps and after the last step
         # (never after a non-finite step: its weights may not be good)
-        every = recipe.checkpoint.every_steps
+        every, saved = recipe.checkpoint.every_steps, None
+        trainer_state = {"sampler": sampler.state_dict(), "history": logger.history}
         if every is not None and (step % every == 0 or step == recipe.train.steps) and not nonfinite:
             with Phase("checkpoint"):
-                checkpoint.save(policy, run_dir, step, {"sampler": sampler.state_dict(), "history": logger.history},
-                                recipe.checkpoint.keep, dist)
+                saved = checkpoint.save(policy, run_dir, step, trainer_state, recipe.checkpoint.keep, dist)
+        # ---- preemption: after a SIGTERM / SIGUSR1 on any rank (even one that came during the checkpoint above),
+        # every rank stops here, with this step's checkpoint (grpo_ds/preemption.py)
+        stop_signal = stop.agreed(dist) if step < recipe.train.steps else None
+        if stop_signal:
+            if saved is None and not nonfinite:
+                with Phase("checkpoint"):
+                    saved = checkpoint.save(policy, run_dir, step, trainer_state, recipe.checkpoint.keep, dist)
+            logger.close()
+            raise Preempted(stop_signal, step, recipe.train.steps, saved and str(saved))
 
     # ---- the end: the final weights' hash on every rank (and the rollout copy's, which must equal it), the model
     save = dist.is_main and recipe.run.save_final_model
@@ -154,6 +172,8 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None)
     _append_json(rank_log, final)
     if save:
         policy.save_pretrained(run_dir / "final_model", state, tokenizer)
+    if dist.is_main:
+        run_folder.mark_complete(run_dir, recipe.train.steps, digest)
     logger.close()
     dist.barrier()
     return logger.history
@@ -284,7 +304,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     args = parser.parse_intermixed_args(argv)
     with exit_on_user_error():
-        run(args.recipe, args.overrides)
+        try:
+            run(args.recipe, args.overrides)
+        except Preempted as stopped:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"preempted: {stopped}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_PREEMPTED)
 
 
 class _CallableModule(types.ModuleType):
