@@ -53,7 +53,8 @@ class AgentRolloutEngine:
             raise ValueError(f"max_turns ({max_turns}) and max_total_tokens ({max_total_tokens}) must be >= 1")
         self._hf = HFRolloutEngine(model, pad_token_id, eos_token_id, batch_prompts)  # owns the weights
         self.model = self._hf.model
-        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        self.pad_token_id = pad_token_id
+        self.stop_ids = self._hf.stop_ids  # "EOS" below: any of them (grpo_ds.rollout.stop)
         self.tokenizer = tokenizer
         self.env_factory = env_factory
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
@@ -115,10 +116,10 @@ class AgentRolloutEngine:
         contexts = [e.prompt + e.ids for e in episodes]
         budgets = [min(sampling.max_new_tokens, self.max_total_tokens - len(e.ids)) for e in episodes]
         # the stopping criterion counts new tokens from the padded width
-        turn_end = _TurnEnd(max(len(c) for c in contexts), budgets, [e.stop for e in episodes], self.eos_token_id,
+        turn_end = _TurnEnd(max(len(c) for c in contexts), budgets, [e.stop for e in episodes], self.stop_ids,
                             self.tokenizer)
         new_tokens, token_logprobs = generate_left_padded(self.model, contexts, sampling, max(budgets), 1,
-                                                          self.pad_token_id, self.eos_token_id,
+                                                          self.pad_token_id, self.stop_ids,
                                                           StoppingCriteriaList([turn_end]))
         turns = []
         for b, length in enumerate(turn_end.lengths):
@@ -156,12 +157,12 @@ class _Episode:
 
 
 class _TurnEnd(StoppingCriteria):
-    """Ends each row's turn at EOS, at a stop string in the turn's text, or at the row's token budget, and
-    records the turn's length (how many new tokens belong to it)."""
+    """Ends each row's turn at EOS (any of ``stop_ids``), at a stop string in the turn's text, or at the row's token
+    budget, and records the turn's length (how many new tokens belong to it)."""
 
-    def __init__(self, start: int, budgets: list[int], stops: list[tuple[str, ...]], eos_token_id: int,
+    def __init__(self, start: int, budgets: list[int], stops: list[tuple[str, ...]], stop_ids: tuple[int, ...],
                  tokenizer: PreTrainedTokenizerBase) -> None:
-        self.start, self.budgets, self.stops, self.eos = start, budgets, stops, eos_token_id
+        self.start, self.budgets, self.stops, self.eos = start, budgets, stops, frozenset(stop_ids)
         self.tokenizer = tokenizer
         self.lengths: list[int | None] = [None] * len(budgets)
         self.reasons: list[str | None] = [None] * len(budgets)  # "eos" | "stop_string" | "budget"
@@ -170,11 +171,11 @@ class _TurnEnd(StoppingCriteria):
         new = input_ids[:, self.start:].cpu()  # (B, t)
         t = new.shape[1]
         open_rows = [b for b, n in enumerate(self.lengths) if n is None]
-        to_decode = [b for b in open_rows if self.stops[b] and int(new[b, -1]) != self.eos]
+        to_decode = [b for b in open_rows if self.stops[b] and int(new[b, -1]) not in self.eos]
         texts = self.tokenizer.batch_decode(new[to_decode], skip_special_tokens=True) if to_decode else []
         stopped = {b for b, text in zip(to_decode, texts, strict=True) if any(s in text for s in self.stops[b])}
         for b in open_rows:
-            reason = ("eos" if int(new[b, -1]) == self.eos else "stop_string" if b in stopped
+            reason = ("eos" if int(new[b, -1]) in self.eos else "stop_string" if b in stopped
                       else "budget" if t >= self.budgets[b] else None)
             if reason is not None:
                 self.lengths[b], self.reasons[b] = t, reason

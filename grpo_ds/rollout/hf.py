@@ -12,7 +12,7 @@ vocabulary floats, twice: 40 GB each at 64 x 1,024 x 151,936).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -26,6 +26,7 @@ from transformers.generation import (
 )
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
+from grpo_ds.rollout.stop import stop_token_ids
 
 # Warpers that transformers would take from the model's own generation_config (a key our config leaves unset is
 # filled from it) and apply after top-p, that is after SampledLogprobs: refused, see _check_model_warpers.
@@ -88,14 +89,15 @@ def _warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
 
 
 def _generation_config(sampling: SamplingParams, max_new_tokens: int, num_return_sequences: int, pad_token_id: int,
-                       eos_token_id: int) -> GenerationConfig:
-    """transformers' settings for one generate call: sampling, or greedy decoding when temperature is 0. The
-    warpers are off here and passed as processors instead: generate puts a caller's processors before its own
-    warpers, and SampledLogprobs must come after them (top_k 0 = off, where unset would mean 50)."""
+                       stop_ids: Sequence[int]) -> GenerationConfig:
+    """transformers' settings for one generate call: sampling, or greedy decoding when temperature is 0; a row ends
+    at any of ``stop_ids`` (grpo_ds.rollout.stop). The warpers are off here and passed as processors instead:
+    generate puts a caller's processors before its own warpers, and SampledLogprobs must come after them (top_k 0 =
+    off, where unset would mean 50)."""
     sampled = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0} if sampling.temperature > 0 else {
         "do_sample": False}
     return GenerationConfig(**sampled, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
-                            pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                            pad_token_id=pad_token_id, eos_token_id=list(stop_ids),
                             use_cache=True)  # the policy's config may turn the cache off for training
 
 
@@ -111,9 +113,10 @@ def _check_model_warpers(model: PreTrainedModel) -> None:
 
 
 def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], sampling: SamplingParams,
-                         max_new_tokens: int, num_return_sequences: int, pad_token_id: int, eos_token_id: int,
+                         max_new_tokens: int, num_return_sequences: int, pad_token_id: int, stop_ids: Sequence[int],
                          stopping_criteria: StoppingCriteriaList | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched generate call on left-padded contexts, ``num_return_sequences`` consecutive rows per context:
+    """One batched generate call on left-padded contexts, ``num_return_sequences`` consecutive rows per context, a
+    row ending at any of ``stop_ids``:
     (new tokens (B, T_new), their log-probs under the distribution actually sampled from (B, T_new)), on the CPU.
     That distribution is the model's next-token logits after generate's own processors and the recipe's
     temperature, top-k and top-p (greedy: the logits themselves)."""
@@ -122,7 +125,7 @@ def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], samp
     input_ids, attention_mask = left_padded(contexts, pad_token_id)
     device = next(model.parameters()).device
     recorder = SampledLogprobs()
-    config = _generation_config(sampling, max_new_tokens, num_return_sequences, pad_token_id, eos_token_id)
+    config = _generation_config(sampling, max_new_tokens, num_return_sequences, pad_token_id, stop_ids)
     sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                generation_config=config, logits_processor=LogitsProcessorList([
                                    *_warpers(sampling), recorder]), stopping_criteria=stopping_criteria)
@@ -143,11 +146,14 @@ def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Ten
 
 class HFRolloutEngine:
     def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int) -> None:
+        """``eos_token_id`` is the tokenizer's; a completion ends at it or at any other EOS id of the model's
+        generation config, as vLLM's would (``stop_ids``, grpo_ds.rollout.stop)."""
         # The parameters keep requires_grad (generate runs under no_grad): with a frozen lm_head, torch.matmul does
         # not fold the prefill's last-position hidden states (a non-contiguous (B, 1, H) slice) into one matrix
         # product but runs B matrix-vector products over the whole lm_head (9x slower at vocabulary 151,936).
         self.model = model.eval()
-        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        self.pad_token_id = pad_token_id
+        self.stop_ids = stop_token_ids(eos_token_id, getattr(model, "generation_config", None))
         self.batch_prompts = batch_prompts  # prompts per generate() call
         self._params = dict(self.model.named_parameters())
 
@@ -164,11 +170,11 @@ class HFRolloutEngine:
         if not prompts:
             return Rollouts([], [], [], [])
         new_tokens, token_logprobs = generate_left_padded(self.model, prompts, sampling, sampling.max_new_tokens,
-                                                          group_size, self.pad_token_id, self.eos_token_id)
+                                                          group_size, self.pad_token_id, self.stop_ids)
         result = Rollouts([], [], [], [])
         for row in range(new_tokens.shape[0]):
             ids = new_tokens[row].tolist()
-            stop = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else None
+            stop = next((t + 1 for t, token in enumerate(ids) if token in self.stop_ids), None)  # pads come after
             length = stop if stop is not None else len(ids)
             result.prompt_ids.append(list(prompts[row // group_size]))
             result.response_ids.append(ids[:length])

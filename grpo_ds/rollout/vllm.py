@@ -20,6 +20,9 @@ seed + k: vllm/v1/engine/parallel_sampling.py), so a step's samples do not depen
 over ranks or on the run having been resumed. ``logprobs=0`` returns the sampled token's log-prob; the engine
 is built with ``logprobs_mode="processed_logprobs"``, so that log-prob is taken after temperature, top-k and
 top-p (vllm/v1/sample/ops/topk_topp_sampler.py), the distribution actually sampled from, as Rollouts requires.
+A completion ends at any EOS id of grpo_ds.rollout.stop (the tokenizer's and the model folder's generation config's,
+as vLLM does by itself), the same set as the hf and agent engines. Temperatures in (0, 0.01), which vLLM raises to
+0.01, and above 2, which newer vLLM refuses, are refused at start-up (``check_vllm_temperatures``).
 ``algorithm.rollout_is_cap`` then corrects the gap between vLLM's probabilities and the trainer's
 (grpo_ds.algo.importance); it is recommended with this engine, and start-up prints a note when it is off.
 
@@ -51,6 +54,7 @@ import torch
 
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams
+from grpo_ds.rollout.stop import folder_generation_config, stop_token_ids
 
 _VLLM_LOW, _VLLM_HIGH = "0.17", "0.26"  # supported: low <= version < high
 VLLM_SPEC = f">={_VLLM_LOW},<{_VLLM_HIGH}"  # setup.cfg's vllm extra says the same (a test checks)
@@ -80,12 +84,13 @@ def require_vllm() -> str:
 
 def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = True) -> None:
     """Start-up checks for rollout.engine "vllm" (grpo_ds.inputs.prepare_inputs runs them before any model loads):
-    the tensor-parallel size divides the world size and, with ``machine`` (not in a dry run planned elsewhere),
-    there are GPUs, sleep mode can work, and a supported vLLM imports. Prints a note when algorithm.rollout_is_cap
-    is off."""
+    temperatures vLLM samples at as asked, the tensor-parallel size divides the world size and, with ``machine``
+    (not in a dry run planned elsewhere), there are GPUs, sleep mode can work, and a supported vLLM imports. Prints
+    a note when algorithm.rollout_is_cap is off."""
     r = recipe.rollout
     if r.engine != "vllm":
         return
+    check_vllm_temperatures(recipe)
     tp = r.vllm_tensor_parallel_size
     if world_size % tp:
         fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -105,6 +110,30 @@ def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = 
         print('note: rollout.engine "vllm" samples with other kernels than the trainer\'s; '
               "algorithm.rollout_is_cap (e.g. 2) corrects the mismatch with truncated importance sampling and is "
               "recommended (it is null: off)", file=sys.stderr, flush=True)
+
+
+VLLM_MIN_TEMPERATURE = 0.01  # vllm/sampling_params.py raises any temperature in (0, 0.01) to this (_MAX_TEMP)
+VLLM_MAX_TEMPERATURE = 2.0  # and refuses one above this at the first generate (vLLM PR 44965; newer releases)
+
+
+def check_vllm_temperatures(recipe) -> None:
+    """Refuse a sampling temperature vLLM would not sample at: one in (0, 0.01), which vLLM silently raises to 0.01
+    (the trainer's log-probs would still divide the logits by the recipe's value, so the importance ratios and the
+    loss would be computed for another distribution than the one sampled), or one above 2, which newer vLLM
+    releases reject mid-run. rollout.temperature always; eval.temperature when evaluation is on."""
+    keys = [("rollout.temperature", recipe.rollout.temperature, "the trainer's log-probs would divide by")]
+    if recipe.eval.data is not None:
+        keys.append(("eval.temperature", recipe.eval.temperature, "pass@k would be measured at 0.01, not"))
+    for key, value, consequence in keys:
+        if 0 < value < VLLM_MIN_TEMPERATURE:
+            raise UserError(key, f"{value} is below vLLM's floor of {VLLM_MIN_TEMPERATURE}: vLLM samples any "
+                            f"temperature in (0, {VLLM_MIN_TEMPERATURE}) at {VLLM_MIN_TEMPERATURE}, and "
+                            f"{consequence} {value}", f"use a temperature of at least {VLLM_MIN_TEMPERATURE} "
+                            'with rollout.engine "vllm" (or the hf engine)')
+        if value > VLLM_MAX_TEMPERATURE:
+            raise UserError(key, f"{value} is above {VLLM_MAX_TEMPERATURE}, which vLLM refuses (SamplingParams takes "
+                            f"temperatures in [0, {VLLM_MAX_TEMPERATURE}])", f"use a temperature of at most "
+                            f'{VLLM_MAX_TEMPERATURE} with rollout.engine "vllm" (or the hf engine)')
 
 
 # ------------------------------------------------------------------------------ recipe -> vLLM (pure functions)
@@ -148,13 +177,16 @@ def request_seeds(base: int, prompts: int, group_size: int) -> list[int]:
     return [(start + i * group_size) % (2**31 - 1) for i in range(prompts)]
 
 
-def sampling_kwargs(sampling: SamplingParams, group_size: int, eos_token_id: int, seed: int) -> dict:
+def sampling_kwargs(sampling: SamplingParams, group_size: int, stop_ids: Sequence[int], seed: int) -> dict:
     """Keyword arguments of vllm.SamplingParams for one prompt: ``group_size`` samples, the sampled token's
-    log-prob, generation stops at EOS or after max_new_tokens; temperature 0 is greedy decoding."""
+    log-prob, generation stops at any of ``stop_ids`` (grpo_ds.rollout.stop: the ids vLLM would add itself, given
+    explicitly so that the set is visibly the hf engine's) or after max_new_tokens; temperature 0 is greedy
+    decoding."""
     greedy = sampling.temperature == 0
     return {"n": group_size, "temperature": sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
             "top_k": 0 if greedy else sampling.top_k,  # 0 = off (vLLM >= 0.17 takes 0 or -1)
-            "max_tokens": sampling.max_new_tokens, "logprobs": 0, "stop_token_ids": [eos_token_id], "seed": seed}
+            "max_tokens": sampling.max_new_tokens, "logprobs": 0, "stop_token_ids": list(stop_ids),
+            "seed": seed}
 
 
 def rollouts_from_outputs(prompts: Sequence[list[int]], outputs: Sequence, group_size: int) -> Rollouts:
@@ -195,7 +227,6 @@ class VLLMRolloutEngine:
 
         self._vllm = vllm
         self.settings = settings
-        self.eos_token_id = tokenizer.eos_token_id
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if dist else 0
         world = torch.distributed.get_world_size() if dist else 1
@@ -207,6 +238,8 @@ class VLLMRolloutEngine:
         folder = settings.model_path
         if folder.startswith("builtin:"):
             folder = _save_for_vllm(builtin_model(), tokenizer)
+        self.stop_ids = stop_token_ids(tokenizer.eos_token_id,
+                                       folder_generation_config(folder, settings.trust_remote_code))
         # the external launcher reads the launcher's variables; a single process (python -m) has none of them
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -219,8 +252,14 @@ class VLLMRolloutEngine:
     # -------------------------------------------------------------------------------------------- memory
 
     def sleep(self) -> None:
-        """With rollout.vllm_sleep_mode: release vLLM's GPU memory (weights to CPU memory, KV cache dropped)."""
+        """With rollout.vllm_sleep_mode: release vLLM's GPU memory (weights to CPU memory, KV cache dropped).
+
+        vLLM's executor sleeps only when fully awake: while any tag still sleeps it ignores ``sleep`` (the weights
+        woken for a sync would stay on the GPU) and then ignores a ``wake_up`` naming a tag it thinks is awake (the
+        KV cache would stay unmapped for the next generation): vllm/v1/executor/abstract.py ``sleep``/``wake_up``.
+        So what is still asleep is woken first."""
         if self.settings.sleep_mode and self._awake:
+            self.wake()
             self.llm.sleep(level=1)
             self._awake = set()
 
@@ -242,7 +281,7 @@ class VLLMRolloutEngine:
         if not batch:  # the whole tensor-parallel group has nothing to do
             return Rollouts([], [], [], [])
         self.wake()
-        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, group_size, self.eos_token_id, seed))
+        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, group_size, self.stop_ids, seed))
                   for seed in request_seeds(base_seed, len(batch), group_size)]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in batch], sampling_params=params,
                                     use_tqdm=False)

@@ -21,6 +21,7 @@ from grpo_ds.engine import init_distributed
 from grpo_ds.errors import UserError
 from grpo_ds.recipe import load_recipe
 from grpo_ds.rollout.base import SamplingParams
+from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.rollout.vllm import (
     VLLM_SPEC,
     VLLMRolloutEngine,
@@ -47,18 +48,25 @@ def _completion(index, token_ids, logprobs, finish_reason):
 
 
 class FakeLLM:
-    """Just enough of vllm.LLM: generate from token-id prompts, apply_model, sleep / wake_up, reset_prefix_cache."""
+    """Just enough of vllm.LLM: generate from token-id prompts, apply_model, sleep / wake_up, reset_prefix_cache.
+    Sleep and wake-up keep the state vLLM's executor keeps (vllm/v1/executor/abstract.py): ``sleep`` while any tag
+    still sleeps does nothing, nor does a ``wake_up`` naming a tag it believes awake; generating needs the weights
+    and the KV cache mapped, loading weights needs the weights."""
 
     instances: list = []
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.loaded = kwargs, [], []
+        self.sleeping: set[str] = set()  # the executor's sleeping_tags; mapped = not in it
         self.model = SimpleNamespace(load_weights=lambda weights: self.loaded.extend(
             (n, t.detach().clone()) for n, t in weights))
         FakeLLM.instances.append(self)
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
+        if self.sleeping:
+            raise RuntimeError(f"CUDA error: an illegal memory access ({sorted(self.sleeping)} not mapped)")
         self.calls.append(("generate", len(prompts)))
+        self.sampling_params = sampling_params
         outputs = []
         for prompt, params in zip(prompts, sampling_params, strict=True):
             p = params.kwargs
@@ -75,13 +83,19 @@ class FakeLLM:
         return outputs
 
     def apply_model(self, func):
+        if "weights" in self.sleeping:
+            raise RuntimeError("CUDA error: an illegal memory access (weights not mapped)")
         return [func(self.model)]
 
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
+        if not self.sleeping:  # "Executor is already sleeping." otherwise
+            self.sleeping = {"weights", "kv_cache"}
 
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tuple(tags)))
+        if self.sleeping and set(tags) <= self.sleeping:  # "Tag ... is not in sleeping tags" otherwise
+            self.sleeping -= set(tags)
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -129,10 +143,11 @@ def _engine(**overrides):
 
 
 def test_sampling_parameters_translate_to_vllm():
-    kwargs = sampling_kwargs(SamplingParams(max_new_tokens=7, temperature=0.8, top_p=0.9, top_k=20), 4, EOS, 123)
+    kwargs = sampling_kwargs(SamplingParams(max_new_tokens=7, temperature=0.8, top_p=0.9, top_k=20), 4, (EOS, 9),
+                             123)
     assert kwargs == {"n": 4, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_tokens": 7, "logprobs": 0,
-                      "stop_token_ids": [EOS], "seed": 123}
-    greedy = sampling_kwargs(SamplingParams(max_new_tokens=3, temperature=0.0, top_p=0.5, top_k=5), 1, EOS, 0)
+                      "stop_token_ids": [EOS, 9], "seed": 123}
+    greedy = sampling_kwargs(SamplingParams(max_new_tokens=3, temperature=0.0, top_p=0.5, top_k=5), 1, (EOS,), 0)
     assert (greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (0.0, 1.0, 0)  # greedy: no truncation
 
 
@@ -245,6 +260,37 @@ def test_sleep_mode_refuses_expandable_segments(fake_vllm, monkeypatch):
     check_vllm_setup(load_recipe({"rollout": {"engine": "vllm"}, "algorithm": {"rollout_is_cap": 2.0}}), 1, "cuda")
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"rollout": {"temperature": 0.005}}, "rollout.temperature: 0.005 is below vLLM's floor of 0.01: vLLM samples "
+     "any temperature in (0, 0.01) at 0.01, and the trainer's log-probs would divide by 0.005. use a temperature of "
+     'at least 0.01 with rollout.engine "vllm" (or the hf engine).'),
+    ({"rollout": {"temperature": 2.5}}, "rollout.temperature: 2.5 is above 2.0, which vLLM refuses"),
+    ({"eval": {"data": "eval.jsonl", "temperature": 0.001}}, "eval.temperature: 0.001 is below vLLM's floor of 0.01"),
+])
+def test_temperatures_vllm_would_not_sample_at_are_refused_before_anything_loads(overrides, message):
+    recipe = load_recipe({**overrides, "rollout": {"engine": "vllm", **overrides.get("rollout", {})}})
+    with pytest.raises(UserError) as err:
+        check_vllm_setup(recipe, 1, "cuda", machine=False)  # also in the dry run, before GPUs or vLLM are looked at
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    hf = load_recipe({**overrides, "rollout": {**overrides.get("rollout", {})}})
+    check_vllm_setup(hf, 1, "cpu")  # the hf engine samples at any positive temperature
+
+
+def test_temperatures_vllm_samples_at_as_asked_pass(fake_vllm):
+    for rollout, evaluation in [(0.01, {}), (2.0, {}), (1.0, {"temperature": 0.001})]:  # no eval.data: eval is off
+        recipe = load_recipe({"rollout": {"engine": "vllm", "temperature": rollout}, "eval": evaluation,
+                              "algorithm": {"rollout_is_cap": 2.0}})
+        check_vllm_setup(recipe, 1, "cuda")
+
+
+def test_a_temperature_under_the_floor_stops_the_run_before_the_model_path_is_read(capsys):
+    from grpo_ds.inputs import prepare_inputs
+
+    with pytest.raises(UserError, match=r"^rollout.temperature: 0.001 is below vLLM's floor of 0.01"):
+        prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), ["rollout.engine=vllm", "rollout.temperature=0.001",
+                                                                  "model.path=/no/such/model"], 1, "cpu")
+
+
 def test_the_vllm_extra_declares_the_supported_range():
     config = configparser.ConfigParser()
     config.read(REPO / "setup.cfg")
@@ -323,6 +369,37 @@ def test_sleep_mode_releases_memory_between_generations(fake_vllm):
     # weights wake for the sync (the KV cache stays released), the KV cache only for the generation
     assert llm.calls == [("wake_up", ("weights",)), ("reset_prefix_cache",), ("wake_up", ("kv_cache",)),
                          ("generate", 1), ("sleep", 1)]
+
+
+def test_a_sleep_between_a_weight_sync_and_a_generation_wakes_the_kv_cache_first(fake_vllm):
+    """After a sync only the weights are awake; vLLM ignores sleep() then (its KV cache still sleeps), and the next
+    wake_up naming the weights too, so the generation after would run on an unmapped KV cache. The engine wakes
+    what is missing before it sleeps."""
+    engine, _ = _engine(sleep_mode=True)
+    llm = FakeLLM.instances[-1]
+    donor = build_tiny_model(len(build_tiny_tokenizer()), hidden_size=16, num_layers=1, num_heads=2, seed=2)
+    engine.update_weights(gathered_named_parameters(donor, bucket_bytes=2**20))
+    assert llm.sleeping == {"kv_cache"}
+    llm.calls.clear()
+    engine.sleep()  # e.g. the trainer wants the GPU back before the next step's generation
+    assert llm.calls == [("wake_up", ("kv_cache",)), ("sleep", 1)] and llm.sleeping == {"weights", "kv_cache"}
+    out = engine.generate([[20]], 2, SamplingParams(max_new_tokens=2, seed=1))
+    assert len(out) == 2 and llm.sleeping == {"weights", "kv_cache"}  # woke whole, generated, asleep again
+
+
+def test_the_engine_stops_where_the_hf_engine_stops(fake_vllm, tmp_path):
+    """Both engines take grpo_ds.rollout.stop's set from the model folder: the tokenizer's EOS and every EOS id of
+    its generation_config.json (vLLM would add the latter itself; the engine passes all of them explicitly)."""
+    from tests.rollout.test_stop import SECOND, loaded, model_folder
+
+    folder = model_folder(tmp_path / "m", [EOS, SECOND])
+    engine, _ = _engine(model_path=str(folder))
+    model, tokenizer = loaded(folder)
+    assert engine.stop_ids == HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, 8).stop_ids \
+        == (EOS, SECOND)
+    engine.generate([[20], [21]], 2, SamplingParams(max_new_tokens=3, seed=1))
+    assert [p.kwargs["stop_token_ids"] for p in FakeLLM.instances[-1].sampling_params] == [[EOS, SECOND]] * 2
+    assert _engine()[0].stop_ids == (EOS,)  # a folder without a generation config: the tokenizer's EOS only
 
 
 @pytest.mark.slow
