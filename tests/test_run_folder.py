@@ -1,0 +1,55 @@
+"""The run folder across attempts of the same command (grpo_ds/run_folder.py): an interrupted run continues, a
+finished one is left alone, a larger train.steps extends it, and replacing a run says what it deletes."""
+
+import json
+
+import pytest
+
+import grpo_ds
+from grpo_ds import checkpoint, run_folder
+from tests.launch import REPO
+
+TINY = str(REPO / "recipes" / "tiny_cpu.json")
+
+
+def _small(tmp_path, **overrides):
+    base = {"run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 4,
+            "rollout.group_size": 4, "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False}
+    base.update(overrides)
+    return base
+
+
+def test_the_tiny_recipes_never_replace_a_run():
+    """The README's command may be re-run after a crash: its recipes must not wipe the run folder."""
+    for path in sorted((REPO / "recipes").glob("*.json")):
+        assert json.loads(path.read_text())["run"].get("overwrite", False) is False, path.name
+
+
+@pytest.mark.slow
+def test_the_same_command_again_does_nothing_for_a_finished_run_and_a_larger_steps_extends_it(tmp_path, capsys):
+    run_dir = tmp_path / "tiny_cpu"
+    first = grpo_ds.train(TINY, _small(tmp_path))
+    assert json.loads((run_dir / run_folder.COMPLETE).read_text())["steps"] == 2
+    written = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
+
+    again = grpo_ds.train(TINY, _small(tmp_path))
+    assert f"the run in {run_dir} has already finished its 2 steps: nothing to do" in capsys.readouterr().err
+    assert again == json.loads(json.dumps(first))  # the logged history, from metrics.jsonl
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == written  # nothing touched
+
+    extended = grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 3}))
+    assert "resuming after step 2" in capsys.readouterr().err
+    assert [m["step"] for m in extended] == [1, 2, 3]
+    assert json.loads((run_dir / run_folder.COMPLETE).read_text())["steps"] == 3
+    assert checkpoint.latest_name(run_dir) == checkpoint.checkpoint_name(3)
+
+
+@pytest.mark.slow
+def test_replacing_a_run_says_what_it_deletes(tmp_path, capsys):
+    grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1}))
+    capsys.readouterr()
+    grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 1, "run.overwrite": True}))
+    err = capsys.readouterr().err
+    assert (f"replacing the run folder {tmp_path / 'tiny_cpu'} (run.overwrite is true): 1 checkpoint(s) (newest "
+            "step_00000001) and the metrics of 1 step(s) deleted") in err
