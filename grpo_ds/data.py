@@ -60,8 +60,11 @@ def load_rows(data_cfg: DataConfig, source_dir: str = ".") -> list[dict]:
     if suffix not in _SUFFIXES:
         raise UserError("data.train", f"{spec}: unsupported file type {suffix or '(no extension)'!r}",
                         "give a .jsonl, .json or .parquet file, or a folder saved with Dataset.save_to_disk")
-    if suffix == ".jsonl":
-        _check_jsonl(path)
+    empty = {".jsonl": lambda: not _check_jsonl(path), ".json": lambda: _blank(path),
+             ".parquet": lambda: _parquet_rows(path) == 0}[suffix]
+    if empty():
+        raise UserError(f"data.train {spec}", "has no rows (the file is empty)",
+                        "give a dataset with at least one prompt row")
     return _load_file(path, "parquet" if suffix == ".parquet" else "json")
 
 
@@ -77,8 +80,9 @@ def _resolve(spec: str, source_dir: str) -> Path:
                     'the working directory, then the recipe\'s folder), or "builtin:arith"')
 
 
-def _check_jsonl(path: Path) -> None:
-    """Find the first malformed line ourselves, so the message can name its line number."""
+def _check_jsonl(path: Path) -> int:
+    """Find the first malformed line ourselves, so the message can name its line number; return the row count."""
+    rows = 0
     with path.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -91,6 +95,25 @@ def _check_jsonl(path: Path) -> None:
             if not isinstance(value, dict):
                 raise UserError(f"{path}:{lineno}", f"expected a JSON object, got {type(value).__name__}",
                                 'each line of a .jsonl file must be one object, e.g. {"prompt": "...", "answer": "4"}')
+            rows += 1
+    return rows
+
+
+def _parquet_rows(path: Path) -> int | None:
+    """A parquet file's row count from its footer (None when unreadable: loading it then says why)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # pyarrow raises several types for a damaged file; _load_file then reports it
+        return None
+
+
+def _blank(path: Path) -> bool:
+    """A .json file holding nothing but whitespace, or an empty list or object (datasets fails on it obscurely)."""
+    with path.open("rb") as f:
+        head = f.read(1 << 16)
+    return len(head) < 1 << 16 and "".join(head.decode("utf-8", errors="replace").split()) in ("", "[]", "{}")
 
 
 def _load_file(path: Path, builder: str) -> list[dict]:

@@ -26,14 +26,16 @@ micro-batches (padding, dynamic batching) with exact loss scaling (see grpo_ds.l
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+from grpo_ds.ds_config_check import check_deepspeed_config, check_shapes, scheduler_class
 from grpo_ds.errors import UserError
 from grpo_ds.recipe import Recipe
-from grpo_ds.recipe_parse import read_json_object
+from grpo_ds.recipe_parse import check_finite, read_json_object
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # ds_configs/ sits beside grpo_ds/ in the repo
 
@@ -65,6 +67,8 @@ def static_micro_batches_per_rank(samples: int, world_size: int, micro_samples: 
 def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str = "cpu") -> dict[str, Any]:
     """The DeepSpeed config grpo_ds passes to deepspeed.initialize (and writes into the run folder)."""
     raw, where = load_deepspeed_json(recipe)
+    check_finite(f"{where}:", raw)
+    check_shapes(raw, where)
     train = recipe.train
     tp = _tensor_parallel_size(recipe, raw, world_size, where)
     sp = recipe.train.sequence_parallel_size
@@ -108,6 +112,7 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
     leftover = _find_auto(out)
     if leftover:
         raise UserError(f"{where}: {leftover}", '"auto" is not a value grpo_ds can derive', "give a number")
+    check_deepspeed_config(out, where, dtype)  # what DeepSpeed itself would reject, before any engine exists
     return out
 
 
@@ -173,7 +178,7 @@ def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) 
     _fill(cfg, ["optimizer", "params", "lr"], train.lr, "train.lr", where)
     _fill(cfg, ["optimizer", "params", "weight_decay"], train.weight_decay, "train.weight_decay", where)
     current_betas = params.get("betas", "auto")
-    if current_betas != "auto" and list(current_betas) != list(train.adam_betas):
+    if current_betas != "auto" and current_betas != list(train.adam_betas):
         raise UserError(f"{where}: optimizer.params.betas", f"is {current_betas} but the recipe gives "
                         f"{train.adam_betas} (train.adam_betas)",
                         f'set optimizer.params.betas to "auto" or to {json.dumps(list(train.adam_betas))}')
@@ -186,15 +191,25 @@ def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) 
 
 
 def _resolve_scheduler(cfg: dict, recipe: Recipe, where: str) -> None:
+    """train.warmup_steps and train.lr fill the warm-up keys of the scheduler, those it takes (WarmupLR: all)."""
     train = recipe.train
     if "scheduler" not in cfg:
         if train.warmup_steps == 0:
             return
         cfg["scheduler"] = {"type": "WarmupLR", "params": {}}
-    _fill(cfg, ["scheduler", "params", "warmup_max_lr"], train.lr, "train.lr", where)
-    _fill(cfg, ["scheduler", "params", "warmup_num_steps"], train.warmup_steps, "train.warmup_steps", where)
-    cfg["scheduler"]["params"].setdefault("warmup_min_lr", 0.0)
-    cfg["scheduler"]["params"].setdefault("warmup_type", "linear")
+    cls = scheduler_class(cfg["scheduler"].get("type"))
+    takes = set(inspect.signature(cls).parameters) if cls is not None else set()  # unknown: ds_config_check says so
+    params = cfg["scheduler"].setdefault("params", {})
+    if "warmup_num_steps" not in takes and train.warmup_steps and cls is not None:
+        raise UserError("train.warmup_steps", f"is {train.warmup_steps} but the DeepSpeed scheduler "
+                        f"{cfg['scheduler']['type']} ({where}) has no warm-up", "set it to 0, or use WarmupLR")
+    filled = (("warmup_max_lr", train.lr, "train.lr"), ("warmup_num_steps", train.warmup_steps, "train.warmup_steps"))
+    for key, value, origin in filled:
+        if key in takes:
+            _fill(cfg, ["scheduler", "params", key], value, origin, where)
+    for key, value in (("warmup_min_lr", 0.0), ("warmup_type", "linear")):
+        if key in takes:
+            params.setdefault(key, value)
 
 
 def _find_auto(node: Any, prefix: str = "") -> str | None:

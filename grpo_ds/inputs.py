@@ -17,11 +17,13 @@ from typing import Any
 from grpo_ds import lora
 from grpo_ds.data import PromptRow, load_rows, prepare_prompts
 from grpo_ds.ds_config import resolve_deepspeed_config
+from grpo_ds.ds_config_check import check_precision_supported
 from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
 from grpo_ds.kernels import resolve_backend
 from grpo_ds.metrics import check_logging_extras
-from grpo_ds.models import BUILTIN_TINY, load_tokenizer
+from grpo_ds.models import BUILTIN_TINY, context_length, load_tokenizer
+from grpo_ds.output_paths import check_run_folder
 from grpo_ds.recipe import Recipe, load_recipe
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm import check_vllm_setup
@@ -47,10 +49,13 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     GPUs and an importable vLLM."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
+    check_run_folder(recipe.run.output_dir, recipe.run.name)  # a writable folder, or one that can be created
     check_vllm_setup(recipe, world_size, device_type, machine)  # rollout.engine "vllm": TP size, GPUs, vLLM
     if lora.enabled(recipe.model):
         lora.check_peft()  # model.lora_rank: peft installed and recent enough
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
+    if machine:
+        check_precision_supported(ds_config, device_type)  # model.dtype float16 on a CPU without fp16 kernels
     backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
     _check_tensor_parallel(recipe)
@@ -62,6 +67,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
                                        where=f"data.train {recipe.data.train}")
     check_columns({key for row in prompts for key in row.columns})
     eval_prompts = _eval_prompts(recipe, tokenizer)
+    _check_context_length(recipe, prompts, eval_prompts)
     return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts)
 
 
@@ -75,6 +81,36 @@ def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:
     except UserError as err:
         raise UserError(err.where.replace("data.train", "eval.data"), err.what, err.fix) from None
     return prompts[:recipe.eval.max_prompts] if recipe.eval.max_prompts else prompts
+
+
+def _check_context_length(recipe: Recipe, prompts: list[PromptRow], eval_prompts: list[PromptRow]) -> None:
+    """The longest prompt kept (data.train and eval.data) plus the response budget must fit the model's context
+    length, read from its config before any weight loads. The prompts themselves are known here, so the check is on
+    the longest one rather than on data.max_prompt_tokens (a filter, often left at its default); vLLM plans for
+    rollout.vllm_max_model_len (default: data.max_prompt_tokens + max_new_tokens) and refuses one past the model's."""
+    found = context_length(recipe.model)
+    if found is None:
+        return
+    limit, source = found
+    r = recipe.rollout
+    if r.engine == "vllm":
+        planned = r.vllm_max_model_len or recipe.data.max_prompt_tokens + r.max_new_tokens
+        if planned > limit:
+            key = "rollout.vllm_max_model_len" if r.vllm_max_model_len else \
+                "data.max_prompt_tokens + rollout.max_new_tokens"
+            raise UserError(key, f"{planned} is more than the model's context length {limit} ({source}), which vLLM "
+                            "refuses", f"plan for at most {limit} tokens")
+    key = "rollout.max_total_tokens" if r.engine == "agent" and r.max_total_tokens else "rollout.max_new_tokens"
+    response = recipe.max_response_tokens
+    source_key, row = max([("data.train", p) for p in prompts] + [("eval.data", p) for p in eval_prompts],
+                          key=lambda item: len(item[1].prompt_ids))
+    prompt = len(row.prompt_ids)
+    if prompt + response > limit:
+        fix = f"lower {key} to at most {limit - prompt}, or " if prompt < limit else ""
+        raise UserError(key, f"the longest prompt ({prompt} tokens, {source_key} row {row.index + 1}) + {response} "
+                        f"response tokens = {prompt + response} is more than the model's context length {limit} "
+                        f"({source})", fix + "leave out long prompts with data.max_prompt_tokens and "
+                        'data.on_bad_row="skip"')
 
 
 def _kernels_backend(requested: str, device_type: str) -> str:

@@ -21,15 +21,19 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
+from grpo_ds.builtin_tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer, tiny_config
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import ModelConfig
+from grpo_ds.recipe_parse import read_json_object
 
 BUILTIN_TINY = "builtin:tiny"
 # Any one of these makes a folder worth handing to AutoTokenizer. Without them transformers 5 does not fail: it
 # silently builds an empty tokenizer of the model type's class (1 token), so we check first.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                     "spiece.model")
+# Config keys that bound the sequence length, as vLLM reads them (the smallest present wins).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                 "max_seq_length", "seq_len", "n_ctx")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,6 +57,33 @@ def check_model_path(model_cfg: ModelConfig) -> None:
     if not folder.is_dir() or not (folder / "config.json").is_file():
         raise UserError("model.path", f"{path} is not a Hugging Face model folder (no config.json in it)",
                         f'give the folder that holds config.json and the weights, or "{BUILTIN_TINY}"')
+
+
+def context_length(model_cfg: ModelConfig) -> tuple[int, str] | None:
+    """The longest sequence (prompt + completion) the model takes and where that was read, from its config.json
+    alone (no weights); None when the config names no length. A RoPE scaling that stretches the window (linear,
+    dynamic, yarn) multiplies it by its factor, as vLLM counts it."""
+    check_model_path(model_cfg)
+    if model_cfg.path == BUILTIN_TINY:
+        length = tiny_config(vocab_size=len(SPECIAL_TOKENS)).max_position_embeddings
+        return length, "max_position_embeddings of builtin:tiny"
+    path = Path(model_cfg.path) / "config.json"
+    config = read_json_object(path, "a model config", '{"model_type": "llama", ...}')
+    if isinstance(config.get("text_config"), dict):  # a multimodal model: its language model's window
+        config = config["text_config"]
+    found = [(config[key], key) for key in _CONTEXT_KEYS
+             if isinstance(config.get(key), int) and not isinstance(config[key], bool) and config[key] > 0]
+    if not found:
+        return None
+    length, key = min(found)
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    if kind in ("linear", "dynamic", "yarn") and isinstance(factor, (int, float)) and factor > 1:
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        length = int((base if isinstance(base, int) and base > 0 else length) * factor)
+        key += f" with {kind} RoPE scaling x{factor}"
+    return length, f"{key} in {path}"
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:

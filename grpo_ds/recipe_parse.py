@@ -6,24 +6,59 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
 from typing import Any, Union
 
-from grpo_ds.errors import UserError, json_type_name, suggest
+from grpo_ds.errors import UserError, first_line, json_type_name, suggest
 
 
 def read_json_object(path: Path, what: str, example: str) -> dict:
-    """A JSON file that must hold one object; syntax errors point at line and column."""
+    """A JSON file that must hold one object; syntax errors point at line and column. A file that cannot be read
+    (permissions, not UTF-8, nested too deeply to parse) is one UserError too."""
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         where = f"{path}:{err.lineno}:{err.colno}"
         raise UserError(where, f"invalid JSON ({err.msg})", "fix the JSON syntax") from None
+    except UnicodeDecodeError as err:
+        raise UserError(str(path), f"is not UTF-8 text (byte {err.start} is {err.object[err.start:err.start + 1]!r})",
+                        "save it as UTF-8") from None
+    except RecursionError:
+        raise UserError(str(path), "is nested too deeply to parse", "a recipe is a few levels deep") from None
+    except OSError as err:
+        raise UserError(str(path), f"cannot be read ({err.strerror or first_line(err)})",
+                        "check the path and its permissions") from None
     if not isinstance(raw, dict):
         raise UserError(str(path), f"{what} must be a JSON object", f"e.g. {example}")
     return raw
+
+
+def nonfinite_in(value: Any, at: str = "") -> tuple[str, float] | None:
+    """The first NaN or infinity inside a JSON value (JSON parsers accept NaN, Infinity and 1e999): its place below
+    ``value`` (".key", "[2]", "" for the value itself) and the number; None when every number is finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return at, value
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
+        else ()
+    for key, child in children:
+        found = nonfinite_in(child, f"{at}[{key}]" if isinstance(key, int) else f"{at}.{key}")
+        if found:
+            return found
+    return None
+
+
+def check_finite(where: str, value: Any, fix: str = "give a finite number") -> None:
+    """Raise UserError at the first NaN or infinity inside ``value`` (every number a recipe holds must be finite).
+    A ``where`` ending in ":" names a file: the key follows it ("ds.json: zero_optimization.stage")."""
+    found = nonfinite_in(value)
+    if found:
+        at, number = found
+        place = f"{where} {at[1:]}" if where.endswith(":") and at.startswith(".") else where + at
+        raise UserError(place, f"{json.dumps(number)} is not a finite number (JSON allows NaN and Infinity, a "
+                        "recipe does not)", fix)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -84,6 +119,7 @@ def build(recipe_cls: type, raw: dict, where: str, source_dir: str, sections: di
             if not isinstance(section_raw, (str, dict)):
                 raise UserError(key, f"must be a path string or a JSON object, got {json_type_name(section_raw)}",
                                 'e.g. "ds_configs/zero3.json"')
+            check_finite(key, section_raw)
             values[key] = section_raw
             continue
         if key not in sections:
@@ -117,6 +153,8 @@ def _check_field(where: str, value: Any, f: dataclasses.Field, owner: type) -> A
         if nullable:
             return None
         raise UserError(where, "must not be null", f"give a value like {json.dumps(default)}")
+    number = isinstance(default, (int, float)) and not isinstance(default, bool)
+    check_finite(where, value, f"give a finite number, e.g. {default}" if number else "give a finite number")
     ok = {bool: isinstance(value, bool),
           int: isinstance(value, int) and not isinstance(value, bool),
           float: isinstance(value, (int, float)) and not isinstance(value, bool),
