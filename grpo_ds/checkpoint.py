@@ -16,6 +16,12 @@ replace ``latest`` (write, fsync, rename). A crash at any moment therefore leave
 checkpoints untouched or the new one complete; a stale ``.tmp-`` folder is ignored and removed by the
 next save. On resume the manifest is checked file by file: a damaged checkpoint (missing, truncated or
 altered file) is reported by name and the previous one is used.
+
+A write that fails on any rank (a full disk, a read-only file system, an exceeded quota) stops every rank with one
+error naming the file, the cause and the last good checkpoint (grpo_ds.disk); the unfinished folder is removed and
+``latest`` still names the previous checkpoint, so the same command resumes from it once the disk is fixed. Before
+anything is written, a checkpoint larger than the free space is refused the same way: its expected size is the
+previous checkpoint's, or BYTES_PER_PARAMETER per trainable parameter for the first, plus disk.SPACE_MARGIN.
 """
 
 from __future__ import annotations
@@ -27,14 +33,17 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from grpo_ds import disk
 from grpo_ds.engine import Dist
-from grpo_ds.errors import first_line
+from grpo_ds.errors import UserError, first_line
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -44,6 +53,8 @@ MANIFEST = "manifest.json"  # {"step": N, "files": {path relative to the checkpo
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 # The files DeepSpeed's consolidation reads (zero_to_fp32 globs them); each must be covered by the manifest.
 _SHARD_GLOBS = ("*_model_states.pt", "*_optim_states.pt")
+# The size of a first checkpoint, per trainable parameter: ZeRO's fp32 master weights and Adam's two moments.
+BYTES_PER_PARAMETER = 12
 
 
 def checkpoint_name(step: int) -> str:
@@ -60,38 +71,178 @@ class Resumed:
 # ------------------------------------------------------------------------------------------------- save
 
 def save(policy, run_dir: Path, step: int, trainer_state: dict, keep: int, dist: Dist) -> Path:
-    """Write the checkpoint of ``step`` (every rank calls this: DeepSpeed's save is collective)."""
+    """Write the checkpoint of ``step`` (every rank calls this: DeepSpeed's save is collective).
+
+    A failed write on any rank (a full disk, a read-only file system, a quota), or less free space than the
+    checkpoint needs, is one UserError raised on every rank naming the file, the cause and the last good
+    checkpoint; the unfinished folder is removed and the previous checkpoints are untouched."""
     root = run_dir / CHECKPOINTS
     final = root / checkpoint_name(step)
     tmp = root / (TMP_PREFIX + final.name)
-    if dist.is_main:
+    where = f"checkpoint step {step}"
+    dist.decide(_start, run_dir, tmp, policy, where)
+    failure = None
+    try:
+        _write_shards(policy, tmp, dist)
+    except OSError as err:
+        failure = write_error(run_dir, where, err)
+    except Exception as err:  # noqa: BLE001 - raised on every rank by agree, so that none waits for this one
+        failure = err
+    try:
+        disk.agree(dist, failure)
+    except Exception:
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.decide(_finish, run_dir, tmp, final, {"step": step, **trainer_state}, keep, where)  # also the barrier
+    return final
+
+
+def _start(run_dir: Path, tmp: Path, policy, where: str) -> None:
+    """Rank 0: remove unfinished folders, refuse a checkpoint the free space cannot hold, create the folders."""
+    root = tmp.parent
+    try:
         root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(TMP_PREFIX + "*"):  # unfinished writes of crashed or failed attempts
+            shutil.rmtree(stale, ignore_errors=True)
+        previous = complete_checkpoints(run_dir)
+        if previous:
+            expected, how = _folder_bytes(previous[0]), f"the size of {previous[0].name}"
+        else:
+            params = _trainable_parameters(policy)
+            expected, how = params * BYTES_PER_PARAMETER, f"{params:,} trainable parameters x {BYTES_PER_PARAMETER} B"
+        disk.check_space(where, root, int(expected * (1 + disk.SPACE_MARGIN)),
+                         f"the checkpoint ({how}, plus {disk.SPACE_MARGIN:.0%})", resume_fix(run_dir, "free space"))
+        for sub in (DS_TAG, "rng"):  # made here, so that no rank's own mkdir can fail inside DeepSpeed's save
+            (tmp / sub).mkdir(parents=True)
+    except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
-    policy.save_state(tmp, DS_TAG)  # grpo_ds.policy.Policy: what a checkpoint holds of full and LoRA policies
+        raise write_error(run_dir, where, err) from None
+
+
+def _write_shards(policy, tmp: Path, dist: Dist) -> None:
+    """Every rank: its DeepSpeed shards and its RNG states; a failed write is raised after DeepSpeed's save ended."""
+    with _deepspeed_writes_recorded(policy.engine, dist, tmp) as failures:
+        policy.save_state(tmp, DS_TAG)  # grpo_ds.policy.Policy: what a checkpoint holds of full and LoRA policies
+    if failures:
+        raise failures[0]
     rng_file = tmp / "rng" / f"rank{dist.rank}.pt"
-    rng_file.parent.mkdir(exist_ok=True)
-    torch.save(_rng_state(), rng_file)
-    _fsync_file(rng_file)
-    dist.barrier()
-    if dist.is_main:
-        _write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
+    with disk.writing(rng_file):
+        torch.save(_rng_state(), rng_file)
+        _fsync_file(rng_file)
+
+
+@contextmanager
+def _deepspeed_writes_recorded(engine, dist: Dist, tmp: Path) -> Iterator[list[OSError]]:
+    """DeepSpeed's save_checkpoint runs collectives after its writes (ZeRO-3 all-gathers its persistent parameters,
+    then every rank meets in a barrier): a rank whose write raised would leave the others waiting there. Its
+    writes (the shards, the recovery scripts) record their failure in the yielded list instead, to be raised once
+    every rank has finished the save. The one write outside them, rank 0's ``latest`` tag file, comes just before
+    the final barrier (DeepSpeed 0.19): a rank 0 failing there joins that barrier, then records the failure."""
+    failures: list[OSError] = []
+    writer, save_shard, copy_scripts = engine.checkpoint_engine, engine.checkpoint_engine.save, \
+        engine._copy_recovery_script
+
+    def recorded_save(state_dict, path):
+        try:
+            with disk.writing(path):
+                save_shard(state_dict, path)
+        except OSError as err:
+            failures.append(err)
+
+    def recorded_copy(save_path):
+        try:
+            with disk.writing(Path(save_path) / "zero_to_fp32.py"):
+                copy_scripts(save_path)
+        except OSError as err:
+            failures.append(err)
+
+    writer.save, engine._copy_recovery_script = recorded_save, recorded_copy
+    try:
+        with disk.writing(tmp / LATEST):
+            yield failures
+    except OSError as err:
+        dist.barrier()
+        failures.append(err)
+    finally:
+        del writer.save, engine._copy_recovery_script  # the class's methods again
+
+
+def _finish(run_dir: Path, tmp: Path, final: Path, trainer_state: dict, keep: int, where: str) -> None:
+    """Rank 0: trainer state, manifest, fsync, rename into place, point ``latest`` at it, prune. On a failed write
+    the new folder is removed (renamed or not) and ``latest`` no longer names it."""
+    root = final.parent
+    renamed = False
+    try:
+        _write_json(tmp / "trainer_state.json", trainer_state)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for p in files:
             _fsync_file(p)
-        _write_json(tmp / MANIFEST, {"step": step, "files": {
+        _write_json(tmp / MANIFEST, {"step": trainer_state["step"], "files": {
             str(p.relative_to(tmp)): _sha256(p) for p in files}})
         for folder in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
             _fsync_dir(folder)
         if final.exists():  # a checkpoint of this step from a run that crashed before moving on
             shutil.rmtree(final)
         os.rename(tmp, final)
+        renamed = True
         _fsync_dir(root)
         _write_text_atomic(root / LATEST, final.name)
-        _prune(root, keep)
-    dist.barrier()
-    return final
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if renamed:
+            _unpublish(final)
+        raise write_error(run_dir, where, err) from None
+    _prune(root, keep)
+
+
+def _unpublish(final: Path) -> None:
+    """Remove a checkpoint folder whose publication failed, and a ``latest`` pointer that already names it."""
+    shutil.rmtree(final, ignore_errors=True)
+    pointer = final.parent / LATEST
+    try:
+        pointer.with_name(pointer.name + ".tmp").unlink(missing_ok=True)
+        if latest_name(final.parent.parent) == final.name:
+            pointer.unlink()
+    except OSError:  # the write that failed may fail again here; complete_checkpoints skips a dangling pointer
+        pass
+
+
+def write_error(run_dir: Path, where: str, err: OSError) -> UserError:
+    """The one-line error of a failed write into a run folder: the file, the cause and the last good checkpoint."""
+    return UserError(where, f"cannot write {err.filename or run_dir}: {disk.describe(err)}",
+                     resume_fix(run_dir, disk.remedy(err)))
+
+
+def resume_fix(run_dir: Path, remedy: str) -> str:
+    """ "the last good checkpoint is ...; <remedy> and run the same command to resume from it" """
+    good = complete_checkpoints(run_dir)
+    if not good:
+        return f"the run has no checkpoint yet; {remedy} and run the same command to start it again"
+    return f"the last good checkpoint is {good[0]}; {remedy} and run the same command to resume from it"
+
+
+@contextmanager
+def run_file_writes(dist: Dist, run_dir: Path, where: str) -> Iterator[None]:
+    """Writes of run files (metrics, samples, rank logs) on some or all ranks, with no collective inside: a write
+    that failed on any rank is one error (``write_error``) raised on every rank once all have left the block."""
+    failure = None
+    try:
+        yield
+    except OSError as err:
+        failure = write_error(run_dir, where, err)
+    except Exception as err:  # noqa: BLE001 - raised on every rank by agree, so that none waits for this one
+        failure = err
+    disk.agree(dist, failure)
+
+
+def _trainable_parameters(policy) -> int:
+    """What a checkpoint saves: the trainable parameters (ZeRO-3's ``ds_numel``: the whole tensor, not a shard)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in policy.engine.module.parameters() if p.requires_grad)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -219,26 +370,30 @@ def _sha256(path: Path) -> str:
 
 
 def _fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
+    with disk.writing(path), path.open("rb") as f:
         os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with disk.writing(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=1) + "\n")
+    with disk.writing(path):
+        path.write_text(json.dumps(obj, indent=1) + "\n")
     _fsync_file(path)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text + "\n")
+    with disk.writing(tmp):
+        tmp.write_text(text + "\n")
     _fsync_file(tmp)
-    os.replace(tmp, path)
+    with disk.writing(path):
+        os.replace(tmp, path)
     _fsync_dir(path.parent)

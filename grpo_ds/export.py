@@ -44,7 +44,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.initialization import no_init_weights
 
-from grpo_ds import lora
+from grpo_ds import disk, lora
 from grpo_ds.builtin_tiny import build_tiny_model
 from grpo_ds.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
 from grpo_ds.engine import device_type
@@ -54,6 +54,7 @@ from grpo_ds.recipe import ModelConfig, load_recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
 _MP_RANK = re.compile(r"mp_rank_(\d+)")  # a tensor-parallel rank's files in a DeepSpeed checkpoint
+TOKENIZER_BYTES = 64 << 20  # free space asked for the tokenizer and config files beside the weights
 
 
 @dataclass(frozen=True)
@@ -184,26 +185,38 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
     adapter_only = use_lora and not merge
     generation_config = _generation_config(model_cfg, model, tokenizer)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
-            model.save_pretrained(tmp)  # a peft model writes its adapters only
-        tokenizer.save_pretrained(tmp)
-        if not adapter_only:
-            generation_config.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)  # empty, or --overwrite was given (checked above)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     saved = [p for p in model.parameters() if p.requires_grad] if adapter_only else list(model.parameters())
+    _write(out, model, tokenizer, None if adapter_only else generation_config, sum(p.nbytes for p in saved))
     return ExportSummary(checkpoint=checkpoint.path, step=checkpoint.step, out_dir=out,
                          num_parameters=sum(p.numel() for p in saved), dtype=dtype,
                          architecture=f"LoRA adapters (rank {model_cfg.lora_rank}) for "
                                       f"{type(model.get_base_model()).__name__}" if adapter_only
                          else type(model).__name__, adapter_only=adapter_only)
+
+
+def _write(out: Path, model, tokenizer, generation_config, weight_bytes: int) -> None:
+    """Write the folder beside ``out`` and rename it into place. Too little free space for the weights is refused
+    before writing; a failed write (full disk, read-only, quota) is one UserError, with nothing left behind."""
+    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        disk.check_space("export", out.parent, int(weight_bytes * (1 + disk.SPACE_MARGIN)) + TOKENIZER_BYTES,
+                         f"the model ({disk.gib(weight_bytes)} of weights)", "free space and run the export again")
+        with disk.writing(tmp):
+            with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
+                model.save_pretrained(tmp)  # a peft model writes its adapters only
+            tokenizer.save_pretrained(tmp)
+            if generation_config is not None:
+                generation_config.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)  # empty, or --overwrite was given (checked above)
+        tmp.rename(out)
+    except OSError as err:
+        raise UserError("export", f"cannot write {err.filename or out}: {disk.describe(err)}",
+                        f"nothing was written to {out}; {disk.remedy(err)} and run the export again") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _model_config(run: Path) -> tuple[ModelConfig, int]:

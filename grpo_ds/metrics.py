@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from grpo_ds import disk
 from grpo_ds.errors import UserError
 from grpo_ds.recipe import LoggingConfig
 
@@ -76,8 +77,7 @@ class MetricsLogger:
         self.history.append(metrics)
         if self.path is None:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        disk.append_line(self.path, json.dumps(metrics))  # a failed write names the file (grpo_ds.disk)
         numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tensorboard:
             for key, value in numbers.items():
@@ -96,8 +96,7 @@ class MetricsLogger:
         """Append {"step", "samples": [{"prompt", "completion", "reward"}, ...]} to samples.jsonl (and TensorBoard)."""
         if self.path is None:
             return
-        with (self.path.parent / "samples.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, "samples": records}) + "\n")
+        disk.append_line(self.path.parent / "samples.jsonl", json.dumps({"step": step, "samples": records}))
         if self.tensorboard:
             text = "\n\n".join(f"**reward {r['reward']:.3f}** {r['prompt']!r} -> {r['completion']!r}" for r in records)
             self.tensorboard.add_text("samples", text, step)

@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_ds.checkpoint import CHECKPOINTS, verify
+from grpo_ds import disk
+from grpo_ds.checkpoint import CHECKPOINTS, verify, write_error
 from grpo_ds.errors import UserError
 from grpo_ds.recipe import Recipe
 
@@ -91,6 +92,13 @@ def mark_complete(path: Path, steps: int, final_weights_sha256: str) -> None:
 
 def prepare(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None:
     """Rank 0: wipe a replaced run and write the recipe and the resolved DeepSpeed config."""
+    try:
+        _write_run_files(folder, recipe, ds_config)
+    except OSError as err:  # rank 0 (train.py runs it through Dist.decide): the error reaches every rank
+        raise write_error(folder.path, "run folder", err) from None
+
+
+def _write_run_files(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None:
     if folder.fresh and folder.path.exists():
         if (folder.path / "metrics.jsonl").exists() or (folder.path / CHECKPOINTS).exists():
             print(f"replacing the run folder {folder.path} (run.overwrite is true): {_held(folder.path)} deleted",
@@ -120,7 +128,11 @@ def trim_log(log: Path, last_step: int) -> None:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
             kept.append(line)
-    _write_atomic(log, "".join(line + "\n" for line in kept))
+    try:
+        _write_atomic(log, "".join(line + "\n" for line in kept))
+    except OSError as err:
+        raise UserError("resume", f"cannot write {err.filename}: {disk.describe(err)}",
+                        f"the checkpoint is untouched: {disk.remedy(err)} and run the same command again") from None
 
 
 def _held(path: Path) -> str:
@@ -160,5 +172,7 @@ def _flatten(recipe: dict) -> dict:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with disk.writing(tmp):
+        tmp.write_text(text)
+    with disk.writing(path):
+        os.replace(tmp, path)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds import checkpoint, kernels, run_folder, sequence_parallel
+from grpo_ds import checkpoint, disk, kernels, run_folder, sequence_parallel
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 from grpo_ds.collect import collect
 from grpo_ds.data import PromptSampler
@@ -69,9 +69,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
 
     # ---- 2. processes, run folder, models
     dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
-    if dist.is_main:
-        run_folder.prepare(folder, recipe, inputs.ds_config)
-    dist.barrier()
+    dist.decide(run_folder.prepare, folder, recipe, inputs.ds_config)  # rank 0 writes; a failure stops every rank
     torch.manual_seed(recipe.run.seed)
     rollout = _rollout_engine(recipe, inputs, dist)  # before the trainer: vLLM measures the free GPU memory
     policy = Policy.build(recipe, inputs.ds_config, len(tokenizer), announce=dist.is_main)  # ZeRO-3: partitioned
@@ -139,12 +137,13 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
             with Phase("eval") as phase:
                 metrics.update(evaluate(step, recipe, inputs, inputs.eval_prompts, rollout, dist))
             metrics["time_eval_s"] = phase.seconds
-        logger.log(metrics)
-        every = recipe.logging.samples_every_steps
-        if dist.is_main and every is not None and (step % every == 0 or step == 1):
-            logger.samples(step, _sample_records(inputs, data, recipe.logging.samples_per_log))
-        _append_json(rank_log, {"step": step, "trained_sample_ids": sorted(
-            s for m in data.plan.minibatches for mb in m.micro_batches[dist.dp_rank] for s in mb)})
+        with checkpoint.run_file_writes(dist, run_dir, f"step {step}"):  # a failed write: one error on every rank
+            logger.log(metrics)
+            every = recipe.logging.samples_every_steps
+            if dist.is_main and every is not None and (step % every == 0 or step == 1):
+                logger.samples(step, _sample_records(inputs, data, recipe.logging.samples_per_log))
+            _append_json(rank_log, {"step": step, "trained_sample_ids": sorted(
+                s for m in data.plan.minibatches for mb in m.micro_batches[dist.dp_rank] for s in mb)})
 
         # ---- checkpoint: atomically, every checkpoint.every_steps and after the last step
         # (never after a non-finite step: its weights may not be good)
@@ -290,8 +289,7 @@ def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist):
 # ------------------------------------------------------------------------------------ plumbing
 
 def _append_json(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    disk.append_line(path, json.dumps(record))
 
 
 # ----------------------------------------------------------------------------------------- CLI

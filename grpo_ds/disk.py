@@ -1,0 +1,122 @@
+"""Writes that fail cleanly: a full disk, a read-only file system, an exceeded quota.
+
+A failed write (of a checkpoint, a run file or an export) becomes one ``UserError`` line naming the file, the
+cause as the operating system names it ("No space left on device (ENOSPC)") and what to do, instead of a
+traceback. Some writers hide the operating system's error: torch's zip writer reports a full disk as
+``RuntimeError: ... unexpected pos``, safetensors as its own error. Such an error is a write failure when a
+small probe write beside the file fails now, and the probe's error is the cause; when the probe succeeds the
+original error is not a disk problem and is raised as it was.
+
+``check_space`` refuses, before anything is written, a write whose expected size exceeds the free space.
+``agree`` makes every rank raise the same error when a write failed on any of them, so that no rank is left
+waiting in a collective for one that stopped.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from grpo_ds.engine import Dist
+from grpo_ds.errors import UserError
+
+# Free space asked beyond a write's expected size: a checkpoint's trainer state grows with the metric history,
+# and file systems round files up to whole blocks.
+SPACE_MARGIN = 0.05
+PROBE_BYTES = 1 << 20  # the probe write that finds the cause a writer hid: 1 MiB, removed at once
+# What to do about each cause (the start of a fix); any other cause: "fix the file system".
+_REMEDIES = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the disk quota",
+             errno.EROFS: "make the file system writable", errno.EACCES: "make the folder writable",
+             errno.EPERM: "make the folder writable", errno.EFBIG: "allow larger files on the file system"}
+
+
+def describe(err: OSError) -> str:
+    """The cause of a failed write as the operating system names it: "No space left on device (ENOSPC)"."""
+    if err.errno is None:
+        return err.strerror or str(err)
+    return f"{os.strerror(err.errno)} ({errno.errorcode.get(err.errno, err.errno)})"
+
+
+def remedy(err: OSError) -> str:
+    """What a user does about ``err``: "free space", "make the file system writable", ..."""
+    return _REMEDIES.get(err.errno, "fix the file system")
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Writes to ``path`` inside: an OSError that names no file (a failed ``write()`` or ``close()``) is raised
+    naming ``path``; another error is raised as the OSError a probe write beside ``path`` gets now (the cause
+    a writer hid), or unchanged when the probe succeeds."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
+    except Exception as err:
+        found = probe(Path(path).parent)
+        if found is None:
+            raise
+        raise OSError(found.errno, found.strerror, str(path)) from err
+
+
+def probe(folder: Path) -> OSError | None:
+    """The OSError a write of PROBE_BYTES into ``folder`` (or its nearest existing parent) raises, None if it
+    succeeds; the probe file is removed either way."""
+    folder = Path(folder)
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    path = folder / f".grpo_ds-write-probe-{os.getpid()}"
+    try:
+        with path.open("wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    except OSError as err:
+        return err
+    finally:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line (a JSON record) to a log; a failed write is an OSError naming ``path``."""
+    with writing(path), path.open("a") as f:
+        f.write(line + "\n")
+
+
+def free_bytes(folder: Path) -> int:
+    """Free space, in bytes, of the file system holding ``folder`` (or its nearest existing parent)."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def check_space(where: str, folder: Path, needed: int, what: str, fix: str) -> None:
+    """Refuse (UserError) a write of about ``needed`` bytes into ``folder`` when less is free; ``what`` says what
+    is written and how its size is known, ``fix`` what to do (after "free space")."""
+    free = free_bytes(folder)
+    if needed > free:
+        raise UserError(where, f"not enough free space in {folder} for {what}: it needs about {gib(needed)}, "
+                               f"{gib(free)} is free", f"free space; {fix}")
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def agree(dist: Dist, failure: Exception | None) -> None:
+    """Collective: when any rank passes a failure, every rank raises the lowest such rank's (a UserError
+    one line on rank 0's console); otherwise nothing happens. No-op at world size 1 but for the raise."""
+    failures = dist.all_gather(failure)
+    first = next((f for f in failures if f is not None), None)
+    if first is not None:
+        raise first
