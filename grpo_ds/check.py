@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from grpo_ds import lora, memory
+from grpo_ds import environment, lora, memory
 from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
 from grpo_ds.engine import device_type
 from grpo_ds.errors import UserError, exit_on_user_error
@@ -39,6 +39,27 @@ def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
             new = top if mode == "max" else int(rng.integers(1, top + 1))
             out.append(prompt + new)
     return out
+
+
+def environment_lines(env: environment.Environment, device_type: str) -> list[str]:
+    """The "environment" block: the checklist a GRPO guide starts with (grpo_ds.environment collects it)."""
+    v = env.versions
+    build = f"CUDA {env.cuda}" if env.cuda and not env.cuda.startswith("ROCm") else env.cuda or "CPU build"
+    lines = ["environment", f"  {'python':<13} {env.python}",
+             f"  {'torch':<13} {v['torch']} ({build}" + (f", NCCL {env.nccl})" if env.nccl else ")")]
+    lines += [f"  {name:<13} {v[name] or 'not installed'}" for name in environment.PACKAGES if name != "torch"]
+    if env.gpus:
+        names = sorted(set(env.gpus), key=env.gpus.index)
+        gpus = ", ".join(f"{env.gpus.count(n)} x {n}" for n in names)
+    else:
+        gpus = "none visible to torch"
+    driver = f"; NVIDIA driver {env.driver}" if env.driver else ""
+    lines.append(f"  {'accelerator':<13} {'GPU' if device_type == 'cuda' else 'CPU'} (GPUs: {gpus}{driver})")
+    have = ", ".join(extra for extra, on in env.extras.items() if on) or "none"
+    missing = ", ".join(extra for extra, on in env.extras.items() if not on) or "none"
+    lines.append(f"  {'extras':<13} installed: {have}; not installed: {missing}")
+    lines += [f"  {'conflict':<13} {unmet}" for unmet in env.unmet] or [f"  {'conflicts':<13} none declared"]
+    return lines
 
 
 def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: float | None = None) -> str:
@@ -224,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
 
         gpu = torch.cuda.get_device_properties(0).total_memory / GIB
     with exit_on_user_error():
+        print("\n".join(environment_lines(environment.collect(device_type()), device_type())) + "\n")
         inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type(), machine=False)
         print(report(inputs, args.world_size, args.lengths, gpu))
         if inputs.recipe.rollout.engine == "vllm":

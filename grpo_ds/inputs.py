@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_ds import lora
+from grpo_ds import environment
 from grpo_ds.data import PromptRow, load_rows, prepare_prompts
 from grpo_ds.ds_config import resolve_deepspeed_config
 from grpo_ds.ds_config_check import check_precision_supported
@@ -50,9 +50,8 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     check_run_folder(recipe.run.output_dir, recipe.run.name)  # a writable folder, or one that can be created
+    environment.check(recipe)  # installed versions: the minimums, vLLM's range and torch, peft (model.lora_rank)
     check_vllm_setup(recipe, world_size, device_type, machine)  # rollout.engine "vllm": TP size, GPUs, vLLM
-    if lora.enabled(recipe.model):
-        lora.check_peft()  # model.lora_rank: peft installed and recent enough
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
     if machine:
         check_precision_supported(ds_config, device_type)  # model.dtype float16 on a CPU without fp16 kernels

@@ -69,7 +69,7 @@ def test_world_size_3_plan(outputs):
     r = load_recipe(RECIPE)
     samples = r.rollout.prompts_per_step * r.rollout.group_size
     assert samples == 400
-    assert out.startswith("recipe is valid for world size 3")
+    assert "\n\nrecipe is valid for world size 3\n" in out  # after the environment block
     assert re.search(rf"samples per step\s+{samples} = prompts_per_step 25 x group_size 16", out)
     assert re.search(rf"optimizer steps per rollout\s+1 = {samples} / {samples} x epochs_per_rollout 1", out)
     assert "skipped" in line_of(out, "old-log-prob pass")
@@ -92,7 +92,7 @@ def test_world_size_3_plan(outputs):
 @pytest.mark.slow
 def test_several_optimizer_steps_run_the_old_logprob_pass(outputs):
     out = outputs["world2_minibatches"].stdout
-    assert out.startswith("recipe is valid for world size 2")  # --world-size mixed with overrides
+    assert "\n\nrecipe is valid for world size 2\n" in out  # --world-size mixed with overrides
     assert re.search(r"samples per optimizer step\s+200\n", out)
     assert re.search(r"optimizer steps per rollout\s+2 = 400 / 200", out)
     assert "runs" in line_of(out, "old-log-prob pass")
@@ -188,3 +188,50 @@ def test_tensor_parallel_size_must_divide_a_saved_models_heads(tmp_path):
         prepare_inputs(RECIPE, [f"model.path={tmp_path}", "train.tensor_parallel_size=3"], 3, "cpu")
     assert err.value.where == "train.tensor_parallel_size" and "4 attention heads" in err.value.what
     assert prepare_inputs(RECIPE, [f"model.path={tmp_path}", "train.tensor_parallel_size=2"], 2, "cpu")
+
+
+@pytest.mark.slow
+def test_the_dry_run_prints_the_environment_first(outputs):
+    from importlib.metadata import version
+
+    out = outputs["world3"].stdout
+    assert out.startswith("environment\n")
+    assert line_of(out, "python ") == f"  python        {sys.version.split()[0]}"
+    assert line_of(out, "torch ").startswith(f"  torch         {version('torch')} (")
+    assert line_of(out, "deepspeed ") == f"  deepspeed     {version('deepspeed')}"
+    assert line_of(out, "accelerator ").startswith("  accelerator   CPU (")  # the test environment: DS_ACCELERATOR=cpu
+    assert "extras        installed: " in out
+
+
+def test_environment_block_on_a_gpu_machine():
+    from grpo_ds.environment import PACKAGES, Environment, Unmet
+
+    versions = {name: None for name in PACKAGES} | {"torch": "2.10.0+cu128", "vllm": "0.20.0"}
+    gpu = "NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB)"
+    env = Environment("3.12.3", versions, "12.8", "2.27.3", [gpu] * 8, "570.124.06",
+                      {"vllm": True, "lora": False}, [Unmet("vllm", "0.20.0", "torch==2.9.0", "torch", "2.10.0+cu128")])
+    lines = check.environment_lines(env, "cuda")
+    assert lines[:3] == ["environment", "  python        3.12.3",
+                         "  torch         2.10.0+cu128 (CUDA 12.8, NCCL 2.27.3)"]
+    assert "  vllm          0.20.0" in lines and "  peft          not installed" in lines
+    assert f"  accelerator   GPU (GPUs: 8 x {gpu}; NVIDIA driver 570.124.06)" in lines
+    assert "  extras        installed: vllm; not installed: lora" in lines
+    assert lines[-1] == "  conflict      vllm 0.20.0 requires torch==2.9.0 but torch 2.10.0+cu128 is installed"
+
+
+def test_the_dry_run_refuses_an_installed_vllm_outside_the_supported_range(tmp_path, monkeypatch, capsys):
+    """A vllm distribution (metadata only, nothing imports) on the path: the environment block shows it, then the
+    one-line refusal, exit 2."""
+    dist = tmp_path / "vllm-0.16.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.16.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as stopped:
+        check.main([str(RECIPE), "rollout.engine=vllm"])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert "  vllm          0.16.0" in out.splitlines() and "recipe is valid" not in out
+    assert err.strip() == ('error: rollout.engine "vllm": vLLM 0.16.0 is installed but grpo_ds supports '
+                           "vllm>=0.17,<0.26. install a supported version: pip install 'vllm>=0.17,<0.26'.")
+    check.main([str(RECIPE)])  # the hf engine does not care which vLLM is installed
+    assert "recipe is valid for world size 1" in capsys.readouterr().out

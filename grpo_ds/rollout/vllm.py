@@ -64,22 +64,30 @@ VLLM_SPEC = f">={_VLLM_LOW},<{_VLLM_HIGH}"  # setup.cfg's vllm extra says the sa
 
 def require_vllm() -> str:
     """vLLM's version if it imports and is in VLLM_SPEC; otherwise one UserError saying what to install."""
-    from packaging.version import InvalidVersion, Version
-
     install = f"install it on the GPU machine: pip install 'grpo_ds[vllm]' (vllm{VLLM_SPEC})"
     try:
         import vllm
     except Exception as err:  # noqa: BLE001 - ImportError, or a broken CUDA install failing at import
         raise UserError('rollout.engine "vllm"', f"vLLM cannot be imported ({first_line(err)})", install) from None
     found = str(getattr(vllm, "__version__", "unknown"))
+    if (err := unsupported_vllm(found)) is not None:
+        raise err
+    return found
+
+
+def unsupported_vllm(found: str) -> UserError | None:
+    """The UserError for a vLLM version outside VLLM_SPEC, None for a supported one (also used by
+    grpo_ds.environment, which reads the version from the package metadata without importing vLLM)."""
+    from packaging.version import InvalidVersion, Version
+
     try:
         version = Version(Version(found).base_version)  # "0.25.1+cu129" -> 0.25.1
     except InvalidVersion:
         version = None
     if version is None or not Version(_VLLM_LOW) <= version < Version(_VLLM_HIGH):
-        raise UserError('rollout.engine "vllm"', f"vLLM {found} is installed but grpo_ds supports vllm{VLLM_SPEC}",
-                        f"install a supported version: pip install 'vllm{VLLM_SPEC}'")
-    return found
+        return UserError('rollout.engine "vllm"', f"vLLM {found} is installed but grpo_ds supports vllm{VLLM_SPEC}",
+                         f"install a supported version: pip install 'vllm{VLLM_SPEC}'")
+    return None
 
 
 def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = True) -> None:
