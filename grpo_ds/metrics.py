@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_ds import disk
-from grpo_ds.errors import UserError
+from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import LoggingConfig
 
 
@@ -41,6 +41,20 @@ def wandb_mode(requested: str) -> str:
     return "offline"
 
 
+def _start_wandb(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict | None):
+    """wandb.init writing to the run folder's wandb/. A run W&B cannot start (no network on the node, a wrong
+    key: wandb raises after its init_timeout, 90 s by default) is one line naming the offline mode."""
+    import wandb
+
+    try:
+        return wandb.init(project=cfg.wandb_project, name=run_name, dir=str(run_dir), mode=wandb_mode(cfg.wandb_mode),
+                          config=config)
+    except wandb.errors.Error as err:
+        raise UserError("logging.wandb_project", f"Weights & Biases could not start the run ({first_line(err)})",
+                        'set logging.wandb_mode to "offline" (the run folder\'s wandb/, upload later with `wandb '
+                        'sync`), or check the network and WANDB_API_KEY') from None
+
+
 # Shown on the console line, in this order, when present.
 CONSOLE_KEYS = ("reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "clip_frac",
                 "grad_norm", "tokens_per_s", "time_step_s")
@@ -62,10 +76,7 @@ class MetricsLogger:
 
             self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         if run_dir and cfg.wandb_project is not None:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(run_dir),
-                                    mode=wandb_mode(cfg.wandb_mode), config=config)
+            self.wandb = _start_wandb(cfg, run_dir, run_name, config)
 
     def resume(self, history: list[dict]) -> None:
         """Continue after a checkpoint: the steps already done are the history, and the bar starts past them."""
