@@ -8,36 +8,42 @@ itself, which ``run.overwrite`` would then delete) is one UserError before any m
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from grpo_ds.errors import UserError
+from grpo_ds.recipe_parse import printable
 
 
 def check_output_folder(path: str | Path, where: str) -> None:
     """Raise UserError unless ``path`` is a writable folder, or can be created: the nearest part of it that exists
     is a writable folder (nothing on the way is a file)."""
     path = Path(path)
+    shown = printable(str(path))
     if "\0" in str(path):
-        raise UserError(where, f"{str(path)!r} holds a NUL character", "give a folder path")
+        raise UserError(where, f"{shown} holds a NUL character", "give a folder path")
     existing = path
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
+    if existing == path:
+        blocked = ""
+    else:
+        blocked = f"cannot be created: {printable(str(existing))} "
     if not existing.is_dir():
-        what = ("is a broken link" if existing.is_symlink() else "exists and is not a folder") if existing == path \
-            else f"cannot be created: {existing} is {'a broken link' if existing.is_symlink() else 'a file'}"
-        raise UserError(where, f"{path} {what}", "give a folder path, or move the file away")
+        kind = "a broken link" if existing.is_symlink() else "a file" if blocked else "not a folder"
+        what = f"{blocked}is {kind}" if blocked else f"exists and is {kind}"
+        raise UserError(where, f"{shown} {what}", "give a folder path, or move the file away")
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        raise UserError(where, f"{path} {what}", "give a folder you may write to (check its permissions, and that "
-                        "the file system is not mounted read-only)")
+        raise UserError(where, f"{shown} {blocked}is not writable", "give a folder you may write to (check its "
+                        "permissions, and that the file system is not mounted read-only)")
 
 
 def check_run_folder(output_dir: str, name: str) -> Path:
     """The run folder ``output_dir/name``, checked as an output folder; return it."""
     parts = Path(name).parts
     if not name.strip() or Path(name).is_absolute() or ".." in parts or all(p == "." for p in parts):
-        raise UserError("run.name", f"{name!r} is not a folder name inside run.output_dir (the run folder is "
+        raise UserError("run.name", f"{json.dumps(name)} is not a folder name inside run.output_dir (the run folder is "
                         "run.output_dir/run.name, which run.overwrite may delete)", 'give a name such as "grpo_1"')
     folder = Path(output_dir) / name
     check_output_folder(output_dir, "run.output_dir")

@@ -338,8 +338,10 @@ def load_recipe(source: str | Path | dict, overrides: list[str] | dict | None = 
 
 # -------------------------------------------------------------------------------------- validation
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors_near(n: int, target: int) -> list[int]:
+    """The three divisors of n nearest to target, by a bounded search outward from it (n may be huge)."""
+    found = {1, n} | {d for step in range(10_000) for d in (target - step, target + step) if 0 < d <= n and n % d == 0}
+    return sorted(found, key=lambda d: abs(d - target))[:3]
 
 
 def validate(recipe: Recipe) -> None:
@@ -350,7 +352,7 @@ def validate(recipe: Recipe) -> None:
         raise UserError("train.samples_per_optimizer_step", f"{spos} is more than the {samples} samples per step",
                         f"use at most {samples}")
     if spos is not None and samples % spos:
-        near = sorted(_divisors(samples), key=lambda d: abs(d - spos))[:3]
+        near = _divisors_near(samples, spos)
         raise UserError("train.samples_per_optimizer_step",
                         f"{spos} does not divide the samples per step {samples} (= prompts_per_step "
                         f"{recipe.rollout.prompts_per_step} x group_size {recipe.rollout.group_size})",

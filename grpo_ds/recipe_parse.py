@@ -61,6 +61,12 @@ def check_finite(where: str, value: Any, fix: str = "give a finite number") -> N
                         "recipe does not)", fix)
 
 
+def printable(text: str) -> str:
+    """User text as a message shows it: as it is, or JSON-quoted when it holds line breaks or other control
+    characters (an error is one line)."""
+    return text if text.isprintable() else json.dumps(text)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``section.key=value``: the value is JSON when it parses, otherwise a plain string."""
     key, sep, value = text.partition("=")
@@ -82,7 +88,7 @@ def normalise_overrides(overrides: list[str] | dict | None) -> list[tuple[str, A
 
 def apply_override(raw: dict, key: str, value: Any, sections: dict[str, type], top_level: tuple[str, ...]) -> None:
     """Set ``section.key`` (or a top-level value, or a key of an inline deepspeed object) in the raw recipe."""
-    where = f"override {key}"
+    where = f"override {printable(key)}"
     parts = key.split(".")
     if parts[0] in top_level and len(parts) == 1:
         raw[parts[0]] = value
@@ -95,7 +101,7 @@ def apply_override(raw: dict, key: str, value: Any, sections: dict[str, type], t
         for depth, p in enumerate(parts[1:-1], start=1):
             target = target.setdefault(p, {})
             if not isinstance(target, dict):
-                raise UserError(where, f"deepspeed.{'.'.join(parts[1:depth + 1])} is not an object",
+                raise UserError(where, f"deepspeed.{printable('.'.join(parts[1:depth + 1]))} is not an object",
                                 "override the key itself, e.g. deepspeed.train_batch_size=\"auto\"")
         target[parts[-1]] = value
         return
@@ -123,7 +129,8 @@ def build(recipe_cls: type, raw: dict, where: str, source_dir: str, sections: di
             values[key] = section_raw
             continue
         if key not in sections:
-            raise UserError(f"{where}: {key}", "unknown section", suggest(key, list(sections) + ["deepspeed"]))
+            raise UserError(f"{where}: {printable(key)}", "unknown section",
+                            suggest(key, list(sections) + ["deepspeed"]))
         if not isinstance(section_raw, dict):
             raise UserError(key, f"must be a JSON object, got {json_type_name(section_raw)}", f'write "{key}": {{...}}')
         values[key] = _build_section(key, sections[key], section_raw)
@@ -135,7 +142,7 @@ def _build_section(section: str, cls: type, raw: dict) -> Any:
     kwargs = {}
     for name, value in raw.items():
         if name not in known:
-            raise UserError(f"{section}.{name}", "unknown key", suggest(name, known))
+            raise UserError(f"{section}.{printable(name)}", "unknown key", suggest(name, known))
         f = known[name]
         kwargs[name] = _check_field(f"{section}.{name}", value, f, cls)
     return cls(**kwargs)

@@ -1,0 +1,120 @@
+"""Fuzzing the recipe loader: whatever JSON a user writes for whatever key, and whatever override string they type,
+``load_recipe`` returns a valid recipe or raises one clean UserError line, never another exception.
+
+Every key of the schema (grpo_ds.recipe.iter_fields) is exercised twice: once by a fixed table of hostile values,
+and by hypothesis, which draws a few keys per example with random JSON values (NaN and infinities included), values
+near each key's declared range and choices, and random ``section.key=value`` strings. Bounded for CI
+(``GRPO_DS_FUZZ_EXAMPLES``, default 150); deterministic (derandomized) so a CI failure reproduces.
+"""
+
+import json
+import math
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from grpo_ds.errors import UserError
+from grpo_ds.recipe import Recipe, iter_fields, load_recipe
+
+KEYS = [(section, f) for section, f in iter_fields()]
+DOTTED = [f"{section}.{f.name}" if section else f.name for section, f in KEYS]
+EXAMPLES = int(os.environ.get("GRPO_DS_FUZZ_EXAMPLES", "150"))
+HOSTILE = [None, True, 0, -1, 2**70, -(2**70), 0.5, -1e-300, 1e308, math.nan, math.inf, -math.inf, "", " ", "x" * 300,
+           "\0", "../..", [], [math.nan], [None, {}], {}, {"a": math.inf}, [[[[1]]]]]
+
+
+def outcome(source, overrides=None) -> Recipe | UserError:
+    """The loader's result: a Recipe, or the UserError it raised (checked to be one clean line); anything else
+    propagates and fails the test with its traceback."""
+    try:
+        recipe = load_recipe(source, overrides)
+    except UserError as err:
+        text = str(err)
+        assert "\n" not in text and "\r" not in text, repr(text)
+        assert err.where and err.what, repr(text)
+        assert "Traceback" not in text
+        return err
+    assert isinstance(recipe, Recipe)
+    return recipe
+
+
+def _set(raw: dict, dotted: str, value) -> None:
+    section, _, name = dotted.partition(".")
+    if name:
+        raw.setdefault(section, {})[name] = value
+    else:
+        raw[section] = value
+
+
+def test_every_key_is_fuzzed():
+    assert len(KEYS) == len(set(DOTTED)) > 50 and "deepspeed" in DOTTED
+
+
+@pytest.mark.parametrize("key", DOTTED)
+def test_hostile_values_for_every_key(key):
+    """Each hostile value for the key, in a recipe, as an override string and as a Python override; NaN and
+    infinity are always refused."""
+    for value in HOSTILE:
+        raw: dict = {}
+        _set(raw, key, value)
+        result = outcome(raw)
+        if isinstance(value, float) and not math.isfinite(value):
+            assert isinstance(result, UserError), (key, value, result)  # as a non-finite or as the wrong type
+        outcome({}, [f"{key}={json.dumps(value)}"])
+        outcome({}, {key: value})
+
+
+def _near(section, f) -> st.SearchStrategy:
+    """Values a user might plausibly write for this key: its default, its choices, its bounds and just past them."""
+    meta = f.metadata
+    default = f.default_factory() if callable(getattr(f, "default_factory", None)) else f.default
+    values = [default] if not isinstance(default, type) else []
+    values += list(meta.get("choices") or ())
+    for bound in (meta.get("low"), meta.get("high")):
+        if bound is not None:
+            values += [bound, bound - 1, bound + 1, bound * 2, bound - 1e-9]
+    return st.sampled_from(values) if values else st.none()
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=8)
+
+
+@st.composite
+def recipes(draw):
+    raw: dict = {}
+    for index in draw(st.lists(st.integers(0, len(KEYS) - 1), min_size=1, max_size=6)):
+        section, f = KEYS[index]
+        value = draw(JSON_VALUES | _near(section, f) | st.integers(1, 64))
+        _set(raw, DOTTED[index], value)
+    if draw(st.booleans()):  # sometimes a whole section, or the top level, is the wrong kind of value
+        raw[draw(st.sampled_from(sorted({d.partition(".")[0] for d in DOTTED}) + ["nope"]))] = draw(JSON_VALUES)
+    return raw
+
+
+OVERRIDES = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(DOTTED + ["train", "train.", ".lr", "deepspeed.zero_optimization.stage", "a.b.c"]),
+                  st.one_of(st.text(max_size=12), JSON_VALUES.map(lambda v: json.dumps(v)))).map("=".join),
+        st.text(max_size=30)),
+    max_size=4)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(raw=recipes(), overrides=OVERRIDES)
+def test_random_recipes_and_overrides_give_a_recipe_or_one_error_line(raw, overrides):
+    outcome(raw, overrides)
+
+
+@settings(max_examples=max(EXAMPLES // 3, 10), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(data=st.binary(max_size=200) | JSON_VALUES.map(lambda v: json.dumps(v).encode()))
+def test_random_recipe_files_give_a_recipe_or_one_error_line(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("fuzz") / "recipe.json"
+    path.write_bytes(data)
+    outcome(path)
