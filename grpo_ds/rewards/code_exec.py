@@ -7,10 +7,10 @@ For each sample, the program is the completion's code — the last fenced block 
 ``sys.exit()`` (as in ``sys.exit(main())``), the tests still run afterwards.
 
 Scores: 1.0 when the program finishes (the tests pass), 0.0 when it fails (a failed assert, an exception, a
-syntax error, a non-zero exit). A program that runs out of time or memory, or tries something the sandbox
-forbids (a process, a socket, a file outside its folder), is contained and reported as a per-sample
-``RewardError``, so ``reward.on_error`` decides: "zero" scores it 0.0 and counts it in
-``reward_errors/code_exec``; "fail" stops the run. A row whose ``tests`` is None gets None (no score).
+syntax error, a non-zero exit). A program that runs out of time or memory, writes more than its disk bound (64 MiB
+in total by default), or tries something the sandbox forbids (a process, a socket, a file outside its folder), is
+contained and reported as a per-sample ``RewardError``, so ``reward.on_error`` decides: "zero" scores it 0.0 and
+counts it in ``reward_errors/code_exec``; "fail" stops the run. A row whose ``tests`` is None gets None (no score).
 
 The function is ``async``: samples run concurrently, at most ``max_parallel`` programs at a time (default:
 the machine's CPU count), and when ``reward.timeout_s`` cancels the call, no new program starts (running
@@ -27,7 +27,14 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo_ds.rewards.item_error import RewardError
-from grpo_ds.rewards.sandbox import DEFAULT_CPU_S, DEFAULT_MEMORY_MB, DEFAULT_WALL_S, SandboxResult, run_python
+from grpo_ds.rewards.sandbox import (
+    DEFAULT_CPU_S,
+    DEFAULT_DISK_MB,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_WALL_S,
+    SandboxResult,
+    run_python,
+)
 
 TESTS_COLUMN = "tests"  # the dataset column holding each row's test code
 _PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -61,6 +68,7 @@ def make_code_exec(
     wall_s: float = DEFAULT_WALL_S,
     cpu_s: float = DEFAULT_CPU_S,
     memory_mb: int = DEFAULT_MEMORY_MB,
+    disk_mb: int = DEFAULT_DISK_MB,
     max_parallel: int | None = None,
     tests_column: str = TESTS_COLUMN,
 ) -> Callable[..., Any]:
@@ -68,7 +76,10 @@ def make_code_exec(
 
     # my_rewards.py                          recipe: {"name": "my_rewards:code_exec_fast"}
     from grpo_ds.rewards.code_exec import make_code_exec
-    code_exec_fast = make_code_exec(wall_s=3, memory_mb=512, max_parallel=8)
+    code_exec_fast = make_code_exec(wall_s=3, memory_mb=512, disk_mb=16, max_parallel=8)
+
+    The limits are ``run_python``'s: ``wall_s`` seconds, ``cpu_s`` CPU seconds, ``memory_mb`` MiB of address space
+    and ``disk_mb`` MiB written in total (all files together) per program.
     """
     if max_parallel is not None and max_parallel < 1:
         raise ValueError(f"max_parallel must be at least 1, got {max_parallel}")
@@ -87,7 +98,8 @@ def make_code_exec(
                 return None
             program = build_program(extract_code(completion), row_tests)
             async with slots:
-                result = await asyncio.to_thread(run_python, program, wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb)
+                result = await asyncio.to_thread(run_python, program, wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb,
+                                                 disk_mb=disk_mb)
             return sandbox_score(result)
 
         return list(await asyncio.gather(*(one(c, t) for c, t in zip(completions, tests, strict=True))))

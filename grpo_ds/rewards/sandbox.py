@@ -1,14 +1,24 @@
 """Run untrusted Python (a model's completion) in a separate, confined process — never in the training process.
 
-``run_python(code)`` starts ``sys.executable -I -S -B`` on ``sandbox_runner.py`` with an empty environment,
-in a new session (its own process group), with a fresh temporary folder as its working directory, and
-waits at most ``wall_s`` seconds; then the whole process group is killed and the folder deleted, whatever
-happened. Inside, before the code runs, the runner confines itself in layers (see ``sandbox_runner``):
-a new network namespace, Landlock file and TCP rules, resource limits (CPU time, address space, file size,
-open files), a seccomp filter against process creation, sockets and other escape hatches, and a Python audit
-hook that refuses the same things (and file access outside the folder) with a clear PermissionError. The
-kernel layers are used where the kernel offers them (``sandbox_layers()`` says which); the audit hook and
-the resource limits are always there.
+``run_python(code)`` starts ``sys.executable -I -S -B`` on ``sandbox_runner.py`` with an empty environment, in a new
+session (its own process group), with a fresh temporary folder as its working directory, and waits at most
+``wall_s`` seconds; then the whole process group is killed and the folder deleted, whatever happened. Inside, before
+the code runs, the runner confines itself in layers (see ``sandbox_runner``): a new network namespace, a size-
+limited folder (a tmpfs of ``disk_mb``), Landlock file and TCP rules, resource limits (CPU time, address space, file
+size, open files), a seccomp filter against process creation, sockets and other escape hatches, and a Python audit
+hook that refuses the same things (and file access outside the folder) with a clear PermissionError. The kernel
+layers are used where the kernel offers them (``sandbox_layers()`` says which); the audit hook and the resource
+limits are always there.
+
+Disk. ``disk_mb`` bounds what a program writes, all files together (RLIMIT_FSIZE bounds one file only; a program
+could otherwise write 16 MiB x as many files as it likes). Two layers: where the kernel allows a private mount
+namespace, the folder is a tmpfs of ``disk_mb`` MiB and ``FILES_LIMIT`` inodes, so no byte beyond it is ever
+stored (whether in many files, deleted-but-open files, mmap or fallocate) and nothing reaches the disk; and
+always, the parent checks every ``WATCH_S`` seconds, and once more at the exit, the bytes the process has passed
+to write() in total (/proc/PID/io ``wchar``: deleting and rewriting counts again), the space its folder holds and
+the files in it (a real folder, where there is no tmpfs), and the files it holds open after deleting them; past the
+bound it is killed. Either way the result is ``blocked`` (a tmpfs filled to within 1 MiB of its size counts as
+reached, since a program may catch the ENOSPC). The tmpfs lives in memory: up to ``disk_mb`` per running program.
 
 What the sandbox does not promise: the audit hook is a Python-level guard, and native code (a C extension
 the program manages to load) is only stopped by the kernel layers; where those are missing, such code could
@@ -42,6 +52,9 @@ FILE_LIMIT_MB = 16  # largest file the program may write, its stdout and stderr 
 OPEN_FILES_LIMIT = 64  # RLIMIT_NOFILE
 NPROC_MARGIN = 32  # non-root only: threads the program may add to the user's count (RLIMIT_NPROC)
 OUTPUT_LIMIT_BYTES = 64 * 1024  # stdout and stderr kept per program (the rest is read and dropped)
+DEFAULT_DISK_MB = 64  # what a program may write in total, all its files together (and stdout/stderr), MiB
+FILES_LIMIT = 4096  # files and folders a program may create in its folder
+WATCH_S = 0.01  # how often the parent checks what a running program has written
 
 # Read-only for the program's native side (the dynamic loader): shared libraries the standard library's
 # extension modules load. The audit hook allows Python-level reads beneath the standard library only.
@@ -73,18 +86,22 @@ def run_python(
     wall_s: float = DEFAULT_WALL_S,
     cpu_s: float = DEFAULT_CPU_S,
     memory_mb: int = DEFAULT_MEMORY_MB,
+    disk_mb: int = DEFAULT_DISK_MB,
     audit_hook: bool = True,
     report_layers: bool = False,
+    size_limited_folder: bool = True,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` of a confined Python process and say what happened.
 
     ``stdin`` is the program's standard input. ``wall_s`` bounds the wall-clock time, ``cpu_s`` the CPU time
-    (whole seconds, rounded up), ``memory_mb`` the address space. ``audit_hook=False`` leaves only the kernel
-    layers, to test them; ``report_layers`` writes the layers in use to the start of stderr. Thread-safe: each
-    call has its own folder and process.
+    (whole seconds, rounded up), ``memory_mb`` the address space, ``disk_mb`` what it writes in total (see the
+    module docstring). ``audit_hook=False`` leaves only the kernel layers, to test them, ``size_limited_folder=False``
+    only the parent's watch of the disk; ``report_layers`` writes the layers in use to the start of stderr.
+    Thread-safe: each call has its own folder and process.
     """
-    if wall_s <= 0 or cpu_s <= 0 or memory_mb <= 0:
-        raise ValueError(f"limits must be positive, got wall_s={wall_s}, cpu_s={cpu_s}, memory_mb={memory_mb}")
+    if wall_s <= 0 or cpu_s <= 0 or memory_mb <= 0 or disk_mb <= 0:
+        raise ValueError(f"limits must be positive, got wall_s={wall_s}, cpu_s={cpu_s}, memory_mb={memory_mb}, "
+                         f"disk_mb={disk_mb}")
     with tempfile.TemporaryDirectory(prefix="grpo_ds_sandbox_") as root:
         work = os.path.join(root, "work")  # the program's folder; root keeps what the program must not see
         os.mkdir(work)
@@ -95,6 +112,8 @@ def run_python(
             "lib_paths": _LIB_PATHS,
             "cpu_s": max(1, int(-(-cpu_s // 1))),
             "memory_mb": int(memory_mb),
+            "disk_mb": int(disk_mb) if size_limited_folder else 0,  # 0: no tmpfs
+            "max_files": FILES_LIMIT,
             "file_mb": FILE_LIMIT_MB,
             "nofile": OPEN_FILES_LIMIT,
             "nproc_margin": NPROC_MARGIN,
@@ -123,12 +142,14 @@ def run_python(
                 start_new_session=True,
                 close_fds=True,
             )
-            timed_out = not _wait_unreaped(proc.pid, wall_s)
+            timed_out, overrun = _wait_watching(proc.pid, wall_s, config["work"], int(disk_mb) << 20)
             _kill_group(proc.pid)  # before reaping: the group's id cannot have been reused yet
             returncode = proc.wait()
         stdout, stderr = _read(paths["stdout"]), _read(paths["stderr"])
     if returncode == sandbox_runner.EXIT_SETUP:
         raise SandboxSetupError(stderr.strip().splitlines()[-1] if stderr.strip() else "the sandbox runner failed")
+    if overrun is not None:
+        return SandboxResult("blocked", stdout, f"{stderr}\nsandbox: blocked {overrun}\n", returncode)
     return SandboxResult(_status(returncode, timed_out), stdout, stderr, returncode)
 
 
@@ -178,6 +199,81 @@ def _wait_unreaped(pid: int, timeout_s: float) -> bool:
         return bool(poller.poll(timeout_s * 1000))
     finally:
         os.close(pidfd)
+
+
+def _wait_watching(pid: int, wall_s: float, work: str, limit: int) -> tuple[bool, str | None]:
+    """Wait (unreaped) until the program exits or ``wall_s`` passes, checking what it has written every WATCH_S
+    seconds and once more after it exits: (timed out, what it overran or None)."""
+    deadline = time.monotonic() + wall_s
+    while True:
+        left = deadline - time.monotonic()
+        exited = left > 0 and _wait_unreaped(pid, min(WATCH_S, left))
+        overrun = _disk_overrun(pid, work, limit)
+        if overrun is not None or exited:
+            return False, overrun
+        if time.monotonic() >= deadline:
+            return True, None
+
+
+def _disk_overrun(pid: int, work: str, limit: int) -> str | None:
+    """Why the program is over the disk bound, or None: bytes written in total, bytes held (the folder's allocated
+    blocks and files it deleted but holds open), or files created."""
+    mib = limit >> 20
+    try:
+        with open(f"/proc/{pid}/io") as f:  # the whole process (every thread, reaped children), unreaped
+            written = next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+        if written > limit:
+            return f"writing {written / 2**20:.0f} MiB (the limit is {mib} MiB in total)"
+    except (OSError, StopIteration, ValueError):
+        pass  # gone (reaped) or not readable here: the other measures still hold
+    held, entries, stack = 0, 0, [work]
+    while stack and entries <= FILES_LIMIT:
+        try:
+            with os.scandir(stack.pop()) as folder:
+                for entry in folder:
+                    entries += 1
+                    stat = entry.stat(follow_symlinks=False)
+                    held += stat.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+        except OSError:
+            continue  # changed while we looked: the next check sees it
+    held += _deleted_open_bytes(pid)
+    if _tmpfs_full(pid, work, limit):
+        return f"filling its folder (the limit is {mib} MiB and {FILES_LIMIT} files in total)"
+    if entries > FILES_LIMIT:
+        return f"creating more than {FILES_LIMIT} files in its folder"
+    if held > limit:
+        return f"holding {held / 2**20:.0f} MiB on disk (the limit is {mib} MiB in total)"
+    return None
+
+
+def _tmpfs_full(pid: int, work: str, limit: int) -> bool:
+    """Whether the program's size-limited folder (seen in its own mount namespace) is within 1 MiB or 16 files of
+    its bound: the kernel refuses what goes past it, which the program may catch and try again."""
+    try:
+        room = os.statvfs(f"/proc/{pid}/root{work}")
+    except OSError:
+        return False  # exited, or no access here: the runner checks the same as the program ends
+    ours = room.f_blocks * room.f_frsize == limit  # the tmpfs, not the disk under a plain folder
+    return ours and (room.f_bavail * room.f_frsize < 2**20 or room.f_favail < 16)
+
+
+def _deleted_open_bytes(pid: int) -> int:
+    """Space held by files the program deleted but keeps open (at most RLIMIT_NOFILE of them)."""
+    total = 0
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            stat = os.stat(f"/proc/{pid}/fd/{fd}")  # the open file itself, even when it has no name left
+        except OSError:
+            continue
+        if stat.st_nlink == 0:
+            total += stat.st_blocks * 512
+    return total
 
 
 def _kill_group(pid: int) -> None:

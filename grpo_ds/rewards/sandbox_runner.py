@@ -7,6 +7,9 @@ runs, it:
 
 1. reads the program and its limits from CONFIG.json (outside the folder, unreadable afterwards);
 2. moves into a new, empty network namespace (no interfaces up: nothing is reachable), if the kernel lets it;
+   then into a private mount namespace where the folder is a size-limited tmpfs (``disk_mb``, ``max_files``):
+   the kernel refuses (ENOSPC) any byte or file beyond the bound, however the program writes (many files,
+   deleted-but-open files, mmap, fallocate, threads), and nothing it writes reaches the disk;
 3. applies a Landlock ruleset (kernel >= 5.13), if available: read-write beneath the folder, read-only beneath
    the Python standard library and the system library folders, nothing elsewhere; TCP bind/connect denied
    (ABI >= 4); no signals to processes outside the sandbox (ABI >= 6);
@@ -20,10 +23,11 @@ runs, it:
    site-packages);
 7. runs the program as ``__main__``.
 
-Steps 2, 3 and 5 are best effort (the kernel may not offer them); steps 4 and 6 always happen. The exit code
-tells the parent what happened: 0 the program finished; 1-99 it failed (an exception, or its own exit
-code); 101 it ran out of memory; 102 it tried something the sandbox forbids (even if it caught the error);
-103 the sandbox could not be set up (not the program's fault).
+Steps 2, 3 and 5 are best effort (the kernel may not offer them); steps 4 and 6 always happen (and the parent
+watches what the program writes whether or not the folder is a tmpfs). The exit code tells the parent what
+happened: 0 the program finished; 1-99 it failed (an exception, or its own exit code); 101 it ran out of
+memory; 102 it tried something the sandbox forbids (even if it caught the error), or filled its size-limited
+folder; 103 the sandbox could not be set up (not the program's fault).
 """
 
 import _imp
@@ -55,9 +59,49 @@ def unshare_network() -> str:
     if _LIBC.unshare(_CLONE_NEWNET) == 0:
         return "on"
     reason = _errno_text()
-    if os.geteuid() != 0 and _LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:  # unprivileged user namespace
+    uid, gid = os.getuid(), os.getgid()
+    if uid != 0 and _LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:  # unprivileged user namespace
+        _map_own_ids(uid, gid)
         return "on (user namespace)"
     return f"off ({reason})"
+
+
+def _map_own_ids(uid: int, gid: int) -> None:
+    """Map our uid and gid into the new user namespace as themselves (a tmpfs mounted there needs them to own files)."""
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        try:
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        except OSError:
+            return
+
+
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE, _MNT_DETACH = 2, 4, 8, 1 << 14, 1 << 18, 2
+
+
+def size_limited_folder(work: str, disk_mb: int, max_files: int) -> str:
+    """Mount a tmpfs of ``disk_mb`` MiB and ``max_files`` inodes on ``work`` in a private mount namespace and move
+    into it (before Landlock, whose rules name the folder's inode). Returns how, or why not."""
+    if disk_mb <= 0 or _LIBC.unshare(_CLONE_NEWNS) != 0:
+        return f"off ({_errno_text() if disk_mb > 0 else 'not asked for'})"
+    # private first: a mount in a namespace copied from a shared "/" would propagate back to the host's
+    if _LIBC.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return f"off (making / private: {_errno_text()})"
+    options = f"size={disk_mb}m,nr_inodes={max_files},mode=0700".encode()
+    if _LIBC.mount(b"grpo_ds_sandbox", os.fsencode(work), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                   options) != 0:
+        return f"off ({_errno_text()})"
+    os.chdir(work)  # the process's folder was the directory now covered; the tmpfs is the folder from here on
+    try:  # our uid must be able to create files there (an unmapped user namespace would refuse it)
+        open(os.path.join(work, ".probe"), "w").close()
+        os.remove(os.path.join(work, ".probe"))
+    except OSError as err:
+        os.chdir("/")
+        _LIBC.umount2(os.fsencode(work), _MNT_DETACH)
+        os.chdir(work)
+        return f"off (files cannot be created in it: {err.strerror})"
+    return f"on (tmpfs, {disk_mb} MiB, {max_files} files)"
 
 
 # Landlock (Documentation/userspace-api/landlock.rst). Syscall numbers are the same on every architecture.
@@ -403,6 +447,7 @@ def main() -> None:
         uid = os.getuid()
         nproc = None if uid == 0 else _tasks_of_user(uid) + cfg["nproc_margin"]  # before Landlock hides /proc
         layers = {"network_namespace": unshare_network()}
+        layers["disk_limit"] = size_limited_folder(cfg["work"], cfg["disk_mb"], cfg["max_files"])
         layers["landlock"] = landlock(cfg["work"], cfg["read_dirs"] + cfg["lib_paths"])
         set_limits(cfg["cpu_s"], cfg["memory_mb"], cfg["file_mb"], cfg["nofile"], nproc)
         layers["seccomp"] = seccomp()
@@ -437,6 +482,11 @@ def main() -> None:
     except MemoryError:
         _report("out of memory while compiling")
         status = EXIT_MEMORY
+    room = os.statvfs(cfg["work"]) if layers["disk_limit"].startswith("on") else None  # within 1 MiB: reached
+    full = room is not None and (room.f_bavail * room.f_frsize < 2**20 or room.f_favail < 16)
+    if full and status != EXIT_BLOCKED:
+        _report(f"blocked writing: the folder's limit of {cfg['disk_mb']} MiB and {cfg['max_files']} files is reached")
+        status = EXIT_BLOCKED
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             stream.flush()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is 
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
 GOOD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
 WRONG = "```python\ndef add(a, b):\n    return a - b\n```"
-fast = make_code_exec(wall_s=1.5, cpu_s=2, memory_mb=256, max_parallel=2)
+fast = make_code_exec(wall_s=1.5, cpu_s=2, memory_mb=256, disk_mb=8, max_parallel=2)
 
 # Each is contained by the sandbox; code_exec reports it as a RewardError of this kind.
 ABUSE = {
@@ -25,6 +25,8 @@ ABUSE = {
     "network": ("```python\nimport socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)\n```", "blocked"),
     "read outside": ("```python\nprint(open('/etc/passwd').read())\n```", "blocked"),
     "write outside": ("```python\nopen('../escaped', 'w').write('x')\n```", "blocked"),
+    "disk filler": ("```python\ni = 0\nwhile True:\n    open(f'f{i}', 'wb').write(bytes(2**20))\n    i += 1\n```",
+                    "blocked"),
 }
 
 

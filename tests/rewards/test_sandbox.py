@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from grpo_ds.rewards.sandbox import OUTPUT_LIMIT_BYTES, run_python, sandbox_layers
+from grpo_ds.rewards import sandbox
+from grpo_ds.rewards.sandbox import DEFAULT_DISK_MB, FILES_LIMIT, OUTPUT_LIMIT_BYTES, run_python, sandbox_layers
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
@@ -197,6 +198,74 @@ def test_threads_and_asyncio_work():
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="positive"):
         run_python("", wall_s=0)
+    with pytest.raises(ValueError, match="disk_mb=0"):
+        run_python("", disk_mb=0)
+
+
+# ---- the disk: what a program writes in total, all files together (RLIMIT_FSIZE bounds one file)
+
+# Ways around a per-file bound, or around a watcher that measures the folder now and then. Each would write far
+# more than 8 MiB (1 MiB a step, until its wall-time limit) unless stopped at the bound.
+DISK_ABUSE = {
+    "many files": "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(bytes(2**20))\n    i += 1",
+    "delete and rewrite": "import os\nwhile True:\n    open('f', 'wb').write(bytes(2**20))\n    os.remove('f')",
+    "deleted but open": "import os, tempfile\nfiles = []\nwhile True:\n    f = tempfile.TemporaryFile()\n"
+                        "    f.write(bytes(2**20)); f.flush(); files.append(f)",  # no name in the folder
+    "threads": "import threading\ndef fill(t):\n    i = 0\n    while True:\n"
+               "        open(f'{t}-{i}', 'wb').write(bytes(2**20)); i += 1\n"
+               "for t in range(4):\n    threading.Thread(target=fill, args=(t,), daemon=True).start()\n"
+               "threading.Event().wait()",
+    "caught and kept going": "i = 0\nwhile True:\n    try:\n        open(f'f{i}', 'wb').write(bytes(2**20))\n"
+                             "    except OSError:\n        pass\n    i += 1",
+    "fallocate, deleted": "import os, tempfile, time\nfiles = []\ntry:\n    while True:\n"  # no write() at all
+                          "        f = tempfile.TemporaryFile(); os.posix_fallocate(f.fileno(), 0, 2**20)\n"
+                          "        files.append(f)\nexcept OSError:\n    time.sleep(60)",
+    "empty files": "import os\ni = 0\nwhile True:\n    os.mkdir(f'd{i}'); i += 1",
+}
+WATCH_ONLY = {"size_limited_folder": False}  # the parent's watch alone: what a machine without a tmpfs gets
+
+
+@pytest.mark.parametrize("layers", [{}, WATCH_ONLY], ids=["all layers", "watch only"])
+@pytest.mark.parametrize("name", list(DISK_ABUSE))
+def test_a_program_that_keeps_writing_is_stopped_at_the_total_bound(name, layers):
+    res = run(DISK_ABUSE[name], disk_mb=8, wall_s=30, **layers)  # "timeout" would mean it was not stopped
+    assert res.status == "blocked", (res.returncode, res.stderr[-500:])
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("sandbox: blocked") and ("MiB" in last or f"{FILES_LIMIT} files" in last), last
+
+
+@pytest.mark.parametrize("layers", [{}, WATCH_ONLY], ids=["all layers", "watch only"])
+def test_writing_within_the_bound_is_fine(layers):
+    code = ("import os\nfor i in range(5):\n    open(f'f{i}', 'wb').write(bytes(2**20))\n"
+            "os.remove('f0')\nprint(sorted(os.listdir('.')), os.path.getsize('f4'))")
+    res = run(code, disk_mb=8, **layers)
+    assert (res.status, res.stdout) == ("ok", f"{['f1', 'f2', 'f3', 'f4']} {2**20}\n"), res.stderr
+
+
+def test_the_folder_is_a_size_limited_tmpfs_where_the_kernel_allows_it():
+    if not layer_on("disk_limit"):
+        pytest.skip(f"no size-limited folder here: {sandbox_layers()['disk_limit']}")
+    assert sandbox_layers()["disk_limit"] == f"on (tmpfs, {DEFAULT_DISK_MB} MiB, {FILES_LIMIT} files)"
+    res = run("import os\ns = os.statvfs('.')\nprint(s.f_blocks * s.f_frsize >> 20, s.f_files)", disk_mb=8)
+    assert (res.status, res.stdout) == ("ok", f"8 {FILES_LIMIT}\n"), res.stderr
+    # what a write past the bound meets: ENOSPC from the kernel, before a byte more is stored (unless the parent,
+    # which sees the full folder, kills the program first)
+    res = run("try:\n    open('big', 'wb').write(bytes(12 * 2**20))\nexcept OSError as e:\n    print(e.errno)",
+              disk_mb=8, memory_mb=512)
+    assert res.status == "blocked" and res.stdout in ("28\n", ""), res.stderr  # errno 28: ENOSPC
+
+
+def test_a_program_that_fills_its_tmpfs_and_catches_enospc_is_blocked_by_the_runner_alone(monkeypatch):
+    """Where the parent cannot look into the program's mount namespace, the runner itself reports the full folder
+    as the program ends (here: the file limit, reached with empty files, so no byte is written)."""
+    if not layer_on("disk_limit"):
+        pytest.skip(f"no size-limited folder here: {sandbox_layers()['disk_limit']}")
+    monkeypatch.setattr(sandbox, "_tmpfs_full", lambda *args: False)
+    code = "i = 0\ntry:\n    while True:\n        open(f'f{i}', 'w').close(); i += 1\nexcept OSError as e:\n" \
+           "    print(e.errno, i >= 4000)"
+    res = run(code, disk_mb=8)
+    assert (res.status, res.stdout) == ("blocked", "28 True\n"), res.stderr
+    assert res.stderr.strip().endswith(f"the folder's limit of 8 MiB and {FILES_LIMIT} files is reached")
 
 
 # ---- the kernel layers alone (audit hook off): what native code would meet
