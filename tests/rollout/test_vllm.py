@@ -311,12 +311,14 @@ def test_the_start_guard_is_one_line_and_the_dry_run_plans_for_another_machine(c
     assert str(err.value) == 'rollout.engine: "vllm" needs CUDA GPUs and this process sees none. use rollout.engine ' \
                              '"hf" on a CPU machine.'
     # the dry run plans a GPU run from anywhere (a login node): GPUs and vLLM are the run's machine's to check
-    check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "--world-size", "2"])
+    # (data.max_prompt_tokens: the default 512 + max_new_tokens is past builtin:tiny's context, which vLLM refuses)
+    check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "data.max_prompt_tokens=64",
+                "--world-size", "2"])
     out = capsys.readouterr().out
     assert "recipe is valid for world size 2" in out and "checked when the run starts" in out
     with pytest.raises(SystemExit) as exit_info:  # but not a layout vLLM cannot take
-        check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "--world-size", "3",
-                    "rollout.vllm_tensor_parallel_size=2"])
+        check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "data.max_prompt_tokens=64",
+                    "--world-size", "3", "rollout.vllm_tensor_parallel_size=2"])
     assert exit_info.value.code == 2 and "does not divide the world size 3" in capsys.readouterr().err
 
 
@@ -409,8 +411,9 @@ def test_the_driver_trains_with_the_vllm_engine(fake_vllm, monkeypatch, tmp_path
     monkeypatch.setattr(inputs_module, "check_vllm_setup", lambda *args: None)
     metrics = grpo_ds.train(str(REPO / "recipes" / "tiny_cpu.json"), {
         "run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
-        "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "algorithm.rollout_is_cap": 2.0,
-        "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False, "checkpoint.every_steps": None})
+        "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "data.max_prompt_tokens": 64,
+        "algorithm.rollout_is_cap": 2.0, "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False,
+        "checkpoint.every_steps": None})
     assert len(metrics) == 2 and all(m["response_len_mean"] > 0 for m in metrics)
     llm = FakeLLM.instances[-1]
     assert (Path(llm.kwargs["model"]) / "config.json").is_file()  # builtin:tiny saved to a folder for vLLM
@@ -428,7 +431,7 @@ def test_a_lora_run_syncs_merged_adapted_layers_into_vllm(fake_vllm, monkeypatch
     monkeypatch.setattr(inputs_module, "check_vllm_setup", lambda *args: None)
     grpo_ds.train(str(REPO / "recipes" / "lora_tiny_cpu.json"), {
         "run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
-        "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "train.lr": 0.05,
+        "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "data.max_prompt_tokens": 64, "train.lr": 0.05,
         "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False, "checkpoint.every_steps": None})
     llm = FakeLLM.instances[-1]
     final = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "lora_tiny_cpu" / "final_model").named_parameters())
