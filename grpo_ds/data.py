@@ -140,6 +140,9 @@ def _load_saved_dataset(path: Path) -> list[dict]:
 
     try:
         dataset = datasets.load_from_disk(str(path))
+    except IndexError:  # datasets indexes the first of its data files, and a dataset saved with no rows has none
+        raise UserError(f"data.train {path}", "has no rows (a saved dataset without data files)",
+                        "give a dataset with at least one prompt row") from None
     except (FileNotFoundError, ValueError, OSError) as err:
         raise UserError("data.train", f"{path} is a folder but not a saved HF dataset ({first_line(err)})",
                         "give a folder written by Dataset.save_to_disk, or a .jsonl/.json/.parquet file") from None
