@@ -21,6 +21,7 @@ import numpy as np
 
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import DataConfig
+from grpo_ds.recipe_parse import printable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -58,12 +59,12 @@ def load_rows(data_cfg: DataConfig, source_dir: str = ".") -> list[dict]:
         return _load_saved_dataset(path)
     suffix = path.suffix.lower()
     if suffix not in _SUFFIXES:
-        raise UserError("data.train", f"{spec}: unsupported file type {suffix or '(no extension)'!r}",
+        raise UserError("data.train", f"{printable(spec)}: unsupported file type {suffix or '(no extension)'!r}",
                         "give a .jsonl, .json or .parquet file, or a folder saved with Dataset.save_to_disk")
     empty = {".jsonl": lambda: not _check_jsonl(path), ".json": lambda: _blank(path),
              ".parquet": lambda: _parquet_rows(path) == 0}[suffix]
     if empty():
-        raise UserError(f"data.train {spec}", "has no rows (the file is empty)",
+        raise UserError(f"data.train {printable(spec)}", "has no rows (the file is empty)",
                         "give a dataset with at least one prompt row")
     return _load_file(path, "parquet" if suffix == ".parquet" else "json")
 
@@ -74,8 +75,8 @@ def _resolve(spec: str, source_dir: str) -> Path:
     for candidate in candidates:
         if candidate.exists():
             return candidate
-    looked = " or ".join(str(c) for c in dict.fromkeys(candidates))
-    raise UserError("data.train", f"{spec} not found (looked for {looked})",
+    looked = " or ".join(printable(str(c)) for c in dict.fromkeys(candidates))
+    raise UserError("data.train", f"{printable(spec)} not found (looked for {looked})",
                     'give a .jsonl/.json/.parquet file or a saved HF dataset folder (relative paths are taken from '
                     'the working directory, then the recipe\'s folder), or "builtin:arith"')
 

@@ -35,7 +35,7 @@ from typing import Any
 from grpo_ds.ds_config_check import check_deepspeed_config, check_shapes, scheduler_class
 from grpo_ds.errors import UserError
 from grpo_ds.recipe import Recipe
-from grpo_ds.recipe_parse import check_finite, read_json_object
+from grpo_ds.recipe_parse import check_finite, printable, read_json_object
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # ds_configs/ sits beside grpo_ds/ in the repo
 
@@ -47,8 +47,8 @@ def find_deepspeed_file(spec: str, source_dir: str) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    raise UserError("deepspeed", f"{spec} not found (looked in the working directory, the recipe's folder and "
-                    f"{_PACKAGE_ROOT})", "give a path to a DeepSpeed JSON file, e.g. ds_configs/zero3.json")
+    raise UserError("deepspeed", f"{printable(spec)} not found (looked in the working directory, the recipe's "
+                    f"folder and {_PACKAGE_ROOT})", "give a path to a DeepSpeed JSON file, e.g. ds_configs/zero3.json")
 
 
 def load_deepspeed_json(recipe: Recipe) -> tuple[dict, str]:

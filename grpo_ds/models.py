@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, 
 from grpo_ds.builtin_tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer, tiny_config
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import ModelConfig
-from grpo_ds.recipe_parse import read_json_object
+from grpo_ds.recipe_parse import printable, read_json_object
 
 BUILTIN_TINY = "builtin:tiny"
 # Any one of these makes a folder worth handing to AutoTokenizer. Without them transformers 5 does not fail: it
@@ -53,9 +53,10 @@ def check_model_path(model_cfg: ModelConfig) -> None:
         raise UserError("model.path", f"unknown builtin model {path!r}", f'the only builtin model is "{BUILTIN_TINY}"')
     folder = Path(path)
     if not folder.exists():
-        raise UserError("model.path", f"{path} does not exist", f'give a local HF model folder or "{BUILTIN_TINY}"')
+        raise UserError("model.path", f"{printable(path)} does not exist",
+                        f'give a local HF model folder or "{BUILTIN_TINY}"')
     if not folder.is_dir() or not (folder / "config.json").is_file():
-        raise UserError("model.path", f"{path} is not a Hugging Face model folder (no config.json in it)",
+        raise UserError("model.path", f"{printable(path)} is not a Hugging Face model folder (no config.json in it)",
                         f'give the folder that holds config.json and the weights, or "{BUILTIN_TINY}"')
 
 
