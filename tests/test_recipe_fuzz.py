@@ -118,3 +118,41 @@ def test_random_recipe_files_give_a_recipe_or_one_error_line(tmp_path_factory, d
     path = tmp_path_factory.mktemp("fuzz") / "recipe.json"
     path.write_bytes(data)
     outcome(path)
+
+
+# ------------------------------------------------------------------------------------------ beyond the loader
+
+STRING_KEYS = [d for d, (section, f) in zip(DOTTED, KEYS, strict=True) if "str" in str(f.type) and section]
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> list[str]:
+    """Path-like values: files, folders, empty data, odd characters, places that cannot be written."""
+    base = tmp_path_factory.mktemp("places")
+    (base / "file").write_text("x")
+    (base / "empty.jsonl").write_text("")
+    (base / "list.json").write_text("[]")
+    (base / "folder").mkdir()
+    return [str(base / n) for n in ("file", "file/below", "empty.jsonl", "list.json", "folder")] + [
+        "", ".", "..", "/", "/proc/1", "\n", "a\nb", "x\0y", "~", "builtin:", "builtin:nope", "ds_configs/zero3.json"]
+
+
+@settings(max_examples=max(EXAMPLES // 3, 10), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_paths_through_prepare_inputs(places, tmp_path_factory, data):
+    """The whole validation before load (grpo_ds.inputs), string keys set to path-like values: a valid input or one
+    error line, and nothing written either way."""
+    from grpo_ds.inputs import prepare_inputs
+
+    out = tmp_path_factory.mktemp("out")
+    overrides = data.draw(st.dictionaries(st.sampled_from(STRING_KEYS + ["deepspeed"]),
+                                          st.sampled_from(places) | st.text(max_size=6), max_size=3))
+    if overrides.get("run.output_dir") in (None, "", ".", "/", "~"):
+        overrides["run.output_dir"] = str(out / "runs")  # never the working directory: nothing may be written
+    raw = {"rollout": {"max_new_tokens": 2, "prompts_per_step": 2, "group_size": 2}}
+    try:
+        prepare_inputs(raw, overrides, 1, "cpu")
+    except UserError as err:
+        assert "\n" not in str(err) and err.where, repr(str(err))
+    assert not any(out.iterdir())
