@@ -32,7 +32,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from grpo_ds.ds_config_check import check_deepspeed_config, check_shapes, scheduler_class
+from grpo_ds.ds_config_check import check_deepspeed_config, check_shapes, choose_accelerator, scheduler_class
 from grpo_ds.errors import UserError
 from grpo_ds.recipe import Recipe
 from grpo_ds.recipe_parse import check_finite, printable, read_json_object
@@ -66,6 +66,7 @@ def static_micro_batches_per_rank(samples: int, world_size: int, micro_samples: 
 
 def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str = "cpu") -> dict[str, Any]:
     """The DeepSpeed config grpo_ds passes to deepspeed.initialize (and writes into the run folder)."""
+    choose_accelerator(device_type)  # before anything below imports DeepSpeed
     raw, where = load_deepspeed_json(recipe)
     check_finite(f"{where}:", raw)
     check_shapes(raw, where)
@@ -112,7 +113,7 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
     leftover = _find_auto(out)
     if leftover:
         raise UserError(f"{where}: {leftover}", '"auto" is not a value grpo_ds can derive', "give a number")
-    check_deepspeed_config(out, where, dtype)  # what DeepSpeed itself would reject, before any engine exists
+    check_deepspeed_config(out, where, dtype, device_type)  # what DeepSpeed itself would reject, before any engine
     return out
 
 

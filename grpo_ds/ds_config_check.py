@@ -16,6 +16,7 @@ import copy
 import inspect
 import json
 import logging
+import os
 from typing import Any
 
 from grpo_ds.errors import UserError, first_line, suggest
@@ -26,8 +27,9 @@ _PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "fl
 _DOCS = "see https://www.deepspeed.ai/docs/config-json/"
 
 
-def check_deepspeed_config(cfg: dict, where: str, model_dtype: str) -> None:
+def check_deepspeed_config(cfg: dict, where: str, model_dtype: str, device_type: str) -> None:
     """Raise UserError for anything in ``cfg`` (a resolved config) that DeepSpeed would reject."""
+    choose_accelerator(device_type)
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise UserError(f"{where}: zero_optimization", f"must be a JSON object, got {json.dumps(zero)}",
@@ -78,6 +80,7 @@ def scheduler_class(name: Any) -> type | None:
 def check_precision_supported(cfg: dict, device_type: str) -> None:
     """On the machine that runs: DeepSpeed refuses fp16 or bf16 that the accelerator lacks (when it builds the engine,
     after the model has loaded)."""
+    choose_accelerator(device_type)
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -87,6 +90,13 @@ def check_precision_supported(cfg: dict, device_type: str) -> None:
             raise UserError("model.dtype", f'"{dtype}" is not supported by DeepSpeed on this {device_type} '
                             f"accelerator ({accelerator.device_name()})",
                             'use "float32"' + ('' if section == "bf16" else ' or "bfloat16"'))
+
+
+def choose_accelerator(device_type: str) -> None:
+    """DeepSpeed picks its accelerator when first imported, and without a GPU it says so on stdout unless told (as
+    grpo_ds.engine tells it)."""
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _deepspeed_validation(cfg: dict, where: str) -> None:

@@ -61,6 +61,34 @@ CASES = {
     "recipe_invalid_json": Case(["grpo_ds.train", "{dir}/broken.json", "run.output_dir={dir}/out"],
                                 "{dir}/broken.json:2:", "invalid JSON",
                                 files={"broken.json": '{\n  "run": {"output_dir": "out",}\n}\n'}),
+    # issue 17's classes (tests/test_bad_inputs.py has each in detail)
+    "non_finite_override": Case(_train("train.lr=NaN"), "train.lr", "NaN is not a finite number"),
+    "non_finite_in_deepspeed_file": Case(
+        _train("deepspeed={dir}/ds.json"), "{dir}/ds.json: gradient_clipping", "Infinity is not a finite number",
+        files={"ds.json": '{"zero_optimization": {"stage": 3}, "gradient_clipping": Infinity}'}),
+    "deepspeed_offload_device": Case(
+        _train("deepspeed={dir}/ds.json"), "{dir}/ds.json: zero_optimization.offload_optimizer.device",
+        "\"gpu\" is rejected by DeepSpeed", files={"ds.json": json.dumps(
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}})}),
+    "deepspeed_scheduler": Case(
+        _train("deepspeed={dir}/ds.json"), "{dir}/ds.json: scheduler.type", '"CosineLR" is not a scheduler',
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}, "scheduler": {"type": "CosineLR"}})}),
+    "output_dir_is_a_file": Case(_train("run.output_dir={dir}/afile"), "run.output_dir",
+                                 "{dir}/afile exists and is not a folder", files={"afile": "not a folder"}),
+    "output_dir_below_a_file": Case(_train("run.output_dir={dir}/afile/runs"), "run.output_dir",
+                                    "cannot be created: {dir}/afile is a file", files={"afile": "not a folder"}),
+    "run_name_outside_output_dir": Case(_train("run.name=../elsewhere"), "run.name",
+                                        "is not a folder name inside run.output_dir"),
+    "data_file_without_rows": Case(_train("data.train={dir}/rows.jsonl"), "data.train {dir}/rows.jsonl",
+                                   "has no rows", files={"rows.jsonl": ""}),
+    "eval_file_without_rows": Case(_train("eval.data={dir}/eval.json"), "eval.data {dir}/eval.json", "has no rows",
+                                   files={"eval.json": "[]\n"}),
+    "longer_than_the_context": Case(_train("rollout.max_new_tokens=600"), "rollout.max_new_tokens",
+                                    "604 is more than the model's context length 512"),
+    "check_longer_than_the_context": Case(["grpo_ds.check", RECIPE, "rollout.max_new_tokens=600"],
+                                          "rollout.max_new_tokens", "at most 508"),
+    "check_output_dir_is_a_file": Case(["grpo_ds.check", RECIPE, "run.output_dir={dir}/afile"], "run.output_dir",
+                                       "exists and is not a folder", files={"afile": "not a folder"}),
 }
 
 
