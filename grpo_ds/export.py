@@ -50,6 +50,7 @@ from grpo_ds.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder
 from grpo_ds.engine import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
 from grpo_ds.models import BUILTIN_TINY, check_model_path, load_model, load_tokenizer, torch_dtype
+from grpo_ds.output_paths import check_output_folder
 from grpo_ds.recipe import ModelConfig, load_recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -250,6 +251,7 @@ def _check_model_source(model_cfg: ModelConfig, run: Path) -> None:
 def _check_out_dir(out: Path, run: Path, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise UserError("--out", f"{out} exists and is not a folder", "give a new folder")
+    check_output_folder(out, "--out")  # a file on the way, or a folder that cannot be written
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError("--out", f"{out} exists and is not empty", "give a new folder, or pass --overwrite")

@@ -297,3 +297,13 @@ def test_huge_samples_per_step_is_answered_at_once():
     err = error_of(load_recipe, {"rollout": {"prompts_per_step": 10**12, "group_size": 16},
                                  "train": {"samples_per_optimizer_step": 7}})
     assert "use a divisor such as 4, 5, 8" in err.fix
+
+
+def test_export_out_folder_below_a_file(tmp_path):
+    """The exporter's --out gets the same check, before any model is built (mkdir raised FileExistsError after)."""
+    from grpo_ds.export import _check_out_dir
+
+    (tmp_path / "file").write_text("x")
+    err = error_of(_check_out_dir, tmp_path / "file" / "model", tmp_path / "run", False)
+    assert err.where == "--out" and f"cannot be created: {tmp_path / 'file'} is a file" in err.what
+    assert _check_out_dir(tmp_path / "new" / "model", tmp_path / "run", False) == tmp_path / "new" / "model"
