@@ -1,4 +1,4 @@
-"""Dry run: validate a recipe for a world size and print the batch plan, without loading a model.
+"""Dry run: validate a recipe for a world size and print the environment and the batch plan, without loading a model.
 
     python -m grpo_ds.check RECIPE.json --world-size 8 [section.key=value ...]
 
@@ -54,7 +54,8 @@ def environment_lines(env: environment.Environment, device_type: str) -> list[st
     else:
         gpus = "none visible to torch"
     driver = f"; NVIDIA driver {env.driver}" if env.driver else ""
-    lines.append(f"  {'accelerator':<13} {'GPU' if device_type == 'cuda' else 'CPU'} (GPUs: {gpus}{driver})")
+    used = "GPU" if device_type == "cuda" else "CPU" + (" (DS_ACCELERATOR=cpu)" if env.gpus else "")
+    lines.append(f"  {'accelerator':<13} {used} (GPUs: {gpus}{driver})")
     have = ", ".join(extra for extra, on in env.extras.items() if on) or "none"
     missing = ", ".join(extra for extra, on in env.extras.items() if not on) or "none"
     lines.append(f"  {'extras':<13} installed: {have}; not installed: {missing}")
@@ -245,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
 
         gpu = torch.cuda.get_device_properties(0).total_memory / GIB
     with exit_on_user_error():
-        print("\n".join(environment_lines(environment.collect(device_type()), device_type())) + "\n")
         inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type(), machine=False)
+        print("\n".join(environment_lines(environment.collect(), device_type())) + "\n")  # bad input: stdout empty
         print(report(inputs, args.world_size, args.lengths, gpu))
         if inputs.recipe.rollout.engine == "vllm":
             print('note: rollout.engine "vllm": GPUs and the installed vLLM are checked when the run starts, on the '

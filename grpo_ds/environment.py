@@ -158,7 +158,7 @@ def check(recipe: Recipe) -> None:
         raise found[0]
 
 
-def collect(device_type: str) -> Environment:
+def collect() -> Environment:
     """The whole checklist for the report. Queries the GPUs (creates a CUDA context): for grpo_ds.check only."""
     import torch
 
@@ -167,7 +167,7 @@ def collect(device_type: str) -> Environment:
         versions["torch"] = torch.__version__
     cuda = torch.version.cuda or (f"ROCm {torch.version.hip}" if torch.version.hip else None)
     gpus, nccl = [], None
-    if device_type == "cuda":
+    if torch.cuda.is_available():  # listed even when DS_ACCELERATOR=cpu keeps the run off them
         for index in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(index)
             gpus.append(f"{p.name} (compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.1f} GiB)")

@@ -139,7 +139,7 @@ def test_setup_cfg_says_the_same_minimums_and_extras():
 
 
 def test_collect_on_this_cpu_machine():
-    env = environment.collect("cpu")
+    env = environment.collect()
     assert env.gpus == [] and env.nccl is None
     assert env.versions == environment.installed_versions()
     assert env.extras["wandb"] == (importlib.util.find_spec("wandb") is not None)
@@ -150,10 +150,11 @@ def test_collect_reads_the_gpus_and_nccl_where_torch_has_them(monkeypatch):
 
     props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=85_045_477_376)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
-    env = environment.collect("cuda")
+    env = environment.collect()
     assert env.cuda == "12.8" and env.nccl == "2.27.3"
     assert env.gpus == ["NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB)"] * 2
 

@@ -23,8 +23,8 @@ HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # ident, magic, version
 def read_records(path: Path) -> list:
     """Every record of an offline run's ``run-<id>.wandb`` file, parsed with wandb's own protobuf classes.
 
-    The file is W&B's transaction log in the LevelDB log format (wandb/sdk/internal/datastore.py until wandb 0.19;
-    since then only the Go core reads it, so wandb 0.31 has no Python reader): a 7-byte header, then 32 KiB blocks
+    The file is W&B's transaction log in the LevelDB log format (older wandb read it in
+    wandb/sdk/internal/datastore.py; wandb 0.31 has no Python reader, only its Go core): a 7-byte header, 32 KiB blocks
     of chunks, each a 7-byte header (CRC-32 of type and data, data length as 2 bytes little-endian, type: 1 full,
     2 first, 3 middle, 4 last) and its data; a block's last < 7 bytes are padding."""
     from wandb.proto import wandb_internal_pb2
