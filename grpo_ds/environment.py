@@ -62,7 +62,7 @@ class Unmet:
 @dataclass(frozen=True)
 class Environment:
     python: str
-    versions: dict[str, str | None]  # PACKAGES -> installed version (None: not installed)
+    versions: dict[str, str | None]  # PACKAGES -> installed version (None: not installed; or NO_METADATA)
     cuda: str | None  # the CUDA (or "ROCm x") torch was built for; None for a CPU build
     nccl: str | None  # the NCCL version torch uses, when a GPU is visible
     gpus: list[str]  # one entry per visible GPU: "NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.1 GiB)"
