@@ -262,6 +262,16 @@ def test_agent_budget_and_eval_prompts_count(tmp_path):
     assert "500 tokens, eval.data row 1" in err.what and "at most 12" in err.fix
 
 
+def test_vllm_plans_its_budget_against_the_context(tmp_path):
+    """vLLM refuses a max_model_len past the model's (it plans its KV cache for the budget, not the prompts seen)."""
+    raw = {"run": {"output_dir": str(tmp_path / "out")}, "rollout": {"engine": "vllm", "max_new_tokens": 2}}
+    err = error_of(prepare_inputs, raw, ["rollout.vllm_max_model_len=1000"], 1, "cpu", machine=False)
+    assert err.where == "rollout.vllm_max_model_len" and "1000 is more than the model's context length 512" in err.what
+    err = error_of(prepare_inputs, raw, ["data.max_prompt_tokens=511"], 1, "cpu", machine=False)
+    assert err.where == "data.max_prompt_tokens + rollout.max_new_tokens" and err.what.startswith("513 is more")
+    prepare_inputs(raw, ["data.max_prompt_tokens=510"], 1, "cpu", machine=False)
+
+
 def write_config(folder: Path, **config) -> ModelConfig:
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
