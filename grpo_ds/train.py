@@ -70,12 +70,11 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     # ---- 2. processes, run folder, models
     dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
     dist.decide(run_folder.prepare, folder, recipe, inputs.ds_config)  # rank 0 writes; a failure stops every rank
+    logger = _start_logger(recipe, run_dir, dist)  # W&B starts before the models load; a failure stops every rank
     torch.manual_seed(recipe.run.seed)
     rollout = _rollout_engine(recipe, inputs, dist)  # before the trainer: vLLM measures the free GPU memory
     policy = Policy.build(recipe, inputs.ds_config, len(tokenizer), announce=dist.is_main)  # ZeRO-3: partitioned
     sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
-    logger = MetricsLogger(run_dir if dist.is_main else None, recipe.train.steps, recipe.logging, recipe.run.name,
-                           recipe.to_dict())
     rank_log = run_dir / "ranks" / f"rank{dist.rank}.jsonl"
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
@@ -266,6 +265,21 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
     rollout.update_weights(policy.rollout_weights(bucket_bytes))
     dist.barrier()
     return resumed.step + 1
+
+
+def _start_logger(recipe: Recipe, run_dir: Path, dist: Dist) -> MetricsLogger:
+    """The metrics logger (rank 0 writes metrics.jsonl and starts TensorBoard / W&B). A sink that cannot start raises
+    on every rank, so that no rank is left waiting for rank 0 in a collective."""
+    logger, failure = None, None
+    try:
+        logger = MetricsLogger(run_dir if dist.is_main else None, recipe.train.steps, recipe.logging,
+                               recipe.run.name, recipe.to_dict())
+    except UserError as err:
+        failure = err
+    failure = next((f for f in dist.all_gather(failure) if f is not None), None)
+    if failure is not None:
+        raise failure
+    return logger
 
 
 def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist):

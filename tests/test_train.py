@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import grpo_ds
+import grpo_ds.train as train_module
 from tests.launch import REPO, clean_env, deepspeed_launch
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -243,3 +244,23 @@ def test_sequence_parallel_run_trains_like_one_rank(tmp_path):
     weights as one rank, step after step."""
     _two_ranks_like_one(tmp_path, "train.sequence_parallel_size=2",
                         ["train.steps=6", "checkpoint.every_steps=null", "logging.progress_bar=false"])
+
+
+def test_a_logger_that_cannot_start_on_rank_0_stops_every_rank(tmp_path):
+    """W&B starts on rank 0 only; its failure must reach the other ranks, which would otherwise wait in the first
+    collective for ever (a hang instead of one line)."""
+    from grpo_ds.errors import UserError
+    from grpo_ds.recipe import load_recipe
+
+    failure = UserError("logging.wandb_project", "Weights & Biases could not start the run (timed out)")
+
+    class Rank1:  # rank 1 of 2: its logger starts; rank 0's failure arrives through all_gather
+        is_main = False
+
+        def all_gather(self, obj):
+            return [failure, obj]
+
+    recipe = load_recipe(TINY, {"run.output_dir": str(tmp_path)})
+    with pytest.raises(UserError) as err:
+        train_module._start_logger(recipe, tmp_path / "tiny_cpu", Rank1())
+    assert err.value is failure
