@@ -25,7 +25,7 @@ from grpo_ds.algo.kl import KL_ESTIMATORS
 from grpo_ds.algo.policy_loss import POLICY_LOSSES
 from grpo_ds.errors import UserError
 from grpo_ds.kernels import BACKENDS
-from grpo_ds.recipe_parse import apply_override, build, normalise_overrides, read_json_object
+from grpo_ds.recipe_parse import apply_override, build, normalise_overrides, printable, read_json_object
 from grpo_ds.rewards.loading import parse_reward_specs
 from grpo_ds.rewards.scoring import ON_ERROR_CHOICES
 
@@ -327,7 +327,8 @@ def load_recipe(source: str | Path | dict, overrides: list[str] | dict | None = 
         path = Path(source)
         where, source_dir = str(path), str(path.parent)
         if not path.is_file():
-            raise UserError(where, "recipe file not found", "check the path, e.g. recipes/tiny_cpu.json")
+            what = "is a folder, not a recipe file" if path.is_dir() else "recipe file not found"
+            raise UserError(printable(where), what, "check the path, e.g. recipes/tiny_cpu.json")
         raw = read_json_object(path, "a recipe", '{"run": {...}, ...}')
     for key, value in normalise_overrides(overrides):
         apply_override(raw, key, value, SECTIONS, TOP_LEVEL_VALUES)

@@ -303,6 +303,11 @@ def test_unreadable_recipe_files(tmp_path):
     assert "nested too deeply" in error_of(load_recipe, path).what
 
 
+def test_recipe_path_that_is_a_folder_or_has_a_line_break(tmp_path):
+    assert error_of(load_recipe, tmp_path).what == "is a folder, not a recipe file"
+    assert error_of(load_recipe, str(tmp_path / "a\nb.json")).where == json.dumps(str(tmp_path / "a\nb.json"))
+
+
 def test_huge_samples_per_step_is_answered_at_once():
     err = error_of(load_recipe, {"rollout": {"prompts_per_step": 10**12, "group_size": 16},
                                  "train": {"samples_per_optimizer_step": 7}})
