@@ -93,6 +93,7 @@ def save(policy, run_dir: Path, step: int, trainer_state: dict, keep: int, dist:
     except Exception:
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()  # no rank exits (and has the launcher stop the others) before the folder is gone
         raise
     dist.decide(_finish, run_dir, tmp, final, {"step": step, **trainer_state}, keep, where)  # also the barrier
     return final

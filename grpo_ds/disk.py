@@ -102,11 +102,11 @@ def free_bytes(folder: Path) -> int:
 
 def check_space(where: str, folder: Path, needed: int, what: str, fix: str) -> None:
     """Refuse (UserError) a write of about ``needed`` bytes into ``folder`` when less is free; ``what`` says what
-    is written and how its size is known, ``fix`` what to do (after "free space")."""
+    is written and how its size is known, ``fix`` what to do."""
     free = free_bytes(folder)
     if needed > free:
         raise UserError(where, f"not enough free space in {folder} for {what}: it needs about {gib(needed)}, "
-                               f"{gib(free)} is free", f"free space; {fix}")
+                               f"{gib(free)} is free", fix)
 
 
 def gib(n: int) -> str:

@@ -55,7 +55,7 @@ from grpo_ds.recipe import ModelConfig, load_recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
 _MP_RANK = re.compile(r"mp_rank_(\d+)")  # a tensor-parallel rank's files in a DeepSpeed checkpoint
-TOKENIZER_BYTES = 64 << 20  # free space asked for the tokenizer and config files beside the weights
+TOKENIZER_BYTES = 16 << 20  # free space asked for the tokenizer and config files beside the weights
 
 
 @dataclass(frozen=True)
