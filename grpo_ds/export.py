@@ -24,7 +24,9 @@ folder in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``
 ``PeftModel.from_pretrained(base, DIR)``), or with ``--merge`` the merged model, which transformers loads alone.
 
 Every mistake a user can make (wrong run folder, no checkpoints, unknown step, non-empty ``--out``, damaged
-checkpoint) is a one-line ``error: ...`` with exit code 2, found before any model or tensor is loaded.
+checkpoint) is a one-line ``error: ...`` with exit code 2, found before any model or tensor is loaded. So is an export
+the free space of ``--out``'s file system cannot hold (refused before writing), and a write that fails (a full disk,
+a read-only file system, a quota: grpo_ds.disk), which leaves neither ``--out`` nor the temporary folder behind.
 """
 
 from __future__ import annotations

@@ -167,11 +167,13 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     final = {"final_weights_sha256": digest}
     if getattr(rollout, "model", None) is not None:
         final["rollout_weights_sha256"] = weights_sha256(rollout.model.named_parameters())
-    _append_json(rank_log, final)
-    if save:
-        policy.save_pretrained(run_dir / "final_model", state, tokenizer)
-    if dist.is_main:
-        run_folder.mark_complete(run_dir, recipe.train.steps, digest)
+    with checkpoint.run_file_writes(dist, run_dir, "end of the run"):  # a failed write: one error on every rank
+        _append_json(rank_log, final)
+        if save:
+            with disk.writing(run_dir / "final_model"):
+                policy.save_pretrained(run_dir / "final_model", state, tokenizer)
+        if dist.is_main:
+            run_folder.mark_complete(run_dir, recipe.train.steps, digest)
     logger.close()
     dist.barrier()
     return logger.history

@@ -123,6 +123,22 @@ def test_a_failed_run_file_write_stops_the_run_with_one_error(tmp_path, monkeypa
     _resume_and_compare(run_dir, tmp_path, capfd)
 
 
+def test_a_failed_write_at_the_end_of_the_run_is_one_error_and_the_same_command_finishes(tmp_path, monkeypatch,
+                                                                                         capfd):
+    run_dir = tmp_path / "tiny_cpu"
+    with monkeypatch.context() as patch:
+        install(Fault("write_text", "tiny_cpu/complete.json.tmp", errno.ENOSPC), patch.setattr)
+        with pytest.raises(UserError) as raised:
+            grpo_ds.train(TINY, _overrides(tmp_path))
+    assert str(raised.value) == _message("end of the run", run_dir / "complete.json.tmp", errno.ENOSPC,
+                                         run_dir / "checkpoints" / "step_00000004")
+    assert not (run_dir / "complete.json").exists()
+    capfd.readouterr()
+    assert [m["step"] for m in grpo_ds.train(TINY, _overrides(tmp_path))] == [1, 2, 3, 4]
+    assert "resuming after step 4" in capfd.readouterr().err
+    assert json.loads((run_dir / "complete.json").read_text())["steps"] == 4
+
+
 def test_a_run_folder_that_cannot_be_written_is_one_error(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         install(Fault("write_text", "tiny_cpu/recipe.json.tmp", errno.EROFS), patch.setattr)
