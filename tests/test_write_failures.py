@@ -139,6 +139,21 @@ def test_a_failed_write_at_the_end_of_the_run_is_one_error_and_the_same_command_
     assert json.loads((run_dir / "complete.json").read_text())["steps"] == 4
 
 
+def test_a_failed_write_while_resuming_is_one_error_and_the_checkpoint_is_untouched(tmp_path, monkeypatch, capfd):
+    grpo_ds.train(TINY, _overrides(tmp_path))
+    run_dir, longer = tmp_path / "tiny_cpu", {**_overrides(tmp_path), "train.steps": 6}
+    with monkeypatch.context() as patch:
+        install(Fault("write_text", "tiny_cpu/metrics.jsonl.tmp", errno.ENOSPC), patch.setattr)  # the trimmed log
+        with pytest.raises(UserError) as raised:
+            grpo_ds.train(TINY, longer)
+    assert str(raised.value) == (f"resume: cannot write {run_dir / 'metrics.jsonl.tmp'}: No space left on device "
+                                 "(ENOSPC). the checkpoint is untouched: free space and run the same command again.")
+    assert checkpoint.verify(run_dir / "checkpoints" / "step_00000004") is None
+    capfd.readouterr()
+    assert [m["step"] for m in grpo_ds.train(TINY, longer)] == [1, 2, 3, 4, 5, 6]
+    assert "resuming after step 4" in capfd.readouterr().err
+
+
 def test_a_run_folder_that_cannot_be_written_is_one_error(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         install(Fault("write_text", "tiny_cpu/recipe.json.tmp", errno.EROFS), patch.setattr)
