@@ -7,7 +7,8 @@ arXiv:2503.14476), a group whose G rewards are all equal has zero advantage unde
 baseline and teaches nothing, so it is dropped and another round of prompts_per_step prompts is drawn,
 until prompts_per_step informative groups are collected or ``dynamic_sampling_max_rounds`` extra
 rounds are spent; then the step is topped up with equal-reward groups (which contribute no gradient)
-so the batch algebra stays exact. Reward metrics describe every sample drawn in the step.
+so the batch algebra stays exact. Reward metrics describe every sample drawn in the step; ``no_signal_frac`` is
+the fraction of the trained groups whose rewards are all equal (with dynamic sampling: the topped-up ones).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
         scored.append(result)
         rewards = _with_env_rewards(result.total, rollouts)
         drawn.append((prompt_index, rollouts, rewards))
-        informative += [(round_index, g) for g in range(P) if len(set(rewards[g * G:(g + 1) * G])) > 1]
+        informative += [(round_index, g) for g in range(P) if not equal_rewards(rewards[g * G:(g + 1) * G])]
         if not a.dynamic_sampling or len(informative) >= P:
             break
 
@@ -63,10 +64,22 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
         chosen, topped_up = [(0, g) for g in range(P)], []
     samples = _select(drawn, chosen, G)
     metrics = _reward_metrics(scored, [r for _, _, rewards in drawn for r in rewards], drawn)
+    metrics["no_signal_frac"] = no_signal_fraction(samples[2], G)
     if a.dynamic_sampling:
         metrics.update({"dynamic/rounds": len(drawn), "dynamic/prompts_drawn": P * len(drawn),
                         "dynamic/informative_groups": len(informative), "dynamic/topped_up_groups": len(topped_up)})
     return StepData(samples[0], samples[1], samples[2], metrics, times)
+
+
+def equal_rewards(group: list[float]) -> bool:
+    """A group whose rewards are all equal: zero advantage under every group baseline, no reward signal."""
+    return len(set(group)) <= 1
+
+
+def no_signal_fraction(rewards: list[float], group_size: int) -> float:
+    """The fraction of the groups (consecutive runs of ``group_size`` rewards) whose rewards are all equal."""
+    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
+    return sum(equal_rewards(g) for g in groups) / len(groups)
 
 
 def score_rewards(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int

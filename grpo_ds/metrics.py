@@ -56,8 +56,8 @@ def _start_wandb(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict 
 
 
 # Shown on the console line, in this order, when present.
-CONSOLE_KEYS = ("reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "clip_frac",
-                "grad_norm", "tokens_per_s", "time_step_s")
+CONSOLE_KEYS = ("reward_mean", "reward_std", "no_signal_frac", "response_len_mean", "loss", "kl", "entropy",
+                "clip_frac", "grad_norm", "tokens_per_s", "time_step_s")
 
 
 class MetricsLogger:

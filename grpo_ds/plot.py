@@ -95,6 +95,7 @@ def panels(available: Iterable[str], keys: Sequence[str] | None = None) -> list[
     wanted = available if keys is None else set(keys)
     standard = [
         Panel("reward", ("reward_mean", *sorted(k for k in available if k.startswith("reward/"))), band="reward_std"),
+        Panel("groups with equal rewards (no signal)", ("no_signal_frac",)),
         Panel("response length (tokens)", ("response_len_mean",)),
         Panel("KL", ("kl",)),
         Panel("entropy", ("entropy",)),

@@ -105,3 +105,22 @@ def test_environment_rewards_are_added(make_inputs):
     scored = [float(inputs.tokenizer.decode(r) == "a") for r in samples.rollouts.response_ids]
     assert samples.rewards == [s + 0.25 for s in scored]
     assert samples.metrics["reward/env"] == 0.25
+
+
+def test_no_signal_fraction_counts_the_groups_with_equal_rewards():
+    from grpo_ds.collect import no_signal_fraction
+
+    # groups of 4: all 1s, mixed, all 0s, mixed by a tiny amount, one reward only repeated
+    rewards = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5000001]
+    assert no_signal_fraction(rewards, 4) == 0.5
+    assert no_signal_fraction(rewards, 2) == 5 / 8  # pairs: (1,1) (1,1) (0,1) (0,1) (0,0) (0,0) (.5,.5) (.5,.5000001)
+    assert no_signal_fraction([0.3], 1) == 1.0  # a group of one never carries a signal
+
+
+def test_the_step_logs_its_no_signal_fraction(make_inputs):
+    inputs = make_inputs()
+    samples = _run(inputs, ScriptedEngine(inputs.tokenizer))  # odd-sum prompts mixed, the others all 0
+    flat = sum(sum(inputs.prompts[p].prompt_ids) % 2 == 0 for p in samples.prompt_index)
+    assert samples.metrics["no_signal_frac"] == flat / 4
+    flat_only = _run(inputs, ScriptedEngine(inputs.tokenizer, informative_odd=False))
+    assert flat_only.metrics["no_signal_frac"] == 1.0
