@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -123,11 +124,23 @@ class Policy:
         return _combine(digests), (state if keep else None)
 
     def save_pretrained(self, folder: Path, state: dict[str, torch.Tensor], tokenizer) -> None:
-        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder."""
+        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder: into a temporary folder
+        beside it, then renamed, so that a failed write leaves no partial folder (and an earlier one stays whole
+        until the new one is complete)."""
         module = self.engine.module.get_base_model() if self.lora else self.engine.module
-        with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
-            module.save_pretrained(folder, state_dict=state)
-        tokenizer.save_pretrained(folder)
+        tmp = folder.with_name(f".tmp-{folder.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
+                module.save_pretrained(tmp, state_dict=state)
+            tokenizer.save_pretrained(tmp)
+            old = folder.with_name(f".old-{folder.name}")
+            if folder.exists():
+                folder.rename(old)
+            tmp.rename(folder)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def save_state(self, folder: Path, tag: str) -> None:
         """The engine's sharded state into ``folder/tag`` (collective); a LoRA policy's frozen base is left out: it

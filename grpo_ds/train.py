@@ -252,17 +252,13 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
             print(f"warning: {message}", file=sys.stderr, flush=True)
         path = dist.broadcast(path)
     if path is None:  # the run stopped before its first checkpoint: it starts over
-        if dist.is_main:
-            run_folder.trim_metrics(folder.path, 0)
-        run_folder.trim_log(rank_log, 0)
-        dist.barrier()
+        _trim_logs(folder.path, rank_log, 0, dist)
         return 1
     resumed = checkpoint.load(policy, path, dist)
     sampler.load_state_dict(resumed.trainer_state["sampler"])
     logger.resume(resumed.trainer_state["history"])
-    run_folder.trim_log(rank_log, resumed.step)  # each rank's own log, like metrics.jsonl
+    _trim_logs(folder.path, rank_log, resumed.step, dist)
     if dist.is_main:
-        run_folder.trim_metrics(folder.path, resumed.step)
         print(f"resuming after step {resumed.step} from {path}", file=sys.stderr, flush=True)
     rollout.update_weights(policy.rollout_weights(bucket_bytes))
     dist.barrier()
@@ -282,6 +278,16 @@ def _start_logger(recipe: Recipe, run_dir: Path, dist: Dist) -> MetricsLogger:
     if failure is not None:
         raise failure
     return logger
+
+
+def _trim_logs(run_dir: Path, rank_log: Path, last_step: int, dist: Dist) -> None:
+    """metrics.jsonl (rank 0) and each rank's own log cut back to ``last_step``; a write that fails on any rank
+    stops every rank with one error."""
+    with checkpoint.run_file_writes(dist, run_dir, "resume"):
+        run_folder.trim_log(rank_log, last_step)
+        if dist.is_main:
+            run_folder.trim_metrics(run_dir, last_step)
+    dist.barrier()
 
 
 def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist):

@@ -139,6 +139,21 @@ def test_a_failed_write_at_the_end_of_the_run_is_one_error_and_the_same_command_
     assert json.loads((run_dir / "complete.json").read_text())["steps"] == 4
 
 
+def test_a_failed_final_model_write_leaves_no_partial_folder(tmp_path, monkeypatch, capfd):
+    """final_model/ is written beside itself and renamed into place: a failed write leaves neither a partial
+    final_model/ nor the temporary folder, and the same command writes it."""
+    run_dir = tmp_path / "tiny_cpu"
+    with monkeypatch.context() as patch:
+        install(Fault("os.rename", "tiny_cpu/.tmp-final_model", errno.EROFS), patch.setattr)
+        with pytest.raises(UserError) as raised:
+            grpo_ds.train(TINY, _overrides(tmp_path))
+    assert str(raised.value).startswith("end of the run: cannot write ") and "(EROFS)" in str(raised.value)
+    assert not (run_dir / "final_model").exists() and not (run_dir / ".tmp-final_model").exists()
+    capfd.readouterr()
+    grpo_ds.train(TINY, _overrides(tmp_path))
+    assert (run_dir / "final_model" / "config.json").is_file() and not (run_dir / ".tmp-final_model").exists()
+
+
 def test_a_failed_write_while_resuming_is_one_error_and_the_checkpoint_is_untouched(tmp_path, monkeypatch, capfd):
     grpo_ds.train(TINY, _overrides(tmp_path))
     run_dir, longer = tmp_path / "tiny_cpu", {**_overrides(tmp_path), "train.steps": 6}
