@@ -9,12 +9,12 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from grpo_ds.errors import UserError, json_type_name, suggest
+from grpo_ds.recipe_parse import check_finite
 from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 
 _SIGNATURE = "def my_reward(*, prompts, completions, completion_ids, **columns)"
@@ -58,8 +58,7 @@ def _parse_one(where: str, spec: Any) -> RewardSpec:
     weight = spec.get("weight", DEFAULT_WEIGHT)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
         raise UserError(f"{where}.weight", f"expected a number, got {json_type_name(weight)}", "e.g. 1.0")
-    if not math.isfinite(weight):
-        raise UserError(f"{where}.weight", f"expected a finite number, got {weight!r}", "e.g. 1.0")
+    check_finite(f"{where}.weight", weight)  # the recipe's message for a NaN or an infinity, wherever it sits
     return RewardSpec(name=spec["name"].strip(), weight=float(weight))
 
 
