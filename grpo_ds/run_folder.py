@@ -74,17 +74,6 @@ def completed_steps(path: Path) -> int | None:
         return None
 
 
-def logged_history(path: Path) -> list[dict]:
-    """The per-step metrics a run folder's metrics.jsonl holds (a torn line is skipped)."""
-    records = []
-    for line in (path / "metrics.jsonl").read_text().splitlines() if (path / "metrics.jsonl").exists() else []:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
-
-
 def mark_complete(path: Path, steps: int, final_weights_sha256: str) -> None:
     """Rank 0, at the end of a run: record that it finished (running the same command again does nothing)."""
     _write_atomic(path / COMPLETE, json.dumps({"steps": steps, "final_weights_sha256": final_weights_sha256}) + "\n")

@@ -35,6 +35,7 @@ from grpo_ds.loss import LossStats
 from grpo_ds.metrics import MetricsLogger, peak_memory_gib
 from grpo_ds.models import load_model
 from grpo_ds.planner import plan_recipe_step, token_imbalance
+from grpo_ds.plot import read_metrics
 from grpo_ds.policy import Policy, weights_sha256
 from grpo_ds.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals
 from grpo_ds.profiling import Phase, profiled_steps
@@ -65,7 +66,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
             print(f"the run in {run_dir} has already finished its {folder.completed_steps} steps: nothing to do "
                   "(raise train.steps to continue it; run.overwrite=true or another run.name starts again)",
                   file=sys.stderr, flush=True)
-        return run_folder.logged_history(run_dir)
+        return read_metrics(run_dir)  # the finished run's history, as grpo_ds.plot reads it
 
     # ---- 2. processes, run folder, models
     dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
