@@ -275,9 +275,7 @@ def _start_logger(recipe: Recipe, run_dir: Path, dist: Dist) -> MetricsLogger:
                                recipe.run.name, recipe.to_dict())
     except UserError as err:
         failure = err
-    failure = next((f for f in dist.all_gather(failure) if f is not None), None)
-    if failure is not None:
-        raise failure
+    disk.agree(dist, failure)
     return logger
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import grpo_ds
 import grpo_ds.train as train_module
@@ -246,7 +247,7 @@ def test_sequence_parallel_run_trains_like_one_rank(tmp_path):
                         ["train.steps=6", "checkpoint.every_steps=null", "logging.progress_bar=false"])
 
 
-def test_a_logger_that_cannot_start_on_rank_0_stops_every_rank(tmp_path):
+def test_a_logger_that_cannot_start_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
     """W&B starts on rank 0 only; its failure must reach the other ranks, which would otherwise wait in the first
     collective for ever (a hang instead of one line)."""
     from grpo_ds.errors import UserError
@@ -254,12 +255,17 @@ def test_a_logger_that_cannot_start_on_rank_0_stops_every_rank(tmp_path):
 
     failure = UserError("logging.wandb_project", "Weights & Biases could not start the run (timed out)")
 
-    class Rank1:  # rank 1 of 2: its logger starts; rank 0's failure arrives through all_gather
-        is_main = False
+    class Rank1:  # rank 1 of 2: its logger starts; rank 0's failure arrives through disk.agree's collectives
+        is_main, rank, world_size = False, 1, 2
 
-        def all_gather(self, obj):
-            return [failure, obj]
+        def all_reduce_max(self, flag):
+            flag.fill_(2)  # rank 0 failed (the flag names the lowest failing rank as world_size - rank)
 
+    def broadcast_object_list(box, src):
+        assert src == 0
+        box[0] = failure
+
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast_object_list)
     recipe = load_recipe(TINY, {"run.output_dir": str(tmp_path)})
     with pytest.raises(UserError) as err:
         train_module._start_logger(recipe, tmp_path / "tiny_cpu", Rank1())
