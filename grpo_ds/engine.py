@@ -6,6 +6,7 @@ size 1 with the same code path: the env vars the `deepspeed` launcher would set 
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
@@ -124,6 +125,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
     """Join (or, alone, create) the process group; idempotent so a notebook can train twice. ``tp_size`` /
     ``sp_size``: the tensor- / sequence-parallel sizes (train.*_parallel_size), which divide the world size
@@ -151,6 +157,10 @@ def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
             os.environ.setdefault("LOCAL_SIZE", "1")
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, rank=0,
                                        world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+        # Take the group down while the interpreter is whole, in every process that made one (the CLI, scripts,
+        # notebooks): left to the end of the process, its communication threads sometimes outlived it ("terminate
+        # called without an active exception", exit -6 on a rank of a run that had finished, under load).
+        atexit.register(_destroy_process_group)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local_rank)

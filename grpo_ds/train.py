@@ -329,12 +329,6 @@ def main(argv: list[str] | None = None) -> None:
             if os.environ.get("RANK", "0") == "0":
                 print(f"preempted: {stopped}", file=sys.stderr, flush=True)
             sys.exit(EXIT_PREEMPTED)
-        finally:
-            # The process ends here: take the process group down while the interpreter is whole. Left to exit, its
-            # communication threads sometimes outlived it ("terminate called without an active exception", exit -6
-            # on a rank of a run that had finished, under load).
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
 
 
 class _CallableModule(types.ModuleType):
