@@ -4,13 +4,22 @@ CPU (about 8 minutes on 2 idle cores; trl from a virtualenv, so the main environ
 
     python -m venv --system-site-packages /tmp/trlvenv && /tmp/trlvenv/bin/pip install "trl>=1.16"
     python benchmarks/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python --record
+    python benchmarks/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python --shape realistic --record
 
 Without --trl-python, TRL runs in this interpreter (when trl is installed here). Both trainers follow one grpo_ds
-recipe: on CPU recipes/tiny_cpu.json (builtin:tiny, a random 2-layer Llama with the character tokenizer;
-builtin:arith; exact_match; 25 prompts x 16 completions of at most 2 tokens per step; one AdamW step per
-rollout), with --steps steps; on CUDA (--device cuda) a random Qwen2-architecture model of 0.49 B parameters
-(Qwen2.5-0.5B's shape, built from a config in code and saved once to a temporary folder that both load) with
-completions of a fixed length (a random model over a 151,936-token vocabulary practically never samples EOS).
+recipe, chosen by --shape (SHAPES below):
+
+    tiny        (CPU default) recipes/tiny_cpu.json: builtin:tiny, a random 2-layer Llama with the character
+                tokenizer; builtin:arith; exact_match; 25 prompts x 16 completions of at most 2 tokens per step; one
+                AdamW step per rollout; 400 steps, so the reward curves can be compared too
+    realistic   (CPU) the per-token work at a realistic vocabulary: a random Qwen2-architecture model (hidden 256,
+                4 layers) over 151,936 tokens, 8 prompts x 8 completions of 64 tokens, micro-batches of 16, float32,
+                2 threads; 5 steps (the reward of a random model stays 0: time and memory only)
+    qwen2-0.5b  (CUDA default) a random model of Qwen2.5-0.5B's shape (0.49 B parameters), bfloat16, 16 prompts x 8
+                completions of 256 tokens
+
+The Qwen2 models are built from a config in code with --seed and saved once to a temporary folder that both load;
+a random model over a 151,936-token vocabulary practically never samples EOS, so completions have a fixed length.
 TRL's GRPOConfig is derived from the recipe (bench_vs_trl_runner.trl_config); the pairs are printed, and so is
 every setting that cannot be matched.
 
@@ -67,19 +76,54 @@ LABELS = {"grpo_ds": "grpo_ds", "trl": "TRL GRPOTrainer"}
 QUIET = {"checkpoint.every_steps": None, "run.save_final_model": False, "logging.progress_bar": False,
          "logging.samples_every_steps": None, "logging.every_steps": 10**9, "run.overwrite": True}
 
-# A Qwen2.5-0.5B-shaped model (0.49 B parameters with tied embeddings), random weights, built in code.
-QWEN2_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4_864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4_096, rope_theta=1e6,
-                 tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-CUDA_RECIPE = {
-    "data": {"train": "builtin:arith"},
-    "model": {"dtype": "bfloat16"},
-    "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256, "temperature": 1.0},
-    "reward": {"functions": [{"name": "exact_match", "weight": 1.0}]},
-    "algorithm": {"advantage": "grpo", "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0},
-    "train": {"micro_batch_samples_per_gpu": 16, "logprob_micro_batch_samples_per_gpu": 32, "lr": 1e-6},
-    "deepspeed": "ds_configs/zero3.json",
+# Random Qwen2-architecture models built from a config in code (the builtin character tokenizer beside them): a
+# random model over a 151,936-token vocabulary practically never samples EOS, so every completion is max_new_tokens
+# long. QWEN2_05B is Qwen2.5-0.5B's shape (0.49 B parameters with tied embeddings).
+QWEN2_COMMON = dict(vocab_size=151_936, max_position_embeddings=4_096, rope_theta=1e6, tie_word_embeddings=True,
+                    pad_token_id=0, eos_token_id=1, bos_token_id=1)
+QWEN2_05B = dict(QWEN2_COMMON, hidden_size=896, intermediate_size=4_864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2)
+QWEN2_CPU = dict(QWEN2_COMMON, hidden_size=256, intermediate_size=1_024, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What both trainers train in one mode of the benchmark."""
+    about: str  # for --help
+    recipe: dict | None  # an inline grpo_ds recipe; None: recipes/tiny_cpu.json
+    model: dict | None  # a Qwen2Config's arguments (saved once to a temporary folder both load); None: builtin:tiny
+    dtype: torch.dtype = torch.float32
+    steps: int = 0  # default --steps (0: the recipe's)
+    threads: int = 1  # default torch threads per run on CPU
+
+
+SHAPES = {
+    "tiny": Shape("recipes/tiny_cpu.json: builtin:tiny (2-layer Llama, character vocabulary of 103), 25 prompts x 16 "
+                  "completions of <= 2 tokens", None, None),
+    "realistic": Shape(
+        "a random Qwen2 (hidden 256, 4 layers) over a 151,936-token vocabulary, float32, 8 prompts x 8 completions "
+        "of 64 tokens, micro-batches of 16",
+        {"data": {"train": "builtin:arith"}, "model": {"dtype": "float32"},
+         "rollout": {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 64, "temperature": 1.0},
+         "reward": {"functions": [{"name": "exact_match", "weight": 1.0}]},
+         "algorithm": {"advantage": "grpo", "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2,
+                       "kl_coef": 0.0},
+         "train": {"micro_batch_samples_per_gpu": 16, "logprob_micro_batch_samples_per_gpu": 16, "lr": 1e-6},
+         "deepspeed": "ds_configs/zero3.json"},
+        QWEN2_CPU, steps=5, threads=2),
+    "qwen2-0.5b": Shape(
+        "a random Qwen2.5-0.5B-shaped model (0.49 B), bfloat16, 16 prompts x 8 completions of 256 tokens (for CUDA)",
+        {"data": {"train": "builtin:arith"}, "model": {"dtype": "bfloat16"},
+         "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256, "temperature": 1.0},
+         "reward": {"functions": [{"name": "exact_match", "weight": 1.0}]},
+         "algorithm": {"advantage": "grpo", "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2,
+                       "kl_coef": 0.0},
+         "train": {"micro_batch_samples_per_gpu": 16, "logprob_micro_batch_samples_per_gpu": 32, "lr": 1e-6},
+         "deepspeed": "ds_configs/zero3.json"},
+        QWEN2_05B, dtype=torch.bfloat16, steps=12, threads=0),
 }
+DEFAULT_SHAPE = {"cpu": "tiny", "cuda": "qwen2-0.5b"}
 
 # Settings that differ between the two and cannot be made equal from the outside.
 UNMATCHED = [
@@ -132,23 +176,31 @@ def bench_recipe(args: argparse.Namespace, seed: int, workdir: Path) -> Recipe:
     """The recipe both trainers follow for the run with this seed."""
     overrides = {**dict(parse_override(o) for o in args.set), **QUIET, "train.steps": args.steps, "run.seed": seed,
                  "run.output_dir": str(workdir / "runs"), "run.name": f"grpo_ds_seed{seed}"}
-    if args.device == "cpu":
+    shape = SHAPES[args.shape]
+    if shape.recipe is None:
         return load_recipe(REPO / "recipes" / "tiny_cpu.json", overrides)
-    return load_recipe({**CUDA_RECIPE, "model": {**CUDA_RECIPE["model"], "path": str(workdir / "qwen2_0.5b")}},
-                       overrides)
+    return load_recipe({**shape.recipe, "model": {**shape.recipe["model"], "path": str(workdir / "model")}}, overrides)
 
 
-def build_qwen2_folder(folder: Path, seed: int) -> int:
-    """Save a random Qwen2.5-0.5B-shaped model (bfloat16) and the builtin character tokenizer; return #params."""
+def build_qwen2_folder(folder: Path, shape: Shape, seed: int) -> int:
+    """Save the shape's random Qwen2 model and the builtin character tokenizer; return the number of parameters."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from grpo_ds.builtin_tiny import build_tiny_tokenizer
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(Qwen2Config(**shape.model)).to(shape.dtype)
     model.save_pretrained(folder)
     build_tiny_tokenizer().save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
+
+
+def model_description(shape: Shape, parameters: int) -> str:
+    if shape.model is None:
+        return "builtin:tiny"
+    m = shape.model
+    return (f"random Qwen2 {parameters / 1e6:,.0f} M (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+            f"vocabulary {m['vocab_size']:,})")
 
 
 # --------------------------------------------------------------------------------------------------- runs
@@ -285,16 +337,18 @@ def phase_lines(runs: dict[str, list[Run]]) -> list[str]:
     return lines
 
 
-def matched_lines(recipe: Recipe, trl_kwargs: dict) -> list[str]:
+def matched_lines(recipe: Recipe, trl_kwargs: dict, model: str) -> list[str]:
     """The grpo_ds recipe keys and the GRPOConfig arguments they set, for auditing."""
     r, a, t = recipe.rollout, recipe.algorithm, recipe.train
     baseline, scale = recipe.advantage_baseline_and_scale
     m = recipe.model
-    model = (f"builtin:tiny (Llama, hidden {m.tiny_hidden_size}, {m.tiny_num_layers} layers, {m.tiny_num_heads} "
-             "heads, character tokenizer)") if m.path == "builtin:tiny" else "random Qwen2 0.49 B (see QWEN2_05B)"
+    if m.path == "builtin:tiny":
+        model = (f"builtin:tiny (Llama, hidden {m.tiny_hidden_size}, {m.tiny_num_layers} layers, {m.tiny_num_heads} "
+                 "heads, character tokenizer)")
     pairs = [
-        ("model / tokenizer / init", f"{model}, {m.dtype}, weights from run.seed; the same object for both "
-                                     "(grpo_ds.models.load_model / load_tokenizer)"),
+        ("model / tokenizer / init", f"{model}, {m.dtype}, weights from "
+                                     + ("run.seed" if m.path == "builtin:tiny" else "--seed, saved once") +
+                                     "; the same object for both (grpo_ds.models.load_model / load_tokenizer)"),
         ("task / reward", f"{recipe.data.train} (the same rows), reward {[f['name'] for f in recipe.reward.functions]}"
                           f" weights {trl_kwargs['reward_weights']} (grpo_ds.rewards.builtin functions passed to "
                           "TRL as reward_funcs)"),
@@ -338,13 +392,17 @@ def matched_lines(recipe: Recipe, trl_kwargs: dict) -> list[str]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default=None,
+                        help="what both train (default: tiny on cpu, qwen2-0.5b on cuda): " + "; ".join(
+                            f"{name}: {shape.about}" for name, shape in SHAPES.items()))
     parser.add_argument("--steps", type=int, default=None,
-                        help="training steps per run (default: the recipe's, 400 on cpu; 12 on cuda)")
-    parser.add_argument("--runs", type=int, default=5, help="runs per trainer, alternating grpo_ds, TRL, ...")
+                        help="training steps per run (default: tiny 400 (the recipe's), realistic 5, qwen2-0.5b 12)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="runs per trainer, alternating grpo_ds, TRL, ... (default: 5 for tiny, else 2)")
     parser.add_argument("--seed", type=int, default=0, help="run i of both trainers uses seed + i")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of each run (OMP_NUM_THREADS; default: 1 on cpu, torch's own on cuda; "
-                             "0: torch's own)")
+                        help="torch threads of each run (OMP_NUM_THREADS; default on cpu: 1 for tiny, 2 for "
+                             "realistic; torch's own on cuda; 0: torch's own)")
     parser.add_argument("--trl-python", default=sys.executable,
                         help="interpreter that has trl installed (default: this one)")
     parser.add_argument("--reward-at", default=None,
@@ -359,12 +417,15 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible to torch here (use --device cpu)")
-    args.steps = args.steps or (load_recipe(REPO / "recipes" / "tiny_cpu.json").train.steps if args.device == "cpu"
-                                else 12)
+    args.shape = args.shape or DEFAULT_SHAPE[args.device]
+    shape = SHAPES[args.shape]
+    args.steps = args.steps or shape.steps or load_recipe(REPO / "recipes" / "tiny_cpu.json").train.steps
+    args.runs = args.runs or (5 if args.shape == "tiny" else 2)
     if args.threads is None:
-        args.threads = 1 if args.device == "cpu" else 0
-    if args.steps < 11 or args.runs < 1:
-        raise SystemExit("--steps must be at least 11 (the final reward is the mean of the last 10) and --runs >= 1")
+        args.threads = shape.threads if args.device == "cpu" else 0
+    if args.steps < 2 or args.runs < 1:
+        raise SystemExit("--steps must be at least 2 (the first step of a run is a warm-up, left out of the times) "
+                         "and --runs at least 1")
     return args
 
 
@@ -373,9 +434,9 @@ def measure(args: argparse.Namespace) -> tuple[Recipe, dict[str, list[Run]], str
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         workdir = Path(tmp)
-        model = "builtin:tiny"
-        if args.device == "cuda":
-            model = f"random Qwen2 {build_qwen2_folder(workdir / 'qwen2_0.5b', args.seed) / 1e9:.2f} B"
+        shape = SHAPES[args.shape]
+        parameters = build_qwen2_folder(workdir / "model", shape, args.seed) if shape.model else 0
+        model = model_description(shape, parameters)
         runs: dict[str, list[Run]] = {t: [] for t in TRAINERS}
         for i in range(args.runs):  # A B A B ...
             recipe = bench_recipe(args, args.seed + i, workdir)
@@ -424,7 +485,7 @@ def main() -> None:
         f"reward at equal samples (every point and final) {verdict(reward_ahead)}",
         reward_line,
         *phase_lines(runs),
-        *[f"matched: {line}" for line in matched_lines(recipe, trl_config(recipe, "-", args.device))],
+        *[f"matched: {line}" for line in matched_lines(recipe, trl_config(recipe, "-", args.device), model)],
         *[f"not matched: {line}" for line in UNMATCHED],
     ]
     r = recipe.rollout

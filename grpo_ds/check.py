@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from grpo_ds import environment, lora, memory
-from grpo_ds.ds_config import load_deepspeed_json, resolve_deepspeed_config
+from grpo_ds.ds_config import load_deepspeed_json, one_rank_stage_note, resolve_deepspeed_config
 from grpo_ds.engine import device_type
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.inputs import Inputs, prepare_inputs
@@ -122,7 +122,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
               f" x {ds['gradient_accumulation_steps']} x "
               + (f"data-parallel size {dp}" if sp > 1 else f"world size {world_size}") if "train_batch_size" in ds else
               "  train_batch_size                left out (AutoTP under ZeRO-3: DeepSpeed checks it against two sizes)",
-              f"  zero stage                      {ds.get('zero_optimization', {}).get('stage', 0)}", "",
+              f"  zero stage                      {ds.get('zero_optimization', {}).get('stage', 0)}"
+              + (f" ({stage_note})" if (stage_note := one_rank_stage_note(r, ds)) else ""), "",
               f"kernels: {inputs.kernels_backend} backend (kernels.backend {r.kernels.backend!r}), "
               + ("full logits, " if not r.kernels.fused_lm_head else "fused lm_head (no full logits), " if tp == 1
                  else "full logits (tensor parallelism splits the lm_head), ")

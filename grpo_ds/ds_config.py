@@ -9,6 +9,11 @@ are written as "auto" in ``ds_configs/*.json`` and filled here:
     train_batch_size               = micro x gradient_accumulation_steps x world_size
     tensor_parallel.autotp_size    = train.tensor_parallel_size (tp > 1 only)
 
+One rank: a stage-3 file without offload runs as stage 1 (``one_rank_stage``), unless train.zero3_on_one_rank.
+ZeRO-3 on one rank partitions nothing, yet gathers and releases every module's parameters around each forward and
+backward; stage 1 holds the same fp32 master weights, gradients and optimizer states on that rank without those
+hooks. Offload keeps stage 3 (parameter offload exists only there); so do two or more ranks.
+
 dp = world size / tp / sp. With Ulysses sequence parallelism DeepSpeed gets the sequence-parallel groups (mpu)
 and counts ``train_batch_size`` over dp. With tensor parallelism DeepSpeed checks ``train_batch_size`` twice: once
 against the world size (its top-level config counts the TP ranks) and, under ZeRO-3, once against dp (the
@@ -76,6 +81,7 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
     dp = world_size // tp // sp
     micro = train.micro_batch_samples_per_gpu
     gas = static_micro_batches_per_rank(recipe.samples_per_optimizer_step, dp, micro)
+    raw = one_rank_stage(raw, recipe, world_size)
     zero = raw.get("zero_optimization")
     zero3 = isinstance(zero, dict) and zero.get("stage", 0) == 3
     if sp > 1:
@@ -115,6 +121,31 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
         raise UserError(f"{where}: {leftover}", '"auto" is not a value grpo_ds can derive', "give a number")
     check_deepspeed_config(out, where, dtype, device_type)  # what DeepSpeed itself would reject, before any engine
     return out
+
+
+def one_rank_stage(raw: dict, recipe: Recipe, world_size: int) -> dict:
+    """``raw`` with ZeRO stage 1 in place of stage 3 when one rank trains without offload (see the module
+    docstring); otherwise ``raw`` itself. The stage-3-only keys go with the stage, and so does overlap_comm."""
+    zero = raw.get("zero_optimization")
+    if world_size != 1 or recipe.train.zero3_on_one_rank or not isinstance(zero, dict) or zero.get("stage") != 3:
+        return raw
+    if any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") not in (None, "none")
+           for k in ("offload_param", "offload_optimizer")):
+        return raw
+    kept = {k: v for k, v in zero.items() if not k.startswith("stage3_") and k not in ("offload_param", "stage")}
+    # overlap_comm overlaps the gradient reduction with the backward: one rank reduces nothing, and DeepSpeed refuses
+    # it under stage 1 when grpo_ds owns the accumulation boundary (managed_gradient_accumulation false)
+    return {**raw, "zero_optimization": {"stage": 1, **kept, "overlap_comm": False}}
+
+
+def one_rank_stage_note(recipe: Recipe, ds_config: dict) -> str | None:
+    """The one-line note when ``one_rank_stage`` changed the file's stage (None when it did not)."""
+    raw, where = load_deepspeed_json(recipe)
+    file_stage = (raw.get("zero_optimization") or {}).get("stage") if isinstance(raw, dict) else None
+    if file_stage != 3 or (ds_config.get("zero_optimization") or {}).get("stage") != 1:
+        return None
+    return (f"{where}: ZeRO stage 3 runs as stage 1 on one rank (the same memory, without ZeRO-3's per-module "
+            "gathers); train.zero3_on_one_rank=true keeps stage 3")
 
 
 def _tensor_parallel_size(recipe: Recipe, raw: dict, world_size: int, where: str) -> int:

@@ -180,10 +180,13 @@ def create_train_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
 
 
 def create_reference_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
-    """Frozen reference policy for the KL term: ZeRO sharded like the policy, no optimizer."""
+    """Frozen reference policy for the KL term, no optimizer: under ZeRO-3 sharded like the policy; under stages 1
+    and 2, which shard optimizer states and gradients only (and DeepSpeed refuses without an optimizer), plain."""
     import deepspeed
 
     cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
+    if (cfg.get("zero_optimization") or {}).get("stage", 0) != 3:
+        cfg["zero_optimization"] = {"stage": 0}
     cfg["managed_gradient_accumulation"] = True
     model.requires_grad_(False)
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from grpo_ds import lora, sequence_parallel
+from grpo_ds.ds_config import one_rank_stage_note
 from grpo_ds.engine import create_reference_engine, create_train_engine
 from grpo_ds.models import load_model
 from grpo_ds.recipe import Recipe
@@ -64,6 +65,8 @@ class Policy:
                        else packing_problem(engine))
         policy = Policy(engine, use_lora, reference, fused_lm_head_problem(engine.module), packing)
         if announce:
+            if stage_note := one_rank_stage_note(recipe, ds_config):
+                print(f"note: {stage_note}", file=sys.stderr, flush=True)
             if use_lora:
                 print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
             if recipe.kernels.fused_lm_head and policy.fused_lm_head_problem:

@@ -68,22 +68,22 @@ def test_world_size_3_plan(outputs):
     out = outputs["world3"].stdout
     r = load_recipe(RECIPE)
     samples = r.rollout.prompts_per_step * r.rollout.group_size
-    assert samples == 400
+    assert samples == 800
     assert "\n\nrecipe is valid for world size 3\n" in out  # after the environment block
-    assert re.search(rf"samples per step\s+{samples} = prompts_per_step 25 x group_size 16", out)
+    assert re.search(rf"samples per step\s+{samples} = prompts_per_step 25 x group_size 32", out)
     assert re.search(rf"optimizer steps per rollout\s+1 = {samples} / {samples} x epochs_per_rollout 1", out)
     assert "skipped" in line_of(out, "old-log-prob pass")
 
     ranks = rank_lines(out)
     assert [rank[0] for rank in ranks] == [0, 1, 2]
-    assert sum(rank[1] for rank in ranks) == samples  # 400 does not divide by 3; nothing is lost
+    assert sum(rank[1] for rank in ranks) == samples  # 800 does not divide by 3; nothing is lost
     assert len({rank[3] for rank in ranks}) == 1  # every rank runs the same number of update micro-batches
     imbalance = float(line_of(out, "token imbalance").rsplit(" ", 1)[1])
     assert 1.0 <= imbalance < 1.1
 
     micro = r.train.micro_batch_samples_per_gpu
     gas = math.ceil(math.ceil(samples / 3) / micro)
-    assert (micro, gas) == (200, 1)  # 134 samples on the fullest rank fit in one micro-batch
+    assert (micro, gas) == (400, 1)  # 267 samples on the fullest rank fit in one micro-batch
     assert re.search(rf"train_micro_batch_size_per_gpu\s+{micro}\n", out)
     assert re.search(rf"gradient_accumulation_steps\s+{gas} ", out)
     assert re.search(rf"train_batch_size\s+{micro * gas * 3} = {micro} x {gas} x world size 3\n", out)
@@ -94,7 +94,7 @@ def test_several_optimizer_steps_run_the_old_logprob_pass(outputs):
     out = outputs["world2_minibatches"].stdout
     assert "\n\nrecipe is valid for world size 2\n" in out  # --world-size mixed with overrides
     assert re.search(r"samples per optimizer step\s+200\n", out)
-    assert re.search(r"optimizer steps per rollout\s+2 = 400 / 200", out)
+    assert re.search(r"optimizer steps per rollout\s+4 = 800 / 200", out)
     assert "runs" in line_of(out, "old-log-prob pass")
     ranks = rank_lines(out)
     assert len(ranks) == 2 and sum(rank[1] for rank in ranks) == 200  # shards of the first optimizer step
@@ -109,8 +109,8 @@ def test_dynamic_batching_is_shown(outputs):
     assert "<= 64 real tokens (dynamic)" in line_of(out, "update micro-batch")  # packed: real tokens
     assert "<= 64 real tokens (dynamic)" in line_of(out, "log-prob micro-batch")
     ((_, samples, _, update_mbs, _, _),) = rank_lines(out)
-    assert samples == 400
-    assert update_mbs > 400 // 100  # a 64-token cap splits finer than the 100-sample micro-batches would
+    assert samples == 800
+    assert update_mbs > 800 // 100  # a 64-token cap splits finer than the 100-sample micro-batches would
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
@@ -130,7 +130,7 @@ def test_report_with_overrides_in_process():
     inputs = prepare_inputs(RECIPE, ["train.samples_per_optimizer_step=100", "train.epochs_per_rollout=2"], 2,
                             "cpu")
     out = check.report(inputs, 2, "uniform")
-    assert re.search(r"optimizer steps per rollout\s+8 = 400 / 100 x epochs_per_rollout 2", out)
+    assert re.search(r"optimizer steps per rollout\s+16 = 800 / 100 x epochs_per_rollout 2", out)
     assert sum(rank[1] for rank in rank_lines(out)) == 100
 
 

@@ -52,12 +52,12 @@ def test_auto_batch_keys(deepspeed, spos, world_size, gas):
     assert cfg["gradient_accumulation_steps"] == gas == math.ceil(math.ceil(samples / world_size) / micro)
     assert cfg["train_batch_size"] == micro * gas * world_size
     assert cfg["gradient_clipping"] == 1.0
-    assert cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["stage"] == (1 if world_size == 1 else 3)  # one rank: stage 1 (below)
     assert "auto" not in json.dumps(cfg)
 
 
 def test_repo_file_keeps_its_zero_settings():
-    cfg = resolve("ds_configs/zero3.json")
+    cfg = resolve("ds_configs/zero3.json", world_size=2)
     assert cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 50000000
 
@@ -313,3 +313,38 @@ def test_what_sequence_parallelism_cannot_take_is_refused_in_one_line(sections, 
 def test_offload_optimizer_null_is_no_offload():
     cfg = resolve({"zero_optimization": {"stage": 3, "offload_optimizer": None}})  # DeepSpeed's own "off"
     assert cfg["optimizer"]["params"]["torch_adam"] is True  # CPU, no offload: torch's Adam, as without the key
+
+
+# ------------------------------------------------------------------------------------- one rank
+
+def test_one_rank_runs_zero3_as_stage1():
+    """One rank has nothing to partition: stage 1 (same fp32 master weights and optimizer states), the file's other
+    ZeRO settings kept, the stage-3-only ones and overlap_comm dropped; the note names the file and the way back."""
+    from grpo_ds.ds_config import one_rank_stage_note
+
+    r = recipe("ds_configs/zero3.json")
+    cfg = resolve_deepspeed_config(r, 1, "cpu")
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 1 and zero["overlap_comm"] is False
+    assert zero["reduce_bucket_size"] == 50000000 and zero["contiguous_gradients"] is True
+    assert not [k for k in zero if k.startswith("stage3_")]
+    note = one_rank_stage_note(r, cfg)
+    assert note.startswith("ds_configs/zero3.json: ZeRO stage 3 runs as stage 1") and "zero3_on_one_rank" in note
+    assert one_rank_stage_note(r, resolve_deepspeed_config(r, 2, "cpu")) is None
+
+
+@pytest.mark.parametrize(("deepspeed", "world_size", "train"), [
+    ("ds_configs/zero3.json", 2, {}),  # two ranks partition
+    ("ds_configs/zero3.json", 1, {"zero3_on_one_rank": True}),  # asked for
+    ("ds_configs/zero3_offload.json", 1, {}),  # parameter offload exists only under stage 3
+    ("ds_configs/zero3_offload_optimizer.json", 1, {}),
+])
+def test_zero3_is_kept(deepspeed, world_size, train):
+    cfg = resolve(deepspeed, world_size, train=train)
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_other_stages_are_left_alone_on_one_rank(stage):
+    assert resolve({"zero_optimization": {"stage": stage}})["zero_optimization"] == {"stage": stage}
