@@ -67,6 +67,7 @@ class MetricsLogger:
                  config: dict | None = None) -> None:
         self.path = run_dir / "metrics.jsonl" if run_dir else None
         self.every_steps = cfg.every_steps
+        self.total_steps = total_steps
         self.history: list[dict] = []
         self.bar = tqdm(total=total_steps, desc="grpo_ds", unit="step", dynamic_ncols=True) \
             if cfg.progress_bar and run_dir else None
@@ -97,7 +98,7 @@ class MetricsLogger:
             self.wandb.log(numbers, step=metrics["step"])
         line = f"step {metrics['step']:>4} " + " ".join(
             f"{k}={_fmt(metrics[k])}" for k in CONSOLE_KEYS if k in metrics)
-        if metrics["step"] % self.every_steps == 0 or metrics["step"] == 1:
+        if metrics["step"] % self.every_steps == 0 or metrics["step"] in (1, self.total_steps):  # first, last
             (self.bar.write if self.bar else print)(line)
         if self.bar:
             self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=_fmt(metrics.get("loss", math.nan)))

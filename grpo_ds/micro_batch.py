@@ -12,6 +12,8 @@ one of two layouts:
                           decreasing into rows as wide as the longest one: never more positions, nor more attention,
                           than the padded layout, and the short sequences share rows instead of padding them. A row's
                           unused end is a segment of its own (pad tokens, positions from 0) that no sequence sees.
+                          When no two sequences fit in one row (all of nearly the same length), packing would save
+                          nothing and still cost the block-diagonal mask: such a micro-batch takes the padded layout
                           The forward must be called with ``use_cache=False``: with a cache transformers does not
                           look for packed sequences and the tokens of one sequence attend to the ones before it
                           (tests/test_micro_batch.py)
@@ -85,6 +87,8 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
     else:
         width = max(lengths)
         rows = _rows_first_fit(lengths, width)
+        if len(rows) == len(seqs):  # no two share a row: the padded layout is the same model work, without the mask
+            packed, rows = False, [[b] for b in range(len(seqs))]
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros_like(input_ids)
     starts = [0] * len(seqs)  # flat position of each sequence's first token
@@ -125,6 +129,8 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
 
 def _rows_first_fit(lengths: list[int], width: int) -> list[list[int]]:
     """Sequence indices grouped into rows of ``width`` tokens, longest first (first-fit decreasing)."""
+    if len(lengths) > 1 and sum(sorted(lengths)[:2]) > width:  # not even the two shortest share a row
+        return [[b] for b in range(len(lengths))]
     rows, room = [], []
     for b in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         for r, free in enumerate(room):

@@ -236,7 +236,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    every_steps: int = opt(1, "Print a metrics line every this many steps (metrics.jsonl gets every step)", low=1)
+    every_steps: int = opt(1, "Print a metrics line every this many steps, and at the first and the last "
+                           "(metrics.jsonl gets every step)", low=1)
     progress_bar: bool = opt(True, "Show a progress bar on rank 0")
     tensorboard: bool = opt(False, "Write TensorBoard event files to <run folder>/tensorboard (extra: tensorboard)")
     wandb_project: str | None = opt(None, "Log every step to this Weights & Biases project (extra: wandb; null = off)")

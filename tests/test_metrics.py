@@ -18,12 +18,12 @@ def _steps(logger, n=3):
 
 
 def test_jsonl_and_console(tmp_path, capsys):
-    logger = MetricsLogger(tmp_path, 3, LoggingConfig(every_steps=2, progress_bar=False))
-    _steps(logger)
+    logger = MetricsLogger(tmp_path, 5, LoggingConfig(every_steps=3, progress_bar=False))
+    _steps(logger, 5)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2, 3] and lines[2]["reward_mean"] == pytest.approx(0.3)
-    printed = capsys.readouterr().out
-    assert "step    1 reward_mean=0.1" in printed and "step    2" in printed and "step    3" not in printed
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5] and lines[2]["reward_mean"] == pytest.approx(0.3)
+    printed = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
+    assert printed == ["1", "3", "5"]  # the first, every 3rd, and the last
     assert logger.history == lines
 
 

@@ -38,8 +38,10 @@ def test_packed_and_padded_layouts_score_every_token_as_each_sequence_alone(attn
     for packed in (True, False):
         mb = collate(rollouts, ids, 0, torch.device("cpu"), packed=packed)
         torch.testing.assert_close(token_logprobs(model, mb, settings), alone, rtol=0, atol=2e-6)
-    packed = collate(rollouts, ids, 0, torch.device("cpu"))
-    assert packed.attention_mask is None and packed.position_ids[0].tolist()[:4] == list(range(4))
+    # lengths 10, 7, 7, 7, 5 in rows of 10: no two share a row, so packing would only add the block-diagonal mask and
+    # the micro-batch takes the padded layout (the packed rows: the next test)
+    unshared = collate(rollouts, ids, 0, torch.device("cpu"))
+    assert unshared.position_ids is None and unshared.attention_mask.shape == (len(ids), 10)
     one_row = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)
     assert one_row.input_ids.shape == (1, one_row.sequence_tokens)  # flash attention's layout: no padding at all
     torch.testing.assert_close(token_logprobs(model, one_row, settings), alone, rtol=0, atol=2e-6)
@@ -85,7 +87,9 @@ def test_rows_for_eager_and_sdpa_hold_whole_sequences_and_flash_gets_one_row():
     mb = collate(rollouts, ids, 0, torch.device("cpu"))
     rows, width = mb.input_ids.shape
     assert width == max(lengths) and rows < len(ids) and rows * width >= sum(lengths)  # fewer rows than padded
-    assert mb.boundaries is None  # eager / sdpa: the mask comes from the position ids
+    assert mb.boundaries is None and mb.attention_mask is None  # eager / sdpa: the mask comes from the position ids
+    assert mb.position_ids[0].tolist() == list(range(width))  # row 0: the longest sequence alone, positions 0..
+    assert (mb.position_ids == 0).sum() > rows  # the other rows hold several sequences, each restarting at 0
     model = _model("sdpa")
     torch.testing.assert_close(token_logprobs(model, mb, SETTINGS), _alone(model, rollouts, ids), rtol=0, atol=2e-6)
     one = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)
