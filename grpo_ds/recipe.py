@@ -198,8 +198,8 @@ class TrainConfig:
     zero3_on_one_rank: bool = opt(False, "Keep ZeRO stage 3 when the run has one rank. By default a one-rank run of a "
                                   "stage-3 DeepSpeed file without offload trains with stage 1: one rank has nothing to "
                                   "partition, stage 1 keeps the same fp32 master weights and optimizer states, and "
-                                  "skips ZeRO-3's gather and release around every module (a quarter of the tiny "
-                                  "recipe's update time)")
+                                  "skips ZeRO-3's gather and release around every module (benchmarks/"
+                                  "bench_one_rank_stage.py)")
 
 
 @dataclass(frozen=True)
