@@ -5,7 +5,7 @@ Issue 18's realistic CPU shape by default: a random Qwen2-architecture model bui
 float32, 2 threads. The variants sample with the same settings from the same left-padded batch and the same seed:
 
     grpo_ds    HFRolloutEngine.generate: the tokens and their sampler log-probs, recorded one step at a time
-               (grpo_ds.rollout.hf.SampledLogprobs)
+               (grpo_ds.rollout.hf.TokenSampler)
     all_steps  the same engine with the log-prob path it had before: generate keeps every step's scores
                (output_scores) and they are log-softmaxed and stacked at the end (the reference in
                tests/rollout/test_hf.py)

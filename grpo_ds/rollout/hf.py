@@ -4,10 +4,11 @@ The copy lives on the training device and is refreshed after every optimizer ste
 ZeRO-3 shards (see grpo_ds.rollout.weight_sync). Prompts are left-padded for batched generation;
 position ids come from the attention mask, so they match the unpadded sequences used in training.
 
-Each sampled token's log-prob under the distribution it was sampled from (after temperature, top-k and top-p;
-greedy: the logits) is recorded inside the generate loop by SampledLogprobs, one step at a time, so the rollout's
+Each token is picked, and its log-prob under the distribution it was sampled from (after temperature, top-k and
+top-p; greedy: the logits) recorded, inside the generate loop by TokenSampler, one step at a time, so the rollout's
 memory does not grow with the completion length (asking generate for every step's scores held samples x length x
-vocabulary floats, twice: 40 GB each at 64 x 1,024 x 151,936).
+vocabulary floats, twice: 40 GB each at 64 x 1,024 x 151,936), and a sample costs one random number per row instead
+of one per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -29,48 +30,52 @@ from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.stop import stop_token_ids
 
 # Warpers that transformers would take from the model's own generation_config (a key our config leaves unset is
-# filled from it) and apply after top-p, that is after SampledLogprobs: refused, see _check_model_warpers.
+# filled from it) and apply after top-p, that is after TokenSampler: refused, see _check_model_warpers.
 _LATE_WARPERS = {"min_p": None, "top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
                  "watermarking_config": None, "renormalize_logits": False}  # key: its off value
 
 
-class SampledLogprobs(LogitsProcessor):
-    """The last logits processor: log p(token) of each sampled token under the processed scores it was sampled
-    from, holding one step's log-probs at a time instead of every step's scores.
+class TokenSampler(LogitsProcessor):
+    """The last logits processor: it picks each row's next token itself and records that token's log-prob under the
+    processed scores it was picked from, holding one step's log-probs at a time instead of every step's scores.
 
-    ``generate`` calls it at step t with the scores token t is sampled from (after every warper, see
-    generate_left_padded) and at step t + 1 with input_ids ending in token t. So at step t it first gathers the
-    previous token's log-prob from step t - 1's log-softmax (B, V), drops that, then keeps step t's; the last
-    token is gathered by ``finish``. The log-softmax is the very op the all-steps path (output_scores, then a
-    log-softmax of each step) ran on every step's scores, so the numbers are bitwise the same. It is one fused pass;
-    torch.logsumexp (amax, subtract, exp, sum) also allocates a (B, V) temporary and took twice as long on the CPU
-    (33 vs 16 ms at 64 x 151,936). Nothing leaves the device inside the loop.
+    ``generate`` runs in greedy mode (do_sample false) and calls it with the scores after every warper (see
+    generate_left_padded); it returns scores that are 0 at the picked token and -inf elsewhere, so generate's argmax
+    takes that token. Sampling draws the token by inverting the cumulative distribution: one uniform number per row
+    and a float64 cumulative sum of the probabilities, where transformers' torch.multinomial draws an exponential
+    number for every vocabulary entry (150 of the 230 ms of a step at 64 x 151,936 on 2 CPU cores). The
+    distribution is the same, softmax(scores); the random numbers, and so the samples for a seed, are not. Greedy
+    decoding picks the argmax as generate would. The log-prob is gathered from torch.log_softmax of the same
+    scores, the op the all-steps path (output_scores, then a log-softmax of each step) ran, so the numbers are
+    bitwise the same for the same tokens. Nothing leaves the device inside the loop.
     """
 
-    def __init__(self) -> None:
-        self._logprobs: torch.Tensor | None = None  # (B, V) log-softmax of the latest step's scores
-        self._taken: list[torch.Tensor] = []  # (B,) per step: log-prob of the token sampled at that step
+    def __init__(self, greedy: bool) -> None:
+        self.greedy = greedy
+        self._taken: list[torch.Tensor] = []  # (B,) per step: log-prob of the token picked at that step
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._logprobs is not None:
-            self._take(input_ids[:, -1])
-        self._logprobs = torch.log_softmax(scores, dim=-1)
-        return scores
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        self._taken.append(self._logprobs.gather(-1, tokens[:, None]).squeeze(-1))
-        self._logprobs = None
+        logprobs = torch.log_softmax(scores, dim=-1)  # (B, V)
+        tokens = scores.argmax(dim=-1, keepdim=True) if self.greedy else sample_tokens(logprobs)  # (B, 1)
+        self._taken.append(logprobs.gather(-1, tokens).squeeze(-1))
+        return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
 
     def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) log-probs of ``new_tokens`` (B, T), the tokens generate returned. Rows that finished early hold
         pad tokens after EOS, with meaningless log-probs there, as before."""
         steps = new_tokens.shape[1]
-        if len(self._taken) == steps - 1:  # the last token was sampled after the last call
-            self._take(new_tokens[:, -1])
-        if len(self._taken) != steps:  # (generate may run a step it then undoes: its scores are dropped here)
-            raise RuntimeError(f"generate returned {steps} new tokens but SampledLogprobs saw {len(self._taken)}")
-        self._logprobs = None
-        return torch.stack(self._taken, dim=1)
+        if len(self._taken) < steps:
+            raise RuntimeError(f"generate returned {steps} new tokens but TokenSampler picked {len(self._taken)}")
+        return torch.stack(self._taken[:steps], dim=1)
+
+
+def sample_tokens(logprobs: torch.Tensor) -> torch.Tensor:
+    """(B, V) log-probabilities -> (B, 1) one token per row drawn from them, by inverse transform sampling: the first
+    token whose cumulative probability (float64) exceeds a uniform draw scaled to the row's total. A token of
+    probability 0 (a warper's -inf) adds nothing to the cumulative sum, so it is never drawn."""
+    cdf = logprobs.double().exp_().cumsum_(dim=-1)  # (B, V)
+    draw = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, draw, right=True).clamp_(max=cdf.shape[1] - 1)
 
 
 def _warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
@@ -88,21 +93,18 @@ def _warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
     return warpers
 
 
-def _generation_config(sampling: SamplingParams, max_new_tokens: int, num_return_sequences: int, pad_token_id: int,
-                       stop_ids: Sequence[int]) -> GenerationConfig:
-    """transformers' settings for one generate call: sampling, or greedy decoding when temperature is 0; a row ends
-    at any of ``stop_ids`` (grpo_ds.rollout.stop). The warpers are off here and passed as processors instead:
-    generate puts a caller's processors before its own warpers, and SampledLogprobs must come after them (top_k 0 =
-    off, where unset would mean 50)."""
-    sampled = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0} if sampling.temperature > 0 else {
-        "do_sample": False}
-    return GenerationConfig(**sampled, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
+def _generation_config(max_new_tokens: int, pad_token_id: int, stop_ids: Sequence[int]) -> GenerationConfig:
+    """transformers' settings for one generate call, greedy (TokenSampler picks the tokens, sampled or greedy); a row
+    ends at any of ``stop_ids`` (grpo_ds.rollout.stop). The warpers are passed as processors, before TokenSampler
+    (generate would put its own after a caller's processors). Each context comes ``num_return_sequences`` times in
+    the batch already (greedy generate refuses more than one sequence per input)."""
+    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_return_sequences=1,
                             pad_token_id=pad_token_id, eos_token_id=list(stop_ids),
                             use_cache=True)  # the policy's config may turn the cache off for training
 
 
 def _check_model_warpers(model: PreTrainedModel) -> None:
-    """Refuse a model generation_config that sets a warper generate would apply after SampledLogprobs."""
+    """Refuse a model generation_config that sets a warper grpo_ds does not apply (it samples in TokenSampler)."""
     own = getattr(model, "generation_config", None)
     for key, off in _LATE_WARPERS.items():
         value = getattr(own, key, off)
@@ -122,15 +124,15 @@ def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], samp
     temperature, top-k and top-p (greedy: the logits themselves)."""
     if sampling.temperature > 0:
         _check_model_warpers(model)
-    input_ids, attention_mask = left_padded(contexts, pad_token_id)
+    input_ids, attention_mask = left_padded([c for c in contexts for _ in range(num_return_sequences)], pad_token_id)
     device = next(model.parameters()).device
-    recorder = SampledLogprobs()
-    config = _generation_config(sampling, max_new_tokens, num_return_sequences, pad_token_id, stop_ids)
+    sampler = TokenSampler(greedy=sampling.temperature <= 0)
+    config = _generation_config(max_new_tokens, pad_token_id, stop_ids)
     sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                generation_config=config, logits_processor=LogitsProcessorList([
-                                   *_warpers(sampling), recorder]), stopping_criteria=stopping_criteria)
+                                   *_warpers(sampling), sampler]), stopping_criteria=stopping_criteria)
     new_tokens = sequences[:, input_ids.shape[1]:]  # (B, T_new)
-    return new_tokens.cpu(), recorder.finish(new_tokens).cpu()
+    return new_tokens.cpu(), sampler.finish(new_tokens).cpu()
 
 
 def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,19 +97,29 @@ def test_generation_uses_the_kv_cache_even_when_training_turned_it_off():
 
 def all_steps_generate_left_padded(model, contexts, sampling, max_new_tokens, num_return_sequences, pad_token_id,
                                    eos_token_id, stopping_criteria=None):
-    """The reference: grpo_ds.rollout.hf.generate_left_padded as it was up to commit 8643ce6. generate kept every
-    step's processed scores (output_scores, T tensors of (B, V)) and the log-probs were a float32 log-softmax of
-    each, stacked, gathered at the new tokens. Same signature as the one-step recorder it must equal."""
-    sampled = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
-               "top_k": sampling.top_k} if sampling.temperature > 0 else {"do_sample": False}
-    config = GenerationConfig(**sampled, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
-                              pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_scores=True,
-                              return_dict_in_generate=True, use_cache=True)
-    input_ids, attention_mask = hf.left_padded(contexts, pad_token_id)
+    """The reference: generate keeps every step's logits (output_logits, T tensors of (B, V)), and the log-probs are a
+    float32 log-softmax of each after the same warpers, stacked, gathered at the new tokens (the path grpo_ds took up
+    to commit 8643ce6). Its tokens are picked as grpo_ds picks them (hf.sample_tokens after the warpers: the same
+    random numbers in the same order) by a processor that records nothing. Same signature as the one-step recorder
+    it must equal."""
+    warpers = hf.LogitsProcessorList(hf._warpers(sampling))
+    greedy = sampling.temperature <= 0
+
+    class Pick(hf.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            tokens = scores.argmax(-1, keepdim=True) if greedy else hf.sample_tokens(torch.log_softmax(scores, -1))
+            return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                              eos_token_id=eos_token_id, output_logits=True, return_dict_in_generate=True,
+                              use_cache=True)
+    input_ids, attention_mask = hf.left_padded([c for c in contexts for _ in range(num_return_sequences)],
+                                               pad_token_id)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         logits_processor=hf.LogitsProcessorList([*warpers, Pick()]),
                          stopping_criteria=stopping_criteria)
     new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
-    logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
+    logprobs = torch.stack([torch.log_softmax(warpers(input_ids, s.float()), dim=-1) for s in out.logits], 1).cpu()
     return new_tokens, logprobs.gather(-1, new_tokens[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
 
 
@@ -128,13 +138,13 @@ def favour_eos(model, eos_token_id, bias=2.0, every=3):
 
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
 def test_sampler_logprobs_equal_the_all_steps_path_bitwise(sampling, monkeypatch):
-    """One step's log-probs at a time gives exactly the numbers of keeping every step's scores: the same tokens
-    (the recorder draws no random numbers) and bitwise the same log-probs (the same log-softmax of the same
-    scores), with EOS in the middle of some sequences and prompts of different lengths (left padding)."""
+    """One step's log-probs at a time gives exactly the numbers of keeping every step's logits: the same tokens (the
+    same draws) and bitwise the same log-probs (the same log-softmax of the same warped scores), with EOS in the
+    middle of some sequences and prompts of different lengths (left padding)."""
     engine, tok = _engine()
     favour_eos(engine.model, tok.eos_token_id)
     prompts = [tok.encode(f"{a}+{b}=") for a in range(0, 30, 7) for b in (1, 22, 5, 9)]
-    group = 2 if sampling["temperature"] > 0 else 1  # transformers refuses several greedy sequences per prompt
+    group = 2
     params = SamplingParams(max_new_tokens=8, seed=4, **sampling)
     ours = engine.generate(prompts, group, params)
     monkeypatch.setattr(hf, "generate_left_padded", all_steps_generate_left_padded)
@@ -184,3 +194,28 @@ def test_a_warper_in_the_model_generation_config_is_refused_in_one_line():
         engine.generate([tok.encode("1+2=")], 2, SamplingParams(max_new_tokens=2, seed=0))
     out = engine.generate([tok.encode("1+2=")], 1, SamplingParams(max_new_tokens=2, temperature=0.0))
     assert len(out) == 1  # greedy decoding uses no warper
+
+
+def test_sample_tokens_draws_from_the_softmax_and_never_a_masked_token():
+    """Inverse transform sampling is exact: over 200,000 rows each token's frequency is its probability within 5
+    standard errors, a token at -inf (a warper's mask) is never drawn, and the same seed draws the same tokens."""
+    torch.manual_seed(0)
+    scores = torch.tensor([2.0, -torch.inf, 0.5, -1.0, 1.0, -torch.inf, -3.0])
+    probs = torch.softmax(scores, -1)
+    rows = 200_000
+    logprobs = torch.log_softmax(scores, -1).expand(rows, -1)
+    torch.manual_seed(1)
+    drawn = hf.sample_tokens(logprobs)
+    assert drawn.shape == (rows, 1)
+    freq = torch.bincount(drawn.squeeze(1), minlength=len(scores)).double() / rows
+    se = (probs.double() * (1 - probs.double()) / rows).sqrt()
+    assert ((freq - probs.double()).abs() <= 5 * se + 1e-12).all(), (freq, probs)
+    assert freq[1] == 0 and freq[5] == 0
+    torch.manual_seed(1)
+    assert torch.equal(hf.sample_tokens(logprobs), drawn)
+
+
+def test_a_sure_token_is_always_drawn_even_with_a_tiny_vocabulary_tail():
+    logprobs = torch.log_softmax(torch.tensor([[0.0, -200.0, -300.0], [-300.0, -200.0, 0.0]]), -1).repeat(1000, 1)
+    drawn = hf.sample_tokens(logprobs).squeeze(1)
+    assert drawn[0::2].eq(0).all() and drawn[1::2].eq(2).all()

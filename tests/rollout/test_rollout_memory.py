@@ -1,6 +1,6 @@
 """Rollout memory does not grow with the completion length (issue 15, done-point 2).
 
-The hf engine records each sampled token's log-prob one step at a time (grpo_ds.rollout.hf.SampledLogprobs), so
+The hf engine records each sampled token's log-prob one step at a time (grpo_ds.rollout.hf.TokenSampler), so
 the rollout holds a fixed number of (samples, vocabulary) score tensors whatever the completion length. Keeping
 every step's scores, as the engine did before, holds 3 x steps of them at the end of generation (the scores
 generate returns, their log-softmaxes, and the stacked copy).
