@@ -98,42 +98,42 @@ class Shape:
     threads: int = 1  # default torch threads per run on CPU
 
 
+def qwen2_recipe(dtype: str, prompts: int, new_tokens: int, logprob_micro: int) -> dict:
+    """The inline recipe of a random-Qwen2 shape: builtin:arith, exact_match, 8 completions per prompt, GRPO with the
+    token-mean loss, no KL, lr 1e-6, micro-batches of 16 samples, ZeRO-3."""
+    return {"data": {"train": "builtin:arith"}, "model": {"dtype": dtype},
+            "rollout": {"prompts_per_step": prompts, "group_size": 8, "max_new_tokens": new_tokens,
+                        "temperature": 1.0},
+            "reward": {"functions": [{"name": "exact_match", "weight": 1.0}]},
+            "algorithm": {"advantage": "grpo", "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2,
+                          "kl_coef": 0.0},
+            "train": {"micro_batch_samples_per_gpu": 16, "logprob_micro_batch_samples_per_gpu": logprob_micro,
+                      "lr": 1e-6},
+            "deepspeed": "ds_configs/zero3.json"}
+
+
 SHAPES = {
-    "tiny": Shape("recipes/tiny_cpu.json: builtin:tiny (2-layer Llama, character vocabulary of 103), 25 prompts x 16 "
+    "tiny": Shape("recipes/tiny_cpu.json: builtin:tiny (2-layer Llama, character vocabulary of 103), 25 prompts x 32 "
                   "completions of <= 2 tokens", None, None),
     "realistic": Shape(
         "a random Qwen2 (hidden 256, 4 layers) over a 151,936-token vocabulary, float32, 8 prompts x 8 completions "
-        "of 64 tokens, micro-batches of 16",
-        {"data": {"train": "builtin:arith"}, "model": {"dtype": "float32"},
-         "rollout": {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 64, "temperature": 1.0},
-         "reward": {"functions": [{"name": "exact_match", "weight": 1.0}]},
-         "algorithm": {"advantage": "grpo", "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2,
-                       "kl_coef": 0.0},
-         "train": {"micro_batch_samples_per_gpu": 16, "logprob_micro_batch_samples_per_gpu": 16, "lr": 1e-6},
-         "deepspeed": "ds_configs/zero3.json"},
-        QWEN2_CPU, steps=5, threads=2),
+        "of 64 tokens, micro-batches of 16", qwen2_recipe("float32", 8, 64, 16), QWEN2_CPU, steps=5, threads=2),
     "qwen2-0.5b": Shape(
         "a random Qwen2.5-0.5B-shaped model (0.49 B), bfloat16, 16 prompts x 8 completions of 256 tokens (for CUDA)",
-        {"data": {"train": "builtin:arith"}, "model": {"dtype": "bfloat16"},
-         "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256, "temperature": 1.0},
-         "reward": {"functions": [{"name": "exact_match", "weight": 1.0}]},
-         "algorithm": {"advantage": "grpo", "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2,
-                       "kl_coef": 0.0},
-         "train": {"micro_batch_samples_per_gpu": 16, "logprob_micro_batch_samples_per_gpu": 32, "lr": 1e-6},
-         "deepspeed": "ds_configs/zero3.json"},
-        QWEN2_05B, dtype=torch.bfloat16, steps=12, threads=0),
+        qwen2_recipe("bfloat16", 16, 256, 32), QWEN2_05B, dtype=torch.bfloat16, steps=12, threads=0),
 }
 DEFAULT_SHAPE = {"cpu": "tiny", "cuda": "qwen2-0.5b"}
 
 # Settings that differ between the two and cannot be made equal from the outside.
 UNMATCHED = [
-    "engine: grpo_ds trains a DeepSpeed ZeRO-3 engine (world size 1: one process; gloo backend on CPU) and "
-    "generates with an unsharded copy of the policy that it "
+    "engine: grpo_ds trains a DeepSpeed engine (world size 1: one process, ZeRO stage 1 as grpo_ds runs a stage-3 "
+    "file on one rank; gloo backend on CPU) and generates with an unsharded copy of the policy that it "
     "refreshes after each optimizer step; TRL trains the plain torch module through accelerate and generates "
     "with that same module",
-    "generation: both call transformers generate on left-padded prompts with the same sampling settings, but "
-    "they draw different random numbers, so the completions (and the reward curves) differ run by run; "
-    "grpo_ds also keeps the log-probs of the sampled tokens (output_scores) that TRL does not ask for",
+    "generation: both call transformers generate on left-padded prompts with the same sampling settings; TRL "
+    "samples with generate's torch.multinomial, grpo_ds picks each token in its last logits processor by inverse "
+    "transform sampling (the same distribution, one random number per row) and records its log-prob there, so the "
+    "completions (and the reward curves) differ run by run",
     "prompt order: both shuffle the prompts with the run's seed, through different samplers",
     "micro-batches: grpo_ds's planner and TRL's shuffled split of the generation batch put different samples "
     "together; the loss of the optimizer step (a sum over its micro-batches) is the same",
@@ -466,7 +466,8 @@ def main() -> None:
     g_final, t_final = (final_reward(rs) for rs in (g, t))
     reward_ahead, reward_line = reward_comparison(runs, per_step, points, args.window)
     notes = [
-        f"grpo_ds: DeepSpeed ZeRO-3 at world size 1 (one process, as `python -m grpo_ds.train`), on {args.device}; "
+        f"grpo_ds: DeepSpeed at world size 1 (one process, as `python -m grpo_ds.train`: ZeRO stage 1 from "
+        f"ds_configs/zero3.json), on {args.device}; "
         "TRL: GRPOTrainer, plain torch through accelerate, one process",
         f"torch threads per run: {g[0].threads} (grpo_ds), {t[0].threads} (TRL)" + (
             " (OMP_NUM_THREADS=1: on a CPU shared with other jobs, two threads' spinning barriers inflate step "

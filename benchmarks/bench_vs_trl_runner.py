@@ -66,7 +66,8 @@ def stamp(stamps: dict, key: str) -> None:
 
 
 def run_grpo_ds(recipe: dict) -> dict:
-    """grpo_ds.train on the recipe, in this process (world size 1: DeepSpeed ZeRO-3 on one rank)."""
+    """grpo_ds.train on the recipe, in this process (world size 1: one DeepSpeed rank, ZeRO stage 1 from a stage-3
+    file)."""
     driver = importlib.import_module("grpo_ds.train")
     stamps = new_stamps()
 

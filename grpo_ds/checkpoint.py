@@ -21,7 +21,7 @@ A write that fails on any rank (a full disk, a read-only file system, an exceede
 error naming the file, the cause and the last good checkpoint (grpo_ds.disk); the unfinished folder is removed and
 ``latest`` still names the previous checkpoint, so the same command resumes from it once the disk is fixed. Before
 anything is written, a checkpoint larger than the free space is refused the same way: its expected size is the
-previous checkpoint's, or BYTES_PER_PARAMETER per trainable parameter for the first, plus disk.SPACE_MARGIN.
+previous checkpoint's, or ``bytes_per_parameter`` per trainable parameter for the first, plus disk.SPACE_MARGIN.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ MANIFEST = "manifest.json"  # {"step": N, "files": {path relative to the checkpo
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 # The files DeepSpeed's consolidation reads (zero_to_fp32 globs them); each must be covered by the manifest.
 _SHARD_GLOBS = ("*_model_states.pt", "*_optim_states.pt")
-# The size of a first checkpoint, per trainable parameter: ZeRO's fp32 master weights and Adam's two moments.
+# The size of a first checkpoint, per trainable parameter: ZeRO's fp32 master weights and Adam's two moments; under
+# ZeRO stages 0-2 the module's own weights too (bytes_per_parameter).
 BYTES_PER_PARAMETER = 12
 
 
@@ -110,8 +111,8 @@ def _start(run_dir: Path, tmp: Path, policy, where: str) -> None:
         if previous:
             expected, how = _folder_bytes(previous[0]), f"the size of {previous[0].name}"
         else:
-            params = _trainable_parameters(policy)
-            expected, how = params * BYTES_PER_PARAMETER, f"{params:,} trainable parameters x {BYTES_PER_PARAMETER} B"
+            params, per = _trainable_parameters(policy), bytes_per_parameter(policy)
+            expected, how = params * per, f"{params:,} trainable parameters x {per} B"
         disk.check_space(where, root, int(expected * (1 + disk.SPACE_MARGIN)),
                          f"the checkpoint ({how}, plus {disk.SPACE_MARGIN:.0%})", resume_fix(run_dir, "free space"))
         for sub in (DS_TAG, "rng"):  # made here, so that no rank's own mkdir can fail inside DeepSpeed's save
@@ -240,6 +241,15 @@ def run_file_writes(dist: Dist, run_dir: Path, where: str) -> Iterator[None]:
 def _trainable_parameters(policy) -> int:
     """What a checkpoint saves: the trainable parameters (ZeRO-3's ``ds_numel``: the whole tensor, not a shard)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in policy.engine.module.parameters() if p.requires_grad)
+
+
+def bytes_per_parameter(policy) -> int:
+    """A checkpoint's bytes per trainable parameter: BYTES_PER_PARAMETER, plus the module's weights in their dtype
+    where the model-states file holds them whole (ZeRO stages 0-2; ZeRO-3's partitioned module saves no weights)."""
+    engine = policy.engine
+    if engine.zero_optimization_stage() == 3:
+        return BYTES_PER_PARAMETER
+    return BYTES_PER_PARAMETER + next(p.element_size() for p in engine.module.parameters() if p.requires_grad)
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -27,7 +27,7 @@ from grpo_ds import checkpoint, disk, kernels, run_folder, sequence_parallel
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 from grpo_ds.collect import collect
 from grpo_ds.data import PromptSampler
-from grpo_ds.engine import Dist, device_type, init_distributed, world_size_from_env
+from grpo_ds.engine import Dist, device_type, end_launched_rank, init_distributed, world_size_from_env
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.evaluate import evaluate
 from grpo_ds.inputs import Inputs, prepare_inputs
@@ -322,13 +322,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as JSON when it parses)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     args = parser.parse_intermixed_args(argv)
-    with exit_on_user_error():
-        try:
-            run(args.recipe, args.overrides)
-        except Preempted as stopped:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"preempted: {stopped}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_PREEMPTED)
+    code = 0
+    try:
+        with exit_on_user_error():
+            try:
+                run(args.recipe, args.overrides)
+            except Preempted as stopped:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"preempted: {stopped}", file=sys.stderr, flush=True)
+                sys.exit(EXIT_PREEMPTED)
+    except SystemExit as leaving:
+        code = 0 if leaving.code is None else leaving.code if isinstance(leaving.code, int) else 1
+    end_launched_rank(code)  # a launched rank leaves here (see there); one process returns or exits as before
+    if code:
+        sys.exit(code)
 
 
 class _CallableModule(types.ModuleType):

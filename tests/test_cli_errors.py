@@ -33,17 +33,17 @@ def _train(*overrides: str) -> list:
     return ["grpo_ds.train", RECIPE, "run.output_dir={dir}/out", *overrides]
 
 
-# samples per step 400 = 25 x 16, micro 200, world size 1: gas 2, train_batch_size 400
+# samples per step 800 = 25 x 32, micro 400, world size 1: gas 2, train_batch_size 800
 CASES = {
     "unknown_key": Case(_train("train.lrr=1"), "train.lrr", "unknown key. did you mean 'lr'?"),
     "wrong_type": Case(_train("train.lr=fast"), "train.lr", 'expected a number, got a string "fast"'),
     "out_of_range": Case(_train("rollout.top_p=1.5"), "rollout.top_p", "1.5 is out of range: must be <= 1.0"),
     "samples_per_optimizer_step": Case(_train("train.samples_per_optimizer_step=7"), "train.samples_per_optimizer_step",
-                                       "7 does not divide the samples per step 400"),
+                                       "7 does not divide the samples per step 800"),
     "deepspeed_train_batch_size": Case(
         _train("deepspeed={dir}/ds.json"), "{dir}/ds.json: train_batch_size",
-        'is 7 but the recipe gives 400 (micro 200 x gradient accumulation 2 x world size 1). set train_batch_size to '
-        '"auto" (grpo_ds derives it) or to 400.',
+        'is 7 but the recipe gives 800 (micro 400 x gradient accumulation 2 x world size 1). set train_batch_size to '
+        '"auto" (grpo_ds derives it) or to 800.',
         files={"ds.json": json.dumps({"train_batch_size": 7, "zero_optimization": {"stage": 3}})}),
     "model_path": Case(_train("model.path=/nonexistent"), "model.path", "/nonexistent does not exist"),
     "data_file_missing": Case(_train("data.train={dir}/missing.jsonl"), "data.train",

@@ -106,7 +106,8 @@ def lora_engine(request):
     base model as it was, and peft's own merge of the adapters."""
     init_distributed()
     zero = ZERO3_PARTITIONED if request.param == 3 else {"zero_optimization": {"stage": 2}}
-    recipe = load_recipe({"model": {"lora_rank": 4, "lora_alpha": 8}, "deepspeed": zero})
+    recipe = load_recipe({"model": {"lora_rank": 4, "lora_alpha": 8}, "deepspeed": zero,
+                          "train": {"zero3_on_one_rank": True}})  # one rank would otherwise run stage 1
     model = build_tiny_model(64, hidden_size=32, num_layers=2, num_heads=4, seed=0)
     base = copy.deepcopy(model).eval()
     wrapped = lora.apply_lora(model, recipe.model)

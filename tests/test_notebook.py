@@ -60,11 +60,11 @@ def test_notebook_trains_tiny_recipe_from_its_folder(tmp_path):
     ]
     assert len(lines) == 1, f"report cell printed no result: {nb.cells[-1].outputs}"
     result = json.loads(lines[0].removeprefix(MARKER))
-    assert result["steps"] == 400, "the notebook should run the whole tiny recipe"
+    assert result["steps"] == 260, "the notebook should run the whole tiny recipe"
     printed = "".join(o.get("text", "") for o in nb.cells[-2].outputs if o.get("output_type") == "stream")
     assert "mean reward of the last 10 steps" in printed
     run_dir = Path(result["run_dir"])
     assert run_dir.is_relative_to(tmp_path), f"the run folder {run_dir} should be under the notebook's temp dir"
     assert (run_dir / "metrics.jsonl").is_file()
     assert (run_dir / "reward.png").is_file(), "the plot cell should save reward.png into the run folder"
-    assert result["last10"] >= 0.6, f"tiny recipe did not learn: last-10-step mean reward {result['last10']:.3f}"
+    assert result["last10"] >= 0.9, f"tiny recipe did not learn: last-10-step mean reward {result['last10']:.3f}"

@@ -51,7 +51,7 @@ def test_json_file_sets_values_and_source_dir(tmp_path):
 
 def test_repo_tiny_cpu_recipe_loads():
     r = load_recipe(REPO / "recipes" / "tiny_cpu.json")
-    assert r.samples_per_step == 25 * 16
+    assert r.samples_per_step == 25 * 32
     assert r.source_dir == str(REPO / "recipes")
 
 

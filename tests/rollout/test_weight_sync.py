@@ -21,7 +21,7 @@ def zero3_engine():
     model = build_tiny_model(64, hidden_size=32, num_layers=2, num_heads=4, seed=0)
     reference = copy.deepcopy(model)
     config = resolve_deepspeed_config(load_recipe({"deepspeed": {"zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 0}}}), 1, "cpu")
+        "stage": 3, "stage3_param_persistence_threshold": 0}}, "train": {"zero3_on_one_rank": True}}), 1, "cpu")
     return create_train_engine(model, config), reference
 
 

@@ -22,7 +22,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from grpo_ds.builtin_tiny import build_tiny_tokenizer
 from grpo_ds.checkpoint import _sha256
 from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_train_engine, init_distributed
+from grpo_ds.engine import create_train_engine, end_launched_rank, init_distributed
 from grpo_ds.models import load_model, load_tokenizer
 from grpo_ds.recipe import load_recipe
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
@@ -115,3 +115,4 @@ def make_run(run_dir: Path, raw_recipe: dict, dist) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(Path(args[0]), args[1].split(","))
+    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.engine)

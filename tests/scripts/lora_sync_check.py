@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_ds import lora
 from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_train_engine, init_distributed
+from grpo_ds.engine import create_train_engine, end_launched_rank, init_distributed
 from grpo_ds.recipe import load_recipe
 from tests.scripts.weight_sync_check import Watch, consume, write_every_rank
 
@@ -71,3 +71,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
+    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.engine)

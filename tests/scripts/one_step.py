@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 from grpo_ds import sequence_parallel
 from grpo_ds.builtin_tiny import build_tiny_model
 from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_train_engine, init_distributed
+from grpo_ds.engine import create_train_engine, end_launched_rank, init_distributed
 from grpo_ds.planner import StepPlan, plan_minibatch
 from grpo_ds.policy import fused_lm_head_problem
 from grpo_ds.recipe import load_recipe
@@ -88,3 +88,4 @@ def main(out_dir: str, configs: list[dict]) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(args[0], json.loads(args[1]))
+    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.engine)

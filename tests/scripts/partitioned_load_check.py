@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_reference_engine, create_train_engine, init_distributed
+from grpo_ds.engine import create_reference_engine, create_train_engine, end_launched_rank, init_distributed
 from grpo_ds.lora import apply_lora
 from grpo_ds.models import load_model
 from grpo_ds.recipe import load_recipe
@@ -73,3 +73,4 @@ def main(out_dir: str, hf_dir: str) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(*args)
+    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.engine)

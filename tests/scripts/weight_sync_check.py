@@ -22,7 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_train_engine, init_distributed
+from grpo_ds.engine import create_train_engine, end_launched_rank, init_distributed
 from grpo_ds.recipe import load_recipe
 from grpo_ds.rollout.weight_sync import gathered_named_parameters
 
@@ -123,3 +123,4 @@ def write_every_rank(record: dict, out_path: str, dist) -> None:
 
 if __name__ == "__main__":
     main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
+    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.engine)
