@@ -454,7 +454,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     per_step = recipe.samples_per_step
     points = [int(p) for p in args.reward_at.split(",")] if args.reward_at else \
-        [per_step * (args.steps // d) for d in (8, 4, 2, 1)]
+        sorted({per_step * (args.steps // d) for d in (8, 4, 2, 1)} - {0})  # a short run has fewer points
     headers = ["trainer", "runs", "step s (median)", "CPU s/step", "samples/s", "startup s",
                "peak RSS MiB" + (" (GPU)" if cuda else ""), *[f"reward @ {n:,}" for n in points], "final reward",
                "completion tokens"]
