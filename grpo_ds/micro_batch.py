@@ -89,30 +89,33 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
         rows = _rows_first_fit(lengths, width)
         if len(rows) == len(seqs):  # no two share a row: the padded layout is the same model work, without the mask
             packed, rows = False, [[b] for b in range(len(seqs))]
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    positions = torch.zeros_like(input_ids)
+    # built as flat Python lists and turned into tensors once (a tensor per sequence cost ~6 ms per 400 sequences)
+    tokens = [pad_id] * (len(rows) * width)
+    positions = [0] * len(tokens) if packed else None
     starts = [0] * len(seqs)  # flat position of each sequence's first token
     for r, members in enumerate(rows):
         offset = r * width
         for b in members:
             starts[b] = offset
-            positions.view(-1)[offset:offset + lengths[b]] = torch.arange(lengths[b])
+            tokens[offset:offset + lengths[b]] = seqs[b]
+            if packed:
+                positions[offset:offset + lengths[b]] = range(lengths[b])
             offset += lengths[b]
-        positions.view(-1)[offset:(r + 1) * width] = torch.arange((r + 1) * width - offset)  # the unused end
-    flat = input_ids.view(-1)
+        if packed:
+            positions[offset:(r + 1) * width] = range((r + 1) * width - offset)  # the unused end
+    input_ids = torch.tensor(tokens, dtype=torch.long).view(len(rows), width)
     index, col, seq, loss_mask = [], [], [], []
-    for b, (sid, tokens) in enumerate(zip(sample_ids, seqs, strict=True)):
-        flat[starts[b]:starts[b] + len(tokens)] = torch.tensor(tokens)
+    for b, sid in enumerate(sample_ids):
         p, r = len(rollouts.prompt_ids[sid]), len(rollouts.response_ids[sid])
         index += range(starts[b] + p - 1, starts[b] + p + r - 1)
         col += range(r)
         seq += [b] * r
         loss_mask += rollouts.token_loss_mask(sid)
     logit_index = torch.tensor(index, dtype=torch.long)
-    targets = flat[logit_index + 1]  # the token after each predicting position
+    targets = input_ids.view(-1)[logit_index + 1]  # the token after each predicting position
     attention_mask = position_ids = boundaries = None
     if packed:
-        position_ids = positions.to(device)
+        position_ids = torch.tensor(positions, dtype=torch.long).view(len(rows), width).to(device)
         if one_row:
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
             boundaries = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),

@@ -138,11 +138,8 @@ def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], samp
 def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask), both (B, longest context) on the CPU: each context right-aligned after pads."""
     width = max(len(c) for c in contexts)
-    input_ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, c in enumerate(contexts):
-        input_ids[i, width - len(c):] = torch.tensor(c)
-        attention_mask[i, width - len(c):] = 1
+    input_ids = torch.tensor([[pad_token_id] * (width - len(c)) + list(c) for c in contexts], dtype=torch.long)
+    attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long)
     return input_ids, attention_mask
 
 
@@ -174,13 +171,12 @@ class HFRolloutEngine:
         new_tokens, token_logprobs = generate_left_padded(self.model, prompts, sampling, sampling.max_new_tokens,
                                                           group_size, self.pad_token_id, self.stop_ids)
         result = Rollouts([], [], [], [])
-        for row in range(new_tokens.shape[0]):
-            ids = new_tokens[row].tolist()
+        for row, (ids, logprobs) in enumerate(zip(new_tokens.tolist(), token_logprobs.tolist(), strict=True)):
             stop = next((t + 1 for t, token in enumerate(ids) if token in self.stop_ids), None)  # pads come after
             length = stop if stop is not None else len(ids)
             result.prompt_ids.append(list(prompts[row // group_size]))
             result.response_ids.append(ids[:length])
-            result.sampler_logprobs.append(token_logprobs[row, :length].tolist())
+            result.sampler_logprobs.append(logprobs[:length])
             result.finish_reason.append("stop" if stop is not None else "length")
         return result
 
