@@ -46,7 +46,7 @@ def child(recipe: str, steps: int, zero3: bool, out_dir: str, result: str) -> No
 
 
 def main() -> None:
-    from common import fmt, report
+    from common import fmt, markdown_table, report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny_cpu.json"))
@@ -79,9 +79,7 @@ def main() -> None:
                      *[fmt(statistics.median(m[f"time_{p}_s"] for m in steps) * 1e3, 1) for p in PHASES],
                      fmt(max(r["peak_mib"] for r in runs), 0)])
     headers = ["variant", "stage run", *[f"{p} ms" for p in PHASES], "peak RSS MiB"]
-    widths = [max(len(c) for c in col) for col in zip(headers, *rows, strict=True)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
-    body = "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    body = markdown_table(headers, rows)
 
     one, three = (results[name][0]["history"][:WARMUP] for name in VARIANTS)
     diffs = {k: max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for a, b in zip(one, three, strict=True))

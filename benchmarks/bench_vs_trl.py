@@ -62,7 +62,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 from bench_vs_trl_runner import trl_config  # noqa: E402
-from common import fmt, report, verdict  # noqa: E402
+from common import fmt, markdown_table, report, verdict  # noqa: E402
 
 from grpo_ds.recipe import Recipe, load_recipe  # noqa: E402
 from grpo_ds.recipe_parse import parse_override  # noqa: E402
@@ -313,12 +313,6 @@ def summary_row(trainer: str, runs: list[Run], per_step: int, points: list[int],
             fmt(statistics.fmean(x for r in runs for x in r.response_len), 2)]
 
 
-def markdown(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(c) for c in col) for col in zip(headers, *rows, strict=True)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
-
-
 def phase_lines(runs: dict[str, list[Run]]) -> list[str]:
     """Median seconds per step of each phase: grpo_ds's own time_*_s metrics, TRL's timed around its methods."""
     def med(values: list[float]) -> str:
@@ -493,7 +487,7 @@ def main() -> None:
     shape = (f"{model}, {recipe.data.train}, {r.prompts_per_step} prompts x {r.group_size} completions of <= "
              f"{r.max_new_tokens} tokens, {args.steps} steps ({per_step * args.steps:,} samples) per run, "
              f"{args.device}")
-    report("bench_vs_trl", shape, args.device, markdown(headers, rows), notes, args.record)
+    report("bench_vs_trl", shape, args.device, markdown_table(headers, rows), notes, args.record)
 
 
 if __name__ == "__main__":

@@ -465,6 +465,11 @@ def table(results: list[Measurement], references: Sequence[str] = ("eager",),
         peak_digits = 0 if m.peak_mib is None or abs(m.peak_mib) >= 100 else 1
         rows.append([m.variant, m.mode, fmt(m.ms, 2), fmt(m.peak_mib, peak_digits), *ratios,
                      *(f(m) for f in extra.values())])
+    return markdown_table(headers, rows)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table with columns padded to their widest cell."""
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])

@@ -26,7 +26,7 @@ TARGET = 0.9
 
 
 def main() -> None:
-    from common import fmt, report, verdict
+    from common import fmt, markdown_table, report, verdict
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/tiny_cpu.json")
@@ -56,9 +56,7 @@ def main() -> None:
 
     headers = ["seed", "steps", "reward, last 10 steps", "training s", "wall s", "entropy (last step)",
                "no_signal_frac, last 10"]
-    widths = [max(len(c) for c in col) for col in zip(headers, *rows, strict=True)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
-    body = "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    body = markdown_table(headers, rows)
     notes = [f"`python -m grpo_ds.train {args.recipe} run.seed=S` per seed, one after the other"
              + (f", overrides {' '.join(args.overrides)}" if args.overrides else ""),
              "training s: the sum of the steps' time_step_s; wall s: the whole command, start-up included",
