@@ -37,7 +37,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from grpo_ds.ds_config_check import check_deepspeed_config, check_shapes, choose_accelerator, scheduler_class
+from grpo_ds.ds_config_check import check_deepspeed_config, check_shapes, choose_accelerator, offloaded, scheduler_class
 from grpo_ds.errors import UserError
 from grpo_ds.recipe import Recipe
 from grpo_ds.recipe_parse import check_finite, printable, read_json_object
@@ -129,8 +129,7 @@ def one_rank_stage(raw: dict, recipe: Recipe, world_size: int) -> dict:
     zero = raw.get("zero_optimization")
     if world_size != 1 or recipe.train.zero3_on_one_rank or not isinstance(zero, dict) or zero.get("stage") != 3:
         return raw
-    if any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") not in (None, "none")
-           for k in ("offload_param", "offload_optimizer")):
+    if offloaded(zero, "offload_param") or offloaded(zero, "offload_optimizer"):
         return raw
     kept = {k: v for k, v in zero.items() if not k.startswith("stage3_") and k not in ("offload_param", "stage")}
     # overlap_comm overlaps the gradient reduction with the backward: one rank reduces nothing, and DeepSpeed refuses
@@ -216,9 +215,7 @@ def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) 
                         f'set optimizer.params.betas to "auto" or to {json.dumps(list(train.adam_betas))}')
     params["betas"] = list(train.adam_betas)
     params.setdefault("eps", 1e-8)
-    zero = cfg.get("zero_optimization")
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None  # DeepSpeed reads null as no offload
-    if device_type == "cpu" and (offload.get("device") if isinstance(offload, dict) else None) in (None, "none"):
+    if device_type == "cpu" and not offloaded(cfg.get("zero_optimization"), "offload_optimizer"):
         params.setdefault("torch_adam", True)  # DeepSpeed's fused Adam needs a GPU
 
 

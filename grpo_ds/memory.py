@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 from grpo_ds import lora
+from grpo_ds.ds_config_check import offloaded
 from grpo_ds.recipe import Recipe
 
 GIB = 2**30
@@ -126,8 +127,7 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     stage = zero.get("stage", 0)
     tp = recipe.train.tensor_parallel_size
     dp = world_size // tp
-    offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") not in (None, "none")
-    offload_param = (zero.get("offload_param") or {}).get("device", "none") not in (None, "none")
+    offload_opt, offload_param = offloaded(zero, "offload_optimizer"), offloaded(zero, "offload_param")
     replicated = shape.params - shape.split  # embeddings, norms, the lm_head: whole on every TP rank
     per_rank = shape.split / tp + replicated  # parameters a rank's layers hold
     weights_shard = dp if stage == 3 else 1
