@@ -325,13 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         with exit_on_user_error():
-            try:
-                run(args.recipe, args.overrides)
-            except Preempted as stopped:
-                if os.environ.get("RANK", "0") == "0":
-                    print(f"preempted: {stopped}", file=sys.stderr, flush=True)
-                sys.exit(EXIT_PREEMPTED)
-    except SystemExit as leaving:
+            run(args.recipe, args.overrides)
+    except Preempted as stopped:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"preempted: {stopped}", file=sys.stderr, flush=True)
+        code = EXIT_PREEMPTED
+    except SystemExit as leaving:  # exit_on_user_error's one-line error
         code = 0 if leaving.code is None else leaving.code if isinstance(leaving.code, int) else 1
     end_launched_rank(code)  # a launched rank leaves here (see there); one process returns or exits as before
     if code:

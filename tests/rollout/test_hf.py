@@ -99,16 +99,11 @@ def all_steps_generate_left_padded(model, contexts, sampling, max_new_tokens, nu
                                    eos_token_id, stopping_criteria=None):
     """The reference: generate keeps every step's logits (output_logits, T tensors of (B, V)), and the log-probs are a
     float32 log-softmax of each after the same warpers, stacked, gathered at the new tokens (the path grpo_ds took up
-    to commit 8643ce6). Its tokens are picked as grpo_ds picks them (hf.sample_tokens after the warpers: the same
-    random numbers in the same order) by a processor that records nothing. Same signature as the one-step recorder
-    it must equal."""
+    to commit 8643ce6). Its tokens are picked as grpo_ds picks them (a TokenSampler after the warpers: the same
+    random numbers in the same order), and what that sampler records is not used. Same signature as the one-step
+    recorder it must equal."""
     warpers = hf.LogitsProcessorList(hf._warpers(sampling))
-    greedy = sampling.temperature <= 0
-
-    class Pick(hf.LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            tokens = scores.argmax(-1, keepdim=True) if greedy else hf.sample_tokens(torch.log_softmax(scores, -1))
-            return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
+    pick = hf.TokenSampler(greedy=sampling.temperature <= 0)
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                               eos_token_id=eos_token_id, output_logits=True, return_dict_in_generate=True,
@@ -116,7 +111,7 @@ def all_steps_generate_left_padded(model, contexts, sampling, max_new_tokens, nu
     input_ids, attention_mask = hf.left_padded([c for c in contexts for _ in range(num_return_sequences)],
                                                pad_token_id)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                         logits_processor=hf.LogitsProcessorList([*warpers, Pick()]),
+                         logits_processor=hf.LogitsProcessorList([*warpers, pick]),
                          stopping_criteria=stopping_criteria)
     new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
     logprobs = torch.stack([torch.log_softmax(warpers(input_ids, s.float()), dim=-1) for s in out.logits], 1).cpu()
