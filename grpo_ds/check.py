@@ -14,7 +14,13 @@ import dataclasses
 import numpy as np
 
 from grpo_ds import environment, lora, memory
-from grpo_ds.ds_config import load_deepspeed_json, one_rank_stage_note, resolve_deepspeed_config
+from grpo_ds.ds_config import (
+    load_deepspeed_json,
+    one_rank_stage_note,
+    resolve_deepspeed_config,
+    rollout_shares_policy,
+)
+from grpo_ds.ds_config_check import zero_stage
 from grpo_ds.engine import device_type
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.inputs import Inputs, prepare_inputs
@@ -122,12 +128,17 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
               f" x {ds['gradient_accumulation_steps']} x "
               + (f"data-parallel size {dp}" if sp > 1 else f"world size {world_size}") if "train_batch_size" in ds else
               "  train_batch_size                left out (AutoTP under ZeRO-3: DeepSpeed checks it against two sizes)",
-              f"  zero stage                      {ds.get('zero_optimization', {}).get('stage', 0)}"
+              f"  zero stage                      {zero_stage(ds)}"
               + (f" ({stage_note})" if (stage_note := one_rank_stage_note(r, ds)) else ""), "",
               f"kernels: {inputs.kernels_backend} backend (kernels.backend {r.kernels.backend!r}), "
               + ("full logits, " if not r.kernels.fused_lm_head else "fused lm_head (no full logits), " if tp == 1
                  else "full logits (tensor parallelism splits the lm_head), ")
-              + f"{r.kernels.logprob_chunk_tokens} tokens per chunk"]
+              + f"{r.kernels.logprob_chunk_tokens} tokens per chunk",
+              f"rollout: {r.rollout.engine} engine, " + (
+                  "generating with the policy's own module (every rank holds it whole: no copy, no weight sync)"
+                  if rollout_shares_policy(r, ds) else "its own weights from model.path, synced after every "
+                  "optimizer step" if r.rollout.engine == "vllm" else "generating with an unsharded copy of the "
+                  "policy, synced after every optimizer step")]
     shape = memory.model_shape(r, len(inputs.tokenizer))
     est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib)
     trained = f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) \

@@ -12,7 +12,9 @@ are written as "auto" in ``ds_configs/*.json`` and filled here:
 One rank: a stage-3 file without offload runs as stage 1 (``one_rank_stage``), unless train.zero3_on_one_rank.
 ZeRO-3 on one rank partitions nothing, yet gathers and releases every module's parameters around each forward and
 backward; stage 1 holds the same fp32 master weights, gradients and optimizer states on that rank without those
-hooks. Offload keeps stage 3 (parameter offload exists only there); so do two or more ranks.
+hooks. Offload keeps stage 3 (parameter offload exists only there); so do two or more ranks. Wherever every rank
+holds the whole module (ZeRO 0-2, no tensor or sequence parallelism), the hf and agent engines generate with it
+(``rollout_shares_policy``): no second copy, no weight sync.
 
 dp = world size / tp / sp. With Ulysses sequence parallelism DeepSpeed gets the sequence-parallel groups (mpu)
 and counts ``train_batch_size`` over dp. With tensor parallelism DeepSpeed checks ``train_batch_size`` twice: once
@@ -37,7 +39,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from grpo_ds.ds_config_check import check_deepspeed_config, check_shapes, choose_accelerator, offloaded, scheduler_class
+from grpo_ds import lora
+from grpo_ds.ds_config_check import (
+    check_deepspeed_config,
+    check_shapes,
+    choose_accelerator,
+    offloaded,
+    scheduler_class,
+    zero_stage,
+)
 from grpo_ds.errors import UserError
 from grpo_ds.recipe import Recipe
 from grpo_ds.recipe_parse import check_finite, printable, read_json_object
@@ -141,10 +151,20 @@ def one_rank_stage_note(recipe: Recipe, ds_config: dict) -> str | None:
     """The one-line note when ``one_rank_stage`` changed the file's stage (None when it did not)."""
     raw, where = load_deepspeed_json(recipe)
     file_stage = (raw.get("zero_optimization") or {}).get("stage") if isinstance(raw, dict) else None
-    if file_stage != 3 or (ds_config.get("zero_optimization") or {}).get("stage") != 1:
+    if file_stage != 3 or zero_stage(ds_config) != 1:
         return None
     return (f"{where}: ZeRO stage 3 runs as stage 1 on one rank (the same memory, without ZeRO-3's per-module "
             "gathers); train.zero3_on_one_rank=true keeps stage 3")
+
+
+def rollout_shares_policy(recipe: Recipe, ds_config: dict) -> bool:
+    """Whether the hf and agent engines generate with the policy's own module instead of an unsharded copy of it:
+    when every rank holds that module whole (ZeRO stage 0-2, no tensor or sequence parallelism) and every weight
+    trains (LoRA keeps its copy: the rollout generates with the adapters merged). The copy would hold the same
+    values after each weight sync; sharing saves its memory and the sync."""
+    t = recipe.train
+    return (recipe.rollout.engine in ("hf", "agent") and zero_stage(ds_config) < 3 and t.tensor_parallel_size == 1
+            and t.sequence_parallel_size == 1 and not lora.enabled(recipe.model))
 
 
 def _tensor_parallel_size(recipe: Recipe, raw: dict, world_size: int, where: str) -> int:

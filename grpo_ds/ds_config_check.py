@@ -34,6 +34,11 @@ def offloaded(zero: Any, section: str) -> bool:
     return isinstance(part, dict) and part.get("device", "none") not in (None, "none")
 
 
+def zero_stage(cfg: dict) -> int:
+    """The ZeRO stage of a DeepSpeed config (0 when it has no zero_optimization section)."""
+    return (cfg.get("zero_optimization") or {}).get("stage", 0)
+
+
 def check_deepspeed_config(cfg: dict, where: str, model_dtype: str, device_type: str) -> None:
     """Raise UserError for anything in ``cfg`` (a resolved config) that DeepSpeed would reject."""
     choose_accelerator(device_type)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from grpo_ds.ds_config_check import zero_stage
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -201,7 +203,7 @@ def create_reference_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     import deepspeed
 
     cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
-    if (cfg.get("zero_optimization") or {}).get("stage", 0) != 3:
+    if zero_stage(cfg) != 3:
         cfg["zero_optimization"] = {"stage": 0}
     cfg["managed_gradient_accumulation"] = True
     model.requires_grad_(False)

@@ -11,7 +11,8 @@ in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py):
     gradients          T x W / grad shard       grad shard = dp x tp from ZeRO-2 on
     Adam moments       T x 8 / opt shard
     reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
-    rollout copy       P x W                    the hf and agent engines' unsharded copy
+    rollout copy       P x W                    the hf and agent engines' unsharded copy (none where they generate
+                                                with the policy's own module: grpo_ds.ds_config.rollout_shares_policy)
     vLLM               gpu_memory_utilization x the GPU's memory (--gpu-memory-gib); with sleep mode only while
                        it generates, its weights in host memory (P x W / vllm tp) otherwise
     reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters)
@@ -39,7 +40,8 @@ import math
 from dataclasses import dataclass, field
 
 from grpo_ds import lora
-from grpo_ds.ds_config_check import offloaded
+from grpo_ds.ds_config import rollout_shares_policy
+from grpo_ds.ds_config_check import offloaded, zero_stage
 from grpo_ds.recipe import Recipe
 
 GIB = 2**30
@@ -123,8 +125,7 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
     generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share."""
     w = _WIDTH[recipe.model.dtype]
-    zero = ds_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
+    zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
     tp = recipe.train.tensor_parallel_size
     dp = world_size // tp
     offload_opt, offload_param = offloaded(zero, "offload_optimizer"), offloaded(zero, "offload_param")
@@ -150,7 +151,7 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
         est.host["vLLM weights while asleep"] = _b(shape.params * w / r.vllm_tensor_parallel_size)
     elif r.engine == "vllm":
         est.device["vLLM (gpu_memory_utilization)"] = vllm_share
-    else:
+    elif not rollout_shares_policy(recipe, ds_config):
         est.device["rollout copy (unsharded)"] = _b((shape.params - (shape.trainable if lora.enabled(recipe.model)
                                                                       else 0)) * w)
     est.device["reduce bucket"] = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_ds.builtin_tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer, tiny_config
+from grpo_ds.ds_config_check import zero_stage
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.recipe import ModelConfig
 from grpo_ds.recipe_parse import printable, read_json_object
@@ -145,7 +146,7 @@ def is_partitioned(ds_config: dict | None) -> bool:
     if ds_config is None:
         return False
     tp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1)
-    return (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3 and tp in (0, 1)
+    return zero_stage(ds_config) == 3 and tp in (0, 1)
 
 
 @contextmanager

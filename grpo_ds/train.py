@@ -27,6 +27,7 @@ from grpo_ds import checkpoint, disk, kernels, run_folder, sequence_parallel
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 from grpo_ds.collect import collect
 from grpo_ds.data import PromptSampler
+from grpo_ds.ds_config import rollout_shares_policy
 from grpo_ds.engine import Dist, device_type, end_launched_rank, init_distributed, world_size_from_env
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.evaluate import evaluate
@@ -73,8 +74,13 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     dist.decide(run_folder.prepare, folder, recipe, inputs.ds_config)  # rank 0 writes; a failure stops every rank
     logger = _start_logger(recipe, run_dir, dist)  # W&B starts before the models load; a failure stops every rank
     torch.manual_seed(recipe.run.seed)
-    rollout = _rollout_engine(recipe, inputs, dist)  # before the trainer: vLLM measures the free GPU memory
+    # the rollout engine comes before the trainer (vLLM measures the free GPU memory), except one that generates with
+    # the policy's own module (hf / agent where every rank holds it whole: no rollout copy, no weight sync)
+    shared = rollout_shares_policy(recipe, inputs.ds_config)
+    rollout = None if shared else _rollout_engine(recipe, inputs, dist)
     policy = Policy.build(recipe, inputs.ds_config, len(tokenizer), announce=dist.is_main)  # ZeRO-3: partitioned
+    if shared:
+        rollout = _rollout_engine(recipe, inputs, dist, shared_module=policy.engine.module)
     sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
     rank_log = run_dir / "ranks" / f"rank{dist.rank}.jsonl"
     rank_log.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +131,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
 
         # ---- weight sync: ZeRO-3 shards -> full weights (LoRA: merged adapted layers), bucket by bucket
         with Phase("sync", data.times):
-            rollout.update_weights(policy.rollout_weights(bucket_bytes))
+            _sync_weights(policy, rollout, bucket_bytes)
 
         # ---- log
         stats = stats.summed_over_ranks(dist)
@@ -166,7 +172,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     save = dist.is_main and recipe.run.save_final_model
     digest, state = policy.final_weights(bucket_bytes, keep=save)
     final = {"final_weights_sha256": digest}
-    if getattr(rollout, "model", None) is not None:
+    if getattr(rollout, "model", None) is not None and not rollout.shares_policy_weights:
         final["rollout_weights_sha256"] = weights_sha256(rollout.model.named_parameters())
     with checkpoint.run_file_writes(dist, run_dir, "end of the run"):  # a failed write: one error on every rank
         _append_json(rank_log, final)
@@ -261,9 +267,15 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
     _trim_logs(folder.path, rank_log, resumed.step, dist)
     if dist.is_main:
         print(f"resuming after step {resumed.step} from {path}", file=sys.stderr, flush=True)
-    rollout.update_weights(policy.rollout_weights(bucket_bytes))
+    _sync_weights(policy, rollout, bucket_bytes)
     dist.barrier()
     return resumed.step + 1
+
+
+def _sync_weights(policy: Policy, rollout, bucket_bytes: int) -> None:
+    """The policy's weights into the rollout engine (nothing to send when it generates with the policy's module)."""
+    if not rollout.shares_policy_weights:
+        rollout.update_weights(policy.rollout_weights(bucket_bytes))
 
 
 def _start_logger(recipe: Recipe, run_dir: Path, dist: Dist) -> MetricsLogger:
@@ -289,22 +301,24 @@ def _trim_logs(run_dir: Path, rank_log: Path, last_step: int, dist: Dist) -> Non
     dist.barrier()
 
 
-def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist):
-    """The rollout engine: hf and agent generate with an unsharded copy of the policy, loaded here (the one full copy
-    a rank holds); vLLM loads its own weights from model.path and gets no copy."""
+def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist, shared_module: torch.nn.Module | None = None):
+    """The rollout engine: hf and agent generate with ``shared_module`` (the policy's own, where every rank holds it
+    whole: grpo_ds.ds_config.rollout_shares_policy) or else with an unsharded copy of the policy, loaded here (the one
+    full copy a rank holds); vLLM loads its own weights from model.path and gets no copy."""
     r, tokenizer = recipe.rollout, inputs.tokenizer
     if r.engine == "vllm":  # vLLM is imported only when chosen (an optional extra; GPUs only)
         from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
 
         return VLLMRolloutEngine(VLLMSettings.from_recipe(recipe), tokenizer,
                                  lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed))
-    model = load_model(recipe.model, len(tokenizer), recipe.run.seed).to(dist.device)
+    shared = shared_module is not None
+    model = shared_module if shared else load_model(recipe.model, len(tokenizer), recipe.run.seed).to(dist.device)
     if recipe.train.sequence_parallel_size > 1:  # Ulysses replaces the policy's attention process-wide
         sequence_parallel.keep_out(model)
     if r.engine == "agent":
         return AgentRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer, inputs.env_factory,
-                                  r.max_turns, recipe.max_response_tokens, r.generation_batch_prompts)
-    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, r.generation_batch_prompts)
+                                  r.max_turns, recipe.max_response_tokens, r.generation_batch_prompts, shared)
+    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, r.generation_batch_prompts, shared)
 
 
 # ------------------------------------------------------------------------------------ plumbing

@@ -348,3 +348,22 @@ def test_zero3_is_kept(deepspeed, world_size, train):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_other_stages_are_left_alone_on_one_rank(stage):
     assert resolve({"zero_optimization": {"stage": stage}})["zero_optimization"] == {"stage": stage}
+
+
+@pytest.mark.parametrize(("deepspeed", "world_size", "sections", "shares"), [
+    ("ds_configs/zero3.json", 1, {}, True),  # stage 1 on one rank: the module is whole
+    ("ds_configs/zero3.json", 2, {}, False),  # ZeRO-3 partitions it
+    ("ds_configs/zero3.json", 1, {"train": {"zero3_on_one_rank": True}}, False),
+    ("ds_configs/zero3_offload.json", 1, {}, False),
+    ({"zero_optimization": {"stage": 2}}, 2, {}, True),  # ZeRO-2 holds every weight on every rank
+    ({"zero_optimization": {"stage": 1}}, 2, {"train": {"tensor_parallel_size": 2}}, False),  # AutoTP splits it
+    ("ds_configs/zero3.json", 1, {"rollout": {"engine": "agent", "env": "calculator"}}, True),
+    ("ds_configs/zero3.json", 1, {"rollout": {"engine": "vllm"}}, False),  # vLLM holds its own weights
+    ("ds_configs/zero3.json", 1, {"model": {"lora_rank": 4}}, False),  # the rollout generates with merged adapters
+])
+def test_the_hf_engine_generates_with_the_policy_where_every_rank_holds_it_whole(deepspeed, world_size, sections,
+                                                                                  shares):
+    from grpo_ds.ds_config import rollout_shares_policy
+
+    r = recipe(deepspeed, **sections)
+    assert rollout_shares_policy(r, resolve_deepspeed_config(r, world_size, "cpu")) is shares

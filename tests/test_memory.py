@@ -49,6 +49,9 @@ def test_the_reference_and_the_rollout_copy_are_counted_where_they_exist():
     assert est.device["rollout copy (unsharded)"] == SHAPE.params * 4  # hf engine: whole on every rank
     vllm = _estimate(rollout={"engine": "vllm"})
     assert "rollout copy (unsharded)" not in vllm.device  # vLLM loads its own weights (its share is its setting)
+    one_rank = _estimate(world=1)  # stage 1: the hf engine generates with the policy's own module
+    assert "rollout copy (unsharded)" not in one_rank.device
+    assert "rollout copy (unsharded)" in _estimate(world=1, train={"zero3_on_one_rank": True}).device
 
 
 def test_activation_checkpointing_and_the_fused_head_shrink_the_update_phase():

@@ -135,6 +135,27 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
     assert err.value.where == "run.name" and "already holds a run" in err.value.what
 
 
+def test_generating_with_the_policy_module_equals_a_synced_copy(tmp_path, monkeypatch):
+    """One rank trains with ZeRO stage 1, where the hf engine generates with the policy's own module: the same
+    rollouts, metrics and final weights as with an unsharded copy synced after every step."""
+    shared = grpo_ds.train(TINY, _small(tmp_path, **{"run.name": "shared"}))
+    built = []
+    real = train_module._rollout_engine
+    monkeypatch.setattr(train_module, "_rollout_engine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    monkeypatch.setattr(train_module, "rollout_shares_policy", lambda *_: False)
+    copied = grpo_ds.train(TINY, _small(tmp_path, **{"run.name": "copied"}))
+    assert not built[0].shares_policy_weights  # the second run generated with a copy
+    def numbers(metrics):  # everything but timings and memory
+        return {k: v for k, v in metrics.items() if not k.startswith("time_") and "per_s" not in k
+                and k != "peak_memory_gib"}
+
+    assert [numbers(m) for m in shared] == [numbers(m) for m in copied]
+    logs = {name: _rank_logs(tmp_path / "runs" / name, 1)[0][-1] for name in ("shared", "copied")}
+    assert logs["shared"]["final_weights_sha256"] == logs["copied"]["final_weights_sha256"]
+    assert "rollout_weights_sha256" not in logs["shared"]  # no copy to compare: the shared run had none
+    assert logs["copied"]["rollout_weights_sha256"] == logs["copied"]["final_weights_sha256"]
+
+
 def _rank_logs(run_dir, world):
     logs = []
     for rank in range(world):

@@ -40,7 +40,7 @@ from transformers.generation import StoppingCriteria, StoppingCriteriaList
 from grpo_ds.envs.base import EnvFactory, Environment, StepResult
 from grpo_ds.errors import first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams
-from grpo_ds.rollout.hf import HFRolloutEngine, generate_left_padded
+from grpo_ds.rollout.hf import HFRolloutEngine, eval_mode, generate_left_padded
 
 
 class AgentRolloutEngine:
@@ -48,11 +48,13 @@ class AgentRolloutEngine:
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int,
                  tokenizer: PreTrainedTokenizerBase, env_factory: EnvFactory, max_turns: int, max_total_tokens: int,
-                 batch_prompts: int) -> None:
+                 batch_prompts: int, shares_policy_weights: bool = False) -> None:
         if max_turns < 1 or max_total_tokens < 1:
             raise ValueError(f"max_turns ({max_turns}) and max_total_tokens ({max_total_tokens}) must be >= 1")
-        self._hf = HFRolloutEngine(model, pad_token_id, eos_token_id, batch_prompts)  # owns the weights
+        self._hf = HFRolloutEngine(model, pad_token_id, eos_token_id, batch_prompts,
+                                   shares_policy_weights)  # owns the weights
         self.model = self._hf.model
+        self.shares_policy_weights = shares_policy_weights
         self.pad_token_id = pad_token_id
         self.stop_ids = self._hf.stop_ids  # "EOS" below: any of them (grpo_ds.rollout.stop)
         self.tokenizer = tokenizer
@@ -72,9 +74,10 @@ class AgentRolloutEngine:
             got = "no rows" if rows is None else f"{len(rows)} rows"
             raise ValueError(f"got {len(prompts)} prompts but {got}; give one data row per prompt")
         torch.manual_seed(sampling.seed)
-        parts = [self._generate_chunk(prompts[i:i + self.batch_prompts], rows[i:i + self.batch_prompts],
-                                      group_size, sampling)
-                 for i in range(0, len(prompts), self.batch_prompts)]
+        with eval_mode(self.model):
+            parts = [self._generate_chunk(prompts[i:i + self.batch_prompts], rows[i:i + self.batch_prompts],
+                                          group_size, sampling)
+                     for i in range(0, len(prompts), self.batch_prompts)]
         return Rollouts.concat(parts)
 
     def _generate_chunk(self, prompts: list[list[int]], rows: list[dict], group_size: int,

@@ -1,7 +1,8 @@
 """The rollout-engine protocol and the data it returns.
 
 An engine turns prompt token ids into ``group_size`` sampled completions each, and receives new
-weights after every optimizer step. ``hf`` (transformers generate) is the CPU/default engine.
+weights after every optimizer step, unless it generates with the policy's own module. ``hf`` (transformers
+generate) is the CPU/default engine.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class Rollouts:
 
 
 class RolloutEngine(Protocol):
+    shares_policy_weights: bool  # generates with the policy's own module: update_weights is never called
+
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
                  rows: list[dict] | None = None) -> Rollouts:
         """``group_size`` completions of each prompt, consecutive; ``rows[i]`` is prompt i's data row (its

@@ -1,7 +1,9 @@
-"""The ``hf`` rollout engine: transformers ``generate`` on an unsharded copy of the policy.
+"""The ``hf`` rollout engine: transformers ``generate`` on an unsharded copy of the policy, or on the policy itself.
 
 The copy lives on the training device and is refreshed after every optimizer step from the
-ZeRO-3 shards (see grpo_ds.rollout.weight_sync). Prompts are left-padded for batched generation;
+ZeRO-3 shards (see grpo_ds.rollout.weight_sync). Where every rank holds the policy's module whole (ZeRO 0-2, no
+tensor or sequence parallelism: grpo_ds.ds_config.rollout_shares_policy) the engine generates with that module and
+there is no copy and no sync. Prompts are left-padded for batched generation;
 position ids come from the attention mask, so they match the unpadded sequences used in training.
 
 Each token is picked, and its log-prob under the distribution it was sampled from (after temperature, top-k and
@@ -14,6 +16,7 @@ of one per vocabulary entry.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -143,14 +146,29 @@ def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Ten
     return input_ids, attention_mask
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode for the duration (no dropout, no activation checkpointing, the KV cache on), then back
+    in the mode it was in: the policy's own module, when the engine shares it, goes on training."""
+    training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(training)
+
+
 class HFRolloutEngine:
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int) -> None:
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int,
+                 shares_policy_weights: bool = False) -> None:
         """``eos_token_id`` is the tokenizer's; a completion ends at it or at any other EOS id of the model's
-        generation config, as vLLM's would (``stop_ids``, grpo_ds.rollout.stop)."""
+        generation config, as vLLM's would (``stop_ids``, grpo_ds.rollout.stop). ``shares_policy_weights``:
+        ``model`` is the policy's own module, so it never needs a weight sync."""
         # The parameters keep requires_grad (generate runs under no_grad): with a frozen lm_head, torch.matmul does
         # not fold the prefill's last-position hidden states (a non-contiguous (B, 1, H) slice) into one matrix
         # product but runs B matrix-vector products over the whole lm_head (9x slower at vocabulary 151,936).
-        self.model = model.eval()
+        self.model = model
+        self.shares_policy_weights = shares_policy_weights
         self.pad_token_id = pad_token_id
         self.stop_ids = stop_token_ids(eos_token_id, getattr(model, "generation_config", None))
         self.batch_prompts = batch_prompts  # prompts per generate() call
@@ -161,8 +179,9 @@ class HFRolloutEngine:
                  rows: list[dict] | None = None) -> Rollouts:
         """``group_size`` completions of each prompt; ``rows`` (the prompts' data rows) is unused here."""
         torch.manual_seed(sampling.seed)
-        parts = [self._generate_batch(prompts[i:i + self.batch_prompts], group_size, sampling)
-                 for i in range(0, len(prompts), self.batch_prompts)]
+        with eval_mode(self.model):
+            parts = [self._generate_batch(prompts[i:i + self.batch_prompts], group_size, sampling)
+                     for i in range(0, len(prompts), self.batch_prompts)]
         return Rollouts.concat(parts)
 
     def _generate_batch(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> Rollouts:
@@ -182,6 +201,8 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+        if self.shares_policy_weights:
+            raise RuntimeError("this engine generates with the policy's own module: there are no weights to sync")
         count = 0
         for name, tensor in named_tensors:
             self._params[name].copy_(tensor)

@@ -230,6 +230,8 @@ class VLLMRolloutEngine:
     ``builtin_model`` builds the model when ``model.path`` is a builtin one, which vLLM cannot load from a name: it
     is written to a temporary folder once and dropped."""
 
+    shares_policy_weights = False  # vLLM holds its own weights: every optimizer step syncs them
+
     def __init__(self, settings: VLLMSettings, tokenizer, builtin_model: Callable[[], torch.nn.Module]) -> None:
         import vllm  # only here: CPU machines never import vLLM
 

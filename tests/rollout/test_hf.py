@@ -78,6 +78,31 @@ def test_update_weights_copies_every_tensor():
         assert torch.equal(mine, theirs), name
 
 
+def test_a_shared_policy_module_generates_in_eval_mode_and_goes_on_training():
+    """The policy's own module (rollout_shares_policy): generate runs it in eval mode, so activation checkpointing
+    does not switch the KV cache off, and it is back in train mode afterwards; a weight sync is refused."""
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=4, seed=0).train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # as grpo_ds.models sets it for training
+    engine = HFRolloutEngine(model, tok.pad_token_id, tok.eos_token_id, 64, shares_policy_weights=True)
+    modes, lengths = [], []
+
+    def record(module, _args, kwargs):
+        modes.append(module.training)
+        lengths.append(kwargs["input_ids"].shape[1])
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    out = engine.generate([tok.encode("1+1=")], 2, SamplingParams(max_new_tokens=4, seed=0))
+    assert modes and not any(modes) and model.training
+    assert lengths[0] == 4 and all(n == 1 for n in lengths[1:len(out.response_ids[0])])  # the cache is on
+    copy, _ = _engine(seed=0)  # an engine on its own copy of the same weights draws the same samples
+    assert copy.generate([tok.encode("1+1=")], 2, SamplingParams(max_new_tokens=4, seed=0)).response_ids == \
+        out.response_ids
+    with pytest.raises(RuntimeError, match="no weights to sync"):
+        engine.update_weights(iter([]))
+
+
 def test_concat_keeps_order():
     a = Rollouts([[1]], [[2, 3]], [[-0.1, -0.2]], ["stop"])
     b = Rollouts([[4]], [[5]], [[-0.3]], ["length"])
