@@ -28,7 +28,8 @@ COMMON = ["rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new
           "train.micro_batch_samples_per_gpu=8", "train.logprob_micro_batch_samples_per_gpu=8", "train.steps=2",
           "checkpoint.every_steps=null", "logging.progress_bar=false", "run.save_final_model=false"]
 CONFIGS = {  # name -> (world size, overrides)
-    "ZeRO-3": (1, []),
+    "one rank: ZeRO-1, rollout shares the policy": (1, []),  # what a one-rank run of zero3.json does
+    "ZeRO-3": (1, ["train.zero3_on_one_rank=true"]),
     "ZeRO-3 + optimizer offload": (1, ["deepspeed=ds_configs/zero3_offload.json"]),
     "ZeRO-3 + tp=2": (2, ["train.tensor_parallel_size=2"]),
     "ZeRO-3 + dp=2 + KL reference": (2, ["algorithm.kl_coef=0.05"]),
@@ -77,7 +78,7 @@ def estimated(world: int, overrides: list[str]):
 
 
 def main() -> None:
-    from common import report
+    from common import markdown_table, report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/tmp/grpo_ds_bench_memory_estimate")
@@ -104,12 +105,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     headers = ["configuration", "world size", "measured peak MiB (largest rank)", "at phase", "estimate MiB",
                "estimate / measured - 1", "within 25%"]
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    body = "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    body = markdown_table(headers, rows)
     notes = ["model: random Qwen2 architecture, hidden 512, 8 layers, vocabulary 32,000, 56 M parameters, float32; "
              "recipe tiny_cpu.json with " + " ".join(COMMON),
              "measured: RssAnon above the imports, sampled every 5 ms in each rank (benchmarks/memory_probe.py); "

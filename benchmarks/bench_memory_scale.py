@@ -134,7 +134,7 @@ def launch(world: int, folder: Path, out: Path) -> list[dict]:
 
 def main() -> None:
     import torch
-    from common import report
+    from common import markdown_table, report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", default="1,2,4")
@@ -162,12 +162,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     headers = ["world size", "M params per rank", "loaded MiB", "model states MiB", "states x world / world 1's",
                "peak MiB", "max abs logit diff vs world 1"]
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    body = "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    body = markdown_table(headers, rows)
     scaled = [float(r[4]) for r in rows]
     notes = [f"model: Llama architecture, {params / 1e6:.0f} M parameters, float32, random weights saved once as "
              "safetensors; ZeRO-3, AdamW, one optimizer step on 8 fixed samples; memory = RssAnon above the "

@@ -95,7 +95,7 @@ def variant(packed: bool, steps: int, out: str) -> None:
 
 
 def main() -> None:
-    from common import report
+    from common import markdown_table, report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per variant")
@@ -132,12 +132,7 @@ def main() -> None:
     speedup = medians["padded"] / medians["packed"]
     headers = ["layout", "model positions per step (tokens + padding)", "step s (median)", "min", "max",
                "peak MiB (median)"]
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    body = "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    body = markdown_table(headers, rows)
     notes = [f"workload: {SAMPLES} samples, {PROMPT}-token prompts, completions log-normal in [8, 512] tokens, "
              f"micro-batches of {MICRO}; padding is {100 * padding:.0f}% of the padded layout's tokens",
              f"model: random Llama, hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, vocabulary "

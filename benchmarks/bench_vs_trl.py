@@ -127,9 +127,9 @@ DEFAULT_SHAPE = {"cpu": "tiny", "cuda": "qwen2-0.5b"}
 # Settings that differ between the two and cannot be made equal from the outside.
 UNMATCHED = [
     "engine: grpo_ds trains a DeepSpeed engine (world size 1: one process, ZeRO stage 1 as grpo_ds runs a stage-3 "
-    "file on one rank; gloo backend on CPU) and generates with an unsharded copy of the policy that it "
-    "refreshes after each optimizer step; TRL trains the plain torch module through accelerate and generates "
-    "with that same module",
+    "file on one rank; gloo backend on CPU); TRL trains the plain torch module through accelerate. Both generate "
+    "with the module they train (grpo_ds's hf engine shares the policy's module wherever every rank holds it "
+    "whole)",
     "generation: both call transformers generate on left-padded prompts with the same sampling settings; TRL "
     "samples with generate's torch.multinomial, grpo_ds picks each token in its last logits processor by inverse "
     "transform sampling (the same distribution, one random number per row) and records its log-prob there, so the "

@@ -160,7 +160,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict:
 
 
 def render(figures: dict) -> tuple[str, list[str]]:
-    from common import fmt
+    from common import fmt, markdown_table
 
     rows, base = [], None
     for r in figures["results"]:
@@ -169,9 +169,7 @@ def render(figures: dict) -> tuple[str, list[str]]:
         rows.append([r["variant"], fmt(ms, 1), f"{statistics.median(r['collectives']):g}",
                      fmt(r["peak_bytes"] / MIB, 2), fmt(base / ms, 2) + "x" if base else "-"])
     headers = ["variant", "sync ms (median)", "collectives per sync", "peak gathered MiB", "speedup vs per-tensor"]
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-    table = "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    table = markdown_table(headers, rows)
     info = figures["info"]
     notes = [f"{info['tensors']} tensors, {info['param_bytes'] / MIB:,.1f} MiB of fp32 weights (largest tensor "
              f"{info['largest_bytes'] / MIB:,.2f} MiB), ZeRO-3 over {info['world']} CPU ranks (gloo)",

@@ -80,7 +80,7 @@ def gib(text: str, label: str) -> str:
 
 
 def main() -> None:
-    from common import report
+    from common import markdown_table, report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/tmp/grpo_ds_large_model_estimates")
@@ -99,12 +99,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     headers = ["model", "layout (8 GPUs)", "weights GiB", "gradients GiB", "estimated peak GiB per GPU",
                "host GiB per rank", "in 80 GiB"]
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    body = "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    body = markdown_table(headers, rows)
     if args.update_readme:
         readme = REPO / "README.md"
         text = readme.read_text()

@@ -1,15 +1,13 @@
 """The NaN guard: a non-finite loss skips the update (logged, no checkpoint of that step); K in a row stop the
 run with one clear line and the last good checkpoint intact."""
 
-import hashlib
-
 import pytest
 
 import grpo_ds
 import grpo_ds.train as train_module
 import grpo_ds.update as update_module
 from grpo_ds.errors import UserError
-from grpo_ds.policy import Policy
+from grpo_ds.policy import weights_sha256
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -37,20 +35,18 @@ def _small(tmp_path, **overrides):
 
 @pytest.fixture
 def inject(monkeypatch):
-    """Make the loss NaN in the given steps (counted by driver step); record the synced weights' hash per step."""
+    """Make the loss NaN in the given steps (counted by driver step); record the policy's weights' hash at each
+    step's weight sync (which runs whether or not the rollout engine shares the policy's module)."""
     state = {"step": 0, "nan_steps": set(), "hashes": []}
-    real_loss, real_sync = update_module.micro_batch_loss, Policy.rollout_weights
+    real_loss, real_sync = update_module.micro_batch_loss, train_module._sync_weights
 
     def loss(*args, **kwargs):
         value, stats = real_loss(*args, **kwargs)
         return (value * float("nan") if state["step"] in state["nan_steps"] else value), stats
 
-    def sync(policy, bucket_bytes):
-        digest = hashlib.sha256()
-        for name, tensor in real_sync(policy, bucket_bytes):
-            digest.update(tensor.detach().float().numpy().tobytes())
-            yield name, tensor
-        state["hashes"].append(digest.hexdigest())
+    def sync(policy, rollout, bucket_bytes):
+        state["hashes"].append(weights_sha256(policy.full_weights(bucket_bytes)))
+        real_sync(policy, rollout, bucket_bytes)
 
     real_collect = train_module.collect
 
@@ -59,7 +55,7 @@ def inject(monkeypatch):
         return real_collect(step, *args, **kwargs)
 
     monkeypatch.setattr(update_module, "micro_batch_loss", loss)
-    monkeypatch.setattr(Policy, "rollout_weights", sync)  # the driver's weight sync
+    monkeypatch.setattr(train_module, "_sync_weights", sync)  # the driver's weight sync
     monkeypatch.setattr(train_module, "collect", collect)
     return state
 
