@@ -28,7 +28,7 @@ COMMON = ["rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new
           "train.micro_batch_samples_per_gpu=8", "train.logprob_micro_batch_samples_per_gpu=8", "train.steps=2",
           "checkpoint.every_steps=null", "logging.progress_bar=false", "run.save_final_model=false"]
 CONFIGS = {  # name -> (world size, overrides)
-    "one rank: ZeRO-1, rollout shares the policy": (1, []),  # what a one-rank run of zero3.json does
+    "one rank (ZeRO-1; the rollout shares the policy)": (1, []),  # what a one-rank run of zero3.json does
     "ZeRO-3": (1, ["train.zero3_on_one_rank=true"]),
     "ZeRO-3 + optimizer offload": (1, ["deepspeed=ds_configs/zero3_offload.json"]),
     "ZeRO-3 + tp=2": (2, ["train.tensor_parallel_size=2"]),
