@@ -39,7 +39,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from grpo_ds import lora
 from grpo_ds.ds_config_check import (
     check_deepspeed_config,
     check_shapes,
@@ -159,12 +158,13 @@ def one_rank_stage_note(recipe: Recipe, ds_config: dict) -> str | None:
 
 def rollout_shares_policy(recipe: Recipe, ds_config: dict) -> bool:
     """Whether the hf and agent engines generate with the policy's own module instead of an unsharded copy of it:
-    when every rank holds that module whole (ZeRO stage 0-2, no tensor or sequence parallelism) and every weight
-    trains (LoRA keeps its copy: the rollout generates with the adapters merged). The copy would hold the same
-    values after each weight sync; sharing saves its memory and the sync."""
+    when every rank holds that module whole (ZeRO stage 0-2, no tensor or sequence parallelism). The copy would hold
+    the same values after each weight sync; sharing saves its memory and the sync. Under LoRA the shared module is
+    the peft model, which adds each adapter's product to its layer's output as the trainer does, instead of a copy
+    with the adapters merged into the weights (the same function, rounded differently)."""
     t = recipe.train
     return (recipe.rollout.engine in ("hf", "agent") and zero_stage(ds_config) < 3 and t.tensor_parallel_size == 1
-            and t.sequence_parallel_size == 1 and not lora.enabled(recipe.model))
+            and t.sequence_parallel_size == 1)
 
 
 def _tensor_parallel_size(recipe: Recipe, raw: dict, world_size: int, where: str) -> int:

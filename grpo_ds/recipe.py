@@ -87,7 +87,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = opt("hf", "Generation engine: hf (transformers generate with the policy itself at ZeRO 0-2 without "
-                      "tp/sp/LoRA, else with an unsharded copy), agent (multi-turn: model turns and an environment's "
+                      "tp or sp, else with an unsharded copy), agent (multi-turn: model turns and an environment's "
                       "observations) or vllm (on every GPU; extra grpo_ds[vllm])", choices=("hf", "agent", "vllm"))
     prompts_per_step: int = opt(8, "Prompts sampled per training step (global, all ranks together)", low=1)
     group_size: int = opt(8, "Completions sampled per prompt; advantages are computed within a group", low=2)

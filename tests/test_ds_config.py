@@ -359,7 +359,8 @@ def test_other_stages_are_left_alone_on_one_rank(stage):
     ({"zero_optimization": {"stage": 1}}, 2, {"train": {"tensor_parallel_size": 2}}, False),  # AutoTP splits it
     ("ds_configs/zero3.json", 1, {"rollout": {"engine": "agent", "env": "calculator"}}, True),
     ("ds_configs/zero3.json", 1, {"rollout": {"engine": "vllm"}}, False),  # vLLM holds its own weights
-    ("ds_configs/zero3.json", 1, {"model": {"lora_rank": 4}}, False),  # the rollout generates with merged adapters
+    ("ds_configs/zero3.json", 1, {"model": {"lora_rank": 4}}, True),  # the peft model generates
+    ("ds_configs/zero3.json", 2, {"model": {"lora_rank": 4}}, False),  # a copy with the adapters merged in
 ])
 def test_the_hf_engine_generates_with_the_policy_where_every_rank_holds_it_whole(deepspeed, world_size, sections,
                                                                                   shares):

@@ -98,6 +98,27 @@ def test_lora_recipe_learns_on_two_ranks(tmp_path):
     assert all(r["rollout_weights_sha256"] == r["final_weights_sha256"] for r in ranks)  # rollout copies in sync
 
 
+@pytest.mark.slow
+def test_generating_through_the_peft_model_equals_a_merged_copy(tmp_path, monkeypatch):
+    """One rank (ZeRO-1): the hf engine generates through the policy's own peft model. A run whose engine holds a
+    synced copy with the adapters merged into its weights draws the same samples, and its losses agree to float
+    rounding (the two add the adapters' product at different places)."""
+    steps = {"train.steps": 6, "checkpoint.every_steps": None, "run.save_final_model": False}
+    shared = train_module.run(LORA_TINY, _quiet(tmp_path, **{"run.name": "shared", **steps}))
+    monkeypatch.setattr(train_module, "rollout_shares_policy", lambda *_: False)
+    copied = train_module.run(LORA_TINY, _quiet(tmp_path, **{"run.name": "copied", **steps}))
+    assert [m["reward_mean"] for m in shared] == [m["reward_mean"] for m in copied]
+    assert [m["response_len_mean"] for m in shared] == [m["response_len_mean"] for m in copied]
+    for a, b in zip(shared, copied, strict=True):
+        for key in ("loss", "entropy", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+    assert shared[0]["grad_norm"] > 0  # step 1 moved the adapters: merged and unmerged differ from step 2 on
+    ends = {name: json.loads((tmp_path / name / "ranks" / "rank0.jsonl").read_text().splitlines()[-1])
+            for name in ("shared", "copied")}
+    assert "rollout_weights_sha256" not in ends["shared"]  # no copy: the peft model generated
+    assert ends["copied"]["rollout_weights_sha256"] == ends["copied"]["final_weights_sha256"]
+
+
 # ------------------------------------------------------------------------------- sync and reference (in process)
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["zero3", "zero2"])
