@@ -1,6 +1,6 @@
 """Do grpo_ds and TRL's GRPOTrainer compute the same update? One fixed batch, one optimizer step, side by side.
 
-    cd /work/main && OMP_NUM_THREADS=1 PYTHONPATH=/work/main /tmp/trlvenv/bin/python benchmarks/check_step_vs_trl.py
+    OMP_NUM_THREADS=1 PYTHONPATH=. /tmp/trlvenv/bin/python benchmarks/check_step_vs_trl.py [--record]
 
 (any interpreter that imports grpo_ds, deepspeed and trl; about 10 s on one CPU thread; CPU only). Both sides
 follow recipes/tiny_cpu.json (or --recipe), TRL through ``trl_config`` of bench_vs_trl_runner.py, the mapping the
@@ -11,8 +11,9 @@ that varies by prompt, so most groups have mixed rewards.
 
 grpo_ds: the trainer's own functions on that batch: rewards (grpo_ds.collect.score_rewards), advantages and the
 micro-batch plan (grpo_ds.train._advantages and grpo_ds.planner.plan_recipe_step), and
-grpo_ds.update.optimizer_step on a DeepSpeed ZeRO-3 engine built as grpo_ds.train builds it (world size 1). The
-accumulated gradient is read just before the engine steps, the weights just after.
+grpo_ds.update.optimizer_step on a DeepSpeed engine built as grpo_ds.train builds it (world size 1: ZeRO stage 1
+from the recipe's stage-3 file, grpo_ds.ds_config.one_rank_stage). The accumulated gradient is read just before the
+engine steps, the weights just after.
 
 TRL: a GRPOTrainer built as bench_vs_trl_runner.run_trl builds it, trained for one optimizer step (max_steps=1)
 with its sampling replaced by the fixed completions (``_generate_single_turn``); the rest is TRL's own path:
@@ -52,11 +53,13 @@ for _path in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(_path))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # this check runs on the CPU (and DeepSpeed then says nothing)
 
+import common  # noqa: E402
 import torch  # noqa: E402
 from bench_vs_trl_runner import trl_config  # noqa: E402
 
 from grpo_ds import train as driver  # noqa: E402
 from grpo_ds.collect import score_rewards  # noqa: E402
+from grpo_ds.ds_config_check import zero_stage  # noqa: E402
 from grpo_ds.engine import Dist  # noqa: E402
 from grpo_ds.inputs import Inputs, prepare_inputs  # noqa: E402
 from grpo_ds.models import load_model  # noqa: E402
@@ -397,8 +400,8 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def report(recipe: Recipe, rollouts: Rollouts, ds: StepResult, trl: StepResult, same_adv: dict[str, torch.Tensor],
-           plain: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> None:
+def report(recipe: Recipe, stage: int, rollouts: Rollouts, ds: StepResult, trl: StepResult,
+           same_adv: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> None:
     t, lr, G = recipe.train, recipe.train.lr, recipe.rollout.group_size
     keys = sample_keys(rollouts)
     mixed = sum(len({ds.advantages[k] for k in keys[g:g + G]}) > 1 for g in range(0, len(keys), G))
@@ -422,13 +425,15 @@ def report(recipe: Recipe, rollouts: Rollouts, ds: StepResult, trl: StepResult, 
     print(f"weights stepping more than {APART:.0%} of lr apart: {summary['apart']} with the two advantages, "
           f"{apart_if_same_advantages(trl, same_adv)} with TRL's advantages on both sides (AdamW's first step "
           "-lr g/(|g| + eps) flips with the sign of a near-zero g)")
-    print(f"grpo_ds on DeepSpeed ZeRO-3 vs grpo_ds on a plain module: relative gradient difference {plain_rel:.2e}")
+    print(f"grpo_ds on DeepSpeed (ZeRO stage {stage}) vs grpo_ds on a plain module: relative gradient difference "
+          f"{plain_rel:.2e}")
     print(verdict(summary, (lo, hi)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny_cpu.json"))
+    parser.add_argument("--record", action="store_true", help="append the report to benchmarks/RESULTS.md")
     args = parser.parse_args()
     quiet()
     recipe = load_recipe(args.recipe)
@@ -441,7 +446,12 @@ def main() -> None:
     keys = sample_keys(rollouts)
     same_adv = grpo_ds_plain_grads(inputs, rollouts, [trl.advantages[k] for k in keys])
     plain = grpo_ds_plain_grads(inputs, rollouts, [ds.advantages[k] for k in keys])
-    report(recipe, rollouts, ds, trl, same_adv, plain, start)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        report(recipe, zero_stage(inputs.ds_config), rollouts, ds, trl, same_adv, plain, start)
+    common.report("check_step_vs_trl", "one fixed batch, one optimizer step, grpo_ds vs TRL GRPOTrainer", "cpu",
+                  f"```\n{printed.getvalue().rstrip()}\n```", [f"recipe: {os.path.relpath(args.recipe, REPO)}"],
+                  args.record)
 
 
 if __name__ == "__main__":
