@@ -177,9 +177,10 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
 def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float
          ) -> list[str]:
     """Whether the peak fits ``gpu_memory_gib``; if not, the changes that would make it fit, tried in the order of
-    the Ultra-Scale Playbook (activation checkpointing, a smaller micro-batch with more accumulation, offload,
-    tensor parallelism), each added to the ones before, with its estimate, up to the first that fits; then the
-    changes on the way that the fit does not need are dropped again."""
+    the Ultra-Scale Playbook (activation checkpointing, a smaller micro-batch with more accumulation, then fewer
+    prompts per generate call for the hf and agent engines, offload, tensor parallelism), each added to the ones
+    before, with its estimate, up to the first that fits; a change that does not lower the estimate is not kept (a
+    later pass tries it again), and the changes on the way that the fit does not need are dropped again."""
     if est.peak <= gpu_memory_gib * GIB:
         return [f"  fits in {gpu_memory_gib:g} GiB ({100 * est.peak / (gpu_memory_gib * GIB):.0f}% of it)"]
     base, shape = inputs.recipe, memory.model_shape(inputs.recipe, len(inputs.tokenizer))
@@ -196,20 +197,23 @@ def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.Memory
 
     lines = [f"  does NOT fit in {gpu_memory_gib:g} GiB; the changes tried, in order, each with the ones before:"]
     changes: dict = {}
-    for knob, text, apply in _changes(base, world_size):
-        trial = {**changes, knob: (text, apply)}  # a later value of a knob (the micro size) replaces the earlier
-        value = peak(trial)
-        if value is None:
-            continue
-        changes = trial
-        fits = value <= gpu_memory_gib * GIB
-        lines.append(f"    {text:<90} {value / GIB:8.3f} GiB" + ("  fits" if fits else ""))
-        if fits:
-            for needless in list(changes)[:-1]:  # drop what the fit does not need
-                fewer = {k: v for k, v in changes.items() if k != needless}
-                if (value := peak(fewer)) is not None and value <= gpu_memory_gib * GIB:
-                    changes = fewer
-            return lines + [f"  overrides that fit: {' '.join(text for text, _ in changes.values())}"]
+    lowest, kept = est.peak, True
+    while kept:  # once a change has lowered the peak, a knob passed over before may lower it further: another pass
+        kept = False
+        for knob, text, apply in _changes(base, world_size):
+            trial = {**changes, knob: (text, apply)}  # a later value of a knob (the micro size) replaces the earlier
+            value = peak(trial)
+            if value is None or value >= lowest:  # a layout that cannot run, or a change that saves nothing here
+                continue
+            changes, lowest, kept = trial, value, True
+            fits = value <= gpu_memory_gib * GIB
+            lines.append(f"    {text:<90} {value / GIB:8.3f} GiB" + ("  fits" if fits else ""))
+            if fits:
+                for needless in [k for k in changes if k != knob]:  # drop what the fit does not need
+                    fewer = {k: v for k, v in changes.items() if k != needless}
+                    if (value := peak(fewer)) is not None and value <= gpu_memory_gib * GIB:
+                        changes = fewer
+                return lines + [f"  overrides that fit: {' '.join(text for text, _ in changes.values())}"]
     return lines + ["  nothing tried fits: more GPUs (a larger world size), or a smaller model"]
 
 
@@ -226,6 +230,13 @@ def _changes(r: Recipe, world_size: int):
         micro //= 2
         yield "micro", f"train.micro_batch_samples_per_gpu={micro} train.logprob_micro_batch_samples_per_gpu={micro}", \
             replace("train", micro_batch_samples_per_gpu=micro, logprob_micro_batch_samples_per_gpu=micro)
+    if r.rollout.engine in ("hf", "agent"):  # the KV cache of one generate call; vLLM sizes its own
+        dp = world_size // r.train.tensor_parallel_size  # as estimate_memory counts a rank's prompts
+        prompts = min(r.rollout.generation_batch_prompts, -(-r.rollout.prompts_per_step // dp))
+        while prompts > 1:
+            prompts //= 2
+            yield "generation", f"rollout.generation_batch_prompts={prompts}", \
+                replace("rollout", generation_batch_prompts=prompts)
     offload = ["ds_configs/zero3.json", "ds_configs/zero3_offload_optimizer.json", "ds_configs/zero3_offload.json"]
     for config in offload[offload.index(r.deepspeed) + 1:] if r.deepspeed in offload else []:
         # the optimizer's states, then the weights too, to the CPU

@@ -80,3 +80,21 @@ def test_check_says_whether_it_fits_and_what_would_make_it_fit():
     assert "fits in 0.012 GiB" in fixed  # the advice, applied, fits
     hopeless = check.report(inputs, 1, "max", 0.0001)
     assert "nothing tried fits" in hopeless
+
+
+def test_the_advice_shrinks_the_generate_call_when_its_kv_cache_is_the_peak():
+    """Long completions: once checkpointing and smaller micro-batches have shrunk the update, the hf engine's KV
+    cache is the peak, and only fewer prompts per generate call (then, in a second pass, smaller micro-batches
+    again) make it fit; the advice, applied, fits."""
+    long = ["rollout.max_new_tokens=500"]
+    inputs = prepare_inputs(TINY, long, 1, "cpu")
+    advice = check.report(inputs, 1, "max", 0.1).split("does NOT fit")[1]
+    steps = [line.split()[0] for line in advice.split("overrides that fit: ")[0].splitlines()[1:] if line.strip()]
+    first_generation = steps.index("rollout.generation_batch_prompts=12")  # 25 prompts per rank, halved
+    assert steps[first_generation + 1:].count("rollout.generation_batch_prompts=12") == 0
+    assert any(s.startswith("train.micro_batch_samples_per_gpu=") for s in steps[first_generation + 1:])  # 2nd pass
+    overrides = advice.split("overrides that fit: ")[1].splitlines()[0].split()
+    assert any(o.startswith("rollout.generation_batch_prompts=") for o in overrides)
+    assert "fits in 0.1 GiB" in check.report(prepare_inputs(TINY, long + overrides, 1, "cpu"), 1, "max", 0.1)
+    vllm = load_recipe(TINY, [*long, "rollout.engine=vllm"])
+    assert "generation" not in {knob for knob, _, _ in check._changes(vllm, 1)}  # vLLM sizes its own KV cache
