@@ -169,9 +169,15 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
     else:
         model_tokens = max(sum(lengths[s] for s in mb) if r.train.packing else len(mb) * max(lengths[s] for s in mb)
                            for mb in micro)
-    per_rank_prompts = -(-r.rollout.prompts_per_step // dp)
-    generation = min(r.rollout.generation_batch_prompts, per_rank_prompts) * r.rollout.group_size
+    generation = _prompts_per_generate_call(r, world_size) * r.rollout.group_size
     return memory.estimate(r, shape, ds_config, world_size, model_tokens, max(lengths), generation, gpu_memory_gib)
+
+
+def _prompts_per_generate_call(r: Recipe, world_size: int) -> int:
+    """Prompts in a rank's largest generate call: its share of the step's prompts (over the data-parallel ranks),
+    at most rollout.generation_batch_prompts."""
+    dp = world_size // r.train.tensor_parallel_size
+    return min(r.rollout.generation_batch_prompts, -(-r.rollout.prompts_per_step // dp))
 
 
 def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float
@@ -231,8 +237,7 @@ def _changes(r: Recipe, world_size: int):
         yield "micro", f"train.micro_batch_samples_per_gpu={micro} train.logprob_micro_batch_samples_per_gpu={micro}", \
             replace("train", micro_batch_samples_per_gpu=micro, logprob_micro_batch_samples_per_gpu=micro)
     if r.rollout.engine in ("hf", "agent"):  # the KV cache of one generate call; vLLM sizes its own
-        dp = world_size // r.train.tensor_parallel_size  # as estimate_memory counts a rank's prompts
-        prompts = min(r.rollout.generation_batch_prompts, -(-r.rollout.prompts_per_step // dp))
+        prompts = _prompts_per_generate_call(r, world_size)
         while prompts > 1:
             prompts //= 2
             yield "generation", f"rollout.generation_batch_prompts={prompts}", \
