@@ -40,7 +40,7 @@ def build_model(folder: Path) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_ds.builtin_tiny import build_tiny_tokenizer
+    from grpo_ds.model.tiny import build_tiny_tokenizer
 
     if not (folder / "config.json").is_file():
         torch.manual_seed(0)
@@ -69,8 +69,8 @@ def measured(world: int, overrides: list[str], workdir: Path, tag: str) -> list[
 
 def estimated(world: int, overrides: list[str]):
     from grpo_ds.check import estimate_memory, simulated_lengths
-    from grpo_ds.inputs import prepare_inputs
-    from grpo_ds.memory import model_shape
+    from grpo_ds.run.preflight import prepare_inputs
+    from grpo_ds.model.memory import model_shape
 
     inputs = prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), overrides, world, "cpu")
     shape = model_shape(inputs.recipe, len(inputs.tokenizer))

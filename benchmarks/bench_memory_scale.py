@@ -4,9 +4,9 @@
 
 The model (Llama architecture, random weights, float32, built from a config in code) is saved once as safetensors
 into --workdir. For each world size the script launches itself through the `deepspeed` launcher (CPU, gloo); every
-rank loads the model with grpo_ds.models.load_model under the resolved ZeRO-3 config (born partitioned), builds the
-training engine (grpo_ds.engine.create_train_engine), takes the logits of a fixed batch, and runs one optimizer step
-through grpo_ds.update.optimizer_step on fixed rollouts. Memory is each rank's anonymous resident set (RssAnon,
+rank loads the model with grpo_ds.model.loading.load_model under the resolved ZeRO-3 config (born partitioned), builds the
+training engine (grpo_ds.distributed.ranks.create_train_engine), takes the logits of a fixed batch, and runs one optimizer step
+through grpo_ds.step.update.optimizer_step on fixed rollouts. Memory is each rank's anonymous resident set (RssAnon,
 sampled every 5 ms, glibc's mmap threshold pinned so that freed buffers go back to the OS) above what it held
 after the imports:
 
@@ -58,7 +58,7 @@ def build_model(folder: Path) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo_ds.builtin_tiny import build_tiny_tokenizer
+    from grpo_ds.model.tiny import build_tiny_tokenizer
 
     if (folder / "config.json").is_file():
         return json.loads((folder / "params.json").read_text())["params"]
@@ -75,13 +75,14 @@ def rank_job(folder: str, out: str) -> None:
     """One rank: load partitioned, build the engine, logits, one optimizer step; write this rank's figures."""
     import torch
 
-    from grpo_ds.ds_config import resolve_deepspeed_config
-    from grpo_ds.engine import create_train_engine, init_distributed
-    from grpo_ds.models import load_model
-    from grpo_ds.planner import plan_minibatch
-    from grpo_ds.recipe import load_recipe
-    from grpo_ds.step_data import StepData
-    from grpo_ds.update import UpdateSettings, optimizer_step
+    from grpo_ds.config.deepspeed import resolve_deepspeed_config
+    from grpo_ds.model.engine import create_train_engine
+    from grpo_ds.distributed.ranks import init_distributed
+    from grpo_ds.model.loading import load_model
+    from grpo_ds.step.plan import plan_minibatch
+    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.step.batch import StepBatch
+    from grpo_ds.step.update import UpdateSettings, optimizer_step
     from tests.scripts.one_step import fixed_rollouts
 
     sampler = PeakSampler()
@@ -106,7 +107,7 @@ def rank_job(folder: str, out: str) -> None:
                                                                         strict=True))}
     plan = plan_minibatch(list(tokens), tokens, dist.world_size, max_samples=8)
     settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend="torch")
-    optimizer_step(engine, StepData([], rollouts, [], advantages=advantages), plan, settings, dist)
+    optimizer_step(engine, StepBatch([], rollouts, [], advantages=advantages), plan, settings, dist)
     states = rss_anon_mib() - base
     result = {"rank": dist.rank, "loaded_mib": loaded, "states_mib": states, "peak_mib": sampler.peak - base,
               "local_params": local}

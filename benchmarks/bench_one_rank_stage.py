@@ -2,7 +2,7 @@
 
     python benchmarks/bench_one_rank_stage.py [--recipe recipes/tiny_cpu.json] [--steps 100] [--runs 3] [--record]
 
-A one-rank run of a stage-3 DeepSpeed file without offload trains with stage 1 (grpo_ds.ds_config.one_rank_stage):
+A one-rank run of a stage-3 DeepSpeed file without offload trains with stage 1 (grpo_ds.config.deepspeed.one_rank_stage):
 one rank has nothing to partition, and ZeRO-3 still gathers and releases every module's parameters around each
 forward and backward. This runs the recipe --steps steps both ways, each run a fresh process (as
 ``python -m grpo_ds.train``), alternating --runs times, and reports per variant the median of the per-step phase

@@ -2,11 +2,11 @@
 
     python benchmarks/bench_packing.py [--runs 3] [--record]
 
-One optimizer step of grpo_ds.update.optimizer_step on a ZeRO-3 engine (world size 1, CPU), over fixed rollouts
+One optimizer step of grpo_ds.step.update.optimizer_step on a ZeRO-3 engine (world size 1, CPU), over fixed rollouts
 whose completions vary in length the way reasoning RL's do (log-normal, 8 to 512 tokens, after 32-token prompts),
 cut into micro-batches of 16 samples: padded, every row is as long as its micro-batch's longest sequence; packed
 (train.packing), the sequences are concatenated into one row. The same samples land in the same micro-batches
-either way, so the two compute the same update (tests/test_update.py checks that); the difference is the padding.
+either way, so the two compute the same update (tests/step/test_update.py checks that); the difference is the padding.
 Each variant runs in its own process (glibc's mmap threshold pinned, so freed memory returns to the OS), the two
 alternating --runs times: time is the median step, memory the peak anonymous resident set above what the process
 held once the engine was built. Targets: packed >= 1.3x faster, with a lower peak.
@@ -55,12 +55,13 @@ def variant(packed: bool, steps: int, out: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo_ds.ds_config import resolve_deepspeed_config
-    from grpo_ds.engine import create_train_engine, init_distributed
-    from grpo_ds.planner import plan_minibatch
-    from grpo_ds.recipe import load_recipe
-    from grpo_ds.step_data import StepData
-    from grpo_ds.update import UpdateSettings, optimizer_step
+    from grpo_ds.config.deepspeed import resolve_deepspeed_config
+    from grpo_ds.model.engine import create_train_engine
+    from grpo_ds.distributed.ranks import init_distributed
+    from grpo_ds.step.plan import plan_minibatch
+    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.step.batch import StepBatch
+    from grpo_ds.step.update import UpdateSettings, optimizer_step
 
     dist = init_distributed()
     torch.manual_seed(0)
@@ -71,7 +72,7 @@ def variant(packed: bool, steps: int, out: str) -> None:
     tokens = {i: len(p) + len(r) for i, (p, r) in enumerate(zip(data.prompt_ids, data.response_ids, strict=True))}
     plan = plan_minibatch(list(tokens), tokens, 1, max_samples=MICRO, packed=packed)
     settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend="torch", packing_allowed=packed)
-    step = StepData([], data, [], advantages=advantages)
+    step = StepBatch([], data, [], advantages=advantages)
     optimizer_step(engine, step, plan, settings, dist)  # warm-up (and the optimizer's states)
     base, peak = rss_anon_mib(), [0.0]
 
@@ -86,7 +87,7 @@ def variant(packed: bool, steps: int, out: str) -> None:
         t = time.perf_counter()
         optimizer_step(engine, step, plan, settings, dist)
         times.append(time.perf_counter() - t)
-    from grpo_ds.micro_batch import collate
+    from grpo_ds.step.micro_batch import collate
 
     positions = sum(collate(data, list(mb), 0, torch.device("cpu"), packed=packed).input_ids.numel()
                     for mb in plan.micro_batches[0])  # what the model computes: tokens and padding

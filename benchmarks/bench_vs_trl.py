@@ -64,8 +64,8 @@ import torch  # noqa: E402
 from bench_vs_trl_runner import trl_config  # noqa: E402
 from common import fmt, markdown_table, report, verdict  # noqa: E402
 
-from grpo_ds.recipe import Recipe, load_recipe  # noqa: E402
-from grpo_ds.recipe_parse import parse_override  # noqa: E402
+from grpo_ds.config.recipe import Recipe, load_recipe  # noqa: E402
+from grpo_ds.config.parse import parse_override  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parent / "bench_vs_trl_runner.py"
 TRAINERS = ("grpo_ds", "trl")
@@ -186,7 +186,7 @@ def build_qwen2_folder(folder: Path, shape: Shape, seed: int) -> int:
     """Save the shape's random Qwen2 model and the builtin character tokenizer; return the number of parameters."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_ds.builtin_tiny import build_tiny_tokenizer
+    from grpo_ds.model.tiny import build_tiny_tokenizer
 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(**shape.model)).to(shape.dtype)
@@ -342,7 +342,7 @@ def matched_lines(recipe: Recipe, trl_kwargs: dict, model: str) -> list[str]:
     pairs = [
         ("model / tokenizer / init", f"{model}, {m.dtype}, weights from "
                                      + ("run.seed" if m.path == "builtin:tiny" else "--seed, saved once") +
-                                     "; the same object for both (grpo_ds.models.load_model / load_tokenizer)"),
+                                     "; the same object for both (grpo_ds.model.loading.load_model / load_tokenizer)"),
         ("task / reward", f"{recipe.data.train} (the same rows), reward {[f['name'] for f in recipe.reward.functions]}"
                           f" weights {trl_kwargs['reward_weights']} (grpo_ds.rewards.builtin functions passed to "
                           "TRL as reward_funcs)"),

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grpo_ds.recipe import Recipe
+    from grpo_ds.config.recipe import Recipe
 
 TRAINERS = ("grpo_ds", "trl")
 # grpo_ds's algorithm.loss_agg -> TRL's loss_type with the same normalisation of the per-token losses
@@ -93,7 +93,7 @@ def run_grpo_ds(recipe: dict) -> dict:
 
 
 def trl_config(recipe: Recipe, output_dir: str, device: str) -> dict:
-    """GRPOConfig keyword arguments that reproduce the grpo_ds recipe (a grpo_ds.recipe.Recipe)."""
+    """GRPOConfig keyword arguments that reproduce the grpo_ds recipe (a grpo_ds.config.recipe.Recipe)."""
     r, a, t = recipe.rollout, recipe.algorithm, recipe.train
     micro, per_step, per_optimizer_step = t.micro_batch_samples_per_gpu, recipe.samples_per_step, \
         recipe.samples_per_optimizer_step
@@ -147,9 +147,9 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_ds.data import load_rows
-    from grpo_ds.models import load_model, load_tokenizer
-    from grpo_ds.recipe import load_recipe
+    from grpo_ds.run.prompts import load_rows
+    from grpo_ds.model.loading import load_model, load_tokenizer
+    from grpo_ds.config.recipe import load_recipe
     from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 
     recipe = load_recipe(recipe)

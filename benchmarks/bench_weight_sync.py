@@ -1,4 +1,4 @@
-"""Benchmark the weight sync (grpo_ds/rollout/weight_sync.py): ZeRO-3 shards -> full weights -> a rollout engine.
+"""Benchmark the weight sync (grpo_ds/model/weight_gather.py): ZeRO-3 shards -> full weights -> a rollout engine.
 
 Runs itself on N CPU ranks through the real `deepspeed` launcher (gloo), with a Llama-style model of a few
 hundred tensors partitioned by ZeRO-3, and times one full sync into the hf engine's policy copy (the consumer
@@ -86,12 +86,13 @@ def _ds_buckets(module, bucket_bytes: int):
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from grpo_ds.builtin_tiny import build_tiny_model
-    from grpo_ds.ds_config import resolve_deepspeed_config
-    from grpo_ds.engine import create_train_engine, init_distributed
-    from grpo_ds.recipe import load_recipe
+    from grpo_ds.model.tiny import build_tiny_model
+    from grpo_ds.config.deepspeed import resolve_deepspeed_config
+    from grpo_ds.model.engine import create_train_engine
+    from grpo_ds.distributed.ranks import init_distributed
+    from grpo_ds.config.recipe import load_recipe
     from grpo_ds.rollout.hf import HFRolloutEngine
-    from grpo_ds.rollout.weight_sync import gathered_named_parameters
+    from grpo_ds.model.weight_gather import gathered_named_parameters
 
     dist = init_distributed()
     model = build_tiny_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=0)

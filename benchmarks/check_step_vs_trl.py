@@ -9,10 +9,10 @@ every prompt of the dataset with ``group_size`` completions of 1-2 tokens (the a
 wrong digit + EOS, a lone EOS, two wrong characters cut by the length limit), with a number of right answers
 that varies by prompt, so most groups have mixed rewards.
 
-grpo_ds: the trainer's own functions on that batch: rewards (grpo_ds.collect.score_rewards), advantages and the
-micro-batch plan (grpo_ds.train._advantages and grpo_ds.planner.plan_recipe_step), and
-grpo_ds.update.optimizer_step on a DeepSpeed engine built as grpo_ds.train builds it (world size 1: ZeRO stage 1
-from the recipe's stage-3 file, grpo_ds.ds_config.one_rank_stage). The accumulated gradient is read just before the
+grpo_ds: the trainer's own functions on that batch: rewards (grpo_ds.step.collect.score_rewards), advantages and the
+micro-batch plan (grpo_ds.train._advantages and grpo_ds.step.plan.plan_recipe_step), and
+grpo_ds.step.update.optimizer_step on a DeepSpeed engine built as grpo_ds.train builds it (world size 1: ZeRO stage 1
+from the recipe's stage-3 file, grpo_ds.config.deepspeed.one_rank_stage). The accumulated gradient is read just before the
 engine steps, the weights just after.
 
 TRL: a GRPOTrainer built as bench_vs_trl_runner.run_trl builds it, trained for one optimizer step (max_steps=1)
@@ -58,20 +58,20 @@ import torch  # noqa: E402
 from bench_vs_trl_runner import trl_config  # noqa: E402
 
 from grpo_ds import train as driver  # noqa: E402
-from grpo_ds.collect import score_rewards  # noqa: E402
-from grpo_ds.ds_config_check import zero_stage  # noqa: E402
-from grpo_ds.engine import Dist  # noqa: E402
-from grpo_ds.inputs import Inputs, prepare_inputs  # noqa: E402
-from grpo_ds.models import load_model  # noqa: E402
-from grpo_ds.planner import plan_recipe_step  # noqa: E402
-from grpo_ds.recipe import Recipe, load_recipe  # noqa: E402
+from grpo_ds.step.collect import score_rewards  # noqa: E402
+from grpo_ds.config.deepspeed_keys import zero_stage  # noqa: E402
+from grpo_ds.distributed.ranks import Dist  # noqa: E402
+from grpo_ds.run.preflight import Inputs, prepare_inputs  # noqa: E402
+from grpo_ds.model.loading import load_model  # noqa: E402
+from grpo_ds.step.plan import plan_recipe_step  # noqa: E402
+from grpo_ds.config.recipe import Recipe, load_recipe  # noqa: E402
 from grpo_ds.rollout.base import Rollouts  # noqa: E402
-from grpo_ds.step_data import StepData  # noqa: E402
-from grpo_ds.update import UpdateSettings, optimizer_step  # noqa: E402
+from grpo_ds.step.batch import StepBatch  # noqa: E402
+from grpo_ds.step.update import UpdateSettings, optimizer_step  # noqa: E402
 
 # Right answers per group, cycled over the prompts: mostly mixed groups, some all wrong, some all right.
 RIGHT_PER_GROUP = (0, 1, 3, 5, 8, 11, 13, 15, 16, 2, 6, 9)
-ADAM_EPS = 1e-8  # both sides (grpo_ds.ds_config, trl_config's adam_epsilon)
+ADAM_EPS = 1e-8  # both sides (grpo_ds.config.deepspeed, trl_config's adam_epsilon)
 APART = 0.05  # a weight "moves apart" when the two steps differ by more than this fraction of the learning rate
 NOISE = 1e-5  # relative gradient difference that float32 sums in another order can explain
 Key = tuple[tuple[int, ...], tuple[int, ...]]  # (prompt ids, completion ids) names a sample on both sides
@@ -150,19 +150,19 @@ class PlainEngine:
 
 
 def grpo_ds_advantages(inputs: Inputs, rollouts: Rollouts) -> list[float]:
-    """The trainer's rewards and advantages (grpo_ds.collect.score_rewards, grpo_ds.train._advantages)."""
+    """The trainer's rewards and advantages (grpo_ds.step.collect.score_rewards, grpo_ds.train._advantages)."""
     recipe, G = inputs.recipe, inputs.recipe.rollout.group_size
     prompts = [inputs.prompts[i // G] for i in range(0, len(rollouts), G)]
     rewards = score_rewards(recipe, inputs, prompts, rollouts, G).total
-    advantages, _ = driver._advantages(recipe, inputs, StepData([], rollouts, rewards), torch.device("cpu"))
+    advantages, _ = driver._advantages(recipe, inputs, StepBatch([], rollouts, rewards), torch.device("cpu"))
     return advantages
 
 
 def grpo_ds_update(engine, inputs: Inputs, rollouts: Rollouts, advantages: list[float], dist: Dist
                    ) -> tuple[float, int]:
-    """grpo_ds.update.optimizer_step over the step's plan; returns (loss, micro-batches run)."""
+    """grpo_ds.step.update.optimizer_step over the step's plan; returns (loss, micro-batches run)."""
     recipe = inputs.recipe
-    data = StepData([], rollouts, [], advantages=advantages)
+    data = StepBatch([], rollouts, [], advantages=advantages)
     data.plan = plan = plan_recipe_step(recipe, data.sequence_tokens(), dist.world_size, 1)
     if len(plan.minibatches) != 1 or plan.old_logprob_pass:
         raise SystemExit("check_step_vs_trl: the recipe must make one optimizer step per rollout")
@@ -177,7 +177,8 @@ def run_grpo_ds(inputs: Inputs, rollouts: Rollouts) -> StepResult:
     """grpo_ds's step on the ZeRO-3 engine of grpo_ds.train (world size 1)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from grpo_ds.engine import create_train_engine, init_distributed
+    from grpo_ds.model.engine import create_train_engine
+    from grpo_ds.distributed.ranks import init_distributed
 
     recipe = inputs.recipe
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's start-up chatter

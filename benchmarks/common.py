@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
-from grpo_ds.kernels import resolve_backend, triton_problem
+from grpo_ds.config.software import resolve_backend, triton_problem
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"

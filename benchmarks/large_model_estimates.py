@@ -50,7 +50,7 @@ BEGIN, END = "<!-- large-models:begin (python benchmarks/large_model_estimates.p
 
 
 def model_folder(root: Path, name: str) -> Path:
-    from grpo_ds.builtin_tiny import build_tiny_tokenizer
+    from grpo_ds.model.tiny import build_tiny_tokenizer
 
     hidden, intermediate, layers, heads, kv = SHAPES[name]
     folder = root / f"qwen2.5-{name.lower()}-shape"

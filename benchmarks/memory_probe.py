@@ -18,8 +18,8 @@ import threading
 import time
 
 import grpo_ds.train as driver
-import grpo_ds.update  # noqa: F401  (imported before the baseline, like every library the run uses)
-from grpo_ds.policy import Policy
+import grpo_ds.step.update  # noqa: F401  (imported before the baseline, like every library the run uses)
+from grpo_ds.model.policy import Policy
 
 
 def rss_anon_mib() -> float:

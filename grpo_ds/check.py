@@ -2,7 +2,7 @@
 
     python -m grpo_ds.check RECIPE.json --world-size 8 [section.key=value ...]
 
-The validation is grpo_ds.inputs.prepare_inputs, the same one ``grpo_ds.train`` runs first; this module is the
+The validation is grpo_ds.run.preflight.prepare_inputs, the same one ``grpo_ds.train`` runs first; this module is the
 report only.
 """
 
@@ -13,21 +13,23 @@ import dataclasses
 
 import numpy as np
 
-from grpo_ds import environment, lora, memory
-from grpo_ds.ds_config import (
+from grpo_ds.config import software
+from grpo_ds.model import lora
+from grpo_ds.model import memory
+from grpo_ds.config.deepspeed import (
     load_deepspeed_json,
     one_rank_stage_note,
     resolve_deepspeed_config,
     rollout_shares_policy,
 )
-from grpo_ds.ds_config_check import zero_stage
-from grpo_ds.engine import device_type
+from grpo_ds.config.deepspeed_keys import zero_stage
+from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error
-from grpo_ds.inputs import Inputs, prepare_inputs
-from grpo_ds.memory import GIB
-from grpo_ds.planner import old_logprob_pass_reason, plan_recipe_step, token_imbalance
-from grpo_ds.recipe import Recipe
-from grpo_ds.update import sequence_parallel_rows
+from grpo_ds.run.preflight import Inputs, prepare_inputs
+from grpo_ds.model.memory import GIB
+from grpo_ds.step.plan import old_logprob_pass_reason, plan_recipe_step, token_imbalance
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.step.update import sequence_parallel_rows
 
 
 def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
@@ -47,13 +49,13 @@ def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
     return out
 
 
-def environment_lines(env: environment.Environment, device_type: str) -> list[str]:
-    """The "environment" block: the checklist a GRPO guide starts with (grpo_ds.environment collects it)."""
+def environment_lines(env: software.Environment, device_type: str) -> list[str]:
+    """The "environment" block: the checklist a GRPO guide starts with (grpo_ds.config.software collects it)."""
     v = env.versions
     build = f"CUDA {env.cuda}" if env.cuda and not env.cuda.startswith("ROCm") else env.cuda or "CPU build"
     lines = ["environment", f"  {'python':<13} {env.python}",
              f"  {'torch':<13} {v['torch']} ({build}" + (f", NCCL {env.nccl})" if env.nccl else ")")]
-    lines += [f"  {name:<13} {v[name] or 'not installed'}" for name in environment.PACKAGES if name != "torch"]
+    lines += [f"  {name:<13} {v[name] or 'not installed'}" for name in software.PACKAGES if name != "torch"]
     if env.gpus:
         names = sorted(set(env.gpus), key=env.gpus.index)
         gpus = ", ".join(f"{env.gpus.count(n)} x {n}" for n in names)
@@ -144,7 +146,7 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     trained = f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) \
         else ""
     lines += ["", f"memory estimate per rank ({shape.params / 1e6:.2f} M parameters{trained}, {r.model.dtype}; "
-                  "grpo_ds/memory.py says how each line is counted)"]
+                  "grpo_ds/model/memory.py says how each line is counted)"]
     lines += [f"  {name:<52} {value / GIB:8.3f} GiB" for name, value in est.device.items()]
     lines += [f"  {name + ' (offloaded to host)':<52} {value / GIB:8.3f} GiB" for name, value in est.host.items()]
     lines += [f"  + {name:<50} {value / GIB:8.3f} GiB" for name, value in est.phases.items()]
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu = torch.cuda.get_device_properties(0).total_memory / GIB
     with exit_on_user_error():
         inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type(), machine=False)
-        print("\n".join(environment_lines(environment.collect(), device_type())) + "\n")  # bad input: stdout empty
+        print("\n".join(environment_lines(software.collect(), device_type())) + "\n")  # bad input: stdout empty
         print(report(inputs, args.world_size, args.lengths, gpu))
         if inputs.recipe.rollout.engine == "vllm":
             print('note: rollout.engine "vllm": GPUs and the installed vLLM are checked when the run starts, on the '

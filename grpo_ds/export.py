@@ -26,7 +26,7 @@ folder in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``
 Every mistake a user can make (wrong run folder, no checkpoints, unknown step, non-empty ``--out``, damaged
 checkpoint) is a one-line ``error: ...`` with exit code 2, found before any model or tensor is loaded. So is an export
 the free space of ``--out``'s file system cannot hold (refused before writing), and a write that fails (a full disk,
-a read-only file system, a quota: grpo_ds.disk), which leaves neither ``--out`` nor the temporary folder behind.
+a read-only file system, a quota: grpo_ds.run.writes), which leaves neither ``--out`` nor the temporary folder behind.
 """
 
 from __future__ import annotations
@@ -46,14 +46,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.initialization import no_init_weights
 
-from grpo_ds import disk, lora
-from grpo_ds.builtin_tiny import build_tiny_model
-from grpo_ds.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
-from grpo_ds.engine import device_type
+from grpo_ds.run import writes
+from grpo_ds.model import lora
+from grpo_ds.model.tiny import build_tiny_model
+from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
+from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
-from grpo_ds.models import BUILTIN_TINY, check_model_path, load_model, load_tokenizer, torch_dtype
-from grpo_ds.output_paths import check_output_folder
-from grpo_ds.recipe import ModelConfig, load_recipe
+from grpo_ds.model.loading import BUILTIN_TINY, check_model_path, load_model, load_tokenizer, torch_dtype
+from grpo_ds.run.folder import check_output_folder
+from grpo_ds.config.recipe import ModelConfig, load_recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
 _MP_RANK = re.compile(r"mp_rank_(\d+)")  # a tensor-parallel rank's files in a DeepSpeed checkpoint
@@ -83,7 +84,7 @@ class ExportSummary:
 # ------------------------------------------------------------------------------------------- finding checkpoints
 
 def checkpoint_folders(run_dir: str | Path) -> list[StepFolder]:
-    """Every checkpoint folder of a run, oldest first (grpo_ds.checkpoint.step_folders).
+    """Every checkpoint folder of a run, oldest first (grpo_ds.run.checkpoint.step_folders).
 
     Raises UserError when ``run_dir`` is not a run folder or holds no checkpoint."""
     run = _check_run_dir(run_dir)
@@ -128,7 +129,7 @@ def _check_run_dir(run_dir: str | Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------------- verifying
 
-verify_checkpoint = verify  # the one check, in grpo_ds.checkpoint
+verify_checkpoint = verify  # the one check, in grpo_ds.run.checkpoint
 
 
 def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
@@ -204,9 +205,9 @@ def _write(out: Path, model, tokenizer, generation_config, weight_bytes: int) ->
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        disk.check_space("export", out.parent, int(weight_bytes * (1 + disk.SPACE_MARGIN)) + TOKENIZER_BYTES,
-                         f"the model ({disk.gib(weight_bytes)} of weights)", "free space and run the export again")
-        with disk.writing(tmp):
+        writes.check_space("export", out.parent, int(weight_bytes * (1 + writes.SPACE_MARGIN)) + TOKENIZER_BYTES,
+                         f"the model ({writes.gib(weight_bytes)} of weights)", "free space and run the export again")
+        with writes.writing(tmp):
             with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
                 model.save_pretrained(tmp)  # a peft model writes its adapters only
             tokenizer.save_pretrained(tmp)
@@ -216,8 +217,8 @@ def _write(out: Path, model, tokenizer, generation_config, weight_bytes: int) ->
             shutil.rmtree(out)  # empty, or --overwrite was given (checked above)
         tmp.rename(out)
     except OSError as err:
-        raise UserError("export", f"cannot write {err.filename or out}: {disk.describe(err)}",
-                        f"nothing was written to {out}; {disk.remedy(err)} and run the export again") from None
+        raise UserError("export", f"cannot write {err.filename or out}: {writes.describe(err)}",
+                        f"nothing was written to {out}; {writes.remedy(err)} and run the export again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from grpo_ds.errors import UserError
-from grpo_ds.recipe_parse import printable
+from grpo_ds.config.parse import printable
 
 
 def check_output_folder(path: str | Path, where: str) -> None:

@@ -23,28 +23,32 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds import checkpoint, disk, kernels, run_folder, sequence_parallel
+from grpo_ds import kernels
+from grpo_ds.run import checkpoint
+from grpo_ds.run import writes
+from grpo_ds.run import folder as run_folder
+from grpo_ds.model import sequence_parallel
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
-from grpo_ds.collect import collect
-from grpo_ds.data import PromptSampler
-from grpo_ds.ds_config import rollout_shares_policy
-from grpo_ds.engine import Dist, device_type, end_launched_rank, init_distributed, world_size_from_env
+from grpo_ds.step.collect import collect
+from grpo_ds.run.prompts import PromptSampler
+from grpo_ds.config.deepspeed import rollout_shares_policy
+from grpo_ds.distributed.ranks import Dist, device_type, end_launched_rank, init_distributed, world_size_from_env
 from grpo_ds.errors import UserError, exit_on_user_error
-from grpo_ds.evaluate import evaluate
-from grpo_ds.inputs import Inputs, prepare_inputs
-from grpo_ds.loss import LossStats
-from grpo_ds.metrics import MetricsLogger, peak_memory_gib
-from grpo_ds.models import load_model
-from grpo_ds.planner import plan_recipe_step, token_imbalance
-from grpo_ds.plot import read_metrics
-from grpo_ds.policy import Policy, weights_sha256
-from grpo_ds.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals
-from grpo_ds.profiling import Phase, profiled_steps
-from grpo_ds.recipe import Recipe
+from grpo_ds.step.evaluate import evaluate
+from grpo_ds.run.preflight import Inputs, prepare_inputs
+from grpo_ds.step.loss import LossStats
+from grpo_ds.run.metrics import MetricsLogger, peak_memory_gib
+from grpo_ds.model.loading import load_model
+from grpo_ds.step.plan import plan_recipe_step, token_imbalance
+from grpo_ds.run.metrics import read_metrics
+from grpo_ds.model.policy import Policy, weights_sha256
+from grpo_ds.run.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals
+from grpo_ds.step.profiling import Phase, profiled_steps
+from grpo_ds.config.recipe import Recipe
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
-from grpo_ds.step_data import StepData
-from grpo_ds.update import UpdateSettings, importance_metrics, logprob_pass, optimizer_step
+from grpo_ds.step.batch import StepBatch
+from grpo_ds.step.update import UpdateSettings, importance_metrics, logprob_pass, optimizer_step
 
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
@@ -91,7 +95,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     nonfinite_in_a_row = 0
 
     for step in profiled_steps(range(first_step, recipe.train.steps + 1), recipe.logging, run_dir, dist):
-        # ---- rollout and reward (grpo_ds.collect): rank 0 picks the prompts, every rank generates a slice,
+        # ---- rollout and reward (grpo_ds.step.collect): rank 0 picks the prompts, every rank generates a slice,
         # rank 0 scores them; with dynamic sampling, equal-reward groups are replaced by new prompts
         data = collect(step, recipe, inputs, rollout, sampler, dist)
 
@@ -159,7 +163,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
             with Phase("checkpoint"):
                 saved = checkpoint.save(policy, run_dir, step, trainer_state, recipe.checkpoint.keep, dist)
         # ---- preemption: after a SIGTERM / SIGUSR1 on any rank (even one that came during the checkpoint above),
-        # every rank stops here, with this step's checkpoint (grpo_ds/preemption.py)
+        # every rank stops here, with this step's checkpoint (grpo_ds/run/preemption.py)
         stop_signal = stop.agreed(dist) if step < recipe.train.steps else None
         if stop_signal:
             if saved is None and not nonfinite:
@@ -177,7 +181,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     with checkpoint.run_file_writes(dist, run_dir, "end of the run"):  # a failed write: one error on every rank
         _append_json(rank_log, final)
         if save:
-            with disk.writing(run_dir / "final_model"):
+            with writes.writing(run_dir / "final_model"):
                 policy.save_pretrained(run_dir / "final_model", state, tokenizer)
         if dist.is_main:
             run_folder.mark_complete(run_dir, recipe.train.steps, digest)
@@ -188,7 +192,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
 
 # ----------------------------------------------------------------------------------------- phases
 
-def _advantages(recipe: Recipe, inputs: Inputs, data: StepData, device: torch.device) -> tuple[list[float], dict]:
+def _advantages(recipe: Recipe, inputs: Inputs, data: StepBatch, device: torch.device) -> tuple[list[float], dict]:
     """Rank 0: the reward shaping of the recipe, then group advantages (through the kernels backend)."""
     a, rollouts = recipe.algorithm, data.rollouts
     shaped = torch.tensor(data.rewards, dtype=torch.float32)  # (P*G,)
@@ -212,7 +216,7 @@ def _advantages(recipe: Recipe, inputs: Inputs, data: StepData, device: torch.de
     return advantages.tolist(), metrics
 
 
-def _update_metrics(data: StepData, stats: LossStats, grad_norms: list[float], nonfinite: int) -> dict:
+def _update_metrics(data: StepBatch, stats: LossStats, grad_norms: list[float], nonfinite: int) -> dict:
     """The step's training metrics from the update's summed LossStats, the plan and the phase times."""
     rollouts, plan, times = data.rollouts, data.plan, data.times
     response_lengths = [len(r) for r in rollouts.response_ids]
@@ -232,7 +236,7 @@ def _update_metrics(data: StepData, stats: LossStats, grad_norms: list[float], n
         time_step_s=sum(times.values()), **{f"time_{k}_s": v for k, v in times.items()})
 
 
-def _sample_records(inputs: Inputs, data: StepData, count: int) -> list[dict]:
+def _sample_records(inputs: Inputs, data: StepBatch, count: int) -> list[dict]:
     rollouts, G = data.rollouts, inputs.recipe.rollout.group_size
     return [{"prompt": inputs.prompts[data.prompt_index[i // G]].prompt_text,
              "completion": inputs.tokenizer.decode(rollouts.response_ids[i], skip_special_tokens=True),
@@ -287,7 +291,7 @@ def _start_logger(recipe: Recipe, run_dir: Path, dist: Dist) -> MetricsLogger:
                                recipe.run.name, recipe.to_dict())
     except UserError as err:
         failure = err
-    disk.agree(dist, failure)
+    writes.agree(dist, failure)
     return logger
 
 
@@ -303,7 +307,7 @@ def _trim_logs(run_dir: Path, rank_log: Path, last_step: int, dist: Dist) -> Non
 
 def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist, shared_module: torch.nn.Module | None = None):
     """The rollout engine: hf and agent generate with ``shared_module`` (the policy's own, where every rank holds it
-    whole: grpo_ds.ds_config.rollout_shares_policy) or else with an unsharded copy of the policy, loaded here (the one
+    whole: grpo_ds.config.deepspeed.rollout_shares_policy) or else with an unsharded copy of the policy, loaded here (the one
     full copy a rank holds); vLLM loads its own weights from model.path and gets no copy."""
     r, tokenizer = recipe.rollout, inputs.tokenizer
     if r.engine == "vllm":  # vLLM is imported only when chosen (an optional extra; GPUs only)
@@ -324,7 +328,7 @@ def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist, shared_module: t
 # ------------------------------------------------------------------------------------ plumbing
 
 def _append_json(path: Path, record: dict) -> None:
-    disk.append_line(path, json.dumps(record))
+    writes.append_line(path, json.dumps(record))
 
 
 # ----------------------------------------------------------------------------------------- CLI

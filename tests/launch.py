@@ -20,7 +20,7 @@ def clean_env() -> dict:
 def deepspeed_launch(num_ranks: int, args: list[str], cwd: Path = REPO, timeout: int = 600) -> str:
     """`deepspeed --num_gpus N ARGS...`; fails the test with the output when it fails."""
     launcher = Path(sys.executable).parent / "deepspeed"
-    port = _free_port()
+    port = free_port()
     cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(num_ranks),
            "--master_port", str(port), *args]
     try:
@@ -39,7 +39,7 @@ def remove_shm_buffers(port: int) -> None:
         leftover.unlink(missing_ok=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

@@ -2,7 +2,7 @@
 
 ``record_run`` runs ``grpo_ds.train.run`` with two functions wrapped: ``grpo_ds.train.optimizer_step`` (the full
 weights before and after each optimizer step, the step's data, its mini-batch, settings and returned LossStats)
-and ``grpo_ds.update.micro_batch_loss`` (the TokenTerms each micro-batch was given). ``Run.reference`` recomputes
+and ``grpo_ds.step.update.micro_batch_loss`` (the TokenTerms each micro-batch was given). ``Run.reference`` recomputes
 one recorded optimizer step from the rollouts, the rewards and the weights alone, with the reference math of
 grpo_ds/algo (reward shaping, advantages, sequence weights, importance weights, per-token losses) and autograd on a
 plain, unsharded copy of the model (full logits of right-padded rows): the driver's kernels, micro-batches, flat
@@ -23,18 +23,19 @@ import pytest
 import torch
 
 import grpo_ds.train
-import grpo_ds.update
-from grpo_ds.algo.advantages import ESTIMATORS, group_advantages
+import grpo_ds.step.update
+from grpo_ds.algo.names import ESTIMATORS
+from grpo_ds.algo.advantages import group_advantages
 from grpo_ds.algo.aggregation import sequence_weights
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.algo.logprobs import token_logprobs_and_entropy
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
-from grpo_ds.builtin_tiny import EOS, build_tiny_model, build_tiny_tokenizer
-from grpo_ds.loss import LossStats, TokenTerms
-from grpo_ds.recipe import Recipe, load_recipe
-from grpo_ds.rollout.weight_sync import gathered_named_parameters
-from grpo_ds.step_data import StepData
+from grpo_ds.model.tiny import EOS, build_tiny_model, build_tiny_tokenizer
+from grpo_ds.step.loss import LossStats, TokenTerms
+from grpo_ds.config.recipe import Recipe, load_recipe
+from grpo_ds.model.weight_gather import gathered_named_parameters
+from grpo_ds.step.batch import StepBatch
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -90,9 +91,9 @@ class OptimizerStep:
 
     step: int  # the rollout step (1-based)
     index: int  # which optimizer step of that rollout (0-based)
-    data: StepData
+    data: StepBatch
     sample_ids: tuple[int, ...]  # its mini-batch
-    settings: grpo_ds.update.UpdateSettings
+    settings: grpo_ds.step.update.UpdateSettings
     before: dict[str, torch.Tensor]  # full weights before the step
     after: dict[str, torch.Tensor] = field(default_factory=dict)  # and after it
     stats: LossStats | None = None  # what optimizer_step returned
@@ -146,7 +147,7 @@ def record_run(output_dir, name: str, overrides: dict) -> Run:
     """Train tiny_cpu.json with BASE and ``overrides`` through the driver; record every optimizer step."""
     overrides = {**BASE, "run.output_dir": str(output_dir), "run.name": name, **overrides}
     steps: list[OptimizerStep] = []
-    real_step, real_loss = grpo_ds.train.optimizer_step, grpo_ds.update.micro_batch_loss
+    real_step, real_loss = grpo_ds.train.optimizer_step, grpo_ds.step.update.micro_batch_loss
 
     def optimizer_step(engine, data, minibatch, settings, dist):
         step = 1 if not steps else steps[-1].step + (steps[-1].data is not data)
@@ -163,7 +164,7 @@ def record_run(output_dir, name: str, overrides: dict) -> Run:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(grpo_ds.train, "optimizer_step", optimizer_step)
-        patch.setattr(grpo_ds.update, "micro_batch_loss", micro_batch_loss)
+        patch.setattr(grpo_ds.step.update, "micro_batch_loss", micro_batch_loss)
         metrics = grpo_ds.train.run(TINY, overrides)
     return Run(load_recipe(TINY, overrides), metrics, steps)
 
@@ -200,7 +201,7 @@ def _model(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     return model
 
 
-def _logprobs(model, recipe: Recipe, data: StepData, samples: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _logprobs(model, recipe: Recipe, data: StepBatch, samples: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(log-probs, entropies) (L_i,) of each sample's response tokens, from full logits of one forward over the
     samples as right-padded rows (the causal mask keeps padding out of every real position)."""
     rollouts = data.rollouts
@@ -218,7 +219,7 @@ def _logprobs(model, recipe: Recipe, data: StepData, samples: list[int]) -> list
     return out
 
 
-def _scored(run: Run, key: tuple, weights: dict[str, torch.Tensor], data: StepData) -> dict[int, torch.Tensor]:
+def _scored(run: Run, key: tuple, weights: dict[str, torch.Tensor], data: StepBatch) -> dict[int, torch.Tensor]:
     """{sample id: (L_i,) log-probs} of every sample of ``data`` under ``weights``, once per run and ``key``."""
     if key not in run._scores:
         with torch.no_grad():

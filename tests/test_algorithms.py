@@ -340,9 +340,9 @@ def test_full_logits_give_the_fused_update(runs):
 
 
 def test_truncated_completions_get_no_weight():
-    from grpo_ds.recipe import load_recipe
+    from grpo_ds.config.recipe import load_recipe
     from grpo_ds.rollout.base import Rollouts
-    from grpo_ds.update import UpdateSettings, trained_tokens
+    from grpo_ds.step.update import UpdateSettings, trained_tokens
 
     rollouts = Rollouts([[1], [1]], [[5, 6], [5, 1]], [[0.0, 0.0]] * 2, ["length", "stop"], [[1, 1], [1, 0]])
     on = UpdateSettings.from_recipe(load_recipe({"algorithm": {"mask_truncated": True}}), 0, "torch")

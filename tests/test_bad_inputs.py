@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ds import output_paths
-from grpo_ds.data import load_rows
-from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.ds_config_check import check_precision_supported
+from grpo_ds.run import folder as run_folder
+from grpo_ds.run.prompts import load_rows
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
+from grpo_ds.config.deepspeed_check import check_precision_supported
 from grpo_ds.errors import UserError
-from grpo_ds.inputs import prepare_inputs
-from grpo_ds.models import context_length
-from grpo_ds.recipe import DataConfig, ModelConfig, iter_fields, load_recipe
+from grpo_ds.run.preflight import prepare_inputs
+from grpo_ds.model.loading import context_length
+from grpo_ds.config.recipe import DataConfig, ModelConfig, iter_fields, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO3 = json.loads((REPO / "ds_configs" / "zero3.json").read_text())

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpo_ds import check
-from grpo_ds.inputs import prepare_inputs
-from grpo_ds.recipe import load_recipe
+from grpo_ds.run.preflight import prepare_inputs
+from grpo_ds.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny_cpu.json"
@@ -178,7 +178,7 @@ def test_report_shows_the_tensor_parallel_layout_and_refuses_impossible_ones():
 
 
 def test_tensor_parallel_size_must_divide_a_saved_models_heads(tmp_path):
-    from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+    from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
     from grpo_ds.errors import UserError
 
     tok = build_tiny_tokenizer()
@@ -204,7 +204,7 @@ def test_the_dry_run_prints_the_environment_first(outputs):
 
 
 def test_environment_block_on_a_gpu_machine():
-    from grpo_ds.environment import PACKAGES, Environment, Unmet
+    from grpo_ds.config.software import PACKAGES, Environment, Unmet
 
     versions = {name: None for name in PACKAGES} | {"torch": "2.10.0+cu128", "vllm": "0.20.0"}
     gpu = "NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB)"

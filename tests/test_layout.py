@@ -74,8 +74,8 @@ def test_the_math_imports_only_the_math(module, may_import):
 
 
 @pytest.mark.parametrize(("module", "never"), [
-    ("grpo_ds.inputs", ("grpo_ds.engine", "grpo_ds.policy", "grpo_ds.update", "grpo_ds.loss", "grpo_ds.train")),
-    ("grpo_ds.loss", ("grpo_ds.engine", "grpo_ds.policy", "grpo_ds.planner", "grpo_ds.update", "grpo_ds.train")),
+    ("grpo_ds.run.preflight", ("grpo_ds.distributed.ranks", "grpo_ds.model.policy", "grpo_ds.step.update", "grpo_ds.step.loss", "grpo_ds.train")),
+    ("grpo_ds.step.loss", ("grpo_ds.distributed.ranks", "grpo_ds.model.policy", "grpo_ds.step.plan", "grpo_ds.step.update", "grpo_ds.train")),
     ("grpo_ds.train", ("grpo_ds.check",)),
 ])
 def test_forbidden_imports(module, never):

@@ -5,9 +5,9 @@ import pytest
 
 import grpo_ds
 import grpo_ds.train as train_module
-import grpo_ds.update as update_module
+import grpo_ds.step.update as update_module
 from grpo_ds.errors import UserError
-from grpo_ds.policy import weights_sha256
+from grpo_ds.model.policy import weights_sha256
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")

@@ -9,17 +9,8 @@ import numpy as np
 import pytest
 
 from grpo_ds.errors import UserError
-from grpo_ds.plot import (
-    PANEL_INCHES,
-    TITLE_INCHES,
-    Panel,
-    main,
-    make_figure,
-    moving_average,
-    panels,
-    plot_run,
-    read_metrics,
-)
+from grpo_ds.plot import PANEL_INCHES, TITLE_INCHES, Panel, main, make_figure, moving_average, panels, plot_run
+from grpo_ds.run.metrics import read_metrics
 
 matplotlib_image = pytest.importorskip("matplotlib.image")
 

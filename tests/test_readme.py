@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ds.recipe import iter_fields, load_recipe
+from grpo_ds.config.recipe import iter_fields, load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RUN_COMMAND = "pip install torch==2.13.0 && pip install -e . && python -m grpo_ds.train recipes/tiny_cpu.json"
 TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q'
-REGENERATE = "regenerate the Recipe reference tables: python -m grpo_ds.recipe_docs"
+REGENERATE = "regenerate the Recipe reference tables: python -m grpo_ds.config.reference"
 
 
 def _readme() -> str:
@@ -60,6 +60,6 @@ def test_shipped_recipe_loads(recipe):
 
 
 def test_reference_tables_are_the_generated_ones():
-    from grpo_ds.recipe_docs import tables
+    from grpo_ds.config.reference import tables
 
-    assert tables() in _readme(), "README.md's recipe reference is stale: run python -m grpo_ds.recipe_docs"
+    assert tables() in _readme(), "README.md's recipe reference is stale: run python -m grpo_ds.config.reference"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ds import checkpoint
-from tests.launch import REPO, _free_port, clean_env, remove_shm_buffers
+from grpo_ds.run import checkpoint
+from tests.launch import REPO, free_port, clean_env, remove_shm_buffers
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
 STEPS = 12
@@ -66,7 +66,7 @@ def _command(world: int, out: Path, deepspeed: str | None = None) -> list[str]:
     if world == 1:
         return [sys.executable, "-m", module, TINY, f"run.output_dir={out}", *ARGS, *extra]
     launcher = Path(sys.executable).parent / "deepspeed"
-    PORTS.append(_free_port())
+    PORTS.append(free_port())
     return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(world), "--master_port",
             str(PORTS[-1]), "--module", module, TINY, f"run.output_dir={out}", *ARGS, *extra]
 

@@ -27,7 +27,7 @@ the whole vocabulary.
 A number in the file that contradicts the derived value is an error naming the number to change.
 The driver owns the optimizer-step boundary: ``managed_gradient_accumulation`` is false and
 ``backward`` is called with ``scale_wrt_gas=False``, so a step may run any number of
-micro-batches (padding, dynamic batching) with exact loss scaling (see grpo_ds.loss).
+micro-batches (padding, dynamic batching) with exact loss scaling (see grpo_ds.step.loss).
 """
 
 from __future__ import annotations
@@ -39,17 +39,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from grpo_ds.ds_config_check import (
-    check_deepspeed_config,
-    check_shapes,
-    choose_accelerator,
-    offloaded,
-    scheduler_class,
-    zero_stage,
-)
+from grpo_ds.config.deepspeed_check import check_deepspeed_config, check_shapes, choose_accelerator, scheduler_class
+from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import Recipe
-from grpo_ds.recipe_parse import check_finite, printable, read_json_object
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.config.parse import check_finite, printable, read_json_object
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # ds_configs/ sits beside grpo_ds/ in the repo
 

@@ -6,7 +6,7 @@ check precision and stage combinations), then adds what DeepSpeed checks only wh
 offload without ``nvme_path``, the scheduler's type and parameters (DeepSpeed instantiates
 ``lr_schedules.<type>`` or ``torch.optim.lr_scheduler.<type>`` with them), ``max_grad_norm`` among the optimizer's
 parameters, and ``data_types.param_dtype`` against the precision that model.dtype enables. grpo_ds's own rules
-(batch keys, optimizer type, precision from model.dtype) are in grpo_ds.ds_config. Each problem is one UserError
+(batch keys, optimizer type, precision from model.dtype) are in grpo_ds.config.deepspeed. Each problem is one UserError
 naming the key in the DeepSpeed file.
 """
 
@@ -106,14 +106,14 @@ def check_precision_supported(cfg: dict, device_type: str) -> None:
 
 def choose_accelerator(device_type: str) -> None:
     """DeepSpeed picks its accelerator when first imported, and without a GPU it says so on stdout unless told (as
-    grpo_ds.engine tells it)."""
+    grpo_ds.distributed.ranks tells it)."""
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _deepspeed_validation(cfg: dict, where: str) -> None:
     """DeepSpeed's own config parsing. train_batch_size is left out: grpo_ds derived it for the real world size
-    (grpo_ds.ds_config), and DeepSpeed would check it against the world size of this process (1)."""
+    (grpo_ds.config.deepspeed), and DeepSpeed would check it against the world size of this process (1)."""
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 

@@ -1,4 +1,4 @@
-"""JSON objects into the recipe's frozen dataclasses (grpo_ds.recipe declares them): files, ``section.key=value``
+"""JSON objects into the recipe's frozen dataclasses (grpo_ds.config.recipe declares them): files, ``section.key=value``
 overrides, and the per-field type, choice and range checks that every field's declaration (``recipe.opt``) drives.
 """
 

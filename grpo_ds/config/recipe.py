@@ -5,9 +5,9 @@ applies its allowed choices and numeric range, in ``field(metadata=...)``; valid
 and the README's key reference all read that one declaration.
 
 Load order (nothing touches a model): JSON file -> ``section.key=value`` overrides -> type, choice
-and range checks per field (grpo_ds.recipe_parse) -> cross-field checks (batch algebra, here) -> a frozen
+and range checks per field (grpo_ds.config.parse) -> cross-field checks (batch algebra, here) -> a frozen
 ``Recipe``.
-The DeepSpeed side (``train_batch_size`` and friends) is resolved in ``grpo_ds.ds_config``.
+The DeepSpeed side (``train_batch_size`` and friends) is resolved in ``grpo_ds.config.deepspeed``.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_ds.algo.advantages import ESTIMATORS, SCALES
-from grpo_ds.algo.aggregation import LOSS_AGG_MODES
-from grpo_ds.algo.kl import KL_ESTIMATORS
-from grpo_ds.algo.policy_loss import POLICY_LOSSES
+from grpo_ds.algo.names import ESTIMATORS, SCALES
+from grpo_ds.algo.names import LOSS_AGG_MODES
+from grpo_ds.algo.names import KL_ESTIMATORS
+from grpo_ds.algo.names import POLICY_LOSSES
 from grpo_ds.errors import UserError
-from grpo_ds.kernels import BACKENDS
-from grpo_ds.recipe_parse import apply_override, build, normalise_overrides, printable, read_json_object
-from grpo_ds.rewards.loading import parse_reward_specs
-from grpo_ds.rewards.scoring import ON_ERROR_CHOICES
+from grpo_ds.config.software import BACKENDS
+from grpo_ds.config.parse import apply_override, build, normalise_overrides, printable, read_json_object
+from grpo_ds.config.reward_specs import parse_reward_specs
+from grpo_ds.config.reward_specs import ON_ERROR_CHOICES
 
 _MISSING = object()
 
@@ -411,7 +411,7 @@ def validate(recipe: Recipe) -> None:
 
 
 def _validate_sequence_parallel(recipe: Recipe) -> None:
-    """What Ulysses sequence parallelism (grpo_ds.sequence_parallel) cannot take, refused with the reason."""
+    """What Ulysses sequence parallelism (grpo_ds.model.sequence_parallel) cannot take, refused with the reason."""
     sp, t, m = recipe.train.sequence_parallel_size, recipe.train, recipe.model
     if sp == 1:
         return

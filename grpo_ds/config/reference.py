@@ -1,7 +1,7 @@
-"""The README's recipe-reference tables, generated from the schema: ``python -m grpo_ds.recipe_docs``.
+"""The README's recipe-reference tables, generated from the schema: ``python -m grpo_ds.config.reference``.
 
 Prints one markdown table per section (key, type, default, allowed values, meaning) from the field
-declarations in grpo_ds/recipe.py; tests/test_readme.py checks that README.md contains exactly this text.
+declarations in grpo_ds/config/recipe.py; tests/test_readme.py checks that README.md contains exactly this text.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import types
 import typing
 
-from grpo_ds.recipe import iter_fields
+from grpo_ds.config.recipe import iter_fields
 
 _TYPE_NAMES = {str: "string", bool: "bool", int: "int", float: "float", list: "list", dict: "object"}
 

@@ -3,7 +3,7 @@
 GRPO training guides start with an environment checklist (CUDA, PyTorch, NCCL, GPU model and driver, library
 versions and their known conflicts). ``collect`` gathers it without importing any optional package (versions come
 from the package metadata, extras from ``importlib.util.find_spec``); grpo_ds.check prints it as its
-"environment" block. ``check`` refuses what a recipe cannot run with; grpo_ds.inputs.prepare_inputs runs it first,
+"environment" block. ``check`` refuses what a recipe cannot run with; grpo_ds.run.preflight.prepare_inputs runs it first,
 so training refuses it too, before any model loads, and it reads package metadata only (no CUDA call: a rank
 must not touch a GPU before DeepSpeed gives it one).
 
@@ -14,7 +14,7 @@ Known-bad combinations, each from a source:
   owns it), or one whose own requirements are not met by the installed torch or transformers. vLLM wheels pin
   the torch they were compiled against (``Requires-Dist: torch==2.10.0``): with another torch its compiled ops
   fail at import with undefined symbols, so this is refused by name before vLLM is ever imported.
-- model.lora_rank: peft missing or older than grpo_ds.lora.PEFT_SPEC (``lora.check_peft`` owns the rule).
+- model.lora_rank: peft missing or older than grpo_ds.model.lora.PEFT_SPEC (``lora.check_peft`` owns the rule).
 A vLLM that is not installed at all is refused when the run starts on its GPU machine (``require_vllm``): the dry
 run may plan a run for another machine. Triton missing with ``kernels.backend "triton"`` is refused by
 grpo_ds.kernels.resolve_backend ("auto" falls back to the PyTorch path).
@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from grpo_ds import lora
+from grpo_ds.model import lora
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import Recipe
-from grpo_ds.rollout.vllm import VLLM_SPEC, unsupported_vllm
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.config.software import VLLM_SPEC, unsupported_vllm
 
 # The distributions the report shows, in this order (torch's CUDA and NCCL are shown with it).
 PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "datasets", "triton", "peft", "vllm", "wandb",
             "tensorboard")
-# setup.cfg's install_requires lower bounds (tests/test_environment.py checks that they agree).
+# setup.cfg's install_requires lower bounds (tests/config/test_software.py checks that they agree).
 MINIMUMS = {"torch": "2.4", "deepspeed": "0.19.8", "transformers": "4.56", "accelerate": "1.0", "datasets": "3.0"}
 # setup.cfg's optional extras -> the package each one installs (a test checks the names against setup.cfg).
 EXTRAS = {"vllm": "vllm", "lora": "peft", "wandb": "wandb", "tensorboard": "tensorboard", "bench": "trl"}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from grpo_ds.ds_config_check import zero_stage
+from grpo_ds.config.deepspeed_keys import zero_stage
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -174,7 +174,7 @@ def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
             # which ZeRO-3 does on every gradient reduction (a fork of the whole process, several per step).
             os.environ.setdefault("LOCAL_SIZE", "1")
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, rank=0,
-                                       world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                       world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
         # Take the group down while the interpreter is whole, in every process that made one (the CLI, scripts,
         # notebooks): left to the end of the process, its communication threads sometimes outlived it ("terminate
         # called without an active exception", exit -6 on a rank of a run that had finished, under load).

@@ -29,8 +29,8 @@ from contextlib import contextmanager
 import torch
 
 from grpo_ds.errors import UserError, first_line
-from grpo_ds.recipe import ModelConfig
-from grpo_ds.rollout.weight_sync import gathered_named_parameters, gathered_parameters
+from grpo_ds.config.recipe import ModelConfig
+from grpo_ds.model.weight_gather import gathered_named_parameters, gathered_parameters
 
 PEFT_SPEC = "peft>=0.21"
 ALL_LINEAR = "all-linear"

@@ -12,7 +12,7 @@ in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py):
     Adam moments       T x 8 / opt shard
     reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
     rollout copy       P x W                    the hf and agent engines' unsharded copy (none where they generate
-                                                with the policy's own module: grpo_ds.ds_config.rollout_shares_policy)
+                                                with the policy's own module: grpo_ds.config.deepspeed.rollout_shares_policy)
     vLLM               gpu_memory_utilization x the GPU's memory (--gpu-memory-gib); with sleep mode only while
                        it generates, its weights in host memory (P x W / vllm tp) otherwise
     reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters)
@@ -39,10 +39,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from grpo_ds import lora
-from grpo_ds.ds_config import rollout_shares_policy
-from grpo_ds.ds_config_check import offloaded, zero_stage
-from grpo_ds.recipe import Recipe
+from grpo_ds.model import lora
+from grpo_ds.config.deepspeed import rollout_shares_policy
+from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
+from grpo_ds.config.recipe import Recipe
 
 GIB = 2**30
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -92,8 +92,8 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grpo_ds.builtin_tiny import build_tiny_model
-    from grpo_ds.models import BUILTIN_TINY
+    from grpo_ds.model.tiny import build_tiny_model
+    from grpo_ds.model.loading import BUILTIN_TINY
 
     m = recipe.model
     with torch.device("meta"):
@@ -185,7 +185,7 @@ def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: in
         activations = tokens * shape.layers * per_layer * w
     chunk = min(tokens, recipe.kernels.logprob_chunk_tokens)
     head_adapted = lora.enabled(recipe.model) and "lm_head" in recipe.model.lora_target_modules
-    fused = recipe.kernels.fused_lm_head and tp == 1 and not head_adapted  # grpo_ds.policy's rule
+    fused = recipe.kernels.fused_lm_head and tp == 1 and not head_adapted  # grpo_ds.model.policy's rule
     logits = 2 * chunk * shape.vocab * 4 if fused else tokens * shape.vocab * (2 * w) + chunk * shape.vocab * 4
     return _b(activations + logits)
 

@@ -1,14 +1,14 @@
 """The policy being trained: its DeepSpeed engine, its KL reference, and what leaves it (rollout weights,
 checkpoints, the final model). Full fine-tuning or LoRA is decided once, here, when it is built.
 
-                  full fine-tuning                        LoRA (model.lora_rank, grpo_ds.lora)
+                  full fine-tuning                        LoRA (model.lora_rank, grpo_ds.model.lora)
     engine        ZeRO engine over every weight           ZeRO engine over the peft model; only adapters train
     reference     a second, frozen ZeRO engine (kl > 0)   the policy's own engine with its adapters disabled
     rollout sync  every weight, bucket by bucket          W + scaling * B @ A of each adapted layer
     checkpoint    every weight and its optimizer state    the adapters and their optimizer state
     final model   every weight                            the base with the adapters merged
 
-Under ZeRO-3 the policy and the reference are loaded partitioned (grpo_ds.models.load_model): no rank ever holds
+Under ZeRO-3 the policy and the reference are loaded partitioned (grpo_ds.model.loading.load_model): no rank ever holds
 either whole, except rank 0 while it writes the final model.
 """
 
@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
-from grpo_ds import lora, sequence_parallel
-from grpo_ds.ds_config import one_rank_stage_note
-from grpo_ds.engine import create_reference_engine, create_train_engine
-from grpo_ds.models import load_model
-from grpo_ds.recipe import Recipe
-from grpo_ds.rollout.weight_sync import gathered_named_parameters
-from grpo_ds.update import sequence_parallel_rows
+from grpo_ds.model import lora
+from grpo_ds.model import sequence_parallel
+from grpo_ds.config.deepspeed import one_rank_stage_note
+from grpo_ds.model.engine import create_reference_engine, create_train_engine
+from grpo_ds.model.loading import load_model
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.model.weight_gather import gathered_named_parameters
+from grpo_ds.step.update import sequence_parallel_rows
 
 
 @dataclass
@@ -87,7 +88,7 @@ class Policy:
 
     @property
     def packs_one_row(self) -> bool:
-        """Flash attention takes packed sequences' boundaries, so one row holds them all (grpo_ds.micro_batch)."""
+        """Flash attention takes packed sequences' boundaries, so one row holds them all (grpo_ds.step.micro_batch)."""
         name = getattr(getattr(self.engine.module, "config", None), "_attn_implementation", "") or ""
         return name.startswith("flash_attention")
 
@@ -186,7 +187,7 @@ def _combine(digests: dict[str, str]) -> str:
 
 @torch.no_grad()
 def packing_problem(engine) -> str | None:
-    """Why the model cannot take packed micro-batches (grpo_ds.micro_batch), found by trying: two short sequences
+    """Why the model cannot take packed micro-batches (grpo_ds.step.micro_batch), found by trying: two short sequences
     packed into one row must give the logits each gives alone. A model whose attention ignores the position ids'
     boundaries (remote code, an attention implementation without packed-sequence support) attends across them.
     Every rank runs it (ZeRO-3 gathers the weights collectively)."""

@@ -6,7 +6,7 @@ tensor-parallel group) and each feeds the model its slice of every micro-batch's
 sequence slices with two all-to-alls per layer, so attention sees whole sequences, and everything else (the linear
 layers, the fused lm_head, the loss) works on the rank's own positions. Each rank scores the response tokens whose
 predicting position is in its slice, with targets taken from the unsplit sequence, and its loss is its partial sum of
-the micro-batch's: the partial sums of the sp ranks add up to the micro-batch's loss (grpo_ds.loss).
+the micro-batch's: the partial sums of the sp ranks add up to the micro-batch's loss (grpo_ds.step.loss).
 
 What DeepSpeed's wrapper needs, and what grpo_ds does about it:
 - it replaces transformers' attention function for the model's implementation process-wide (sdpa or flash
@@ -18,7 +18,7 @@ What DeepSpeed's wrapper needs, and what grpo_ds does about it:
   a real token never sees a pad, and packed rows (which need the mask) are not used (the padded layout instead);
 - position_ids in every forward;
 - gradients: ZeRO-3 averages them over the sp x dp ranks, so a rank's partial loss is scaled by dp x sp
-  (grpo_ds.loss.backward); ZeRO stages 0-2 reduce over sp differently and are refused (grpo_ds.ds_config).
+  (grpo_ds.step.loss.backward); ZeRO stages 0-2 reduce over sp differently and are refused (grpo_ds.config.deepspeed).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from grpo_ds.micro_batch import MicroBatch
+from grpo_ds.step.micro_batch import MicroBatch
 
 _SAVED: dict[str, object] = {}  # attention implementation -> transformers' function before the wrapper
 _REGISTERED: dict[str, int] = {}  # "size" -> the sequence-parallel size DeepSpeed's groups were built for
@@ -67,7 +67,7 @@ def keep_out(model: torch.nn.Module) -> None:
 
 
 def shard(mb: MicroBatch, rows: int, rank: int, sp_size: int, pad_id: int) -> MicroBatch:
-    """This rank's slice of a padded micro-batch (grpo_ds.micro_batch, ``packed=False``): ``rows`` rows, columns
+    """This rank's slice of a padded micro-batch (grpo_ds.step.micro_batch, ``packed=False``): ``rows`` rows, columns
     [rank L, (rank + 1) L) with L = T / sp after padding T to a multiple of sp, and the response tokens whose
     predicting position falls in it."""
     if mb.attention_mask is None:

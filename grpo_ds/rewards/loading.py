@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_ds.errors import UserError, json_type_name, suggest
-from grpo_ds.recipe_parse import check_finite
+from grpo_ds.config.parse import check_finite
 from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 
 _SIGNATURE = "def my_reward(*, prompts, completions, completion_ids, **columns)"

@@ -1,8 +1,8 @@
 """The ``hf`` rollout engine: transformers ``generate`` on an unsharded copy of the policy, or on the policy itself.
 
 The copy lives on the training device and is refreshed after every optimizer step from the
-ZeRO-3 shards (see grpo_ds.rollout.weight_sync). Where every rank holds the policy's module whole (ZeRO 0-2, no
-tensor or sequence parallelism: grpo_ds.ds_config.rollout_shares_policy) the engine generates with that module and
+ZeRO-3 shards (see grpo_ds.model.weight_gather). Where every rank holds the policy's module whole (ZeRO 0-2, no
+tensor or sequence parallelism: grpo_ds.config.deepspeed.rollout_shares_policy) the engine generates with that module and
 there is no copy and no sync. Prompts are left-padded for batched generation;
 position ids come from the attention mask, so they match the unpadded sequences used in training.
 

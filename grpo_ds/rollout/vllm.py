@@ -26,13 +26,13 @@ as vLLM does by itself), the same set as the hf and agent engines. Temperatures 
 ``algorithm.rollout_is_cap`` then corrects the gap between vLLM's probabilities and the trainer's
 (grpo_ds.algo.importance); it is recommended with this engine, and start-up prints a note when it is off.
 
-Weights. ``update_weights`` takes the stream of grpo_ds.rollout.weight_sync (transformers names, one bucket of
+Weights. ``update_weights`` takes the stream of grpo_ds.model.weight_gather (transformers names, one bucket of
 gathered weights alive at a time) and hands each tensor to the model's own ``load_weights`` through
 ``LLM.apply_model`` (vllm/entrypoints/llm.py; the function runs on the model in this process), which maps
 transformers names onto vLLM's fused layers, shards for tensor parallelism, casts to vLLM's dtype, and skips
 ``lm_head.weight`` of tied-embedding models. Then the prefix cache is reset: cached KV was computed by the old
 weights. vLLM loads its initial weights from ``model.path`` itself: the trainer keeps no copy of the policy for it
-(the final model is written from the trainer's own partitioned weights, grpo_ds.policy).
+(the final model is written from the trainer's own partitioned weights, grpo_ds.model.policy).
 
 Supported vLLM: ``VLLM_SPEC`` (also the ``grpo_ds[vllm]`` extra in setup.cfg), the versions TRL validates its
 colocated mode on (trl/import_utils.py), whose torch pins (2.10, 2.11) fit grpo_ds's. vLLM is imported only in
@@ -77,7 +77,7 @@ def require_vllm() -> str:
 
 def unsupported_vllm(found: str) -> UserError | None:
     """The UserError for a vLLM version outside VLLM_SPEC, None for a supported one (also used by
-    grpo_ds.environment, which reads the version from the package metadata without importing vLLM)."""
+    grpo_ds.config.software, which reads the version from the package metadata without importing vLLM)."""
     from packaging.version import InvalidVersion, Version
 
     try:
@@ -91,7 +91,7 @@ def unsupported_vllm(found: str) -> UserError | None:
 
 
 def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = True) -> None:
-    """Start-up checks for rollout.engine "vllm" (grpo_ds.inputs.prepare_inputs runs them before any model loads):
+    """Start-up checks for rollout.engine "vllm" (grpo_ds.run.preflight.prepare_inputs runs them before any model loads):
     temperatures vLLM samples at as asked, the tensor-parallel size divides the world size and, with ``machine``
     (not in a dry run planned elsewhere), there are GPUs, sleep mode can work, and a supported vLLM imports. Prints
     a note when algorithm.rollout_is_cap is off."""
@@ -253,7 +253,7 @@ class VLLMRolloutEngine:
         # the external launcher reads the launcher's variables; a single process (python -m) has none of them
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free
         self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank))
         self._awake = {"weights", "kv_cache"}
@@ -338,7 +338,7 @@ def _save_for_vllm(model: torch.nn.Module, tokenizer) -> str:
     return folder
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -18,10 +18,10 @@ next save. On resume the manifest is checked file by file: a damaged checkpoint 
 altered file) is reported by name and the previous one is used.
 
 A write that fails on any rank (a full disk, a read-only file system, an exceeded quota) stops every rank with one
-error naming the file, the cause and the last good checkpoint (grpo_ds.disk); the unfinished folder is removed and
+error naming the file, the cause and the last good checkpoint (grpo_ds.run.writes); the unfinished folder is removed and
 ``latest`` still names the previous checkpoint, so the same command resumes from it once the disk is fixed. Before
 anything is written, a checkpoint larger than the free space is refused the same way: its expected size is the
-previous checkpoint's, or ``bytes_per_parameter`` per trainable parameter for the first, plus disk.SPACE_MARGIN.
+previous checkpoint's, or ``bytes_per_parameter`` per trainable parameter for the first, plus writes.SPACE_MARGIN.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpo_ds import disk
-from grpo_ds.engine import Dist
+from grpo_ds.run import writes
+from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError, first_line
 
 CHECKPOINTS = "checkpoints"
@@ -90,7 +90,7 @@ def save(policy, run_dir: Path, step: int, trainer_state: dict, keep: int, dist:
     except Exception as err:  # noqa: BLE001 - raised on every rank by agree, so that none waits for this one
         failure = err
     try:
-        disk.agree(dist, failure)
+        writes.agree(dist, failure)
     except Exception:
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -113,8 +113,8 @@ def _start(run_dir: Path, tmp: Path, policy, where: str) -> None:
         else:
             params, per = _trainable_parameters(policy), bytes_per_parameter(policy)
             expected, how = params * per, f"{params:,} trainable parameters x {per} B"
-        disk.check_space(where, root, int(expected * (1 + disk.SPACE_MARGIN)),
-                         f"the checkpoint ({how}, plus {disk.SPACE_MARGIN:.0%})", resume_fix(run_dir, "free space"))
+        writes.check_space(where, root, int(expected * (1 + writes.SPACE_MARGIN)),
+                         f"the checkpoint ({how}, plus {writes.SPACE_MARGIN:.0%})", resume_fix(run_dir, "free space"))
         for sub in (DS_TAG, "rng"):  # made here, so that no rank's own mkdir can fail inside DeepSpeed's save
             (tmp / sub).mkdir(parents=True)
     except OSError as err:
@@ -125,11 +125,11 @@ def _start(run_dir: Path, tmp: Path, policy, where: str) -> None:
 def _write_shards(policy, tmp: Path, dist: Dist) -> None:
     """Every rank: its DeepSpeed shards and its RNG states; a failed write is raised after DeepSpeed's save ended."""
     with _deepspeed_writes_recorded(policy.engine, dist, tmp) as failures:
-        policy.save_state(tmp, DS_TAG)  # grpo_ds.policy.Policy: what a checkpoint holds of full and LoRA policies
+        policy.save_state(tmp, DS_TAG)  # grpo_ds.model.policy.Policy: what a checkpoint holds of full and LoRA policies
     if failures:
         raise failures[0]
     rng_file = tmp / "rng" / f"rank{dist.rank}.pt"
-    with disk.writing(rng_file):
+    with writes.writing(rng_file):
         torch.save(_rng_state(), rng_file)
         _fsync_file(rng_file)
 
@@ -147,21 +147,21 @@ def _deepspeed_writes_recorded(engine, dist: Dist, tmp: Path) -> Iterator[list[O
 
     def recorded_save(state_dict, path):
         try:
-            with disk.writing(path):
+            with writes.writing(path):
                 save_shard(state_dict, path)
         except OSError as err:
             failures.append(err)
 
     def recorded_copy(save_path):
         try:
-            with disk.writing(Path(save_path) / "zero_to_fp32.py"):
+            with writes.writing(Path(save_path) / "zero_to_fp32.py"):
                 copy_scripts(save_path)
         except OSError as err:
             failures.append(err)
 
     writer.save, engine._copy_recovery_script = recorded_save, recorded_copy
     try:
-        with disk.writing(tmp / LATEST):
+        with writes.writing(tmp / LATEST):
             yield failures
     except OSError as err:
         dist.barrier()
@@ -212,8 +212,8 @@ def _unpublish(final: Path) -> None:
 
 def write_error(run_dir: Path, where: str, err: OSError) -> UserError:
     """The one-line error of a failed write into a run folder: the file, the cause and the last good checkpoint."""
-    return UserError(where, f"cannot write {err.filename or run_dir}: {disk.describe(err)}",
-                     resume_fix(run_dir, disk.remedy(err)))
+    return UserError(where, f"cannot write {err.filename or run_dir}: {writes.describe(err)}",
+                     resume_fix(run_dir, writes.remedy(err)))
 
 
 def resume_fix(run_dir: Path, remedy: str) -> str:
@@ -235,7 +235,7 @@ def run_file_writes(dist: Dist, run_dir: Path, where: str) -> Iterator[None]:
         failure = write_error(run_dir, where, err)
     except Exception as err:  # noqa: BLE001 - raised on every rank by agree, so that none waits for this one
         failure = err
-    disk.agree(dist, failure)
+    writes.agree(dist, failure)
 
 
 def _trainable_parameters(policy) -> int:
@@ -381,12 +381,12 @@ def _sha256(path: Path) -> str:
 
 
 def _fsync_file(path: Path) -> None:
-    with disk.writing(path), path.open("rb") as f:
+    with writes.writing(path), path.open("rb") as f:
         os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
-    with disk.writing(path):
+    with writes.writing(path):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -395,16 +395,16 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    with disk.writing(path):
+    with writes.writing(path):
         path.write_text(json.dumps(obj, indent=1) + "\n")
     _fsync_file(path)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with disk.writing(tmp):
+    with writes.writing(tmp):
         tmp.write_text(text + "\n")
     _fsync_file(tmp)
-    with disk.writing(path):
+    with writes.writing(path):
         os.replace(tmp, path)
     _fsync_dir(path.parent)

@@ -18,10 +18,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_ds import disk
-from grpo_ds.checkpoint import CHECKPOINTS, verify, write_error
+from grpo_ds.run import writes
+from grpo_ds.run.checkpoint import CHECKPOINTS, verify, write_error
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import Recipe
+from grpo_ds.config.recipe import Recipe
 
 # Keys that may change between the attempts of one run (extending it, checkpointing or logging differently).
 _MAY_DIFFER = ("run.overwrite", "train.steps", "checkpoint.", "logging.")
@@ -120,8 +120,8 @@ def trim_log(log: Path, last_step: int) -> None:
     try:
         _write_atomic(log, "".join(line + "\n" for line in kept))
     except OSError as err:
-        raise UserError("resume", f"cannot write {err.filename}: {disk.describe(err)}",
-                        f"the checkpoint is untouched: {disk.remedy(err)} and run the same command again") from None
+        raise UserError("resume", f"cannot write {err.filename}: {writes.describe(err)}",
+                        f"the checkpoint is untouched: {writes.remedy(err)} and run the same command again") from None
 
 
 def _held(path: Path) -> str:
@@ -161,7 +161,7 @@ def _flatten(recipe: dict) -> dict:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with disk.writing(tmp):
+    with writes.writing(tmp):
         tmp.write_text(text)
-    with disk.writing(path):
+    with writes.writing(path):
         os.replace(tmp, path)

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from grpo_ds import disk
+from grpo_ds.run import writes
 from grpo_ds.errors import UserError, first_line
-from grpo_ds.recipe import LoggingConfig
+from grpo_ds.config.recipe import LoggingConfig
 
 
 def check_logging_extras(cfg: LoggingConfig) -> None:
@@ -89,7 +89,7 @@ class MetricsLogger:
         self.history.append(metrics)
         if self.path is None:
             return
-        disk.append_line(self.path, json.dumps(metrics))  # a failed write names the file (grpo_ds.disk)
+        writes.append_line(self.path, json.dumps(metrics))  # a failed write names the file (grpo_ds.run.writes)
         numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tensorboard:
             for key, value in numbers.items():
@@ -108,7 +108,7 @@ class MetricsLogger:
         """Append {"step", "samples": [{"prompt", "completion", "reward"}, ...]} to samples.jsonl (and TensorBoard)."""
         if self.path is None:
             return
-        disk.append_line(self.path.parent / "samples.jsonl", json.dumps({"step": step, "samples": records}))
+        writes.append_line(self.path.parent / "samples.jsonl", json.dumps({"step": step, "samples": records}))
         if self.tensorboard:
             text = "\n\n".join(f"**reward {r['reward']:.3f}** {r['prompt']!r} -> {r['completion']!r}" for r in records)
             self.tensorboard.add_text("samples", text, step)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from grpo_ds.engine import Dist
+from grpo_ds.distributed.ranks import Dist
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the same command may be retried"
 REPEAT_WINDOW_S = 5.0

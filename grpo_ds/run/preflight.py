@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_ds import environment
-from grpo_ds.data import PromptRow, load_rows, prepare_prompts
-from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.ds_config_check import check_precision_supported
+from grpo_ds.config import software
+from grpo_ds.run.prompts import PromptRow, load_rows, prepare_prompts
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
+from grpo_ds.config.deepspeed_check import check_precision_supported
 from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
-from grpo_ds.kernels import resolve_backend
-from grpo_ds.metrics import check_logging_extras
-from grpo_ds.models import BUILTIN_TINY, context_length, load_tokenizer
-from grpo_ds.output_paths import check_run_folder
-from grpo_ds.recipe import Recipe, load_recipe
+from grpo_ds.config.software import resolve_backend
+from grpo_ds.run.metrics import check_logging_extras
+from grpo_ds.model.loading import BUILTIN_TINY, context_length, load_tokenizer
+from grpo_ds.run.folder import check_run_folder
+from grpo_ds.config.recipe import Recipe, load_recipe
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm import check_vllm_setup
 
@@ -50,7 +50,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     check_run_folder(recipe.run.output_dir, recipe.run.name)  # a writable folder, or one that can be created
-    environment.check(recipe)  # installed versions: the minimums, vLLM's range and torch, peft (model.lora_rank)
+    software.check(recipe)  # installed versions: the minimums, vLLM's range and torch, peft (model.lora_rank)
     check_vllm_setup(recipe, world_size, device_type, machine)  # rollout.engine "vllm": TP size, GPUs, vLLM
     ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
     if machine:

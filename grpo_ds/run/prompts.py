@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from grpo_ds.errors import UserError, first_line
-from grpo_ds.recipe import DataConfig
-from grpo_ds.recipe_parse import printable
+from grpo_ds.config.recipe import DataConfig
+from grpo_ds.config.parse import printable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

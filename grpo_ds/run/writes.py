@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds.engine import Dist
+from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError
 
 # Free space asked beyond a write's expected size: a checkpoint's trainer state grows with the metric history,

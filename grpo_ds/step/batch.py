@@ -1,4 +1,4 @@
-"""One step's data, in the order the driver fills it: samples and rewards (grpo_ds.collect), the plan, the old and
+"""One step's data, in the order the driver fills it: samples and rewards (grpo_ds.step.collect), the plan, the old and
 reference log-probs, the advantages; plus the step's metrics and phase times, which every phase adds to."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_ds.planner import StepPlan
+from grpo_ds.step.plan import StepPlan
 from grpo_ds.rollout.base import Rollouts
 
 PerSample = dict[int, torch.Tensor]  # {sample id: (L_i,) float32 per response token}
 
 
 @dataclass
-class StepData:
+class StepBatch:
     prompt_index: list[int]  # (P,) dataset rows of the groups, in order
     rollouts: Rollouts  # P*G samples, the G of a prompt consecutive
     rewards: list[float]  # (P*G,) reward functions' weighted total plus environment rewards

@@ -13,18 +13,18 @@ the fraction of the trained groups whose rewards are all equal (with dynamic sam
 
 from __future__ import annotations
 
-from grpo_ds.data import PromptRow, PromptSampler
-from grpo_ds.engine import Dist
-from grpo_ds.inputs import Inputs
-from grpo_ds.profiling import Phase
-from grpo_ds.recipe import Recipe
+from grpo_ds.run.prompts import PromptRow, PromptSampler
+from grpo_ds.distributed.ranks import Dist
+from grpo_ds.run.preflight import Inputs
+from grpo_ds.step.profiling import Phase
+from grpo_ds.config.recipe import Recipe
 from grpo_ds.rewards import RewardResult, score
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
-from grpo_ds.step_data import StepData
+from grpo_ds.step.batch import StepBatch
 
 
 def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sampler: PromptSampler,
-            dist: Dist) -> StepData:
+            dist: Dist) -> StepBatch:
     """The step's samples and rewards (plus the collection's metrics, and its "rollout" and "reward" times)."""
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     a = recipe.algorithm
@@ -68,7 +68,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     if a.dynamic_sampling:
         metrics.update({"dynamic/rounds": len(drawn), "dynamic/prompts_drawn": P * len(drawn),
                         "dynamic/informative_groups": len(informative), "dynamic/topped_up_groups": len(topped_up)})
-    return StepData(samples[0], samples[1], samples[2], metrics, times)
+    return StepBatch(samples[0], samples[1], samples[2], metrics, times)
 
 
 def equal_rewards(group: list[float]) -> bool:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from math import comb
 
-from grpo_ds.collect import score_samples, slice_for_rank
-from grpo_ds.data import PromptRow
-from grpo_ds.engine import Dist
-from grpo_ds.recipe import Recipe
+from grpo_ds.step.collect import score_samples, slice_for_rank
+from grpo_ds.run.prompts import PromptRow
+from grpo_ds.distributed.ranks import Dist
+from grpo_ds.config.recipe import Recipe
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
 
 

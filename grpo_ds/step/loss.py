@@ -11,7 +11,7 @@ average of them, become the gradient: DeepSpeed averages gradients over the data
 sequence parallelism, over the data- and sequence-parallel ranks, each of which holds a slice of the micro-batch's
 tokens), so the partial loss is multiplied by that many ranks, and ``scale_wrt_gas=False`` stops it from dividing by
 its accumulation steps (the resolved config sets ``managed_gradient_accumulation`` false, see
-grpo_ds.ds_config, because the driver owns the optimizer-step boundary). The result does not depend on world
+grpo_ds.config.deepspeed, because the driver owns the optimizer-step boundary). The result does not depend on world
 size, micro-batch size, dynamic batching or padding micro-batches.
 
 ``micro_batch_loss`` has three variants behind one call, all on the same flat tokens:
@@ -34,7 +34,7 @@ import torch
 
 from grpo_ds import kernels
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
-from grpo_ds.micro_batch import MicroBatch, as_sequence_rows
+from grpo_ds.step.micro_batch import MicroBatch, as_sequence_rows
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class LossSettings:
     temperature: float  # the sampling temperature: log-probs are those of softmax(logits / temperature)
     backend: str  # resolved kernels backend: "triton" or "torch"
     chunk_tokens: int
-    fused_lm_head: bool  # the recipe asks for it and the model allows it (grpo_ds.policy decides, once)
+    fused_lm_head: bool  # the recipe asks for it and the model allows it (grpo_ds.model.policy decides, once)
 
 
 @dataclass

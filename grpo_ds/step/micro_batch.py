@@ -16,7 +16,7 @@ one of two layouts:
                           nothing and still cost the block-diagonal mask: such a micro-batch takes the padded layout
                           The forward must be called with ``use_cache=False``: with a cache transformers does not
                           look for packed sequences and the tokens of one sequence attend to the ones before it
-                          (tests/test_micro_batch.py)
+                          (tests/step/test_micro_batch.py)
     padded                one row per sequence, right-padded to the longest, with an attention mask
 
 Everything the loss needs is per trained token, flat over the micro-batch, the same in both layouts:

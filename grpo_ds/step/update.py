@@ -2,7 +2,7 @@
 
 ``logprob_pass`` scores every sample under an engine's current weights (old policy, or the frozen
 reference) with the log-prob phase's own micro-batches. ``optimizer_step`` runs one rank's
-micro-batches of one mini-batch through the loss (grpo_ds.loss, which states the loss contract), backward,
+micro-batches of one mini-batch through the loss (grpo_ds.step.loss, which states the loss contract), backward,
 and one optimizer step. The per-token weights of the loss are built here, on the whole global mini-batch.
 """
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_ds import sequence_parallel
+from grpo_ds.model import sequence_parallel
 from grpo_ds.algo.aggregation import sequence_weights
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.algo.policy_loss import LossConfig
-from grpo_ds.engine import Dist
-from grpo_ds.loss import (
+from grpo_ds.distributed.ranks import Dist
+from grpo_ds.step.loss import (
     LossSettings,
     LossStats,
     TokenTerms,
@@ -26,11 +26,11 @@ from grpo_ds.loss import (
     micro_batch_loss,
     token_logprobs,
 )
-from grpo_ds.micro_batch import MicroBatch, collate, gather_per_token, per_token, split_per_sample
-from grpo_ds.planner import MiniBatchPlan
-from grpo_ds.recipe import Recipe
+from grpo_ds.step.micro_batch import MicroBatch, collate, gather_per_token, per_token, split_per_sample
+from grpo_ds.step.plan import MiniBatchPlan
+from grpo_ds.config.recipe import Recipe
 from grpo_ds.rollout.base import Rollouts
-from grpo_ds.step_data import PerSample, StepData
+from grpo_ds.step.batch import PerSample, StepBatch
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class UpdateSettings:
     loss: LossSettings
     mask_truncated: bool  # completions cut by the length limit get no loss (DAPO's overlong filtering)
     rollout_is_cap: float | None  # truncated importance weight min(pi_old / pi_sampler, cap); None = off
-    packed: bool = True  # the micro-batch layout (grpo_ds.micro_batch)
+    packed: bool = True  # the micro-batch layout (grpo_ds.step.micro_batch)
     one_row: bool = False  # packed into a single row (flash attention takes the boundaries)
     sequence_parallel_rows: int = 0  # > 0: Ulysses shards every micro-batch of this many rows (sequence_parallel)
 
@@ -51,7 +51,7 @@ class UpdateSettings:
     def from_recipe(recipe: Recipe, pad_id: int, backend: str, fused_lm_head_allowed: bool = True,
                     packing_allowed: bool = True, one_row: bool = False) -> UpdateSettings:
         """``backend``: the resolved kernels backend ("triton" or "torch", see grpo_ds.kernels.resolve_backend);
-        ``fused_lm_head_allowed`` / ``packing_allowed`` / ``one_row``: what the model can take (grpo_ds.policy)."""
+        ``fused_lm_head_allowed`` / ``packing_allowed`` / ``one_row``: what the model can take (grpo_ds.model.policy)."""
         a = recipe.algorithm
         sp = recipe.train.sequence_parallel_size
         kl_in_loss = 0.0 if a.kl_in_reward else a.kl_coef
@@ -76,7 +76,7 @@ def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, 
 
 
 @torch.no_grad()
-def logprob_pass(engine, data: StepData, settings: UpdateSettings, dist: Dist) -> PerSample:
+def logprob_pass(engine, data: StepBatch, settings: UpdateSettings, dist: Dist) -> PerSample:
     """Per-token log-probs of every sample under `engine`'s current weights: {sample id: (L_i,)} on every rank."""
     engine.eval()
     plan = data.plan.logprob_pass
@@ -93,7 +93,7 @@ def logprob_pass(engine, data: StepData, settings: UpdateSettings, dist: Dist) -
     return {sid: torch.cat(values) for sid, values in pieces.items()}
 
 
-def optimizer_step(engine, data: StepData, minibatch: MiniBatchPlan, settings: UpdateSettings, dist: Dist
+def optimizer_step(engine, data: StepBatch, minibatch: MiniBatchPlan, settings: UpdateSettings, dist: Dist
                    ) -> tuple[LossStats, bool]:
     """Backward over this rank's micro-batches of `minibatch`, then one optimizer step.
 
@@ -127,7 +127,7 @@ def optimizer_step(engine, data: StepData, minibatch: MiniBatchPlan, settings: U
     return stats, True
 
 
-def _token_terms(data: StepData, mb: MicroBatch, advantage: torch.Tensor, weight_of: dict[int, float],
+def _token_terms(data: StepBatch, mb: MicroBatch, advantage: torch.Tensor, weight_of: dict[int, float],
                  settings: UpdateSettings) -> TokenTerms:
     device = mb.target_ids.device
     sequence_weight = torch.tensor([0.0 if mb.padding else weight_of[s] for s in mb.sample_ids],

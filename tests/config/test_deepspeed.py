@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from grpo_ds.ds_config import resolve_deepspeed_config
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import load_recipe
+from grpo_ds.config.recipe import load_recipe
 
 # 5 prompts x 4 completions = 20 samples, 3 per micro-batch: gas differs at world sizes 1, 2, 3 (7, 4, 3)
 BASE = {"rollout": {"prompts_per_step": 5, "group_size": 4}, "train": {"micro_batch_samples_per_gpu": 3, "lr": 0.001}}
@@ -320,7 +320,7 @@ def test_offload_optimizer_null_is_no_offload():
 def test_one_rank_runs_zero3_as_stage1():
     """One rank has nothing to partition: stage 1 (same fp32 master weights and optimizer states), the file's other
     ZeRO settings kept, the stage-3-only ones and overlap_comm dropped; the note names the file and the way back."""
-    from grpo_ds.ds_config import one_rank_stage_note
+    from grpo_ds.config.deepspeed import one_rank_stage_note
 
     r = recipe("ds_configs/zero3.json")
     cfg = resolve_deepspeed_config(r, 1, "cpu")
@@ -364,7 +364,7 @@ def test_other_stages_are_left_alone_on_one_rank(stage):
 ])
 def test_the_hf_engine_generates_with_the_policy_where_every_rank_holds_it_whole(deepspeed, world_size, sections,
                                                                                   shares):
-    from grpo_ds.ds_config import rollout_shares_policy
+    from grpo_ds.config.deepspeed import rollout_shares_policy
 
     r = recipe(deepspeed, **sections)
     assert rollout_shares_policy(r, resolve_deepspeed_config(r, world_size, "cpu")) is shares

@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpo_ds.kernels import resolve_backend
+from grpo_ds.config.software import resolve_backend
 
 
 def test_torch_is_always_torch():

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import SECTIONS, Recipe, iter_fields, load_recipe
-from grpo_ds.recipe_parse import parse_override
+from grpo_ds.config.recipe import SECTIONS, Recipe, iter_fields, load_recipe
+from grpo_ds.config.parse import parse_override
 
 REPO = Path(__file__).resolve().parents[1]
 

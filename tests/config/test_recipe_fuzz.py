@@ -1,7 +1,7 @@
 """Fuzzing the recipe loader: whatever JSON a user writes for whatever key, and whatever override string they type,
 ``load_recipe`` returns a valid recipe or raises one clean UserError line, never another exception.
 
-Every key of the schema (grpo_ds.recipe.iter_fields) is exercised twice: once by a fixed table of hostile values,
+Every key of the schema (grpo_ds.config.recipe.iter_fields) is exercised twice: once by a fixed table of hostile values,
 and by hypothesis, which draws a few keys per example with random JSON values (NaN and infinities included), values
 near each key's declared range and choices, and random ``section.key=value`` strings. Bounded for CI
 (``GRPO_DS_FUZZ_EXAMPLES``, default 150); deterministic (derandomized) so a CI failure reproduces.
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import Recipe, iter_fields, load_recipe
+from grpo_ds.config.recipe import Recipe, iter_fields, load_recipe
 
 KEYS = [(section, f) for section, f in iter_fields()]
 DOTTED = [f"{section}.{f.name}" if section else f.name for section, f in KEYS]
@@ -141,9 +141,9 @@ def places(tmp_path_factory) -> list[str]:
           suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_random_paths_through_prepare_inputs(places, tmp_path_factory, data):
-    """The whole validation before load (grpo_ds.inputs), string keys set to path-like values: a valid input or one
+    """The whole validation before load (grpo_ds.run.preflight), string keys set to path-like values: a valid input or one
     error line, and nothing written either way."""
-    from grpo_ds.inputs import prepare_inputs
+    from grpo_ds.run.preflight import prepare_inputs
 
     out = tmp_path_factory.mktemp("out")
     overrides = data.draw(st.dictionaries(st.sampled_from(STRING_KEYS + ["deepspeed"]),

@@ -1,4 +1,4 @@
-"""grpo_ds.environment: versions from package metadata, the accelerator, and the known-bad combinations refused."""
+"""grpo_ds.config.software: versions from package metadata, the accelerator, and the known-bad combinations refused."""
 
 import configparser
 import importlib.metadata
@@ -9,9 +9,9 @@ import types
 import pytest
 from packaging.requirements import Requirement
 
-from grpo_ds import environment
+from grpo_ds.config import software
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import load_recipe
+from grpo_ds.config.recipe import load_recipe
 from tests.launch import REPO, clean_env
 
 TINY = REPO / "recipes" / "tiny_cpu.json"
@@ -52,33 +52,33 @@ def _vllm_recipe():
 
 
 def test_versions_come_from_the_package_metadata():
-    versions = environment.installed_versions()
-    assert list(versions) == list(environment.PACKAGES)
+    versions = software.installed_versions()
+    assert list(versions) == list(software.PACKAGES)
     assert versions["torch"] == importlib.metadata.version("torch")
     assert versions["deepspeed"] == importlib.metadata.version("deepspeed")
     assert "vllm" not in sys.modules  # nothing optional was imported to learn its version
 
 
 def test_this_environment_has_no_problem_for_the_tiny_recipes():
-    assert environment.problems(load_recipe(TINY)) == []
-    assert environment.problems(load_recipe(LORA_TINY)) == []
+    assert software.problems(load_recipe(TINY)) == []
+    assert software.problems(load_recipe(LORA_TINY)) == []
 
 
 def test_vllm_outside_the_supported_range_is_refused_only_with_the_vllm_engine(fake_metadata):
     fake_metadata["vllm"] = ("0.16.0", [])
-    found = environment.problems(_vllm_recipe())
+    found = software.problems(_vllm_recipe())
     assert [str(e) for e in found] == [
         'rollout.engine "vllm": vLLM 0.16.0 is installed but grpo_ds supports vllm>=0.17,<0.26. install a supported '
         "version: pip install 'vllm>=0.17,<0.26'."]
-    assert environment.problems(load_recipe(TINY)) == []  # the hf engine never loads vLLM
+    assert software.problems(load_recipe(TINY)) == []  # the hf engine never loads vLLM
     fake_metadata["vllm"] = ("0.25.1+cu129", [])
-    assert environment.problems(_vllm_recipe()) == []
+    assert software.problems(_vllm_recipe()) == []
 
 
 def test_vllm_built_for_another_torch_is_refused(fake_metadata):
     torch_version = importlib.metadata.version("torch")
     fake_metadata["vllm"] = ("0.20.0", ["torch==2.10.0", "transformers<5,>=4.56.0", "numpy", 'pytest; extra == "test"'])
-    found = environment.problems(_vllm_recipe())
+    found = software.problems(_vllm_recipe())
     assert found and found[0].where == 'rollout.engine "vllm"'
     assert f"vllm 0.20.0 requires torch==2.10.0 but torch {torch_version} is installed" in found[0].what
     assert "built for torch" in found[0].fix
@@ -89,27 +89,27 @@ def test_vllm_built_for_another_torch_is_refused(fake_metadata):
         assert f"requires transformers<5,>=4.56.0 but transformers {transformers} is installed" in found[1].what
     assert all("pytest" not in str(e) and "numpy" not in str(e) for e in found)  # extras and met ones: no problem
     fake_metadata["vllm"] = ("0.20.0", [f"torch=={torch_version.split('+')[0]}"])  # "2.13.0" matches "2.13.0+cpu"
-    assert environment.problems(_vllm_recipe()) == []
+    assert software.problems(_vllm_recipe()) == []
 
 
 def test_versions_below_setup_cfg_are_refused(fake_metadata):
     fake_metadata["deepspeed"] = ("0.18.0", [])
     fake_metadata["torch"] = ("2.3.1+cu121", [])
-    found = environment.problems(load_recipe(TINY))
+    found = software.problems(load_recipe(TINY))
     assert [e.where for e in found] == ["installed torch 2.3.1+cu121", "installed deepspeed 0.18.0"]
     assert str(found[1]) == ("installed deepspeed 0.18.0: grpo_ds needs deepspeed>=0.19.8. "
                              "pip install 'deepspeed>=0.19.8'.")
     with pytest.raises(UserError, match="torch>=2.4"):
-        environment.check(load_recipe(TINY))
+        software.check(load_recipe(TINY))
 
 
 def test_peft_matters_only_with_lora(fake_metadata):
     fake_metadata["peft"] = ("0.20.0", [])
-    assert environment.problems(load_recipe(TINY)) == []
-    [err] = environment.problems(load_recipe(LORA_TINY))
+    assert software.problems(load_recipe(TINY)) == []
+    [err] = software.problems(load_recipe(LORA_TINY))
     assert err.where == "model.lora_rank" and "peft 0.20.0 is too old" in err.what
     fake_metadata["peft"] = None
-    [err] = environment.problems(load_recipe(LORA_TINY))
+    [err] = software.problems(load_recipe(LORA_TINY))
     assert "not installed" in err.what
 
 
@@ -117,11 +117,11 @@ def test_declared_conflicts_are_listed_but_refused_only_where_known_bad(fake_met
     torch_version = importlib.metadata.version("torch")
     fake_metadata["torch"] = (torch_version, ['triton==3.5.0; platform_system == "Linux"', 'optree; extra == "x"'])
     fake_metadata["triton"] = ("3.9.0", [])
-    versions = environment.installed_versions()
-    unmet = environment.unmet_requirements(versions)
+    versions = software.installed_versions()
+    unmet = software.unmet_requirements(versions)
     assert [str(u) for u in unmet if u.package == "torch"] == [
         f"torch {torch_version} requires triton==3.5.0 but triton 3.9.0 is installed"]
-    assert environment.problems(load_recipe(TINY), versions) == []  # torch.compile's pin: grpo_ds does not compile
+    assert software.problems(load_recipe(TINY), versions) == []  # torch.compile's pin: grpo_ds does not compile
 
 
 def test_setup_cfg_says_the_same_minimums_and_extras():
@@ -132,16 +132,16 @@ def test_setup_cfg_says_the_same_minimums_and_extras():
         if line.strip():
             req = Requirement(line.strip())
             minimums.update((req.name, s.version) for s in req.specifier if s.operator == ">=")
-    assert minimums == environment.MINIMUMS
+    assert minimums == software.MINIMUMS
     extras = config["options.extras_require"]
-    for extra, package in environment.EXTRAS.items():
+    for extra, package in software.EXTRAS.items():
         assert package in [Requirement(x).name for x in extras[extra].split("\n") if x.strip() and x[0] != "#"]
 
 
 def test_collect_on_this_cpu_machine():
-    env = environment.collect()
+    env = software.collect()
     assert env.gpus == [] and env.nccl is None
-    assert env.versions == environment.installed_versions()
+    assert env.versions == software.installed_versions()
     assert env.extras["wandb"] == (importlib.util.find_spec("wandb") is not None)
 
 
@@ -154,7 +154,7 @@ def test_collect_reads_the_gpus_and_nccl_where_torch_has_them(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
-    env = environment.collect()
+    env = software.collect()
     assert env.cuda == "12.8" and env.nccl == "2.27.3"
     assert env.gpus == ["NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB)"] * 2
 
@@ -164,8 +164,8 @@ def test_collect_reads_the_gpus_and_nccl_where_torch_has_them(monkeypatch):
     "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.124.06  Release Build  (dvs-builder@U16)\n"])
 def test_nvidia_driver_version(tmp_path, text):
     (tmp_path / "version").write_text(text)
-    assert environment.nvidia_driver(tmp_path / "version") == "570.124.06"
-    assert environment.nvidia_driver(tmp_path / "absent") is None
+    assert software.nvidia_driver(tmp_path / "version") == "570.124.06"
+    assert software.nvidia_driver(tmp_path / "absent") is None
 
 
 @pytest.mark.slow

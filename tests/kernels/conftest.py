@@ -6,7 +6,7 @@ there); without Triton installed, or where it cannot run, its tests skip and the
 
 import pytest
 
-from grpo_ds.kernels import triton_problem
+from grpo_ds.config.software import triton_problem
 
 
 def skip_unless_triton(device_type: str = "cpu") -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo_ds.algo.policy_loss import LossConfig
-from grpo_ds.kernels import triton_problem
+from grpo_ds.config.software import triton_problem
 from tests.kernels.test_advantages import compare_advantages
 from tests.kernels.test_fused_linear import ALL_TERMS, compare_logprobs, compare_policy_loss
 from tests.kernels.test_logprobs import compare_logits

@@ -1,4 +1,4 @@
-"""LoRA under ZeRO-3 (grpo_ds/lora.py): the tiny recipe learns with only the adapters trained and the base weights
+"""LoRA under ZeRO-3 (grpo_ds/model/lora.py): the tiny recipe learns with only the adapters trained and the base weights
 bit-identical; a sync gives the rollout engine exactly the merged model; the KL reference is the base with the
 adapters disabled (no second copy); checkpoints hold the adapters and resume exactly; exports load with peft
 (adapters) and with transformers alone (--merge); a sync on 2 ranks keeps within one bucket.
@@ -13,16 +13,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import grpo_ds.policy as policy_module
+import grpo_ds.model.policy as policy_module
 import grpo_ds.train as train_module
-from grpo_ds import lora
-from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
-from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_train_engine, init_distributed
+from grpo_ds.model import lora
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
+from grpo_ds.model.engine import create_train_engine
+from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
 from grpo_ds.export import export
-from grpo_ds.models import load_model
-from grpo_ds.recipe import load_recipe
+from grpo_ds.model.loading import load_model
+from grpo_ds.config.recipe import load_recipe
 from grpo_ds.rollout.base import SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
 from tests.launch import REPO, clean_env, deepspeed_launch
@@ -66,7 +67,7 @@ def test_lora_recipe_learns_and_leaves_the_base_weights_bit_identical(tmp_path, 
     named = dict(engine.module.named_parameters())
     trainable = {n for n, p in named.items() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    # one rank runs ZeRO stage 1 (grpo_ds.ds_config.one_rank_stage); ZeRO-3 names its fp32 partitions differently
+    # one rank runs ZeRO stage 1 (grpo_ds.config.deepspeed.one_rank_stage); ZeRO-3 names its fp32 partitions differently
     optimizer = engine.optimizer
     flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
     in_optimizer = sum(flat.numel() for flat in flats)
@@ -356,8 +357,8 @@ def test_missing_peft_is_one_line_before_any_model_loads(monkeypatch):
 
 
 def test_dry_run_counts_the_adapters_as_the_trained_parameters():
-    from grpo_ds.ds_config import resolve_deepspeed_config
-    from grpo_ds.memory import estimate, model_shape
+    from grpo_ds.config.deepspeed import resolve_deepspeed_config
+    from grpo_ds.model.memory import estimate, model_shape
 
     recipe = load_recipe(LORA_TINY, {"algorithm.kl_coef": 0.1})
     vocab = len(build_tiny_tokenizer())

@@ -1,4 +1,4 @@
-"""The memory estimate (grpo_ds/memory.py) and grpo_ds.check's --gpu-memory-gib advice.
+"""The memory estimate (grpo_ds/model/memory.py) and grpo_ds.check's --gpu-memory-gib advice.
 
 The estimate's model-state terms follow DeepSpeed's allocations, measured at 20 bytes per trained parameter in
 float32 and 16 in bfloat16 under ZeRO-3 (benchmarks/bench_memory_estimate.py compares whole runs with it)."""
@@ -6,10 +6,10 @@ float32 and 16 in bfloat16 under ZeRO-3 (benchmarks/bench_memory_estimate.py com
 import pytest
 
 from grpo_ds import check
-from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.inputs import prepare_inputs
-from grpo_ds.memory import ModelShape, estimate
-from grpo_ds.recipe import load_recipe
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
+from grpo_ds.run.preflight import prepare_inputs
+from grpo_ds.model.memory import ModelShape, estimate
+from grpo_ds.config.recipe import load_recipe
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")

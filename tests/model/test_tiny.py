@@ -5,7 +5,7 @@ import string
 import pytest
 import torch
 
-from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

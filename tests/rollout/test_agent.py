@@ -9,9 +9,9 @@ import torch
 
 from grpo_ds import kernels
 from grpo_ds.algo.policy_loss import LossConfig
-from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.envs import CalculatorEnv, StepResult
-from grpo_ds.micro_batch import collate
+from grpo_ds.step.micro_batch import collate
 from grpo_ds.rollout import agent
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import Rollouts, SamplingParams

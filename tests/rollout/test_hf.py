@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout import hf
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
@@ -84,7 +84,7 @@ def test_a_shared_policy_module_generates_in_eval_mode_and_goes_on_training():
     tok = build_tiny_tokenizer()
     model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=4, seed=0).train()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False  # as grpo_ds.models sets it for training
+    model.config.use_cache = False  # as grpo_ds.model.loading sets it for training
     engine = HFRolloutEngine(model, tok.pad_token_id, tok.eos_token_id, 64, shares_policy_weights=True)
     modes, lengths = [], []
 

@@ -14,16 +14,16 @@ from transformers import AutoModelForCausalLM
 
 import grpo_ds
 from grpo_ds import check
-from grpo_ds import inputs as inputs_module
+from grpo_ds.run import preflight as inputs_module
 from grpo_ds.algo.importance import truncated_importance_weights
-from grpo_ds.builtin_tiny import build_tiny_model, build_tiny_tokenizer
-from grpo_ds.engine import init_distributed
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
-from grpo_ds.recipe import load_recipe
+from grpo_ds.config.recipe import load_recipe
 from grpo_ds.rollout.base import SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
+from grpo_ds.config.software import VLLM_SPEC
 from grpo_ds.rollout.vllm import (
-    VLLM_SPEC,
     VLLMRolloutEngine,
     VLLMSettings,
     check_vllm_setup,
@@ -33,7 +33,7 @@ from grpo_ds.rollout.vllm import (
     rollouts_from_outputs,
     sampling_kwargs,
 )
-from grpo_ds.rollout.weight_sync import gathered_named_parameters
+from grpo_ds.model.weight_gather import gathered_named_parameters
 from tests.launch import REPO
 
 EOS = 1
@@ -284,7 +284,7 @@ def test_temperatures_vllm_samples_at_as_asked_pass(fake_vllm):
 
 
 def test_a_temperature_under_the_floor_stops_the_run_before_the_model_path_is_read(capsys):
-    from grpo_ds.inputs import prepare_inputs
+    from grpo_ds.run.preflight import prepare_inputs
 
     with pytest.raises(UserError, match=r"^rollout.temperature: 0.001 is below vLLM's floor of 0.01"):
         prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), ["rollout.engine=vllm", "rollout.temperature=0.001",
@@ -303,7 +303,7 @@ def test_other_engines_never_look_for_vllm(monkeypatch):
 
 
 def test_the_start_guard_is_one_line_and_the_dry_run_plans_for_another_machine(capsys):
-    from grpo_ds.inputs import prepare_inputs
+    from grpo_ds.run.preflight import prepare_inputs
 
     with pytest.raises(UserError) as err:  # what grpo_ds.train runs first, before the model path is looked at
         prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), ["rollout.engine=vllm", "model.path=/no/such/model"],

@@ -1,8 +1,8 @@
-"""The one listing of a run's checkpoints (grpo_ds.checkpoint.step_folders) and what resume and export build on it."""
+"""The one listing of a run's checkpoints (grpo_ds.run.checkpoint.step_folders) and what resume and export build on it."""
 
 from pathlib import Path
 
-from grpo_ds.checkpoint import StepFolder, complete_checkpoints, latest_name, step_folders
+from grpo_ds.run.checkpoint import StepFolder, complete_checkpoints, latest_name, step_folders
 
 
 def _run(tmp_path: Path, names: list[str], latest: str | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""The run folder across attempts of the same command (grpo_ds/run_folder.py): an interrupted run continues, a
+"""The run folder across attempts of the same command (grpo_ds/run/folder.py): an interrupted run continues, a
 finished one is left alone, a larger train.steps extends it, and replacing a run says what it deletes."""
 
 import json
@@ -6,7 +6,8 @@ import json
 import pytest
 
 import grpo_ds
-from grpo_ds import checkpoint, run_folder
+from grpo_ds.run import checkpoint
+from grpo_ds.run import folder as run_folder
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")

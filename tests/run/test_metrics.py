@@ -7,8 +7,8 @@ import types
 import pytest
 
 from grpo_ds.errors import UserError
-from grpo_ds.metrics import MetricsLogger, check_logging_extras
-from grpo_ds.recipe import LoggingConfig
+from grpo_ds.run.metrics import MetricsLogger, check_logging_extras
+from grpo_ds.config.recipe import LoggingConfig
 
 
 def _steps(logger, n=3):
@@ -71,7 +71,7 @@ def test_missing_logging_package_is_a_user_error(monkeypatch):
 
 
 def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch, capsys):
-    from grpo_ds.metrics import wandb_mode
+    from grpo_ds.run.metrics import wandb_mode
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))

@@ -122,7 +122,7 @@ def test_a_run_wandb_cannot_start_is_one_line(tmp_path):
     env = {**offline_env(tmp_path), "WANDB_MODE": "online", "WANDB_API_KEY": "0" * 40,
            "WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_INIT_TIMEOUT": "5"}
     script = ("import sys; from pathlib import Path; from grpo_ds.errors import exit_on_user_error; "
-              "from grpo_ds.metrics import MetricsLogger; from grpo_ds.recipe import LoggingConfig\n"
+              "from grpo_ds.run.metrics import MetricsLogger; from grpo_ds.config.recipe import LoggingConfig\n"
               "with exit_on_user_error():\n"
               "    MetricsLogger(Path(sys.argv[1]), 3, LoggingConfig(progress_bar=False, wandb_project='p'))")
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, env=env, capture_output=True,

@@ -1,4 +1,4 @@
-"""Graceful preemption (grpo_ds/preemption.py): SIGTERM or SIGUSR1 stops a run at the next step boundary with a
+"""Graceful preemption (grpo_ds/run/preemption.py): SIGTERM or SIGUSR1 stops a run at the next step boundary with a
 checkpoint and exit code 75, within the launcher's 30 s grace; the same command resumes with the metrics of an
 uninterrupted run; a signal during a checkpoint write lets the write finish; a second SIGTERM stops at once."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from grpo_ds import checkpoint
-from grpo_ds.preemption import EXIT_PREEMPTED
+from grpo_ds.run import checkpoint
+from grpo_ds.run.preemption import EXIT_PREEMPTED
 from tests.launch import REPO, clean_env
 from tests.test_resume import PORTS, _logged_steps, _metrics
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
@@ -29,10 +29,10 @@ def _command(world: int, out: Path, *extra: str) -> list[str]:
     args = [TINY, f"run.output_dir={out}", *ARGS, *extra]
     if world == 1:
         return [sys.executable, "-m", "grpo_ds.train", *args]
-    from tests.launch import _free_port
+    from tests.launch import free_port
 
     launcher = Path(sys.executable).parent / "deepspeed"
-    PORTS.append(_free_port())
+    PORTS.append(free_port())
     return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(world), "--master_port",
             str(PORTS[-1]), "--module", "grpo_ds.train", *args]
 

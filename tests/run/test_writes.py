@@ -1,4 +1,4 @@
-"""Write failures (grpo_ds.disk), by fault injection (tests/scripts/write_fault.py): a write that fails as a full disk,
+"""Write failures (grpo_ds.run.writes), by fault injection (tests/scripts/write_fault.py): a write that fails as a full disk,
 a read-only file system or an exceeded quota would, at each point of a checkpoint write, in the run files and in an
 export, is one error line naming the file, the cause and the last good checkpoint (exit code 2 from the command
 line, no traceback, on every rank); the unfinished folder is gone, the previous checkpoint verifies and the same
@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 import grpo_ds
-from grpo_ds import checkpoint, disk, export
+from grpo_ds import export
+from grpo_ds.run import checkpoint
+from grpo_ds.run import writes
 from grpo_ds.errors import UserError
-from tests.launch import REPO, _free_port, clean_env, remove_shm_buffers
+from tests.launch import REPO, free_port, clean_env, remove_shm_buffers
 from tests.scripts.write_fault import Fault, install
 
 pytestmark = pytest.mark.slow
@@ -40,7 +42,7 @@ def _overrides(out: Path) -> dict:
 
 def _message(where: str, path: Path, code: int, last_good: Path | None) -> str:
     cause = f"{os.strerror(code)} ({errno.errorcode[code]})"
-    remedy = disk.remedy(OSError(code, ""))
+    remedy = writes.remedy(OSError(code, ""))
     fix = (f"the last good checkpoint is {last_good}; {remedy} and run the same command to resume from it"
            if last_good else f"the run has no checkpoint yet; {remedy} and run the same command to start it again")
     return f"{where}: cannot write {path}: {cause}. {fix}."
@@ -75,7 +77,7 @@ def _resume_and_compare(run_dir: Path, out: Path, capfd) -> None:
 
 Point = namedtuple("Point", "fault file")  # the injected fault, the file the message names (under checkpoints/)
 CHECKPOINT_POINTS = {
-    # DeepSpeed's shards; torch's zip writer hides the cause (a RuntimeError), found by grpo_ds.disk's probe write
+    # DeepSpeed's shards; torch's zip writer hides the cause (a RuntimeError), found by grpo_ds.run.writes's probe write
     "optimizer_shard_hidden_enospc": Point(Fault("torch.save", f"{STEP4}/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                  errno.ENOSPC, hidden=True),
                                            f"{STEP4}/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
@@ -210,7 +212,7 @@ def test_a_checkpoint_larger_than_the_free_space_is_refused_before_writing(tmp_p
     first = checkpoint._folder_bytes(ckpts / "step_00000002")
     assert str(raised.value) == (
         f"checkpoint step 4: not enough free space in {ckpts} for the checkpoint (the size of step_00000002, plus "
-        f"5%): it needs about {disk.gib(int(first * 1.05))}, {disk.gib(first)} is free. the last good checkpoint is "
+        f"5%): it needs about {writes.gib(int(first * 1.05))}, {writes.gib(first)} is free. the last good checkpoint is "
         f"{ckpts / 'step_00000002'}; free space and run the same command to resume from it.")
     _assert_left_as_before(run_dir)
     # the estimate for a first checkpoint is the real size within 10%
@@ -252,7 +254,7 @@ def test_the_command_line_gives_one_line_and_exit_code_2_then_resumes(tmp_path):
 
 def test_a_failure_on_one_rank_stops_both_ranks_with_one_line(tmp_path):
     """Rank 1's optimizer shard cannot be written; rank 0's writes succeed. Neither rank may wait for the other."""
-    port = _free_port()
+    port = free_port()
     launcher = Path(sys.executable).parent / "deepspeed"
     env = {**clean_env(), "GRPO_DS_WRITE_FAULT": f"torch.save:{STEP4}/ds/zero_pp_rank_1_mp_rank_00_optim_states.pt:"
                                                  "ENOSPC"}
@@ -306,7 +308,7 @@ def test_a_failed_export_write_leaves_nothing_and_is_one_line(trained, tmp_path,
     assert len(lines) == 1 and "Traceback" not in lines[0]
     written = tmp_path / f".tmp-export-exported-{os.getpid()}"  # the folder renamed into place once complete
     assert lines[0] == (f"error: export: cannot write {written}: {os.strerror(code)} ({errno.errorcode[code]}). "
-                        f"nothing was written to {out}; {disk.remedy(OSError(code, ''))} and run the export again.")
+                        f"nothing was written to {out}; {writes.remedy(OSError(code, ''))} and run the export again.")
     assert os.listdir(tmp_path) == []  # neither the output folder nor the temporary one
     export.main([str(trained), "--out", str(out)])  # the disk fixed, the same command works
     assert (out / "model.safetensors").is_file()

@@ -1,6 +1,6 @@
 """Run ONE optimizer step on fixed rollouts and save the full parameters (launched by `deepspeed`).
 
-Used by tests/test_update.py to check the loss contract: the parameters after one step must not
+Used by tests/step/test_update.py to check the loss contract: the parameters after one step must not
 depend on world size, micro-batch size, dynamic batching or padding. AdamW is given eps = lr = 1e4, so
 its first update is lr * g / (|g| + eps) ~= g: a plain gradient step, sensitive to the gradient's scale
 (with a small eps, Adam's first step is ~lr * sign(g) and would hide a normalisation error).
@@ -23,17 +23,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from grpo_ds import sequence_parallel
-from grpo_ds.builtin_tiny import build_tiny_model
-from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_train_engine, end_launched_rank, init_distributed
-from grpo_ds.planner import StepPlan, plan_minibatch
-from grpo_ds.policy import fused_lm_head_problem
-from grpo_ds.recipe import load_recipe
+from grpo_ds.model import sequence_parallel
+from grpo_ds.model.tiny import build_tiny_model
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
+from grpo_ds.model.engine import create_train_engine
+from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
+from grpo_ds.step.plan import StepPlan, plan_minibatch
+from grpo_ds.model.policy import fused_lm_head_problem
+from grpo_ds.config.recipe import load_recipe
 from grpo_ds.rollout.base import Rollouts
-from grpo_ds.rollout.weight_sync import gathered_named_parameters
-from grpo_ds.step_data import StepData
-from grpo_ds.update import UpdateSettings, logprob_pass, optimizer_step, sequence_parallel_rows
+from grpo_ds.model.weight_gather import gathered_named_parameters
+from grpo_ds.step.batch import StepBatch
+from grpo_ds.step.update import UpdateSettings, logprob_pass, optimizer_step, sequence_parallel_rows
 
 VOCAB = 64
 
@@ -73,7 +74,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
                               max_tokens=cfg["max_tokens"], packed=recipe.train.packing)
         settings = UpdateSettings.from_recipe(recipe, pad_id=0, backend=cfg.get("backend", "torch"),
                                               fused_lm_head_allowed=fused_lm_head_problem(engine.module) is None)
-        data = StepData([], rollouts, [], advantages=advantages, plan=StepPlan((plan,), plan, False))
+        data = StepBatch([], rollouts, [], advantages=advantages, plan=StepPlan((plan,), plan, False))
         logprobs = logprob_pass(engine, data, settings, dist)
         optimizer_step(engine, data, plan, settings, dist)
         params = {name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)}
@@ -88,4 +89,4 @@ def main(out_dir: str, configs: list[dict]) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(args[0], json.loads(args[1]))
-    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.engine)
+    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.distributed.ranks)

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_reference_engine, create_train_engine, end_launched_rank, init_distributed
-from grpo_ds.lora import apply_lora
-from grpo_ds.models import load_model
-from grpo_ds.recipe import load_recipe
-from grpo_ds.rollout.weight_sync import gathered_named_parameters
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
+from grpo_ds.model.engine import create_reference_engine, create_train_engine
+from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
+from grpo_ds.model.lora import apply_lora
+from grpo_ds.model.loading import load_model
+from grpo_ds.config.recipe import load_recipe
+from grpo_ds.model.weight_gather import gathered_named_parameters
 
 VOCAB = 64
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
@@ -73,4 +74,4 @@ def main(out_dir: str, hf_dir: str) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(*args)
-    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.engine)
+    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.distributed.ranks)

@@ -1,4 +1,4 @@
-"""The bucketed ZeRO-3 exporter on several ranks (launched by `deepspeed`; read by tests/rollout/test_weight_sync.py).
+"""The bucketed ZeRO-3 exporter on several ranks (launched by `deepspeed`; read by tests/model/test_weight_gather.py).
 
     deepspeed --num_gpus 2 tests/scripts/weight_sync_check.py OUT.json
 
@@ -21,10 +21,11 @@ import deepspeed.comm as ds_comm
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_ds.ds_config import resolve_deepspeed_config
-from grpo_ds.engine import create_train_engine, end_launched_rank, init_distributed
-from grpo_ds.recipe import load_recipe
-from grpo_ds.rollout.weight_sync import gathered_named_parameters
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
+from grpo_ds.model.engine import create_train_engine
+from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
+from grpo_ds.config.recipe import load_recipe
+from grpo_ds.model.weight_gather import gathered_named_parameters
 
 
 class Watch:
@@ -123,4 +124,4 @@ def write_every_rank(record: dict, out_path: str, dist) -> None:
 
 if __name__ == "__main__":
     main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
-    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.engine)
+    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.distributed.ranks)

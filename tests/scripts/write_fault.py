@@ -5,7 +5,7 @@ an exceeded quota would make it fail.
 os.rename, os.replace, and DeepSpeed's own copyfile and open) so that the ``nth`` call whose path ends with ``suffix``
 raises ``OSError(code)`` (a write that fails mid-file first leaves a partial file, as a full disk does). With
 ``hidden``, torch.save raises what torch's zip writer raises on a full disk (a RuntimeError that names no cause),
-and from then on the disk is full: the probe write grpo_ds.disk makes to find the cause fails too.
+and from then on the disk is full: the probe write grpo_ds.run.writes makes to find the cause fails too.
 
 Run as a module, this is ``python -m grpo_ds.train`` with the fault of ``$GRPO_DS_WRITE_FAULT``
 (``function:suffix:ERRNO_NAME[:nth]``, e.g. ``torch.save:.tmp-step_00000004/rng/rank0.pt:ENOSPC``)."""

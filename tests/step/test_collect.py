@@ -1,12 +1,12 @@
-"""Rollout + reward collection, and DAPO dynamic sampling (grpo_ds.collect), with a scripted engine."""
+"""Rollout + reward collection, and DAPO dynamic sampling (grpo_ds.step.collect), with a scripted engine."""
 
 import pytest
 import torch
 
-from grpo_ds.collect import collect
-from grpo_ds.data import PromptSampler
-from grpo_ds.engine import Dist
-from grpo_ds.inputs import prepare_inputs
+from grpo_ds.step.collect import collect
+from grpo_ds.run.prompts import PromptSampler
+from grpo_ds.distributed.ranks import Dist
+from grpo_ds.run.preflight import prepare_inputs
 from grpo_ds.rollout.base import Rollouts
 
 REWARDS = '''
@@ -108,7 +108,7 @@ def test_environment_rewards_are_added(make_inputs):
 
 
 def test_no_signal_fraction_counts_the_groups_with_equal_rewards():
-    from grpo_ds.collect import no_signal_fraction
+    from grpo_ds.step.collect import no_signal_fraction
 
     # groups of 4: all 1s, mixed, all 0s, mixed by a tiny amount, one reward only repeated
     rewards = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5000001]

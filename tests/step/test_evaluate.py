@@ -4,8 +4,8 @@ import pytest
 
 import grpo_ds
 from grpo_ds.errors import UserError
-from grpo_ds.evaluate import pass_at_k
-from grpo_ds.recipe import load_recipe
+from grpo_ds.step.evaluate import pass_at_k
+from grpo_ds.config.recipe import load_recipe
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -52,7 +52,7 @@ def test_eval_metrics_every_k_steps_and_at_the_end(tmp_path):
 
 
 def test_a_bad_eval_dataset_is_named_before_any_model_loads():
-    from grpo_ds.inputs import prepare_inputs
+    from grpo_ds.run.preflight import prepare_inputs
 
     with pytest.raises(UserError) as err:
         prepare_inputs(TINY, {"eval.data": "builtin:arithh"}, 1, "cpu")

@@ -1,14 +1,14 @@
-"""The micro-batch layouts (grpo_ds/micro_batch.py): packed and padded rows give the same per-token numbers, and a
+"""The micro-batch layouts (grpo_ds/step/micro_batch.py): packed and padded rows give the same per-token numbers, and a
 packed forward needs use_cache=False."""
 
 import pytest
 import torch
 
 from grpo_ds.algo.policy_loss import LossConfig
-from grpo_ds.builtin_tiny import build_tiny_model
-from grpo_ds.loss import LossSettings, token_logprobs
-from grpo_ds.micro_batch import MicroBatch, collate
-from grpo_ds.policy import packing_problem
+from grpo_ds.model.tiny import build_tiny_model
+from grpo_ds.step.loss import LossSettings, token_logprobs
+from grpo_ds.step.micro_batch import MicroBatch, collate
+from grpo_ds.model.policy import packing_problem
 from grpo_ds.rollout.base import Rollouts
 from tests.scripts.one_step import fixed_rollouts
 

@@ -1,4 +1,4 @@
-"""Profiling (grpo_ds/profiling.py): phases timed and labelled, traces of exactly the chosen steps, one per rank,
+"""Profiling (grpo_ds/step/profiling.py): phases timed and labelled, traces of exactly the chosen steps, one per rank,
 and the recipe keys' errors."""
 
 import json
@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from grpo_ds.engine import Dist
+from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError
-from grpo_ds.profiling import Phase, comms_path, profiled_steps, trace_path
-from grpo_ds.recipe import LoggingConfig, load_recipe
+from grpo_ds.step.profiling import Phase, comms_path, profiled_steps, trace_path
+from grpo_ds.config.recipe import LoggingConfig, load_recipe
 from tests.launch import REPO, deepspeed_launch
 
 PHASES = ("rollout", "reward", "logprob", "advantage", "update", "sync")

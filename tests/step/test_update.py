@@ -1,4 +1,4 @@
-"""The loss contract and the phases of grpo_ds/update.py.
+"""The loss contract and the phases of grpo_ds/step/update.py.
 
 1. One optimizer step gives the same parameters (fp32, rtol 1e-5) for world size 1 with one
    micro-batch and world size 2 with uneven response lengths, several micro-batches and padding, for
@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
-import grpo_ds.policy as policy_module
+import grpo_ds.model.policy as policy_module
 import grpo_ds.train as train_module
-import grpo_ds.update as update_module
-from grpo_ds.algo.aggregation import LOSS_AGG_MODES
-from grpo_ds.builtin_tiny import build_tiny_model
+import grpo_ds.step.update as update_module
+from grpo_ds.algo.names import LOSS_AGG_MODES
+from grpo_ds.model.tiny import build_tiny_model
 from tests.launch import REPO, deepspeed_launch
 from tests.scripts.one_step import VOCAB
 
