@@ -16,9 +16,8 @@ import argparse
 import torch
 from common import Case, base_parser, finish_args, kernel_backends, report, run, select, table
 
-from grpo_ds.algo.advantages import BASELINES
-from grpo_ds.algo.names import SCALES
 from grpo_ds.algo.advantages import group_advantages as reference_advantages
+from grpo_ds.algo.names import BASELINES, SCALES
 from grpo_ds.kernels import group_advantages
 
 

@@ -69,8 +69,8 @@ def measured(world: int, overrides: list[str], workdir: Path, tag: str) -> list[
 
 def estimated(world: int, overrides: list[str]):
     from grpo_ds.check import estimate_memory, simulated_lengths
-    from grpo_ds.run.preflight import prepare_inputs
     from grpo_ds.model.memory import model_shape
+    from grpo_ds.run.preflight import prepare_inputs
 
     inputs = prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), overrides, world, "cpu")
     shape = model_shape(inputs.recipe, len(inputs.tokenizer))

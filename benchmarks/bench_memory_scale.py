@@ -4,10 +4,11 @@
 
 The model (Llama architecture, random weights, float32, built from a config in code) is saved once as safetensors
 into --workdir. For each world size the script launches itself through the `deepspeed` launcher (CPU, gloo); every
-rank loads the model with grpo_ds.model.loading.load_model under the resolved ZeRO-3 config (born partitioned), builds the
-training engine (grpo_ds.distributed.ranks.create_train_engine), takes the logits of a fixed batch, and runs one optimizer step
-through grpo_ds.step.update.optimizer_step on fixed rollouts. Memory is each rank's anonymous resident set (RssAnon,
-sampled every 5 ms, glibc's mmap threshold pinned so that freed buffers go back to the OS) above what it held
+rank loads the model with grpo_ds.model.loading.load_model under the resolved ZeRO-3 config (born partitioned), builds
+the training engine (grpo_ds.model.engine.create_train_engine), takes the logits of a fixed batch, and runs one
+optimizer step through grpo_ds.step.update.optimizer_step on fixed rollouts. Memory is each rank's anonymous resident
+set (RssAnon, sampled every 5 ms, glibc's mmap threshold pinned so that freed buffers go back to the OS) above what it
+held
 after the imports:
 
     loaded        after the partitioned load (this rank's slice of the weights)
@@ -76,12 +77,12 @@ def rank_job(folder: str, out: str) -> None:
     import torch
 
     from grpo_ds.config.deepspeed import resolve_deepspeed_config
-    from grpo_ds.model.engine import create_train_engine
-    from grpo_ds.distributed.ranks import init_distributed
-    from grpo_ds.model.loading import load_model
-    from grpo_ds.step.plan import plan_minibatch
     from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.distributed.ranks import init_distributed
+    from grpo_ds.model.engine import create_train_engine
+    from grpo_ds.model.loading import load_model
     from grpo_ds.step.batch import StepBatch
+    from grpo_ds.step.plan import plan_minibatch
     from grpo_ds.step.update import UpdateSettings, optimizer_step
     from tests.scripts.one_step import fixed_rollouts
 

@@ -2,12 +2,12 @@
 
     python benchmarks/bench_one_rank_stage.py [--recipe recipes/tiny_cpu.json] [--steps 100] [--runs 3] [--record]
 
-A one-rank run of a stage-3 DeepSpeed file without offload trains with stage 1 (grpo_ds.config.deepspeed.one_rank_stage):
-one rank has nothing to partition, and ZeRO-3 still gathers and releases every module's parameters around each
-forward and backward. This runs the recipe --steps steps both ways, each run a fresh process (as
-``python -m grpo_ds.train``), alternating --runs times, and reports per variant the median of the per-step phase
-times (time_*_s, the first 5 steps left out as warm-up), the peak resident memory (VmHWM), and how far the two
-variants' metrics are apart over the first 5 steps (the same update up to float32 rounding: the runs then drift
+A one-rank run of a stage-3 DeepSpeed file without offload trains with stage 1
+(grpo_ds.config.deepspeed.one_rank_stage): one rank has nothing to partition, and ZeRO-3 still gathers and releases
+every module's parameters around each forward and backward. This runs the recipe --steps steps both ways, each run a
+fresh process (as ``python -m grpo_ds.train``), alternating --runs times, and reports per variant the median of the
+per-step phase times (time_*_s, the first 5 steps left out as warm-up), the peak resident memory (VmHWM), and how far
+the two variants' metrics are apart over the first 5 steps (the same update up to float32 rounding: the runs then drift
 apart like any two runs whose sums are ordered differently). At two or more ranks nothing changes (ZeRO-3 runs as
 the file says), so there the stage costs nothing.
 """

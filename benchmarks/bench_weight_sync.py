@@ -86,13 +86,13 @@ def _ds_buckets(module, bucket_bytes: int):
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from grpo_ds.model.tiny import build_tiny_model
     from grpo_ds.config.deepspeed import resolve_deepspeed_config
-    from grpo_ds.model.engine import create_train_engine
-    from grpo_ds.distributed.ranks import init_distributed
     from grpo_ds.config.recipe import load_recipe
-    from grpo_ds.rollout.hf import HFRolloutEngine
+    from grpo_ds.distributed.ranks import init_distributed
+    from grpo_ds.model.engine import create_train_engine
+    from grpo_ds.model.tiny import build_tiny_model
     from grpo_ds.model.weight_gather import gathered_named_parameters
+    from grpo_ds.rollout.hf import HFRolloutEngine
 
     dist = init_distributed()
     model = build_tiny_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=0)

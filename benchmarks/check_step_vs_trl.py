@@ -12,8 +12,8 @@ that varies by prompt, so most groups have mixed rewards.
 grpo_ds: the trainer's own functions on that batch: rewards (grpo_ds.step.collect.score_rewards), advantages and the
 micro-batch plan (grpo_ds.train._advantages and grpo_ds.step.plan.plan_recipe_step), and
 grpo_ds.step.update.optimizer_step on a DeepSpeed engine built as grpo_ds.train builds it (world size 1: ZeRO stage 1
-from the recipe's stage-3 file, grpo_ds.config.deepspeed.one_rank_stage). The accumulated gradient is read just before the
-engine steps, the weights just after.
+from the recipe's stage-3 file, grpo_ds.config.deepspeed.one_rank_stage). The accumulated gradient is read just before
+the engine steps, the weights just after.
 
 TRL: a GRPOTrainer built as bench_vs_trl_runner.run_trl builds it, trained for one optimizer step (max_steps=1)
 with its sampling replaced by the fixed completions (``_generate_single_turn``); the rest is TRL's own path:
@@ -58,15 +58,15 @@ import torch  # noqa: E402
 from bench_vs_trl_runner import trl_config  # noqa: E402
 
 from grpo_ds import train as driver  # noqa: E402
-from grpo_ds.step.collect import score_rewards  # noqa: E402
 from grpo_ds.config.deepspeed_keys import zero_stage  # noqa: E402
-from grpo_ds.distributed.ranks import Dist  # noqa: E402
-from grpo_ds.run.preflight import Inputs, prepare_inputs  # noqa: E402
-from grpo_ds.model.loading import load_model  # noqa: E402
-from grpo_ds.step.plan import plan_recipe_step  # noqa: E402
 from grpo_ds.config.recipe import Recipe, load_recipe  # noqa: E402
+from grpo_ds.distributed.ranks import Dist  # noqa: E402
+from grpo_ds.model.loading import load_model  # noqa: E402
 from grpo_ds.rollout.base import Rollouts  # noqa: E402
+from grpo_ds.run.preflight import Inputs, prepare_inputs  # noqa: E402
 from grpo_ds.step.batch import StepBatch  # noqa: E402
+from grpo_ds.step.collect import score_rewards  # noqa: E402
+from grpo_ds.step.plan import plan_recipe_step  # noqa: E402
 from grpo_ds.step.update import UpdateSettings, optimizer_step  # noqa: E402
 
 # Right answers per group, cycled over the prompts: mostly mixed groups, some all wrong, some all right.
@@ -177,8 +177,8 @@ def run_grpo_ds(inputs: Inputs, rollouts: Rollouts) -> StepResult:
     """grpo_ds's step on the ZeRO-3 engine of grpo_ds.train (world size 1)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from grpo_ds.model.engine import create_train_engine
     from grpo_ds.distributed.ranks import init_distributed
+    from grpo_ds.model.engine import create_train_engine
 
     recipe = inputs.recipe
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's start-up chatter

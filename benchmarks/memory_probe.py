@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 
-import grpo_ds.train as driver
 import grpo_ds.step.update  # noqa: F401  (imported before the baseline, like every library the run uses)
+import grpo_ds.train as driver
 from grpo_ds.model.policy import Policy
 
 

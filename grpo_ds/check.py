@@ -14,8 +14,6 @@ import dataclasses
 import numpy as np
 
 from grpo_ds.config import software
-from grpo_ds.model import lora
-from grpo_ds.model import memory
 from grpo_ds.config.deepspeed import (
     load_deepspeed_json,
     one_rank_stage_note,
@@ -23,13 +21,13 @@ from grpo_ds.config.deepspeed import (
     rollout_shares_policy,
 )
 from grpo_ds.config.deepspeed_keys import zero_stage
+from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error
-from grpo_ds.run.preflight import Inputs, prepare_inputs
+from grpo_ds.model import lora, memory
 from grpo_ds.model.memory import GIB
+from grpo_ds.run.preflight import Inputs, prepare_inputs
 from grpo_ds.step.plan import old_logprob_pass_reason, plan_recipe_step, token_imbalance
-from grpo_ds.config.recipe import Recipe
-from grpo_ds.step.update import sequence_parallel_rows
 
 
 def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
@@ -49,7 +47,7 @@ def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
     return out
 
 
-def environment_lines(env: software.Environment, device_type: str) -> list[str]:
+def environment_lines(env: software.InstalledSoftware, device_type: str) -> list[str]:
     """The "environment" block: the checklist a GRPO guide starts with (grpo_ds.config.software collects it)."""
     v = env.versions
     build = f"CUDA {env.cuda}" if env.cuda and not env.cuda.startswith("ROCm") else env.cuda or "CPU build"
@@ -116,7 +114,7 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
                      f"{len(micro)} update micro-batches ({padding} padding)  "
                      f"{len(plan.logprob_pass.micro_batches[rank])} log-prob micro-batches")
     if sp > 1:  # every micro-batch: sequence_parallel_rows rows, padded to a multiple of sp, split in sp
-        rows = sequence_parallel_rows(r)
+        rows = r.sequence_parallel_rows
         widest = max(max(lengths[s] for s in mb) for m in plan.minibatches for rank in m.micro_batches
                      for mb in rank if mb)
         lines.append(f"  per sequence-parallel rank: {rows} rows x {-(-widest // sp)} positions in the longest "
@@ -167,7 +165,7 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
     micro = [mb for m in plan.minibatches for rank in m.micro_batches for mb in rank if mb]
     sp = r.train.sequence_parallel_size
     if sp > 1:  # padded rows, split along the positions
-        model_tokens = sequence_parallel_rows(r) * -(-max(max(lengths[s] for s in mb) for mb in micro) // sp)
+        model_tokens = r.sequence_parallel_rows * -(-max(max(lengths[s] for s in mb) for mb in micro) // sp)
     else:
         model_tokens = max(sum(lengths[s] for s in mb) if r.train.packing else len(mb) * max(lengths[s] for s in mb)
                            for mb in micro)
@@ -277,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu = torch.cuda.get_device_properties(0).total_memory / GIB
     with exit_on_user_error():
         inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type(), machine=False)
-        print("\n".join(environment_lines(software.collect(), device_type())) + "\n")  # bad input: stdout empty
+        print("\n".join(environment_lines(software.survey(), device_type())) + "\n")  # bad input: stdout empty
         print(report(inputs, args.world_size, args.lengths, gpu))
         if inputs.recipe.rollout.engine == "vllm":
             print('note: rollout.engine "vllm": GPUs and the installed vLLM are checked when the run starts, on the '

@@ -8,11 +8,12 @@ function) is raised as ``UserError(where, what, fix)`` and printed as one line
 from __future__ import annotations
 
 import difflib
-import os
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from grpo_ds.distributed import launcher
 
 EXIT_USER_ERROR = 2
 
@@ -57,6 +58,5 @@ def exit_on_user_error() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        if os.environ.get("RANK", "0") == "0":  # every rank raises the same error; one line is enough
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        launcher.say(f"error: {err}")  # every rank raises the same error; one line is enough
         sys.exit(EXIT_USER_ERROR)

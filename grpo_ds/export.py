@@ -46,15 +46,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.initialization import no_init_weights
 
-from grpo_ds.run import writes
-from grpo_ds.model import lora
-from grpo_ds.model.tiny import build_tiny_model
-from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
+from grpo_ds.config import software
+from grpo_ds.config.recipe import ModelConfig, load_recipe
 from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
+from grpo_ds.model import lora
 from grpo_ds.model.loading import BUILTIN_TINY, check_model_path, load_model, load_tokenizer, torch_dtype
+from grpo_ds.model.tiny import build_tiny_model
+from grpo_ds.run import writes
+from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
 from grpo_ds.run.folder import check_output_folder
-from grpo_ds.config.recipe import ModelConfig, load_recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
 _MP_RANK = re.compile(r"mp_rank_(\d+)")  # a tensor-parallel rank's files in a DeepSpeed checkpoint
@@ -159,7 +160,7 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
         raise UserError("--merge", "this run trained every weight (no model.lora_rank): there is nothing to merge",
                         "leave --merge out")
     if use_lora:
-        lora.check_peft()
+        software.check_peft()
     checkpoint = select_checkpoint(run, step)
     out = _check_out_dir(Path(out_dir).resolve(), run, overwrite)
     dtype = dtype or model_cfg.dtype

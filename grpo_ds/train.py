@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import types
 from pathlib import Path
@@ -24,30 +23,29 @@ from pathlib import Path
 import torch
 
 from grpo_ds import kernels
-from grpo_ds.run import checkpoint
-from grpo_ds.run import writes
-from grpo_ds.run import folder as run_folder
-from grpo_ds.model import sequence_parallel
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
-from grpo_ds.step.collect import collect
-from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.config.deepspeed import rollout_shares_policy
-from grpo_ds.distributed.ranks import Dist, device_type, end_launched_rank, init_distributed, world_size_from_env
-from grpo_ds.errors import UserError, exit_on_user_error
-from grpo_ds.step.evaluate import evaluate
-from grpo_ds.run.preflight import Inputs, prepare_inputs
-from grpo_ds.step.loss import LossStats
-from grpo_ds.run.metrics import MetricsLogger, peak_memory_gib
-from grpo_ds.model.loading import load_model
-from grpo_ds.step.plan import plan_recipe_step, token_imbalance
-from grpo_ds.run.metrics import read_metrics
-from grpo_ds.model.policy import Policy, weights_sha256
-from grpo_ds.run.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals
-from grpo_ds.step.profiling import Phase, profiled_steps
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.distributed import launcher
+from grpo_ds.distributed.ranks import Dist, device_type, end_launched_rank, init_distributed
+from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.model import sequence_parallel
+from grpo_ds.model.loading import load_model
+from grpo_ds.model.policy import Policy, weights_sha256
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
+from grpo_ds.run import checkpoint, writes
+from grpo_ds.run import folder as run_folder
+from grpo_ds.run.metrics import MetricsLogger, peak_memory_gib, read_metrics
+from grpo_ds.run.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals
+from grpo_ds.run.preflight import Inputs, prepare_inputs
+from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.step.batch import StepBatch
+from grpo_ds.step.collect import collect
+from grpo_ds.step.evaluate import evaluate
+from grpo_ds.step.loss import LossStats
+from grpo_ds.step.plan import plan_recipe_step, token_imbalance
+from grpo_ds.step.profiling import Phase, profiled_steps
 from grpo_ds.step.update import UpdateSettings, importance_metrics, logprob_pass, optimizer_step
 
 
@@ -62,15 +60,13 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 
 def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, stop: StopRequest) -> list[dict]:
     # ---- 1. validate everything before any model loads or any file is written
-    inputs = prepare_inputs(recipe, overrides, world_size_from_env(), device_type())
+    inputs = prepare_inputs(recipe, overrides, launcher.world_size(), device_type())
     recipe, tokenizer, prompts = inputs.recipe, inputs.tokenizer, inputs.prompts
     folder = run_folder.decide(recipe)  # fresh, resume, finished already, or refuse (another recipe's run)
     run_dir = folder.path
     if folder.completed_steps is not None:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"the run in {run_dir} has already finished its {folder.completed_steps} steps: nothing to do "
-                  "(raise train.steps to continue it; run.overwrite=true or another run.name starts again)",
-                  file=sys.stderr, flush=True)
+        launcher.say(f"the run in {run_dir} has already finished its {folder.completed_steps} steps: nothing to do "
+                     "(raise train.steps to continue it; run.overwrite=true or another run.name starts again)")
         return read_metrics(run_dir)  # the finished run's history, as grpo_ds.plot reads it
 
     # ---- 2. processes, run folder, models
@@ -260,7 +256,7 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
     else:
         path, damaged = checkpoint.choose(folder.path) if dist.is_main else (None, [])
         for message in damaged:
-            print(f"warning: {message}", file=sys.stderr, flush=True)
+            launcher.say(f"warning: {message}")
         path = dist.broadcast(path)
     if path is None:  # the run stopped before its first checkpoint: it starts over
         _trim_logs(folder.path, rank_log, 0, dist)
@@ -269,8 +265,7 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
     sampler.load_state_dict(resumed.trainer_state["sampler"])
     logger.resume(resumed.trainer_state["history"])
     _trim_logs(folder.path, rank_log, resumed.step, dist)
-    if dist.is_main:
-        print(f"resuming after step {resumed.step} from {path}", file=sys.stderr, flush=True)
+    launcher.say(f"resuming after step {resumed.step} from {path}")
     _sync_weights(policy, rollout, bucket_bytes)
     dist.barrier()
     return resumed.step + 1
@@ -307,8 +302,8 @@ def _trim_logs(run_dir: Path, rank_log: Path, last_step: int, dist: Dist) -> Non
 
 def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist, shared_module: torch.nn.Module | None = None):
     """The rollout engine: hf and agent generate with ``shared_module`` (the policy's own, where every rank holds it
-    whole: grpo_ds.config.deepspeed.rollout_shares_policy) or else with an unsharded copy of the policy, loaded here (the one
-    full copy a rank holds); vLLM loads its own weights from model.path and gets no copy."""
+    whole: grpo_ds.config.deepspeed.rollout_shares_policy) or else with an unsharded copy of the policy, loaded here
+    (the one full copy a rank holds); vLLM loads its own weights from model.path and gets no copy."""
     r, tokenizer = recipe.rollout, inputs.tokenizer
     if r.engine == "vllm":  # vLLM is imported only when chosen (an optional extra; GPUs only)
         from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
@@ -345,8 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         with exit_on_user_error():
             run(args.recipe, args.overrides)
     except Preempted as stopped:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"preempted: {stopped}", file=sys.stderr, flush=True)
+        launcher.say(f"preempted: {stopped}")
         code = EXIT_PREEMPTED
     except SystemExit as leaving:  # exit_on_user_error's one-line error
         code = 0 if leaving.code is None else leaving.code if isinstance(leaving.code, int) else 1

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from grpo_ds.distributed.launcher import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -37,11 +39,3 @@ def remove_shm_buffers(port: int) -> None:
     each) behind when the processes end; a test suite of multi-rank launches would fill /dev/shm (RAM)."""
     for leftover in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
         leftover.unlink(missing_ok=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

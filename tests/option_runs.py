@@ -22,20 +22,20 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import grpo_ds.train
 import grpo_ds.step.update
-from grpo_ds.algo.names import ESTIMATORS
+import grpo_ds.train
 from grpo_ds.algo.advantages import group_advantages
 from grpo_ds.algo.aggregation import sequence_weights
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.algo.logprobs import token_logprobs_and_entropy
+from grpo_ds.algo.names import ESTIMATORS
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
-from grpo_ds.model.tiny import EOS, build_tiny_model, build_tiny_tokenizer
-from grpo_ds.step.loss import LossStats, TokenTerms
 from grpo_ds.config.recipe import Recipe, load_recipe
+from grpo_ds.model.tiny import EOS, build_tiny_model, build_tiny_tokenizer
 from grpo_ds.model.weight_gather import gathered_named_parameters
 from grpo_ds.step.batch import StepBatch
+from grpo_ds.step.loss import LossStats, TokenTerms
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ds.run import folder as run_folder
-from grpo_ds.run.prompts import load_rows
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
 from grpo_ds.config.deepspeed_check import check_precision_supported
-from grpo_ds.errors import UserError
-from grpo_ds.run.preflight import prepare_inputs
-from grpo_ds.model.loading import context_length
 from grpo_ds.config.recipe import DataConfig, ModelConfig, iter_fields, load_recipe
+from grpo_ds.errors import UserError
+from grpo_ds.model.loading import context_length
+from grpo_ds.run import folder as run_folder
+from grpo_ds.run.preflight import prepare_inputs
+from grpo_ds.run.prompts import load_rows
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO3 = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
@@ -162,24 +162,24 @@ def test_precision_the_accelerator_lacks():
 
 def test_output_dir_that_is_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
-    err = error_of(output_paths.check_run_folder, str(tmp_path / "file"), "run")
+    err = error_of(run_folder.check_run_folder, str(tmp_path / "file"), "run")
     assert err.where == "run.output_dir" and "exists and is not a folder" in err.what
-    err = error_of(output_paths.check_run_folder, str(tmp_path / "file" / "deeper"), "run")
+    err = error_of(run_folder.check_run_folder, str(tmp_path / "file" / "deeper"), "run")
     assert err.where == "run.output_dir" and f"cannot be created: {tmp_path / 'file'} is a file" in err.what
-    err = error_of(output_paths.check_run_folder, str(tmp_path), "file")
+    err = error_of(run_folder.check_run_folder, str(tmp_path), "file")
     assert err.where == "run.name" and "exists and is not a folder" in err.what
 
 
 @pytest.mark.parametrize("name", ["", " ", ".", "./.", "..", "a/../..", "/etc"])
 def test_run_name_must_stay_inside_output_dir(tmp_path, name):
-    err = error_of(output_paths.check_run_folder, str(tmp_path), name)
+    err = error_of(run_folder.check_run_folder, str(tmp_path), name)
     assert err.where == "run.name" and "not a folder name inside run.output_dir" in err.what
 
 
 def test_creatable_and_existing_folders_pass(tmp_path):
-    assert output_paths.check_run_folder(str(tmp_path / "a" / "b"), "run") == tmp_path / "a" / "b" / "run"
+    assert run_folder.check_run_folder(str(tmp_path / "a" / "b"), "run") == tmp_path / "a" / "b" / "run"
     assert not (tmp_path / "a").exists()  # checked, not created
-    output_paths.check_run_folder(str(tmp_path), "group/run")
+    run_folder.check_run_folder(str(tmp_path), "group/run")
 
 
 def test_folder_that_is_not_writable(tmp_path, monkeypatch):
@@ -187,16 +187,16 @@ def test_folder_that_is_not_writable(tmp_path, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir()
     real = os.access
-    monkeypatch.setattr(output_paths.os, "access", lambda p, mode: Path(p) != locked and real(p, mode))
-    err = error_of(output_paths.check_output_folder, locked / "runs" / "x", "run.output_dir")
+    monkeypatch.setattr(run_folder.os, "access", lambda p, mode: Path(p) != locked and real(p, mode))
+    err = error_of(run_folder.check_output_folder, locked / "runs" / "x", "run.output_dir")
     assert f"cannot be created: {locked} is not writable" in err.what
-    err = error_of(output_paths.check_output_folder, locked, "run.output_dir")
+    err = error_of(run_folder.check_output_folder, locked, "run.output_dir")
     assert err.what == f"{locked} is not writable"
 
 
 def test_line_breaks_in_a_path_stay_on_one_line(tmp_path):
     (tmp_path / "f").write_text("x")
-    err = error_of(output_paths.check_output_folder, str(tmp_path / "f" / "a\nb"), "run.output_dir")
+    err = error_of(run_folder.check_output_folder, str(tmp_path / "f" / "a\nb"), "run.output_dir")
     assert "a\\nb" in err.what and "is a file" in err.what
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpo_ds import check
-from grpo_ds.run.preflight import prepare_inputs
 from grpo_ds.config.recipe import load_recipe
+from grpo_ds.run.preflight import prepare_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny_cpu.json"
@@ -178,8 +178,8 @@ def test_report_shows_the_tensor_parallel_layout_and_refuses_impossible_ones():
 
 
 def test_tensor_parallel_size_must_divide_a_saved_models_heads(tmp_path):
-    from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
     from grpo_ds.errors import UserError
+    from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=4).save_pretrained(tmp_path)
@@ -204,11 +204,11 @@ def test_the_dry_run_prints_the_environment_first(outputs):
 
 
 def test_environment_block_on_a_gpu_machine():
-    from grpo_ds.config.software import PACKAGES, Environment, Unmet
+    from grpo_ds.config.software import PACKAGES, InstalledSoftware, Unmet
 
     versions = {name: None for name in PACKAGES} | {"torch": "2.10.0+cu128", "vllm": "0.20.0"}
     gpu = "NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB)"
-    env = Environment("3.12.3", versions, "12.8", "2.27.3", [gpu] * 8, "570.124.06",
+    env = InstalledSoftware("3.12.3", versions, "12.8", "2.27.3", [gpu] * 8, "570.124.06",
                       {"vllm": True, "lora": False}, [Unmet("vllm", "0.20.0", "torch==2.9.0", "torch", "2.10.0+cu128")])
     lines = check.environment_lines(env, "cuda")
     assert lines[:3] == ["environment", "  python        3.12.3",

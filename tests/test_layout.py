@@ -1,12 +1,22 @@
-"""The package's shape (README "How the code is laid out"): import rules, no circles, no module over 500 lines."""
+"""The package's shape (docs/concepts/architecture.md): its parts, what each may import, no circles, no long modules.
+
+A part is a sub-package (config, distributed, model, step, run, algo, kernels, rewards, envs, rollout) or a top-level
+module (the CLIs train, check, export, plot, and errors). Imports are read from the source (inside functions too);
+imports under ``if TYPE_CHECKING:`` are annotations only and do not count.
+"""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "grpo_ds"
 MAX_LINES = 500
+PARTS = ("config", "distributed", "model", "step", "run", "algo", "kernels", "rewards", "envs", "rollout")
+ENTRY_POINTS = ("train", "check", "export", "plot")  # python -m grpo_ds.<name>
+TOP_LEVEL = (*ENTRY_POINTS, "errors", "__init__")
 
 
 def _modules() -> dict[str, Path]:
@@ -20,41 +30,89 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str) -> set[str]:
-    """The grpo_ds modules ``name`` imports, anywhere in the file (inside functions too)."""
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _import_nodes(tree: ast.AST):
+    """Every import statement, skipping the bodies of ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _type_checking_only(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _imports(name: str, prefix: str = "grpo_ds") -> set[str]:
+    """The modules ``name`` imports whose names start with ``prefix`` (grpo_ds modules by default)."""
     found = set()
-    for node in ast.walk(ast.parse(MODULES[name].read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("grpo_ds"):
+    for node in _import_nodes(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix):
             for alias in node.names:
                 target = f"{node.module}.{alias.name}"
                 found.add(target if target in MODULES else node.module)
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("grpo_ds")}
+            found |= {a.name for a in node.names if a.name.startswith(prefix)}
     return found - {name}
 
 
 GRAPH = {name: _imports(name) for name in MODULES}
 
 
+def _part(name: str) -> str:
+    """grpo_ds.model.policy -> "model"; grpo_ds.train -> "train"; grpo_ds -> "__init__"."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
 def _under(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def test_no_import_circles():
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1 visiting, 2 done
 
-    def visit(name: str, path: list[str]) -> None:
-        state[name] = 1
-        for dep in sorted(GRAPH.get(name, ())):
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                pytest.fail("import circle: " + " -> ".join(path[path.index(dep):] + [dep]))
-            if dep in GRAPH and not state.get(dep):
-                visit(dep, path + [dep])
-        state[name] = 2
+                return path[path.index(dep):] + [dep]
+            if dep in graph and not state.get(dep):
+                if found := visit(dep, path + [dep]):
+                    return found
+        state[node] = 2
+        return None
 
-    for name in sorted(GRAPH):
-        if not state.get(name):
-            visit(name, [name])
+    for node in sorted(graph):
+        if not state.get(node) and (found := visit(node, [node])):
+            return found
+    return None
+
+
+def test_the_top_level_shows_the_parts():
+    """`ls grpo_ds/` is the architecture: the sub-packages, the CLIs and errors; nothing else at the top."""
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert top == set(TOP_LEVEL), f"modules at the top that belong to a part: {top - set(TOP_LEVEL)}"
+    assert packages == set(PARTS)
+    for part in PARTS:  # each part says what it holds
+        assert ast.get_docstring(ast.parse((PACKAGE / part / "__init__.py").read_text())), part
+
+
+def test_no_import_circles():
+    assert (circle := _circle(GRAPH)) is None, "import circle: " + " -> ".join(circle)
+
+
+def test_no_circles_between_parts():
+    parts: dict[str, set[str]] = {}
+    for name, deps in GRAPH.items():
+        parts.setdefault(_part(name), set()).update(_part(d) for d in deps if _part(d) != _part(name))
+    parts.pop("__init__", None)  # the public surface imports its names lazily, from every part
+    assert (circle := _circle(parts)) is None, "circle between parts: " + " -> ".join(circle)
 
 
 def test_no_module_is_over_500_lines():
@@ -62,26 +120,102 @@ def test_no_module_is_over_500_lines():
     assert not long, f"split by responsibility: {long}"
 
 
-@pytest.mark.parametrize(("module", "may_import"), [
-    ("grpo_ds.algo", ("grpo_ds.algo",)),
-    ("grpo_ds.kernels", ("grpo_ds.algo", "grpo_ds.kernels")),
-])
-def test_the_math_imports_only_the_math(module, may_import):
+# What each part may import of grpo_ds (prefixes); "*" entries of the other rules below.
+MAY_IMPORT = {
+    "grpo_ds.algo": ("grpo_ds.algo",),
+    "grpo_ds.kernels": ("grpo_ds.algo", "grpo_ds.kernels"),
+    "grpo_ds.distributed": ("grpo_ds.distributed",),
+    "grpo_ds.errors": ("grpo_ds.distributed.launcher",),
+    "grpo_ds.config": ("grpo_ds.config", "grpo_ds.algo.names", "grpo_ds.errors", "grpo_ds.distributed.launcher"),
+    "grpo_ds.rewards": ("grpo_ds.rewards", "grpo_ds.config", "grpo_ds.errors"),
+    "grpo_ds.envs": ("grpo_ds.envs", "grpo_ds.rewards", "grpo_ds.errors"),
+    "grpo_ds.rollout": ("grpo_ds.rollout", "grpo_ds.envs", "grpo_ds.config", "grpo_ds.errors", "grpo_ds.distributed"),
+}
+
+
+@pytest.mark.parametrize("part", sorted(MAY_IMPORT))
+def test_what_each_lower_part_imports(part):
     for name, deps in GRAPH.items():
-        if _under(name, module):
-            bad = {d for d in deps if not any(_under(d, allowed) for allowed in may_import)}
+        if _under(name, part):
+            bad = {d for d in deps if not any(_under(d, allowed) for allowed in MAY_IMPORT[part])}
             assert not bad, f"{name} imports {bad}"
 
 
-@pytest.mark.parametrize(("module", "never"), [
-    ("grpo_ds.run.preflight", ("grpo_ds.distributed.ranks", "grpo_ds.model.policy", "grpo_ds.step.update", "grpo_ds.step.loss", "grpo_ds.train")),
-    ("grpo_ds.step.loss", ("grpo_ds.distributed.ranks", "grpo_ds.model.policy", "grpo_ds.step.plan", "grpo_ds.step.update", "grpo_ds.train")),
-    ("grpo_ds.train", ("grpo_ds.check",)),
+@pytest.mark.parametrize(("part", "never"), [
+    ("grpo_ds.model", ("grpo_ds.step", "grpo_ds.run")),  # the model is built and used, it does not drive
+    ("grpo_ds.run", ("grpo_ds.step",)),  # the run's files know nothing of a step's phases
+    ("grpo_ds.run.preflight", ("grpo_ds.model.engine", "grpo_ds.model.policy")),  # loads no model
+    ("grpo_ds.step.loss", ("grpo_ds.distributed", "grpo_ds.model", "grpo_ds.step.plan", "grpo_ds.step.update")),
+    ("grpo_ds.train", ("grpo_ds.check",)),  # the driver never imports the dry-run report
 ])
-def test_forbidden_imports(module, never):
-    assert not GRAPH[module] & set(never), f"{module} imports {GRAPH[module] & set(never)}"
+def test_forbidden_imports(part, never):
+    for name, deps in GRAPH.items():
+        if _under(name, part):
+            bad = {d for d in deps if any(_under(d, forbidden) for forbidden in never)}
+            assert not bad, f"{name} imports {bad}"
 
 
 def test_nothing_imports_the_entry_points():
+    entry = {f"grpo_ds.{e}" for e in ENTRY_POINTS}
     for name, deps in GRAPH.items():
-        assert not deps & {"grpo_ds.train", "grpo_ds.check"}, f"{name} imports an entry point"
+        assert not deps & entry, f"{name} imports an entry point: {deps & entry}"
+
+
+def test_configuration_and_the_public_surface_import_no_torch():
+    """Loading and checking a recipe (grpo_ds.config), the formulas' names and `import grpo_ds` need no torch, so
+    that they are fast and work where torch is broken; checked by importing them in a fresh interpreter."""
+    config = sorted(name for name in MODULES if _under(name, "grpo_ds.config"))
+    code = ("import sys, grpo_ds, grpo_ds.algo.names, grpo_ds.distributed.launcher, grpo_ds.errors\n"
+            + "".join(f"import {name}\n" for name in config)
+            + "grpo_ds.Recipe, grpo_ds.load_recipe, grpo_ds.UserError\n"
+            + "print(sorted(m for m in ('torch', 'deepspeed', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout
+    assert out.strip() == "[]", f"importing the configuration pulled in {out.strip()}"
+
+
+def _calls(name: str):
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Call):
+            yield node
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+LAUNCHER_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE"}
+
+
+def test_the_launchers_variables_are_read_in_one_place():
+    """Only grpo_ds.distributed reads RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_SIZE; everything else asks it."""
+    for name, path in MODULES.items():
+        if _under(name, "grpo_ds.distributed"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            key = None
+            if isinstance(node, ast.Call) and _dotted(node.func) in ("os.environ.get", "os.getenv") and node.args:
+                key = node.args[0]
+            elif isinstance(node, ast.Subscript) and _dotted(node.value) == "os.environ":
+                key = node.slice
+            elif isinstance(node, ast.Compare) and any(_dotted(c) == "os.environ" for c in node.comparators):
+                key = node.left
+            if isinstance(key, ast.Constant) and key.value in LAUNCHER_VARIABLES:
+                pytest.fail(f"{name} reads {key.value}: use grpo_ds.distributed.launcher")
+
+
+def test_one_free_port_helper_and_one_atomic_write():
+    """A free port comes from grpo_ds.distributed.launcher.free_port, a small file is replaced atomically by
+    grpo_ds.run.writes.write_atomic: nothing else in the package, the tests or the benchmarks defines its own."""
+    root = PACKAGE.parent
+    for path in [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").glob("*.py")]:
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        where = path.relative_to(root)
+        if where != Path("grpo_ds/distributed/launcher.py"):
+            assert not defined & {"free_port", "_free_port"}, f"{where} defines its own free port"
+        if where != Path("grpo_ds/run/writes.py") and path.is_relative_to(PACKAGE):
+            replaces = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _dotted(n.func) == "os.replace"]
+            assert not replaces, f"{where} replaces a file itself: use grpo_ds.run.writes.write_atomic"

@@ -4,8 +4,8 @@ run with one clear line and the last good checkpoint intact."""
 import pytest
 
 import grpo_ds
-import grpo_ds.train as train_module
 import grpo_ds.step.update as update_module
+import grpo_ds.train as train_module
 from grpo_ds.errors import UserError
 from grpo_ds.model.policy import weights_sha256
 from tests.launch import REPO

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds.run import checkpoint
-from tests.launch import REPO, free_port, clean_env, remove_shm_buffers
+from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
 STEPS = 12

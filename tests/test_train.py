@@ -212,8 +212,8 @@ def test_a_failure_on_rank_0_stops_every_rank(tmp_path, reward_module):
 def test_final_model_is_a_local_hf_folder_to_train_from(tmp_path):
     grpo_ds.train(TINY, _small(tmp_path, **{"train.steps": 2, "run.name": "first"}))
     folder = tmp_path / "runs" / "first" / "final_model"
-    from grpo_ds.model.loading import load_model, load_tokenizer
     from grpo_ds.config.recipe import ModelConfig
+    from grpo_ds.model.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig(path=str(folder)))
     assert tokenizer.decode(tokenizer.encode("3+4=")) == "3+4="
@@ -275,8 +275,8 @@ def test_sequence_parallel_run_trains_like_one_rank(tmp_path):
 def test_a_logger_that_cannot_start_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
     """W&B starts on rank 0 only; its failure must reach the other ranks, which would otherwise wait in the first
     collective for ever (a hang instead of one line)."""
-    from grpo_ds.errors import UserError
     from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.errors import UserError
 
     failure = UserError("logging.wandb_project", "Weights & Biases could not start the run (timed out)")
 

@@ -24,16 +24,7 @@ from __future__ import annotations
 
 import torch
 
-BASELINES: tuple[str, ...] = ("group_mean", "leave_one_out", "batch_mean")
-SCALES: tuple[str, ...] = ("group", "batch", "none")
-
-# The named estimators of algorithm.advantage: (baseline, default scale).
-ESTIMATORS: dict[str, tuple[str, str]] = {
-    "grpo": ("group_mean", "group"),  # DeepSeekMath
-    "dr_grpo": ("group_mean", "none"),  # Dr. GRPO: never scaled
-    "rloo": ("leave_one_out", "none"),  # RLOO
-    "reinforce_pp": ("batch_mean", "batch"),  # REINFORCE++: batch mean baseline, batch whitening
-}
+from grpo_ds.algo.names import BASELINES, SCALES
 
 
 def check_arguments(rewards: torch.Tensor, group_size: int, baseline: str, scale: str) -> None:

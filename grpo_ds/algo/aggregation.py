@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                   "seq-mean-token-sum-norm")
+from grpo_ds.algo.names import LOSS_AGG_MODES
 
 
 def sequence_weights(response_lengths: list[int] | torch.Tensor, mode: str, norm_tokens: int) -> torch.Tensor:

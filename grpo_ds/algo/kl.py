@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from grpo_ds.algo.names import KL_ESTIMATORS
+
 K3_LOG_RATIO_CLAMP = 20.0
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
 def _log_ratio(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

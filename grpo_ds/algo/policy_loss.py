@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_ds.algo.kl import kl_penalty
-
-POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo")  # ppo_clip_loss, gspo_loss
+from grpo_ds.algo.names import POLICY_LOSSES
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

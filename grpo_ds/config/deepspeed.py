@@ -41,11 +41,11 @@ from typing import Any
 
 from grpo_ds.config.deepspeed_check import check_deepspeed_config, check_shapes, choose_accelerator, scheduler_class
 from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
-from grpo_ds.errors import UserError
-from grpo_ds.config.recipe import Recipe
 from grpo_ds.config.parse import check_finite, printable, read_json_object
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.errors import UserError
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # ds_configs/ sits beside grpo_ds/ in the repo
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # ds_configs/ sits beside grpo_ds/ in the repo
 
 
 def find_deepspeed_file(spec: str, source_dir: str) -> Path:

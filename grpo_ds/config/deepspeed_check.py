@@ -27,18 +27,6 @@ _PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "fl
 _DOCS = "see https://www.deepspeed.ai/docs/config-json/"
 
 
-def offloaded(zero: Any, section: str) -> bool:
-    """Whether ``zero`` (a zero_optimization section) offloads ``section`` ("offload_optimizer", "offload_param"): a
-    section with a device other than "none" (DeepSpeed reads a missing or null section, or a missing device, as off)."""
-    part = zero.get(section) if isinstance(zero, dict) else None
-    return isinstance(part, dict) and part.get("device", "none") not in (None, "none")
-
-
-def zero_stage(cfg: dict) -> int:
-    """The ZeRO stage of a DeepSpeed config (0 when it has no zero_optimization section)."""
-    return (cfg.get("zero_optimization") or {}).get("stage", 0)
-
-
 def check_deepspeed_config(cfg: dict, where: str, model_dtype: str, device_type: str) -> None:
     """Raise UserError for anything in ``cfg`` (a resolved config) that DeepSpeed would reject."""
     choose_accelerator(device_type)

@@ -1,38 +1,42 @@
 """The software a run stands on: versions, the accelerator, the installed extras, and known-bad combinations.
 
 GRPO training guides start with an environment checklist (CUDA, PyTorch, NCCL, GPU model and driver, library
-versions and their known conflicts). ``collect`` gathers it without importing any optional package (versions come
+versions and their known conflicts). ``survey`` gathers it without importing any optional package (versions come
 from the package metadata, extras from ``importlib.util.find_spec``); grpo_ds.check prints it as its
-"environment" block. ``check`` refuses what a recipe cannot run with; grpo_ds.run.preflight.prepare_inputs runs it first,
-so training refuses it too, before any model loads, and it reads package metadata only (no CUDA call: a rank
+"environment" block. ``check`` refuses what a recipe cannot run with; grpo_ds.run.preflight.prepare_inputs runs it
+first, so training refuses it too, before any model loads, and it reads package metadata only (no CUDA call: a rank
 must not touch a GPU before DeepSpeed gives it one).
 
 Known-bad combinations, each from a source:
 - torch, deepspeed, transformers, accelerate or datasets older than setup.cfg's install_requires (``MINIMUMS``;
   a test checks that they agree). pip enforces them, but a conda environment or ``--no-deps`` can break them.
-- rollout.engine "vllm": an installed vLLM outside the range grpo_ds.rollout.vllm accepts (``unsupported_vllm``
-  owns it), or one whose own requirements are not met by the installed torch or transformers. vLLM wheels pin
-  the torch they were compiled against (``Requires-Dist: torch==2.10.0``): with another torch its compiled ops
-  fail at import with undefined symbols, so this is refused by name before vLLM is ever imported.
-- model.lora_rank: peft missing or older than grpo_ds.model.lora.PEFT_SPEC (``lora.check_peft`` owns the rule).
-A vLLM that is not installed at all is refused when the run starts on its GPU machine (``require_vllm``): the dry
-run may plan a run for another machine. Triton missing with ``kernels.backend "triton"`` is refused by
-grpo_ds.kernels.resolve_backend ("auto" falls back to the PyTorch path).
+- rollout.engine "vllm": an installed vLLM outside ``VLLM_SPEC`` (``unsupported_vllm``), or one whose own requirements
+  are not met by the installed torch or transformers. vLLM wheels pin the torch they were compiled against
+  (``Requires-Dist: torch==2.10.0``): with another torch its compiled ops fail at import with undefined symbols, so this
+  is refused by name before vLLM is ever imported.
+- model.lora_rank: peft missing or older than ``PEFT_SPEC`` (``check_peft``).
+A vLLM that is not installed at all is refused when the run starts on its GPU machine
+(grpo_ds.rollout.vllm.require_vllm): the dry run may plan a run for another machine. Triton missing with
+``kernels.backend "triton"`` is refused by ``resolve_backend`` ("auto" falls back to the PyTorch path): which
+kernels a run gets is a question about the installed software, so it is answered here (the kernels themselves,
+grpo_ds.kernels, take the resolved "triton" or "torch").
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from grpo_ds.model import lora
 from grpo_ds.errors import UserError
-from grpo_ds.config.recipe import Recipe
-from grpo_ds.config.software import VLLM_SPEC, unsupported_vllm
+
+if TYPE_CHECKING:  # the schema imports this module for the kernels backend choices
+    from grpo_ds.config.recipe import Recipe
 
 # The distributions the report shows, in this order (torch's CUDA and NCCL are shown with it).
 PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "datasets", "triton", "peft", "vllm", "wandb",
@@ -60,7 +64,7 @@ class Unmet:
 
 
 @dataclass(frozen=True)
-class Environment:
+class InstalledSoftware:
     python: str
     versions: dict[str, str | None]  # PACKAGES -> installed version (None: not installed; or NO_METADATA)
     cuda: str | None  # the CUDA (or "ROCm x") torch was built for; None for a CPU build
@@ -144,9 +148,9 @@ def problems(recipe: Recipe, versions: dict[str, str | None] | None = None) -> l
                                        "fails at import or later)",
                                        f"install the {unmet.name} that vLLM was built for, or a vLLM built for "
                                        f"{unmet.name} {unmet.found} (pip install 'vllm{VLLM_SPEC}' picks one)"))
-    if lora.enabled(recipe.model):
+    if recipe.model.lora_rank is not None:
         try:
-            lora.check_peft()
+            check_peft()
         except UserError as err:
             found.append(err)
     return found
@@ -158,7 +162,7 @@ def check(recipe: Recipe) -> None:
         raise found[0]
 
 
-def collect() -> Environment:
+def survey() -> InstalledSoftware:
     """The whole checklist for the report. Queries the GPUs (creates a CUDA context): for grpo_ds.check only."""
     import torch
 
@@ -176,7 +180,7 @@ def collect() -> Environment:
         except (AttributeError, RuntimeError):  # a build without NCCL
             nccl = None
     extras = {extra: _found(package) for extra, package in EXTRAS.items()}
-    return Environment(platform.python_version(), versions, cuda, nccl, gpus, nvidia_driver(), extras,
+    return InstalledSoftware(platform.python_version(), versions, cuda, nccl, gpus, nvidia_driver(), extras,
                        unmet_requirements(versions))
 
 
@@ -196,3 +200,67 @@ def _dotted(version) -> str:
     if isinstance(version, tuple):
         return ".".join(str(part) for part in version)
     return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+
+
+# ------------------------------------------------------------------------ vLLM, peft, Triton
+
+_VLLM_LOW, _VLLM_HIGH = "0.17", "0.26"  # supported: low <= version < high
+VLLM_SPEC = f">={_VLLM_LOW},<{_VLLM_HIGH}"  # setup.cfg's vllm extra says the same (a test checks)
+PEFT_SPEC = "peft>=0.21"  # model.lora_rank: the version the LoRA tests ran with (setup.cfg's lora extra)
+
+
+def unsupported_vllm(found: str) -> UserError | None:
+    """The UserError for a vLLM version outside VLLM_SPEC, None for a supported one (also used by
+    grpo_ds.config.software, which reads the version from the package metadata without importing vLLM)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        version = Version(Version(found).base_version)  # "0.25.1+cu129" -> 0.25.1
+    except InvalidVersion:
+        version = None
+    if version is None or not Version(_VLLM_LOW) <= version < Version(_VLLM_HIGH):
+        return UserError('rollout.engine "vllm"', f"vLLM {found} is installed but grpo_ds supports vllm{VLLM_SPEC}",
+                         f"install a supported version: pip install 'vllm{VLLM_SPEC}'")
+    return None
+
+
+def check_peft() -> None:
+    """One line, before any model loads, when peft is missing or too old."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        found = version("peft")
+    except PackageNotFoundError:
+        raise UserError("model.lora_rank", "LoRA needs peft, which is not installed",
+                        f"pip install 'grpo_ds[lora]' (or '{PEFT_SPEC}'), or set model.lora_rank to null") from None
+    if Version(found) < Version(PEFT_SPEC.removeprefix("peft>=")):
+        raise UserError("model.lora_rank", f"peft {found} is too old", f"pip install '{PEFT_SPEC}'")
+
+
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+
+
+def triton_problem(device_type: str) -> str | None:
+    """Why the Triton backend cannot run on ``device_type`` here, or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"Triton kernels need a CUDA GPU and this run is on {device_type} "
+                "(TRITON_INTERPRET=1 runs them, slowly, through Triton's interpreter)")
+    return None
+
+
+def resolve_backend(requested: str, device_type: str) -> str:
+    """"auto" -> "triton" on CUDA when Triton is importable, else "torch"; "triton" where it cannot run raises."""
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown kernels backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+    if requested == "torch":
+        return "torch"
+    problem = triton_problem(device_type)
+    if requested == "auto":
+        return "triton" if device_type == "cuda" and problem is None else "torch"
+    if problem is not None:
+        raise ValueError(problem)
+    return "triton"

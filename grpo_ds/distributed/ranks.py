@@ -1,16 +1,14 @@
-"""DeepSpeed: process group, ZeRO-3 training engine, frozen reference engine.
+"""The job's ranks: the process group (DeepSpeed's), this process's place in it, and the collectives the driver uses.
 
-One rank or many, CPU (gloo) or GPU (nccl). A single `python -m grpo_ds.train` process is world
-size 1 with the same code path: the env vars the `deepspeed` launcher would set are filled in.
+One rank or many, CPU (gloo) or GPU (nccl). A single `python -m grpo_ds.train` process is world size 1 with the same
+code path: the variables the `deepspeed` launcher would set are filled in (grpo_ds.distributed.launcher reads them).
 """
 
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import os
-import socket
 import sys
 import warnings
 from collections.abc import Callable
@@ -19,7 +17,7 @@ from typing import Any
 
 import torch
 
-from grpo_ds.config.deepspeed_keys import zero_stage
+from grpo_ds.distributed import launcher
 
 
 @dataclass(frozen=True)
@@ -118,16 +116,6 @@ def device_type() -> str:
     return "cuda"
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _destroy_process_group() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -140,7 +128,7 @@ def end_launched_rank(code: int) -> None:
     exception" (exit -6: a communication thread still joinable when its owner was destroyed), which the launcher
     reports as a failed run, even with the group destroyed first. Elsewhere (one process, a notebook) nothing
     happens here. Everything grpo_ds writes is closed before this (metrics, checkpoints, W&B)."""
-    if "RANK" not in os.environ:
+    if not launcher.launched():
         return
     sys.stdout.flush()
     sys.stderr.flush()
@@ -155,7 +143,7 @@ def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
     kind = device_type()
     if kind == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        local_ranks = int(os.environ.get("LOCAL_SIZE", "1"))  # set by the `deepspeed` launcher
+        local_ranks = launcher.local_ranks()
         if local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks sharing cores must not oversubscribe
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
     import deepspeed
@@ -166,7 +154,7 @@ def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():
         backend = "gloo" if kind == "cpu" else "nccl"
-        if "RANK" in os.environ:  # started by the `deepspeed` launcher (or torchrun)
+        if launcher.launched():  # started by the `deepspeed` launcher (or torchrun)
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         else:  # plain `python -m grpo_ds.train` or a notebook: a group of one on a free port
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts it; RANK/MASTER_PORT stay unset
@@ -174,39 +162,14 @@ def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
             # which ZeRO-3 does on every gradient reduction (a fork of the whole process, several per step).
             os.environ.setdefault("LOCAL_SIZE", "1")
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, rank=0,
-                                       world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+                                       world_size=1, init_method=f"tcp://127.0.0.1:{launcher.free_port()}")
         # Take the group down while the interpreter is whole, in every process that made one (the CLI, scripts,
         # notebooks): left to the end of the process, its communication threads sometimes outlived it ("terminate
         # called without an active exception", exit -6 on a rank of a run that had finished, under load).
         atexit.register(_destroy_process_group)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launcher.local_rank()
     device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local_rank)
     if kind == "cuda":
         torch.cuda.set_device(device)
     return Dist(rank=rank, world_size=world, local_rank=local_rank, device=device, tp_size=tp_size, sp_size=sp_size)
-
-
-def create_train_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
-    """ZeRO-3 engine with the optimizer (and scheduler) described by the resolved config; ``mpu``: Ulysses' groups."""
-    import deepspeed
-
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                          if p.requires_grad], config=ds_config,
-                                           mpu=mpu)
-    return engine
-
-
-def create_reference_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
-    """Frozen reference policy for the KL term, no optimizer: under ZeRO-3 sharded like the policy; under stages 1
-    and 2, which shard optimizer states and gradients only (and DeepSpeed refuses without an optimizer), plain."""
-    import deepspeed
-
-    cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
-    if zero_stage(cfg) != 3:
-        cfg["zero_optimization"] = {"stage": 0}
-    cfg["managed_gradient_accumulation"] = True
-    model.requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
-    engine.module.eval()
-    return engine

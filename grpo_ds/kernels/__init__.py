@@ -8,15 +8,14 @@ Public operations (each has a Triton kernel and a chunked PyTorch path; both fol
     policy_loss_from_hidden  hidden, weight, loss inputs -> sum_t w_t l_t and per-token statistics
     masked_policy_loss       (B, T) log-probs and mask -> per-sequence sums for every loss_agg mode
 
-``backend`` is "triton" or "torch" (resolve "auto" with ``resolve_backend`` first). Triton modules are
+``backend`` is "triton" or "torch" (resolve "auto" with grpo_ds.config.software.resolve_backend first). Triton modules
+are
 imported only when the Triton backend is used, so the CPU path never needs Triton. No kernel communicates:
 cross-rank sums belong to the driver.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import NamedTuple
 
 import torch
@@ -25,32 +24,6 @@ from grpo_ds.algo.advantages import check_arguments
 from grpo_ds.algo.advantages import group_advantages as reference_advantages
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
 from grpo_ds.kernels import chunked
-
-BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
-
-
-def triton_problem(device_type: str) -> str | None:
-    """Why the Triton backend cannot run on ``device_type`` here, or None when it can."""
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (pip install triton)"
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"Triton kernels need a CUDA GPU and this run is on {device_type} "
-                "(TRITON_INTERPRET=1 runs them, slowly, through Triton's interpreter)")
-    return None
-
-
-def resolve_backend(requested: str, device_type: str) -> str:
-    """"auto" -> "triton" on CUDA when Triton is importable, else "torch"; "triton" where it cannot run raises."""
-    if requested not in BACKENDS:
-        raise ValueError(f"unknown kernels backend {requested!r}; choose one of {', '.join(BACKENDS)}")
-    if requested == "torch":
-        return "torch"
-    problem = triton_problem(device_type)
-    if requested == "auto":
-        return "triton" if device_type == "cuda" and problem is None else "torch"
-    if problem is not None:
-        raise ValueError(problem)
-    return "triton"
 
 
 class LossInputs(NamedTuple):

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_ds.model.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer, tiny_config
 from grpo_ds.config.deepspeed_keys import zero_stage
-from grpo_ds.errors import UserError, first_line
-from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.config.parse import printable, read_json_object
+from grpo_ds.config.recipe import ModelConfig
+from grpo_ds.errors import UserError, first_line
+from grpo_ds.model.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer, tiny_config
 
 BUILTIN_TINY = "builtin:tiny"
 # Any one of these makes a folder worth handing to AutoTokenizer. Without them transformers 5 does not fail: it

@@ -28,11 +28,10 @@ from contextlib import contextmanager
 
 import torch
 
-from grpo_ds.errors import UserError, first_line
 from grpo_ds.config.recipe import ModelConfig
+from grpo_ds.errors import UserError, first_line
 from grpo_ds.model.weight_gather import gathered_named_parameters, gathered_parameters
 
-PEFT_SPEC = "peft>=0.21"
 ALL_LINEAR = "all-linear"
 _PEFT_PREFIX = "base_model.model."
 _ADAPTER = "default"
@@ -41,21 +40,6 @@ _MERGE_ROWS = 1024  # rows of W merged per block: the B @ A product never exists
 
 def enabled(model_cfg: ModelConfig) -> bool:
     return model_cfg.lora_rank is not None
-
-
-def check_peft() -> None:
-    """One line, before any model loads, when peft is missing or too old."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    try:
-        found = version("peft")
-    except PackageNotFoundError:
-        raise UserError("model.lora_rank", "LoRA needs peft, which is not installed",
-                        f"pip install 'grpo_ds[lora]' (or '{PEFT_SPEC}'), or set model.lora_rank to null") from None
-    if Version(found) < Version(PEFT_SPEC.removeprefix("peft>=")):
-        raise UserError("model.lora_rank", f"peft {found} is too old", f"pip install '{PEFT_SPEC}'")
 
 
 def lora_config(model_cfg: ModelConfig):

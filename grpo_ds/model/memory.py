@@ -12,7 +12,8 @@ in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py):
     Adam moments       T x 8 / opt shard
     reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
     rollout copy       P x W                    the hf and agent engines' unsharded copy (none where they generate
-                                                with the policy's own module: grpo_ds.config.deepspeed.rollout_shares_policy)
+                                                with the policy's own module:
+                                                grpo_ds.config.deepspeed.rollout_shares_policy)
     vLLM               gpu_memory_utilization x the GPU's memory (--gpu-memory-gib); with sleep mode only while
                        it generates, its weights in host memory (P x W / vllm tp) otherwise
     reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters)
@@ -39,10 +40,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from grpo_ds.model import lora
 from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.model import lora
 
 GIB = 2**30
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -92,8 +93,8 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grpo_ds.model.tiny import build_tiny_model
     from grpo_ds.model.loading import BUILTIN_TINY
+    from grpo_ds.model.tiny import build_tiny_model
 
     m = recipe.model
     with torch.device("meta"):

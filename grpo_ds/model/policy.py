@@ -27,14 +27,12 @@ from typing import Any
 
 import torch
 
-from grpo_ds.model import lora
-from grpo_ds.model import sequence_parallel
 from grpo_ds.config.deepspeed import one_rank_stage_note
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.model import lora, sequence_parallel
 from grpo_ds.model.engine import create_reference_engine, create_train_engine
 from grpo_ds.model.loading import load_model
-from grpo_ds.config.recipe import Recipe
 from grpo_ds.model.weight_gather import gathered_named_parameters
-from grpo_ds.step.update import sequence_parallel_rows
 
 
 @dataclass
@@ -54,7 +52,7 @@ class Policy:
         if use_lora:
             model = lora.apply_lora(model, recipe.model)
         sp = recipe.train.sequence_parallel_size
-        mpu = sequence_parallel.register(model, sp, sequence_parallel_rows(recipe)) if sp > 1 else None
+        mpu = sequence_parallel.register(model, sp, recipe.sequence_parallel_rows) if sp > 1 else None
         engine = create_train_engine(model, ds_config, mpu)
         reference = None
         if recipe.algorithm.kl_coef > 0:

@@ -4,7 +4,8 @@ With train.sequence_parallel_size sp > 1, the sp consecutive ranks of a group ho
 tensor-parallel group) and each feeds the model its slice of every micro-batch's positions: columns
 [r T/sp, (r+1) T/sp) of the rows (T padded to a multiple of sp). DeepSpeed's attention wrapper exchanges heads for
 sequence slices with two all-to-alls per layer, so attention sees whole sequences, and everything else (the linear
-layers, the fused lm_head, the loss) works on the rank's own positions. Each rank scores the response tokens whose
+layers, the fused lm_head, the loss) works on the rank's own positions (grpo_ds.step.micro_batch.shard_sequences
+cuts them). Each rank scores the response tokens whose
 predicting position is in its slice, with targets taken from the unsplit sequence, and its loss is its partial sum of
 the micro-batch's: the partial sums of the sp ranks add up to the micro-batch's loss (grpo_ds.step.loss).
 
@@ -23,11 +24,7 @@ What DeepSpeed's wrapper needs, and what grpo_ds does about it:
 
 from __future__ import annotations
 
-import math
-
 import torch
-
-from grpo_ds.step.micro_batch import MicroBatch
 
 _SAVED: dict[str, object] = {}  # attention implementation -> transformers' function before the wrapper
 _REGISTERED: dict[str, int] = {}  # "size" -> the sequence-parallel size DeepSpeed's groups were built for
@@ -64,28 +61,3 @@ def keep_out(model: torch.nn.Module) -> None:
     wrapper replaces: sdpa -> eager, flash attention -> sdpa."""
     impl = model.config._attn_implementation
     model.set_attn_implementation("sdpa" if impl.startswith("flash_attention") else "eager")
-
-
-def shard(mb: MicroBatch, rows: int, rank: int, sp_size: int, pad_id: int) -> MicroBatch:
-    """This rank's slice of a padded micro-batch (grpo_ds.step.micro_batch, ``packed=False``): ``rows`` rows, columns
-    [rank L, (rank + 1) L) with L = T / sp after padding T to a multiple of sp, and the response tokens whose
-    predicting position falls in it."""
-    if mb.attention_mask is None:
-        raise ValueError("sequence parallelism shards padded micro-batches (packed rows need attention masks)")
-    b, t = mb.input_ids.shape
-    if b > rows:
-        raise ValueError(f"a micro-batch of {b} rows; the sequence-parallel wrapper was built for {rows}")
-    local = math.ceil(t / sp_size)
-    lo = rank * local
-    ids = torch.full((rows, local * sp_size), pad_id, dtype=mb.input_ids.dtype, device=mb.input_ids.device)
-    ids[:b, :t] = mb.input_ids
-    mask = torch.zeros_like(ids)
-    mask[:b, :t] = mb.attention_mask
-    positions = torch.arange(local * sp_size, device=ids.device).expand(rows, -1)
-    row, position = mb.logit_index // t, mb.logit_index % t
-    mine = (position >= lo) & (position < lo + local)  # (N,) the tokens this rank scores
-    return MicroBatch(sample_ids=mb.sample_ids, input_ids=ids[:, lo:lo + local].contiguous(), attention_mask=None,
-                      position_ids=positions[:, lo:lo + local].contiguous(), target_ids=mb.target_ids[mine],
-                      logit_index=row[mine] * local + position[mine] - lo, seq_index=mb.seq_index[mine],
-                      col=mb.col[mine], loss_mask=mb.loss_mask[mine],
-                      sequence_tokens=int(mask[:, lo:lo + local].sum()), padding=mb.padding)

@@ -62,7 +62,7 @@ keyword arguments) are reported as one-line errors before any model is loaded.
 
 from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 from grpo_ds.rewards.item_error import RewardError
-from grpo_ds.rewards.loading import RewardFunction, load_reward_functions
+from grpo_ds.rewards.loading import RewardFn, RewardFunction, load_reward_functions
 from grpo_ds.rewards.scoring import RewardFailure, RewardResult, check_columns, score, unique_names
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "RewardError",
     "RewardFailure",
+    "RewardFn",
     "RewardFunction",
     "RewardResult",
     "load_reward_functions",

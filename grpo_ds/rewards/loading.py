@@ -9,15 +9,24 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from grpo_ds.errors import UserError, json_type_name, suggest
-from grpo_ds.config.parse import check_finite
+from grpo_ds.config.reward_specs import parse_reward_specs
+from grpo_ds.errors import UserError
 from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 
 _SIGNATURE = "def my_reward(*, prompts, completions, completion_ids, **columns)"
+
+
+class RewardFn(Protocol):
+    """What a reward function is: called once per step on the whole batch, with keyword arguments only; returns one
+    value per completion (a number, None for "no score", or a RewardError for a failed sample), or an awaitable of
+    that list for an ``async def`` function. ``columns`` holds every dataset column, aligned with ``completions``."""
+
+    def __call__(self, *, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                 **columns: list) -> list | Awaitable[list]: ...
 
 
 @dataclass(frozen=True)
@@ -26,40 +35,7 @@ class RewardFunction:
 
     name: str  # the spec's name: a built-in name or "package.module:function"
     weight: float
-    fn: Callable[..., Any]
-
-
-DEFAULT_WEIGHT = 1.0  # the weight of a reward function whose spec gives none
-_SPEC_KEYS = ("name", "weight")
-
-
-@dataclass(frozen=True)
-class RewardSpec:
-    """One checked entry of the recipe's ``reward.functions``."""
-
-    name: str  # a built-in name or "package.module:function", stripped
-    weight: float  # DEFAULT_WEIGHT when the entry gives none
-
-
-def parse_reward_specs(specs: list) -> list[RewardSpec]:
-    """Check ``[{"name": ..., "weight": ...}, ...]`` (keys, types, a finite weight) and apply the default weight;
-    the recipe's validation and ``load_reward_functions`` both read the entries through here. Imports nothing."""
-    return [_parse_one(f"reward.functions[{i}]", spec) for i, spec in enumerate(specs)]
-
-
-def _parse_one(where: str, spec: Any) -> RewardSpec:
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise UserError(where, "must be an object with a string name", '{"name": "exact_match", "weight": 1.0}')
-    unknown = sorted(set(spec) - set(_SPEC_KEYS))
-    if unknown:
-        raise UserError(f"{where}.{unknown[0]}", "unknown key", suggest(unknown[0], _SPEC_KEYS))
-    if not spec["name"].strip():
-        raise UserError(f"{where}.name", "is empty", 'a built-in such as "exact_match", or package.module:function')
-    weight = spec.get("weight", DEFAULT_WEIGHT)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise UserError(f"{where}.weight", f"expected a number, got {json_type_name(weight)}", "e.g. 1.0")
-    check_finite(f"{where}.weight", weight)  # the recipe's message for a NaN or an infinity, wherever it sits
-    return RewardSpec(name=spec["name"].strip(), weight=float(weight))
+    fn: RewardFn
 
 
 def load_reward_functions(specs: list[dict]) -> list[RewardFunction]:

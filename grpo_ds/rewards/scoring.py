@@ -22,13 +22,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_ds.config.reward_specs import ON_ERROR_CHOICES
 from grpo_ds.errors import UserError
 from grpo_ds.rewards.item_error import RewardError
 from grpo_ds.rewards.loading import RewardFunction
 
 logger = logging.getLogger("grpo_ds.rewards")
-
-ON_ERROR_CHOICES = ("zero", "fail")
 
 # (function key, error kind) pairs already warned about: each failure mode is logged once per process,
 # not once per step, so a broken function cannot flood the log.

@@ -2,8 +2,8 @@
 
 The copy lives on the training device and is refreshed after every optimizer step from the
 ZeRO-3 shards (see grpo_ds.model.weight_gather). Where every rank holds the policy's module whole (ZeRO 0-2, no
-tensor or sequence parallelism: grpo_ds.config.deepspeed.rollout_shares_policy) the engine generates with that module and
-there is no copy and no sync. Prompts are left-padded for batched generation;
+tensor or sequence parallelism: grpo_ds.config.deepspeed.rollout_shares_policy) the engine generates with that module
+and there is no copy and no sync. Prompts are left-padded for batched generation;
 position ids come from the attention mask, so they match the unpadded sequences used in training.
 
 Each token is picked, and its log-prob under the distribution it was sampled from (after temperature, top-k and

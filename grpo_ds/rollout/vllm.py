@@ -44,21 +44,17 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
-import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from grpo_ds.config.software import VLLM_SPEC, unsupported_vllm
+from grpo_ds.distributed import launcher
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.stop import folder_generation_config, stop_token_ids
-
-_VLLM_LOW, _VLLM_HIGH = "0.17", "0.26"  # supported: low <= version < high
-VLLM_SPEC = f">={_VLLM_LOW},<{_VLLM_HIGH}"  # setup.cfg's vllm extra says the same (a test checks)
-
 
 # ------------------------------------------------------------------------------------------- start-up guard
 
@@ -75,24 +71,9 @@ def require_vllm() -> str:
     return found
 
 
-def unsupported_vllm(found: str) -> UserError | None:
-    """The UserError for a vLLM version outside VLLM_SPEC, None for a supported one (also used by
-    grpo_ds.config.software, which reads the version from the package metadata without importing vLLM)."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        version = Version(Version(found).base_version)  # "0.25.1+cu129" -> 0.25.1
-    except InvalidVersion:
-        version = None
-    if version is None or not Version(_VLLM_LOW) <= version < Version(_VLLM_HIGH):
-        return UserError('rollout.engine "vllm"', f"vLLM {found} is installed but grpo_ds supports vllm{VLLM_SPEC}",
-                         f"install a supported version: pip install 'vllm{VLLM_SPEC}'")
-    return None
-
-
 def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = True) -> None:
-    """Start-up checks for rollout.engine "vllm" (grpo_ds.run.preflight.prepare_inputs runs them before any model loads):
-    temperatures vLLM samples at as asked, the tensor-parallel size divides the world size and, with ``machine``
+    """Start-up checks for rollout.engine "vllm" (grpo_ds.run.preflight.prepare_inputs runs them before any model
+    loads): temperatures vLLM samples at as asked, the tensor-parallel size divides the world size and, with ``machine``
     (not in a dry run planned elsewhere), there are GPUs, sleep mode can work, and a supported vLLM imports. Prints
     a note when algorithm.rollout_is_cap is off."""
     r = recipe.rollout
@@ -114,10 +95,10 @@ def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = 
                         "expandable_segments:True (vllm/device_allocator/cumem.py refuses it)",
                         "unset PYTORCH_CUDA_ALLOC_CONF, or set rollout.vllm_sleep_mode to false")
     require_vllm()
-    if recipe.algorithm.rollout_is_cap is None and os.environ.get("RANK", "0") == "0":
-        print('note: rollout.engine "vllm" samples with other kernels than the trainer\'s; '
-              "algorithm.rollout_is_cap (e.g. 2) corrects the mismatch with truncated importance sampling and is "
-              "recommended (it is null: off)", file=sys.stderr, flush=True)
+    if recipe.algorithm.rollout_is_cap is None:
+        launcher.say('note: rollout.engine "vllm" samples with other kernels than the trainer\'s; '
+                     "algorithm.rollout_is_cap (e.g. 2) corrects the mismatch with truncated importance sampling and "
+                     "is recommended (it is null: off)")
 
 
 VLLM_MIN_TEMPERATURE = 0.01  # vllm/sampling_params.py raises any temperature in (0, 0.01) to this (_MAX_TEMP)
@@ -251,9 +232,9 @@ class VLLMRolloutEngine:
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id,
                                        folder_generation_config(folder, settings.trust_remote_code))
         # the external launcher reads the launcher's variables; a single process (python -m) has none of them
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK=str(launcher.local_rank()))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("MASTER_PORT", str(launcher.free_port()))
         torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free
         self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank))
         self._awake = {"weights", "kv_cache"}
@@ -336,9 +317,3 @@ def _save_for_vllm(model: torch.nn.Module, tokenizer) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -41,9 +41,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpo_ds.run import writes
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError, first_line
+from grpo_ds.run import writes
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -131,7 +131,7 @@ def _write_shards(policy, tmp: Path, dist: Dist) -> None:
     rng_file = tmp / "rng" / f"rank{dist.rank}.pt"
     with writes.writing(rng_file):
         torch.save(_rng_state(), rng_file)
-        _fsync_file(rng_file)
+        writes.fsync_file(rng_file)
 
 
 @contextmanager
@@ -179,17 +179,17 @@ def _finish(run_dir: Path, tmp: Path, final: Path, trainer_state: dict, keep: in
         _write_json(tmp / "trainer_state.json", trainer_state)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for p in files:
-            _fsync_file(p)
+            writes.fsync_file(p)
         _write_json(tmp / MANIFEST, {"step": trainer_state["step"], "files": {
             str(p.relative_to(tmp)): _sha256(p) for p in files}})
         for folder in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
-            _fsync_dir(folder)
+            writes.fsync_dir(folder)
         if final.exists():  # a checkpoint of this step from a run that crashed before moving on
             shutil.rmtree(final)
         os.rename(tmp, final)
         renamed = True
-        _fsync_dir(root)
-        _write_text_atomic(root / LATEST, final.name)
+        writes.fsync_dir(root)
+        writes.write_atomic(root / LATEST, final.name + "\n")
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if renamed:
@@ -380,31 +380,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with writes.writing(path), path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    with writes.writing(path):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _write_json(path: Path, obj: dict) -> None:
     with writes.writing(path):
         path.write_text(json.dumps(obj, indent=1) + "\n")
-    _fsync_file(path)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with writes.writing(tmp):
-        tmp.write_text(text + "\n")
-    _fsync_file(tmp)
-    with writes.writing(path):
-        os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    writes.fsync_file(path)

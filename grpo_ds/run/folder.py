@@ -7,6 +7,12 @@ logging.*) — and refused when it holds another recipe's run, naming the first 
 ``"never"`` it is refused. ``resume`` may also name a checkpoint folder to start from. A run that finished
 (its ``complete.json`` counts at least ``train.steps``) is left as it is: the same command again does nothing, and
 a larger ``train.steps`` continues it.
+
+Output folders are checked here too, before anything is written: each must be a writable folder, or one that can
+be created. A run writes only inside its run folder ``run.output_dir/run.name`` (checkpoints, metrics, logs, traces,
+the final model); the exporter writes its ``--out`` folder. A path with a file where a folder should be, a folder
+that cannot be written, or a run.name that would put the run folder outside ``run.output_dir`` (or make it
+``run.output_dir`` itself, which ``run.overwrite`` would then delete) is one UserError before any model loads.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_ds.config.parse import printable
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.errors import UserError
 from grpo_ds.run import writes
 from grpo_ds.run.checkpoint import CHECKPOINTS, verify, write_error
-from grpo_ds.errors import UserError
-from grpo_ds.config.recipe import Recipe
 
 # Keys that may change between the attempts of one run (extending it, checkpointing or logging differently).
 _MAY_DIFFER = ("run.overwrite", "train.steps", "checkpoint.", "logging.")
@@ -76,7 +83,8 @@ def completed_steps(path: Path) -> int | None:
 
 def mark_complete(path: Path, steps: int, final_weights_sha256: str) -> None:
     """Rank 0, at the end of a run: record that it finished (running the same command again does nothing)."""
-    _write_atomic(path / COMPLETE, json.dumps({"steps": steps, "final_weights_sha256": final_weights_sha256}) + "\n")
+    record = {"steps": steps, "final_weights_sha256": final_weights_sha256}
+    writes.write_atomic(path / COMPLETE, json.dumps(record) + "\n")
 
 
 def prepare(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None:
@@ -94,8 +102,8 @@ def _write_run_files(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None
                   file=sys.stderr, flush=True)
         shutil.rmtree(folder.path)
     folder.path.mkdir(parents=True, exist_ok=True)
-    _write_atomic(folder.path / "recipe.json", json.dumps(recipe.to_dict(), indent=2) + "\n")
-    _write_atomic(folder.path / "deepspeed.json", json.dumps(ds_config, indent=2) + "\n")
+    writes.write_atomic(folder.path / "recipe.json", json.dumps(recipe.to_dict(), indent=2) + "\n")
+    writes.write_atomic(folder.path / "deepspeed.json", json.dumps(ds_config, indent=2) + "\n")
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
@@ -118,7 +126,7 @@ def trim_log(log: Path, last_step: int) -> None:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
             kept.append(line)
     try:
-        _write_atomic(log, "".join(line + "\n" for line in kept))
+        writes.write_atomic(log, "".join(line + "\n" for line in kept))
     except OSError as err:
         raise UserError("resume", f"cannot write {err.filename}: {writes.describe(err)}",
                         f"the checkpoint is untouched: {writes.remedy(err)} and run the same command again") from None
@@ -159,9 +167,38 @@ def _flatten(recipe: dict) -> dict:
     return out
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with writes.writing(tmp):
-        tmp.write_text(text)
-    with writes.writing(path):
-        os.replace(tmp, path)
+# ------------------------------------------------------------------- output folders, before anything loads
+
+def check_output_folder(path: str | Path, where: str) -> None:
+    """Raise UserError unless ``path`` is a writable folder, or can be created: the nearest part of it that exists
+    is a writable folder (nothing on the way is a file)."""
+    path = Path(path)
+    shown = printable(str(path))
+    if "\0" in str(path):
+        raise UserError(where, f"{shown} holds a NUL character", "give a folder path")
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if existing == path:
+        blocked = ""
+    else:
+        blocked = f"cannot be created: {printable(str(existing))} "
+    if not existing.is_dir():
+        kind = "a broken link" if existing.is_symlink() else "a file" if blocked else "not a folder"
+        what = f"{blocked}is {kind}" if blocked else f"exists and is {kind}"
+        raise UserError(where, f"{shown} {what}", "give a folder path, or move the file away")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(where, f"{shown} {blocked}is not writable", "give a folder you may write to (check its "
+                        "permissions, and that the file system is not mounted read-only)")
+
+
+def check_run_folder(output_dir: str, name: str) -> Path:
+    """The run folder ``output_dir/name``, checked as an output folder; return it."""
+    parts = Path(name).parts
+    if not name.strip() or Path(name).is_absolute() or ".." in parts or all(p == "." for p in parts):
+        raise UserError("run.name", f"{json.dumps(name)} is not a folder name inside run.output_dir (the run folder is "
+                        "run.output_dir/run.name, which run.overwrite may delete)", 'give a name such as "grpo_1"')
+    folder = Path(output_dir) / name
+    check_output_folder(output_dir, "run.output_dir")
+    check_output_folder(folder, "run.name")
+    return folder

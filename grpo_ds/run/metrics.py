@@ -1,5 +1,6 @@
 """Per-step metrics: metrics.jsonl in the run folder, a console line, a progress bar, and optionally
-TensorBoard and Weights & Biases (rank 0 only)."""
+TensorBoard and Weights & Biases (rank 0 only); and ``read_metrics``, which reads metrics.jsonl back the way a crash or
+a resume leaves it (the finished run's history, grpo_ds.plot's curves)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from grpo_ds.run import writes
-from grpo_ds.errors import UserError, first_line
 from grpo_ds.config.recipe import LoggingConfig
+from grpo_ds.errors import UserError, first_line
+from grpo_ds.run import writes
 
 
 def check_logging_extras(cfg: LoggingConfig) -> None:
@@ -133,3 +134,29 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
     return str(x)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl, one per step in step order (the last record of a repeated step)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        what = "is not a folder" if run_dir.exists() else "not found"
+        raise UserError(str(run_dir), what, "give a run folder (run.output_dir/run.name) that holds metrics.jsonl")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        runs = sorted(str(p.parent) for p in run_dir.glob("*/metrics.jsonl"))
+        fix = f"did you mean {' or '.join(runs[:3])}?" if runs else "a run writes it from its first step on"
+        raise UserError(str(path), "not found", fix)
+    by_step: dict[int, dict] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn line from a crash (or an interrupted write before a resume)
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            by_step.pop(step, None)  # a resumed run logs a step again: the last record wins
+            by_step[step] = record
+    if not by_step:
+        raise UserError(str(path), "has no complete records", "a run logs one line per step; wait for step 1")
+    return [by_step[step] for step in sorted(by_step)]

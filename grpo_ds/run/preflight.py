@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from grpo_ds.config import software
-from grpo_ds.run.prompts import PromptRow, load_rows, prepare_prompts
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
 from grpo_ds.config.deepspeed_check import check_precision_supported
+from grpo_ds.config.recipe import Recipe, load_recipe
+from grpo_ds.config.software import resolve_backend
 from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
-from grpo_ds.config.software import resolve_backend
-from grpo_ds.run.metrics import check_logging_extras
 from grpo_ds.model.loading import BUILTIN_TINY, context_length, load_tokenizer
-from grpo_ds.run.folder import check_run_folder
-from grpo_ds.config.recipe import Recipe, load_recipe
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm import check_vllm_setup
+from grpo_ds.run.folder import check_run_folder
+from grpo_ds.run.metrics import check_logging_extras
+from grpo_ds.run.prompts import PromptRow, load_rows, prepare_prompts
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from grpo_ds.errors import UserError, first_line
-from grpo_ds.config.recipe import DataConfig
 from grpo_ds.config.parse import printable
+from grpo_ds.config.recipe import DataConfig
+from grpo_ds.errors import UserError, first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -7,6 +7,9 @@ traceback. Some writers hide the operating system's error: torch's zip writer re
 small probe write beside the file fails now, and the probe's error is the cause; when the probe succeeds the
 original error is not a disk problem and is raised as it was.
 
+``write_atomic`` replaces a small file (a run file, the ``latest`` pointer) so that a crash leaves the old or the new
+content, never a mix: write a temporary file beside it, fsync it, rename it over the target, fsync the folder.
+
 ``check_space`` refuses, before anything is written, a write whose expected size exceeds the free space.
 ``agree`` makes every rank raise the same error when a write failed on any of them, so that no rank is left
 waiting in a collective for one that stopped.
@@ -86,6 +89,33 @@ def probe(folder: Path) -> OSError | None:
             path.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s data to the disk (a failed flush is an OSError naming it)."""
+    with writing(path), path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename or a new file in it) to the disk."""
+    with writing(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: the old content or the new one survives a crash at any moment, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with writing(tmp):
+        tmp.write_text(text)
+    fsync_file(tmp)
+    with writing(path):
+        os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def append_line(path: Path, line: str) -> None:

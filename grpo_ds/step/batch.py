@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_ds.step.plan import StepPlan
 from grpo_ds.rollout.base import Rollouts
+from grpo_ds.step.plan import StepPlan
 
 PerSample = dict[int, torch.Tensor]  # {sample id: (L_i,) float32 per response token}
 

@@ -13,14 +13,14 @@ the fraction of the trained groups whose rewards are all equal (with dynamic sam
 
 from __future__ import annotations
 
-from grpo_ds.run.prompts import PromptRow, PromptSampler
-from grpo_ds.distributed.ranks import Dist
-from grpo_ds.run.preflight import Inputs
-from grpo_ds.step.profiling import Phase
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rewards import RewardResult, score
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
+from grpo_ds.run.preflight import Inputs
+from grpo_ds.run.prompts import PromptRow, PromptSampler
 from grpo_ds.step.batch import StepBatch
+from grpo_ds.step.profiling import Phase
 
 
 def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sampler: PromptSampler,

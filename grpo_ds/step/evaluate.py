@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from math import comb
 
-from grpo_ds.step.collect import score_samples, slice_for_rank
-from grpo_ds.run.prompts import PromptRow
-from grpo_ds.distributed.ranks import Dist
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
+from grpo_ds.run.prompts import PromptRow
+from grpo_ds.step.collect import score_samples, slice_for_rank
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

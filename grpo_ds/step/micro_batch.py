@@ -33,6 +33,7 @@ so the loss never depends on the layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -179,3 +180,28 @@ def as_sequence_rows(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     width = int(mb.col.max()) + 1 if mb.num_tokens else 0
     out = values.new_zeros((mb.num_sequences, width))
     return out.index_put((mb.seq_index, mb.col), values)
+
+
+def shard_sequences(mb: MicroBatch, rows: int, rank: int, sp_size: int, pad_id: int) -> MicroBatch:
+    """Sequence parallelism (grpo_ds.model.sequence_parallel): this rank's slice of a padded micro-batch
+    (grpo_ds.step.micro_batch, ``packed=False``): ``rows`` rows, columns [rank L, (rank + 1) L) with L = T / sp after
+    padding T to a multiple of sp, and the response tokens whose predicting position falls in it."""
+    if mb.attention_mask is None:
+        raise ValueError("sequence parallelism shards padded micro-batches (packed rows need attention masks)")
+    b, t = mb.input_ids.shape
+    if b > rows:
+        raise ValueError(f"a micro-batch of {b} rows; the sequence-parallel wrapper was built for {rows}")
+    local = math.ceil(t / sp_size)
+    lo = rank * local
+    ids = torch.full((rows, local * sp_size), pad_id, dtype=mb.input_ids.dtype, device=mb.input_ids.device)
+    ids[:b, :t] = mb.input_ids
+    mask = torch.zeros_like(ids)
+    mask[:b, :t] = mb.attention_mask
+    positions = torch.arange(local * sp_size, device=ids.device).expand(rows, -1)
+    row, position = mb.logit_index // t, mb.logit_index % t
+    mine = (position >= lo) & (position < lo + local)  # (N,) the tokens this rank scores
+    return MicroBatch(sample_ids=mb.sample_ids, input_ids=ids[:, lo:lo + local].contiguous(), attention_mask=None,
+                      position_ids=positions[:, lo:lo + local].contiguous(), target_ids=mb.target_ids[mine],
+                      logit_index=row[mine] * local + position[mine] - lo, seq_index=mb.seq_index[mine],
+                      col=mb.col[mine], loss_mask=mb.loss_mask[mine],
+                      sequence_tokens=int(mask[:, lo:lo + local].sum()), padding=mb.padding)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from grpo_ds.errors import UserError
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.errors import UserError
 
 MicroBatch = tuple[int, ...]  # sample ids; () is a padding micro-batch
 

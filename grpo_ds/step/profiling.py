@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 
-from grpo_ds.distributed.ranks import Dist
 from grpo_ds.config.recipe import LoggingConfig
+from grpo_ds.distributed.ranks import Dist
 
 LABEL_PREFIX = "grpo/"
 PROFILE_DIR = "profile"

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_ds.model import sequence_parallel
 from grpo_ds.algo.aggregation import sequence_weights
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
+from grpo_ds.rollout.base import Rollouts
+from grpo_ds.step.batch import PerSample, StepBatch
 from grpo_ds.step.loss import (
     LossSettings,
     LossStats,
@@ -26,11 +28,15 @@ from grpo_ds.step.loss import (
     micro_batch_loss,
     token_logprobs,
 )
-from grpo_ds.step.micro_batch import MicroBatch, collate, gather_per_token, per_token, split_per_sample
+from grpo_ds.step.micro_batch import (
+    MicroBatch,
+    collate,
+    gather_per_token,
+    per_token,
+    shard_sequences,
+    split_per_sample,
+)
 from grpo_ds.step.plan import MiniBatchPlan
-from grpo_ds.config.recipe import Recipe
-from grpo_ds.rollout.base import Rollouts
-from grpo_ds.step.batch import PerSample, StepBatch
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,9 @@ class UpdateSettings:
     @staticmethod
     def from_recipe(recipe: Recipe, pad_id: int, backend: str, fused_lm_head_allowed: bool = True,
                     packing_allowed: bool = True, one_row: bool = False) -> UpdateSettings:
-        """``backend``: the resolved kernels backend ("triton" or "torch", see grpo_ds.kernels.resolve_backend);
-        ``fused_lm_head_allowed`` / ``packing_allowed`` / ``one_row``: what the model can take (grpo_ds.model.policy)."""
+        """``backend``: the resolved kernels backend ("triton" or "torch", see
+        grpo_ds.config.software.resolve_backend); ``fused_lm_head_allowed`` / ``packing_allowed`` / ``one_row``: what
+        the model can take (grpo_ds.model.policy)."""
         a = recipe.algorithm
         sp = recipe.train.sequence_parallel_size
         kl_in_loss = 0.0 if a.kl_in_reward else a.kl_coef
@@ -61,7 +68,7 @@ class UpdateSettings:
                             recipe.kernels.fused_lm_head and fused_lm_head_allowed)
         return UpdateSettings(pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, a.mask_truncated,
                               a.rollout_is_cap, recipe.train.packing and packing_allowed and sp == 1, one_row,
-                              sequence_parallel_rows(recipe) if sp > 1 else 0)
+                              recipe.sequence_parallel_rows if sp > 1 else 0)
 
 
 def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, settings: UpdateSettings,
@@ -71,7 +78,7 @@ def _micro_batch(rollouts: Rollouts, ids: tuple[int, ...], plan: MiniBatchPlan, 
     mb = collate(rollouts, list(ids) or [plan.sample_ids[0]], settings.pad_id, dist.device, padding=not ids,
                  packed=settings.packed, one_row=settings.one_row)
     if settings.sequence_parallel_rows:
-        mb = sequence_parallel.shard(mb, settings.sequence_parallel_rows, dist.sp_rank, dist.sp_size, settings.pad_id)
+        mb = shard_sequences(mb, settings.sequence_parallel_rows, dist.sp_rank, dist.sp_size, settings.pad_id)
     return mb
 
 
@@ -160,9 +167,3 @@ def trained_tokens(rollouts: Rollouts, sample: int, settings: UpdateSettings) ->
     if settings.mask_truncated and rollouts.finish_reason[sample] == "length":
         return 0
     return rollouts.trained_tokens(sample)
-
-
-def sequence_parallel_rows(recipe: Recipe) -> int:
-    """Rows of every micro-batch under sequence parallelism: the larger of the update and log-prob micro sizes."""
-    t = recipe.train
-    return max(t.micro_batch_samples_per_gpu, t.logprob_micro_batch_samples_per_gpu)

@@ -3,8 +3,8 @@ import random
 import pytest
 import torch
 
-from grpo_ds.algo.names import LOSS_AGG_MODES
 from grpo_ds.algo.aggregation import aggregate, sequence_weights
+from grpo_ds.algo.names import LOSS_AGG_MODES
 
 # Hand example, three sequences (padding positions hold NaN to prove they are never read):
 #   seq 0: L=2, losses [1, 2]     sum 3

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.errors import UserError
 from grpo_ds.config.recipe import load_recipe
+from grpo_ds.errors import UserError
 
 # 5 prompts x 4 completions = 20 samples, 3 per micro-batch: gas differs at world sizes 1, 2, 3 (7, 4, 3)
 BASE = {"rollout": {"prompts_per_step": 5, "group_size": 4}, "train": {"micro_batch_samples_per_gpu": 3, "lr": 0.001}}

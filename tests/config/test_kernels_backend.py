@@ -1,4 +1,5 @@
-"""grpo_ds.kernels.resolve_backend: which backend a run gets, and why "triton" is refused where it cannot run."""
+"""grpo_ds.config.software.resolve_backend: which backend a run gets, and why "triton" is refused where it cannot
+run."""
 
 import pytest
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ds.errors import UserError
-from grpo_ds.config.recipe import SECTIONS, Recipe, iter_fields, load_recipe
 from grpo_ds.config.parse import parse_override
+from grpo_ds.config.recipe import SECTIONS, Recipe, iter_fields, load_recipe
+from grpo_ds.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def error_of(source, overrides=None) -> UserError:

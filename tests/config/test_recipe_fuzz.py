@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_ds.errors import UserError
 from grpo_ds.config.recipe import Recipe, iter_fields, load_recipe
+from grpo_ds.errors import UserError
 
 KEYS = [(section, f) for section, f in iter_fields()]
 DOTTED = [f"{section}.{f.name}" if section else f.name for section, f in KEYS]
@@ -141,8 +141,8 @@ def places(tmp_path_factory) -> list[str]:
           suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_random_paths_through_prepare_inputs(places, tmp_path_factory, data):
-    """The whole validation before load (grpo_ds.run.preflight), string keys set to path-like values: a valid input or one
-    error line, and nothing written either way."""
+    """The whole validation before load (grpo_ds.run.preflight), string keys set to path-like values: a valid input or
+    one error line, and nothing written either way."""
     from grpo_ds.run.preflight import prepare_inputs
 
     out = tmp_path_factory.mktemp("out")

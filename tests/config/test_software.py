@@ -10,8 +10,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from grpo_ds.config import software
-from grpo_ds.errors import UserError
 from grpo_ds.config.recipe import load_recipe
+from grpo_ds.errors import UserError
 from tests.launch import REPO, clean_env
 
 TINY = REPO / "recipes" / "tiny_cpu.json"
@@ -139,7 +139,7 @@ def test_setup_cfg_says_the_same_minimums_and_extras():
 
 
 def test_collect_on_this_cpu_machine():
-    env = software.collect()
+    env = software.survey()
     assert env.gpus == [] and env.nccl is None
     assert env.versions == software.installed_versions()
     assert env.extras["wandb"] == (importlib.util.find_spec("wandb") is not None)
@@ -154,7 +154,7 @@ def test_collect_reads_the_gpus_and_nccl_where_torch_has_them(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
-    env = software.collect()
+    env = software.survey()
     assert env.cuda == "12.8" and env.nccl == "2.27.3"
     assert env.gpus == ["NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB)"] * 2
 

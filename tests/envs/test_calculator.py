@@ -4,9 +4,9 @@ from fractions import Fraction
 
 import pytest
 
-from grpo_ds.run.prompts import arith_rows
 from grpo_ds.envs import BUILTIN_ENVS, CalculatorEnv, StepResult
 from grpo_ds.envs.calculator import evaluate, format_value
+from grpo_ds.run.prompts import arith_rows
 
 
 @pytest.mark.parametrize("expression, value", [

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from grpo_ds import kernels
-from grpo_ds.algo.advantages import BASELINES
-from grpo_ds.algo.names import SCALES
 from grpo_ds.algo.advantages import group_advantages as reference_advantages
+from grpo_ds.algo.names import BASELINES, SCALES
 from tests.kernels.tolerances import compare
 
 F32, BF16 = torch.float32, torch.bfloat16

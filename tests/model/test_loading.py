@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.errors import UserError
 from grpo_ds.model.loading import check_model_path, load_model, load_tokenizer, torch_dtype
-from grpo_ds.config.recipe import ModelConfig
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

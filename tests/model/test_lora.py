@@ -15,15 +15,16 @@ from transformers import AutoModelForCausalLM
 
 import grpo_ds.model.policy as policy_module
 import grpo_ds.train as train_module
-from grpo_ds.model import lora
-from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.config import software
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.model.engine import create_train_engine
+from grpo_ds.config.recipe import load_recipe
 from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
 from grpo_ds.export import export
+from grpo_ds.model import lora
+from grpo_ds.model.engine import create_train_engine
 from grpo_ds.model.loading import load_model
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout.base import SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
 from tests.launch import REPO, clean_env, deepspeed_launch
@@ -353,7 +354,7 @@ def test_missing_peft_is_one_line_before_any_model_loads(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: (_ for _ in ()).throw(
         importlib.metadata.PackageNotFoundError(name)) if name == "peft" else real(name))
     with pytest.raises(UserError, match=r"grpo_ds\[lora\]"):
-        lora.check_peft()
+        software.check_peft()
 
 
 def test_dry_run_counts_the_adapters_as_the_trained_parameters():

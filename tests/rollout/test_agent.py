@@ -9,12 +9,12 @@ import torch
 
 from grpo_ds import kernels
 from grpo_ds.algo.policy_loss import LossConfig
-from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.envs import CalculatorEnv, StepResult
-from grpo_ds.step.micro_batch import collate
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout import agent
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import Rollouts, SamplingParams
+from grpo_ds.step.micro_batch import collate
 from tests.rollout.test_hf import SAMPLINGS, all_steps_generate_left_padded, favour_eos
 
 TOK = build_tiny_tokenizer()

@@ -6,9 +6,9 @@ import json
 import pytest
 from transformers import GenerationConfig
 
-from grpo_ds.model.tiny import IM_END, build_tiny_model, build_tiny_tokenizer
-from grpo_ds.model.loading import load_model, load_tokenizer
 from grpo_ds.config.recipe import load_recipe
+from grpo_ds.model.loading import load_model, load_tokenizer
+from grpo_ds.model.tiny import IM_END, build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine

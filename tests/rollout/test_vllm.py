@@ -14,15 +14,15 @@ from transformers import AutoModelForCausalLM
 
 import grpo_ds
 from grpo_ds import check
-from grpo_ds.run import preflight as inputs_module
 from grpo_ds.algo.importance import truncated_importance_weights
-from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.software import VLLM_SPEC
 from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.model.weight_gather import gathered_named_parameters
 from grpo_ds.rollout.base import SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
-from grpo_ds.config.software import VLLM_SPEC
 from grpo_ds.rollout.vllm import (
     VLLMRolloutEngine,
     VLLMSettings,
@@ -33,7 +33,7 @@ from grpo_ds.rollout.vllm import (
     rollouts_from_outputs,
     sampling_kwargs,
 )
-from grpo_ds.model.weight_gather import gathered_named_parameters
+from grpo_ds.run import preflight as inputs_module
 from tests.launch import REPO
 
 EOS = 1

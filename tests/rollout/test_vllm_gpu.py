@@ -13,14 +13,14 @@ pytest.importorskip("vllm")
 if not torch.cuda.is_available():
     pytest.skip("vLLM needs a CUDA GPU", allow_module_level=True)
 
-from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from grpo_ds.config.deepspeed import resolve_deepspeed_config  # noqa: E402
-from grpo_ds.model.engine import create_reference_engine
-from grpo_ds.distributed.ranks import init_distributed  # noqa: E402
 from grpo_ds.config.recipe import load_recipe  # noqa: E402
+from grpo_ds.distributed.ranks import init_distributed  # noqa: E402
+from grpo_ds.model.engine import create_reference_engine
+from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from grpo_ds.model.weight_gather import gathered_named_parameters  # noqa: E402
 from grpo_ds.rollout.base import SamplingParams  # noqa: E402
 from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings, require_vllm  # noqa: E402
-from grpo_ds.model.weight_gather import gathered_named_parameters  # noqa: E402
 
 HIDDEN, LAYERS, HEADS = 256, 2, 4  # head dim 64: every vLLM attention backend takes it
 

@@ -1,4 +1,5 @@
-"""The one listing of a run's checkpoints (grpo_ds.run.checkpoint.step_folders) and what resume and export build on it."""
+"""The one listing of a run's checkpoints (grpo_ds.run.checkpoint.step_folders) and what resume and export build on
+it."""
 
 from pathlib import Path
 

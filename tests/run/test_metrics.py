@@ -6,9 +6,9 @@ import types
 
 import pytest
 
+from grpo_ds.config.recipe import LoggingConfig
 from grpo_ds.errors import UserError
 from grpo_ds.run.metrics import MetricsLogger, check_logging_extras
-from grpo_ds.config.recipe import LoggingConfig
 
 
 def _steps(logger, n=3):

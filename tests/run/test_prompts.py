@@ -5,10 +5,10 @@ import json
 import datasets
 import pytest
 
+from grpo_ds.config.recipe import DataConfig
+from grpo_ds.errors import UserError
 from grpo_ds.model.tiny import build_tiny_tokenizer
 from grpo_ds.run.prompts import BUILTIN_DATASETS, PromptRow, PromptSampler, load_rows, prepare_prompts
-from grpo_ds.errors import UserError
-from grpo_ds.config.recipe import DataConfig
 
 ROWS = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "0+0=", "answer": "0"}]
 

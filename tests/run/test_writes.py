@@ -1,6 +1,6 @@
-"""Write failures (grpo_ds.run.writes), by fault injection (tests/scripts/write_fault.py): a write that fails as a full disk,
-a read-only file system or an exceeded quota would, at each point of a checkpoint write, in the run files and in an
-export, is one error line naming the file, the cause and the last good checkpoint (exit code 2 from the command
+"""Write failures (grpo_ds.run.writes), by fault injection (tests/scripts/write_fault.py): a write that fails as a full
+disk, a read-only file system or an exceeded quota would, at each point of a checkpoint write, in the run files and in
+an export, is one error line naming the file, the cause and the last good checkpoint (exit code 2 from the command
 line, no traceback, on every rank); the unfinished folder is gone, the previous checkpoint verifies and the same
 command resumes from it. A checkpoint or an export larger than the free space is refused before anything is
 written."""
@@ -18,10 +18,9 @@ import pytest
 
 import grpo_ds
 from grpo_ds import export
-from grpo_ds.run import checkpoint
-from grpo_ds.run import writes
 from grpo_ds.errors import UserError
-from tests.launch import REPO, free_port, clean_env, remove_shm_buffers
+from grpo_ds.run import checkpoint, writes
+from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
 from tests.scripts.write_fault import Fault, install
 
 pytestmark = pytest.mark.slow
@@ -212,8 +211,8 @@ def test_a_checkpoint_larger_than_the_free_space_is_refused_before_writing(tmp_p
     first = checkpoint._folder_bytes(ckpts / "step_00000002")
     assert str(raised.value) == (
         f"checkpoint step 4: not enough free space in {ckpts} for the checkpoint (the size of step_00000002, plus "
-        f"5%): it needs about {writes.gib(int(first * 1.05))}, {writes.gib(first)} is free. the last good checkpoint is "
-        f"{ckpts / 'step_00000002'}; free space and run the same command to resume from it.")
+        f"5%): it needs about {writes.gib(int(first * 1.05))}, {writes.gib(first)} is free. the last good checkpoint "
+        f"is {ckpts / 'step_00000002'}; free space and run the same command to resume from it.")
     _assert_left_as_before(run_dir)
     # the estimate for a first checkpoint is the real size within 10%
     assert abs(parameters * 16 - first) < 0.1 * first

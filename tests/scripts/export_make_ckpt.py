@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from grpo_ds.model.tiny import build_tiny_tokenizer
-from grpo_ds.run.checkpoint import _sha256
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.model.engine import create_train_engine
-from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
-from grpo_ds.model.loading import load_model, load_tokenizer
 from grpo_ds.config.recipe import load_recipe
+from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
+from grpo_ds.model.engine import create_train_engine
+from grpo_ds.model.loading import load_model, load_tokenizer
+from grpo_ds.model.tiny import build_tiny_tokenizer
 from grpo_ds.model.weight_gather import gathered_named_parameters
+from grpo_ds.run.checkpoint import _sha256
 
 TEXTS = ["Hello, world!", "2+2=4"]  # different lengths: the shorter one is left-padded
 TINY_MODEL = {"path": "builtin:tiny", "tiny_hidden_size": 32, "tiny_num_layers": 2, "tiny_num_heads": 4}
@@ -58,7 +58,8 @@ def save_tied_hf_model(folder: Path) -> None:
 
 
 def save_checkpoint(engine, run_dir: Path, step: int, is_main: bool, dist) -> None:
-    """The checkpoint layout grpo_ds.run.checkpoint writes: ds/ by DeepSpeed, trainer_state.json, manifest.json, latest."""
+    """The checkpoint layout grpo_ds.run.checkpoint writes: ds/ by DeepSpeed, trainer_state.json, manifest.json,
+    latest."""
     name = f"step_{step:08d}"
     folder = run_dir / "checkpoints" / name
     engine.save_checkpoint(save_dir=str(folder), tag="ds")

@@ -3,8 +3,8 @@
     deepspeed --num_gpus 2 tests/scripts/lora_sync_check.py OUT.json
 
 A tiny Llama gets LoRA adapters on every linear layer (random non-zero B, so the merge matters) and is partitioned
-by ZeRO-3. ``grpo_ds.model.lora.merged_weights`` is read as a rollout engine would, with the collectives and the storage of
-every gathered buffer, handed-out tensor and adapter copy watched (tests/scripts/weight_sync_check.py's Watch, plus
+by ZeRO-3. ``grpo_ds.model.lora.merged_weights`` is read as a rollout engine would, with the collectives and the storage
+of every gathered buffer, handed-out tensor and adapter copy watched (tests/scripts/weight_sync_check.py's Watch, plus
 the clones the merge makes of each layer's A and B), against peft's own merge_and_unload of an unpartitioned copy.
 Rank 0 writes one JSON record per bucket size.
 """
@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_ds.model import lora
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.model.engine import create_train_engine
-from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
 from grpo_ds.config.recipe import load_recipe
+from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
+from grpo_ds.model import lora
+from grpo_ds.model.engine import create_train_engine
 from tests.scripts.weight_sync_check import Watch, consume, write_every_rank
 
 

@@ -23,18 +23,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from grpo_ds.model import sequence_parallel
-from grpo_ds.model.tiny import build_tiny_model
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.model.engine import create_train_engine
-from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
-from grpo_ds.step.plan import StepPlan, plan_minibatch
-from grpo_ds.model.policy import fused_lm_head_problem
 from grpo_ds.config.recipe import load_recipe
-from grpo_ds.rollout.base import Rollouts
+from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
+from grpo_ds.model import sequence_parallel
+from grpo_ds.model.engine import create_train_engine
+from grpo_ds.model.policy import fused_lm_head_problem
+from grpo_ds.model.tiny import build_tiny_model
 from grpo_ds.model.weight_gather import gathered_named_parameters
+from grpo_ds.rollout.base import Rollouts
 from grpo_ds.step.batch import StepBatch
-from grpo_ds.step.update import UpdateSettings, logprob_pass, optimizer_step, sequence_parallel_rows
+from grpo_ds.step.plan import StepPlan, plan_minibatch
+from grpo_ds.step.update import UpdateSettings, logprob_pass, optimizer_step
 
 VOCAB = 64
 
@@ -67,7 +67,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
         })
         model = build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0)
         model.set_attn_implementation(cfg.get("attn", "sdpa"))
-        mpu = sequence_parallel.register(model, dist.sp_size, sequence_parallel_rows(recipe)) if dist.sp_size > 1 \
+        mpu = sequence_parallel.register(model, dist.sp_size, recipe.sequence_parallel_rows) if dist.sp_size > 1 \
             else None
         engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"), mpu)
         plan = plan_minibatch(list(tokens), tokens, dist.dp_size, max_samples=cfg["micro"],

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.model.engine import create_reference_engine, create_train_engine
-from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
-from grpo_ds.model.lora import apply_lora
-from grpo_ds.model.loading import load_model
 from grpo_ds.config.recipe import load_recipe
+from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
+from grpo_ds.model.engine import create_reference_engine, create_train_engine
+from grpo_ds.model.loading import load_model
+from grpo_ds.model.lora import apply_lora
 from grpo_ds.model.weight_gather import gathered_named_parameters
 
 VOCAB = 64

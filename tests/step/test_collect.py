@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from grpo_ds.step.collect import collect
-from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.distributed.ranks import Dist
-from grpo_ds.run.preflight import prepare_inputs
 from grpo_ds.rollout.base import Rollouts
+from grpo_ds.run.preflight import prepare_inputs
+from grpo_ds.run.prompts import PromptSampler
+from grpo_ds.step.collect import collect
 
 REWARDS = '''
 def is_a(*, completions, **kwargs):

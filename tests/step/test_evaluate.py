@@ -3,9 +3,9 @@
 import pytest
 
 import grpo_ds
+from grpo_ds.config.recipe import load_recipe
 from grpo_ds.errors import UserError
 from grpo_ds.step.evaluate import pass_at_k
-from grpo_ds.config.recipe import load_recipe
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.model.policy import packing_problem
 from grpo_ds.model.tiny import build_tiny_model
+from grpo_ds.rollout.base import Rollouts
 from grpo_ds.step.loss import LossSettings, token_logprobs
 from grpo_ds.step.micro_batch import MicroBatch, collate
-from grpo_ds.model.policy import packing_problem
-from grpo_ds.rollout.base import Rollouts
 from tests.scripts.one_step import fixed_rollouts
 
 SETTINGS = LossSettings(LossConfig(), temperature=1.0, backend="torch", chunk_tokens=16, fused_lm_head=True)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grpo_ds.config.recipe import load_recipe
 from grpo_ds.errors import UserError
 from grpo_ds.step.plan import (
     old_logprob_pass_reason,
@@ -16,7 +17,6 @@ from grpo_ds.step.plan import (
     shard_by_tokens,
     split_minibatches,
 )
-from grpo_ds.config.recipe import load_recipe
 
 lengths_st = st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=80)
 

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
+from grpo_ds.config.recipe import LoggingConfig, load_recipe
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError
 from grpo_ds.step.profiling import Phase, comms_path, profiled_steps, trace_path
-from grpo_ds.config.recipe import LoggingConfig, load_recipe
 from tests.launch import REPO, deepspeed_launch
 
 PHASES = ("rollout", "reward", "logprob", "advantage", "update", "sync")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import grpo_ds.model.policy as policy_module
-import grpo_ds.train as train_module
 import grpo_ds.step.update as update_module
+import grpo_ds.train as train_module
 from grpo_ds.algo.names import LOSS_AGG_MODES
 from grpo_ds.model.tiny import build_tiny_model
 from tests.launch import REPO, deepspeed_launch

@@ -1,0 +1,3 @@
+"""The job's ranks: the launcher's variables and rank-0 output (``launcher``, no torch), and the process group with
+this process's place in it and the driver's collectives (``ranks``). Imports no other part of grpo_ds.
+"""

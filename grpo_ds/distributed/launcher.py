@@ -1,0 +1,52 @@
+"""The launcher's variables and the console, read in one place.
+
+The ``deepspeed`` launcher (and torchrun) start each rank with RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_SIZE set; a plain
+``python -m grpo_ds.train`` or a notebook has none of them and is world size 1. Everything that asks "was I
+launched?", "am I rank 0?" or "how many ranks?" before (or without) a process group asks here, and a message for the
+user is printed once, by rank 0, through ``say``. After the process group exists, grpo_ds.distributed.ranks.Dist
+answers the same questions for the driver (its rank is the launcher's RANK). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as one rank of a job (RANK is set)."""
+    return "RANK" in os.environ
+
+
+def rank() -> int:
+    """This process's global rank (0 when not launched)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """The job's number of ranks (1 when not launched)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    """This rank's index on its node: the GPU it drives (0 when not launched)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_ranks() -> int:
+    """Ranks on this node (the ``deepspeed`` launcher's LOCAL_SIZE; 1 when not set)."""
+    return int(os.environ.get("LOCAL_SIZE", "1"))
+
+
+def say(message: str) -> None:
+    """One line for the user on stderr, printed by rank 0 only (every rank runs the same code; one copy is enough)."""
+    if rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group of one, or a test's launcher)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
