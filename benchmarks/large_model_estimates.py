@@ -1,12 +1,12 @@
 """grpo_ds.check's memory estimate for 7B, 32B and 72B models on one node of 8 x 80 GiB GPUs (estimates, not runs).
 
-    python benchmarks/large_model_estimates.py [--update-readme] [--record]
+    python benchmarks/large_model_estimates.py [--update-docs] [--record]
 
 Each model is a config folder written here (Qwen2.5-7B/32B/72B's published shapes, no weights: the dry run builds
 models on the meta device) with the builtin tokenizer. Each layout is a grpo_ds.check run: 8 ranks, bfloat16, the
 vLLM rollout engine with sleep mode (its tensor-parallel group sized to hold the model), gradient checkpointing,
-1,024-token completions and 512-token prompts budgeted per micro-batch, on the builtin data. ``--update-readme``
-rewrites the table between the README's "large-models" markers; ``--record`` appends it to benchmarks/RESULTS.md.
+1,024-token completions and 512-token prompts budgeted per micro-batch, on the builtin data. ``--update-docs``
+rewrites the table between the "large-models" markers of docs/guides/large-models.md; ``--record`` appends it to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ LAYOUTS = [  # (model, what, overrides)
                                                                    "rollout.vllm_gpu_memory_utilization=0.7",
                                                                    "deepspeed=ds_configs/zero3_offload.json"]),
 ]
-BEGIN, END = "<!-- large-models:begin (python benchmarks/large_model_estimates.py --update-readme) -->", \
+BEGIN, END = "<!-- large-models:begin (python benchmarks/large_model_estimates.py --update-docs) -->", \
     "<!-- large-models:end -->"
 
 
@@ -84,7 +84,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/tmp/grpo_ds_large_model_estimates")
-    parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--update-docs", action="store_true")
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     rows = []
@@ -100,12 +100,12 @@ def main() -> None:
     headers = ["model", "layout (8 GPUs)", "weights GiB", "gradients GiB", "estimated peak GiB per GPU",
                "host GiB per rank", "in 80 GiB"]
     body = markdown_table(headers, rows)
-    if args.update_readme:
-        readme = REPO / "README.md"
-        text = readme.read_text()
+    if args.update_docs:
+        page = REPO / "docs" / "guides" / "large-models.md"
+        text = page.read_text()
         start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-        readme.write_text(text[:start] + "\n" + body + "\n" + text[end:])
-        print("README.md updated")
+        page.write_text(text[:start] + "\n" + body + "\n" + text[end:])
+        print(f"{page.relative_to(REPO)} updated")
     report("Large-model memory estimates (grpo_ds.check, not measured)", "8 x 80 GiB, bfloat16", "cpu", body,
            ["settings: " + " ".join(COMMON)], args.record)
 

@@ -7,7 +7,7 @@ A thread samples /proc/self/status (RssAnon) every 5 ms. The baseline is taken a
 construction, Policy.build, collect, logprob_pass, optimizer_step), so each phase's peak is known; the rest (weight
 sync, logging, checkpoints) counts as "start". Each rank writes OUT_JSON with ``.rank<r>`` appended:
 {"baseline_mib", "peak_mib", "phases": {phase: peak MiB}, "after_build_mib"} (all RssAnon, MiB). Run it with
-MALLOC_MMAP_THRESHOLD_=131072 so freed buffers go back to the OS (../shared/notes/scale-on-deepspeed.md, section 1).
+MALLOC_MMAP_THRESHOLD_=131072 so freed buffers go back to the OS (glibc's mallopt M_MMAP_THRESHOLD).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The bad-input contract, through real processes: one line `error: <where>: <what>. <fix>` on stderr,
-exit code 2, no traceback, nothing written (DESIGN.md, "What bad input gets").
+exit code 2, no traceback, nothing written (docs/operations/faults.md).
 
 Each case runs `python -m grpo_ds.train` (or `grpo_ds.check`) in its own empty working directory with
 run.output_dir pointing inside it. The processes import torch, so they run two at a time, once per module.

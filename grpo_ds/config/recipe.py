@@ -2,7 +2,7 @@
 
 Every default lives here and nowhere else. Each field declares its documentation, and where it
 applies its allowed choices and numeric range, in ``field(metadata=...)``; validation, ``grpo_ds.check``
-and the README's key reference all read that one declaration.
+and the docs' key reference (docs/reference/recipe.md, generated) all read that one declaration.
 
 Load order (nothing touches a model): JSON file -> ``section.key=value`` overrides -> type, choice
 and range checks per field (grpo_ds.config.parse) -> cross-field checks (batch algebra, here) -> a frozen

@@ -1,7 +1,8 @@
-"""The README's recipe-reference tables, generated from the schema: ``python -m grpo_ds.config.reference``.
+"""The recipe reference, generated from the schema: one markdown table per section (key, type, default, allowed
+values, meaning) from the field declarations in grpo_ds/config/recipe.py.
 
-Prints one markdown table per section (key, type, default, allowed values, meaning) from the field
-declarations in grpo_ds/config/recipe.py; tests/test_readme.py checks that README.md contains exactly this text.
+docs/generate.py writes it into docs/reference/recipe.md, and tests/test_docs.py checks that the page holds exactly
+this text; ``python -m grpo_ds.config.reference`` prints it.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ def _escape(text: str) -> str:
 
 
 def tables() -> str:
-    """Markdown: a ``#### `section``` heading and a table per section."""
+    """Markdown: a ``## `section``` heading and a table per section."""
     out, current = [], object()
     for section, f in iter_fields():
         if section != current:
             current = section
             title = f"`{section}`" if section else f"`{f.name}` (a top-level value, not a section)"
-            out += ["", f"#### {title}", "", "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+            out += ["", f"## {title}", "", "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         key = f"{section}.{f.name}" if section else f.name
         out.append(f"| `{key}` | {_type_name(f.type)} | `{json.dumps(default)}` | {_allowed(f.metadata)} | "

@@ -9,7 +9,7 @@ model is built inside ``deepspeed.zero.Init``, rank 0 reads the weights and each
 loads, so every rank holds 1/dp of every weight from the start and no rank holds the whole model. ``builtin:tiny``
 goes the same way: rank 0 builds the seeded model (tiny) and its weights are scattered into the partitioned
 skeleton, so the initial weights are the same on every rank and at every world size (a bare ``zero.Init`` around
-the constructor would initialise empty partitions; see ../shared/notes). Outside ZeRO-3 transformers loads on the
+the constructor would initialise empty partitions). Outside ZeRO-3 transformers loads on the
 meta device first and then reads the weights (no random initialisation, no second copy).
 """
 

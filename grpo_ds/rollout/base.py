@@ -27,13 +27,13 @@ class SamplingParams:
 class Rollouts:
     """One flat batch of completions; the G completions of a prompt are consecutive.
 
-    prompt_ids[i] / response_ids[i]: token ids of sample i, without padding; response_ids ends with EOS
-    when finish_reason[i] == "stop". sampler_logprobs[i][t] is log p(response_ids[i][t]) under the
+    ``prompt_ids[i]`` / ``response_ids[i]``: token ids of sample i, without padding; ``response_ids`` ends with EOS
+    when ``finish_reason[i] == "stop"``. ``sampler_logprobs[i][t]`` is log p(``response_ids[i][t]``) under the
     distribution actually sampled from (temperature, top-p, top-k applied).
 
     Multi-turn (agent) rollouts interleave model turns with environment observations inside
-    response_ids: loss_mask[i][t] is 1 for a token the model sampled and 0 for an observation token
-    (no gradient, not counted by loss aggregation; its sampler log-prob is 0.0). env_rewards[i] is the
+    ``response_ids``: ``loss_mask[i][t]`` is 1 for a token the model sampled and 0 for an observation token
+    (no gradient, not counted by loss aggregation; its sampler log-prob is 0.0). ``env_rewards[i]`` is the
     environment's reward for sample i (per-turn rewards plus the final one), added to the reward
     functions' total. Both are None for single-turn engines (every token is the model's; no
     environment reward).

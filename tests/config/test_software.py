@@ -138,7 +138,7 @@ def test_setup_cfg_says_the_same_minimums_and_extras():
         assert package in [Requirement(x).name for x in extras[extra].split("\n") if x.strip() and x[0] != "#"]
 
 
-def test_collect_on_this_cpu_machine():
+def test_survey_on_this_cpu_machine():
     env = software.survey()
     assert env.gpus == [] and env.nccl is None
     assert env.versions == software.installed_versions()
