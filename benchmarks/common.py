@@ -412,7 +412,9 @@ def commit() -> str:
         head = git("rev-parse", "--short", "HEAD").strip()
         changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
     except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
+        # a copy of the work tree without .git (a lent GPU machine): the sender names the commit it copied
+        copied = os.environ.get("GRPO_DS_COMMIT")
+        return f"{copied} (a copy of the work tree, without .git)" if copied else "unknown (not a git checkout)"
     changed = [p for p in changed if p != "benchmarks/RESULTS.md"]
     if not changed:
         return head
