@@ -47,7 +47,8 @@ PHASES = ("rollout", "reward", "logprob", "update", "sync")
 
 
 def run_training(recipe_path: Path, device: str, log: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'benchmarks'}", "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join([str(REPO), str(REPO / "benchmarks"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)  # native kernels on CUDA; the torch path on the CPU
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"

@@ -404,7 +404,12 @@ def machine(device: str) -> str:
 
 
 def commit() -> str:
-    """Short hash of HEAD, with -dirty and the changed paths when the work tree differs from it."""
+    """Short hash of HEAD, with -dirty and the changed paths when the work tree differs from it. A copy of the work
+    tree on another machine (a lent GPU machine) names its commit through GRPO_DS_COMMIT, which wins: the .git such
+    a copy carries may be another checkout's."""
+    if copied := os.environ.get("GRPO_DS_COMMIT"):
+        return f"{copied} (as named by GRPO_DS_COMMIT: a copy of the work tree on another machine)"
+
     def git(*cmd: str) -> str:
         return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout
 
@@ -412,9 +417,7 @@ def commit() -> str:
         head = git("rev-parse", "--short", "HEAD").strip()
         changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
     except (OSError, subprocess.CalledProcessError):
-        # a copy of the work tree without .git (a lent GPU machine): the sender names the commit it copied
-        copied = os.environ.get("GRPO_DS_COMMIT")
-        return f"{copied} (a copy of the work tree, without .git)" if copied else "unknown (not a git checkout)"
+        return "unknown (not a git checkout)"
     changed = [p for p in changed if p != "benchmarks/RESULTS.md"]
     if not changed:
         return head
@@ -423,7 +426,8 @@ def commit() -> str:
 
 
 def command_line() -> str:
-    env = [f"{k}={os.environ[k]}" for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES") if k in os.environ]
+    env = [f"{k}={os.environ[k]}" for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST")
+           if k in os.environ]
     script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
     return " ".join(env + ["python", shlex.quote(script)] + [shlex.quote(a) for a in sys.argv[1:]])
 

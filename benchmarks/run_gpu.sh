@@ -26,8 +26,10 @@ bench benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384
     --mode forward,backward,full --bandwidth --record
 bench benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 --vocab 151936 --op loss \
     --mode full --bandwidth --record
+# Liger uncompiled: its torch.compile'd chunk loss failed on torch 2.11 (H200, 2026-11-26: dynamo's
+# "AssertionError: sources must not be empty for symbol s37"), which ended the whole benchmark
 bench benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 --seq-len 1024 --hidden 4096 \
-    --vocab 151936 --chunk-tokens 1024 --mode forward,backward,full --record
+    --vocab 151936 --chunk-tokens 1024 --mode forward,backward,full --liger-compiled 0 --record
 bench benchmarks/bench_policy_loss.py --device cuda --batch 256 --seq-len 8192 --mode forward,backward,full --record
 bench benchmarks/bench_advantages.py --device cuda --prompts 1024 --group-size 16 --record
 
