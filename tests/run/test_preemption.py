@@ -119,7 +119,7 @@ def test_a_sigterm_during_a_checkpoint_write_lets_the_write_finish_and_stops_the
 def _signal_script(body: str, window_s: float | None = None) -> subprocess.CompletedProcess:
     """Run ``body`` inside stop_on_signals() in a fresh process; ``stop`` is the StopRequest."""
     window = "" if window_s is None else f"preemption.REPEAT_WINDOW_S = {window_s}\n"
-    code = (f"import os, signal, time\nfrom grpo_ds import preemption\n{window}"
+    code = (f"import os, signal, time\nfrom grpo_ds.run import preemption\n{window}"
             "with preemption.stop_on_signals() as stop:\n" + textwrap.indent(textwrap.dedent(body), "    ")
             + "\nprint('after', signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)\n")
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
