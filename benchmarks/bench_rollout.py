@@ -10,6 +10,9 @@ float32, 2 threads. The variants sample with the same settings from the same lef
                (output_scores) and they are log-softmaxed and stacked at the end (the reference in
                tests/rollout/test_hf.py)
     generate   model.generate(..., generation_config=...) returning the sequences only, no scores
+    vllm       grpo_ds.rollout.vllm.VLLMRolloutEngine.generate on the model saved to a folder: vLLM's CPU build, run in
+               the vLLM test environment's interpreter (--vllm-python, default .venv-vllm/bin/python: bash
+               .ci/vllm-venv builds it); left out where there is none
 
 Per variant: the median wall time and process CPU time of ``--repeats`` calls after ``--warmup`` untimed ones, ms
 per generated token step, and the peak extra resident memory of a call (benchmarks/common.py's CPU method: the
@@ -32,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("grpo_ds", "all_steps", "generate")
+VARIANTS = ("grpo_ds", "all_steps", "generate", "vllm")
+REPO = Path(__file__).resolve().parent.parent
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
@@ -57,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="with one --variant: also print torch.profiler's top ROWS ops (self CPU time) of one call")
     parser.add_argument("--json", action="store_true", help="print one JSON line (used by --variant all)")
+    parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
+                        help="the interpreter of the vllm variant (an environment with vLLM)")
+    parser.add_argument("--vllm-eager", action="store_true", help="vllm variant: enforce_eager (no compilation)")
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     return parser.parse_args(argv)
 
@@ -70,6 +77,27 @@ def build_model(args: argparse.Namespace):
                          num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=4096, tie_word_embeddings=True)
     return Qwen2ForCausalLM(config).eval()
+
+
+def vllm_engine(args: argparse.Namespace, model):
+    """The vllm rollout engine on ``model``, saved with the builtin character tokenizer (vLLM's sampler never decodes:
+    the single-turn engine asks for token ids only)."""
+    import os
+    import tempfile
+
+    from grpo_ds.distributed.ranks import init_distributed
+    from grpo_ds.model.tiny import build_tiny_tokenizer
+    from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    init_distributed()
+    folder = tempfile.mkdtemp(prefix="bench_rollout_vllm_")
+    tokenizer = build_tiny_tokenizer()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    settings = VLLMSettings(folder, "float32", 1, 0.2, args.prompt_len + args.new_tokens, False, args.seed, False,
+                            enforce_eager=args.vllm_eager, kv_cache_gib=1)
+    return VLLMRolloutEngine(settings, tokenizer, lambda: None)
 
 
 def run_variant(args: argparse.Namespace) -> dict:
@@ -88,7 +116,13 @@ def run_variant(args: argparse.Namespace) -> dict:
                for i in range(args.prompts)]
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
-    if args.variant in ("grpo_ds", "all_steps"):
+    if args.variant == "vllm":
+        engine = vllm_engine(args, model)
+
+        def call() -> int:
+            out = engine.generate(prompts, args.group, sampling)
+            return max(len(r) for r in out.response_ids)
+    elif args.variant in ("grpo_ds", "all_steps"):
         if args.variant == "all_steps":
             sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
             from tests.rollout.test_hf import all_steps_generate_left_padded
@@ -141,24 +175,38 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--variant", variant, "--json"]
+        python = args.vllm_python if variant == "vllm" else sys.executable
+        if not Path(python).is_file():
+            print(f"{variant}: no interpreter at {python}, left out", file=sys.stderr)
+            continue
+        cmd = [python, __file__, *(argv if argv is not None else sys.argv[1:]), "--variant", variant, "--json"]
         cmd = [c for c in cmd if c != "--record"]
-        done = subprocess.run(cmd, env={**os.environ, **MALLOC_ENV}, capture_output=True, text=True, check=True)
+        env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(REPO)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{variant} failed:\n{done.stderr[-4000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     base = next(r for r in rows if r["variant"] == "generate")
     shape = (f"vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.prompts} prompts x {args.group} "
              f"completions x {args.new_tokens} new tokens, float32, {args.threads} threads")
-    lines = ["| variant | wall s (median) | ms / token step | wall vs plain generate | CPU s (median) | CPU vs plain "
-             "generate | peak extra RSS MiB |", "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | wall s (median) | ms / token step | generated tokens/s | wall vs plain generate | CPU s "
+             "(median) | CPU vs plain generate | peak extra RSS MiB |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['seconds']:.2f} | {r['ms_per_step']:.1f} | "
+        tokens = args.prompts * args.group * r["steps"]
+        lines.append(f"| {r['variant']} | {r['seconds']:.2f} | {r['ms_per_step']:.1f} | {tokens / r['seconds']:,.0f} | "
                      f"{r['seconds'] / base['seconds']:.2f}x | {r['cpu_seconds']:.2f} | "
                      f"{r['cpu_seconds'] / base['cpu_seconds']:.2f}x | {r['peak_extra_mib']:.0f} |")
     notes = [f"sampling: temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}; median of "
              f"{args.repeats} calls after {args.warmup} untimed, each variant in its own process",
              "plain generate: model.generate on the same left-padded batch and settings, sequences only (what TRL's "
              "GRPOTrainer calls); grpo_ds adds the sampled tokens' log-probs",
-             "CPU s: the process's CPU time during the call (all threads), steadier than wall time on a shared machine"]
+             "CPU s: the process's CPU time during the call (all threads), steadier than wall time on a shared machine",
+             "generated tokens/s: prompts x completions x the longest completion's tokens / wall s (a random model "
+             "over this vocabulary practically never samples EOS, so every completion has the same length)"]
+    if any(r["variant"] == "vllm" for r in rows):
+        notes.append(f"vllm: vLLM's CPU build in its own environment ({args.vllm_python}), float32, "
+                     f"{'enforce_eager' if args.vllm_eager else 'compiled (torch.compile, its default)'}, one engine, "
+                     "the same prompts, one request per prompt with n = completions; its CPU threads are vLLM's own")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
     from common import report

@@ -1,8 +1,10 @@
 """Benchmark the weight sync (grpo_ds/model/weight_gather.py): ZeRO-3 shards -> full weights -> a rollout engine.
 
 Runs itself on N CPU ranks through the real `deepspeed` launcher (gloo), with a Llama-style model of a few
-hundred tensors partitioned by ZeRO-3, and times one full sync into the hf engine's policy copy (the consumer
-is the same for every variant). Variants:
+hundred tensors partitioned by ZeRO-3, and times one full sync into a rollout engine, the same consumer for every
+variant: the hf engine's policy copy (``--consumer hf``), or a vLLM engine per rank (``--consumer vllm``: vLLM's CPU
+build reloading its weights in place; run it with the vLLM test environment's interpreter, e.g.
+``.venv-vllm/bin/python benchmarks/bench_weight_sync.py --consumer vllm``). Variants:
     per-tensor        one GatheredParameters per parameter: a blocking collective per tensor (TRL, OpenRLHF)
     ds-bucket/<MB>    DeepSpeed's GatheredParameters on a bucket of parameters (grpo_ds's exporter before this
                       one): DeepSpeed still launches one all_gather per parameter, then waits for them all
@@ -10,7 +12,8 @@ is the same for every variant). Variants:
 Columns: median time of a sync, collectives per sync (counted in deepspeed.comm, which both DeepSpeed and
 grpo_ds call), and the peak of gathered bytes alive at once (buffers of the collectives plus handed-out copies).
 
-    python benchmarks/bench_weight_sync.py [--ranks 2] [--layers 32] [--hidden 128] [--bucket-mb 1,4,16] [--record]
+    python benchmarks/bench_weight_sync.py [--ranks 2] [--layers 32] [--hidden 128] [--bucket-mb 1,4,16]
+                                           [--consumer hf|vllm] [--record]
 """
 
 from __future__ import annotations
@@ -96,8 +99,16 @@ def worker(args: argparse.Namespace) -> None:
 
     dist = init_distributed()
     model = build_tiny_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=0)
-    rollout = HFRolloutEngine(build_tiny_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                                               num_heads=4, seed=1), 0, 1, 1)
+    consumer = build_tiny_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=1)
+    if args.consumer == "vllm":
+        from grpo_ds.model.tiny import build_tiny_tokenizer
+        from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
+
+        settings = VLLMSettings("builtin:tiny", "float32", 1, 0.05, 64, False, 0, False, enforce_eager=True,
+                                kv_cache_gib=1)
+        rollout = VLLMRolloutEngine(settings, build_tiny_tokenizer(), lambda: consumer)
+    else:
+        rollout = HFRolloutEngine(consumer, 0, 1, 1)
     recipe = load_recipe({"deepspeed": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}})
     engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
     module = engine.module
@@ -132,9 +143,12 @@ def worker(args: argparse.Namespace) -> None:
     if dist.is_main:
         params = list(module.parameters())
         info = {"tensors": len(params), "param_bytes": sum(p.ds_numel * p.element_size() for p in params),
-                "largest_bytes": max(p.ds_numel * p.element_size() for p in params), "world": dist.world_size}
+                "largest_bytes": max(p.ds_numel * p.element_size() for p in params), "world": dist.world_size,
+                "consumer": args.consumer}
         Path(args.worker_out).write_text(json.dumps({"info": info, "results": results}))
     dist.barrier()
+    if hasattr(rollout, "close"):  # vLLM's shutdown takes the process group down: after the last collective
+        rollout.close()
 
 
 # ------------------------------------------------------------------------------------------ the launcher
@@ -174,8 +188,10 @@ def render(figures: dict) -> tuple[str, list[str]]:
     info = figures["info"]
     notes = [f"{info['tensors']} tensors, {info['param_bytes'] / MIB:,.1f} MiB of fp32 weights (largest tensor "
              f"{info['largest_bytes'] / MIB:,.2f} MiB), ZeRO-3 over {info['world']} CPU ranks (gloo)",
-             "a sync: every full tensor copied into the hf engine's policy copy; time from a barrier to a barrier on "
-             "rank 0, median of the repeats after the warmup",
+             ("a sync: every full tensor copied into the hf engine's policy copy" if info.get("consumer", "hf") == "hf"
+              else "a sync: every full tensor loaded into a vLLM engine per rank (vLLM's CPU build: reload_weights, "
+              "which rebuilds and repacks each layer, then a prefix-cache reset)")
+             + "; time from a barrier to a barrier on rank 0, median of the repeats after the warmup",
              "peak gathered: the most bytes of collective buffers and handed-out copies alive at once during a sync"]
     return table, notes
 
@@ -190,6 +206,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout", type=int, default=600, help="seconds the launched ranks may take")
+    parser.add_argument("--consumer", choices=("hf", "vllm"), default="hf", help="the rollout engine synced into")
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)  # set when launched as a rank
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`

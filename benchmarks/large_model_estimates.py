@@ -6,7 +6,8 @@ Each model is a config folder written here (Qwen2.5-7B/32B/72B's published shape
 models on the meta device) with the builtin tokenizer. Each layout is a grpo_ds.check run: 8 ranks, bfloat16, the
 vLLM rollout engine with sleep mode (its tensor-parallel group sized to hold the model), gradient checkpointing,
 1,024-token completions and 512-token prompts budgeted per micro-batch, on the builtin data. ``--update-docs``
-rewrites the table between the "large-models" markers of docs/guides/large-models.md; ``--record`` appends it to benchmarks/RESULTS.md.
+rewrites the table between the "large-models" markers of docs/guides/large-models.md; ``--record`` appends it to
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
               f"rollout: {r.rollout.engine} engine, " + (
                   "generating with the policy's own module (every rank holds it whole: no copy, no weight sync)"
                   if rollout_shares_policy(r, ds) else "its own weights from model.path, synced after every "
-                  "optimizer step" if r.rollout.engine == "vllm" else "generating with an unsharded copy of the "
+                  f"optimizer step{_vllm_sync()}" if r.uses_vllm else "generating with an unsharded copy of the "
                   "policy, synced after every optimizer step")]
     shape = memory.model_shape(r, len(inputs.tokenizer))
     est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib)
@@ -155,6 +155,18 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
         lines += _fit(inputs, world_size, lengths, est, gpu_memory_gib)
     lines.append(f"dataset: {len(inputs.prompts)} prompts ({inputs.skipped_rows} bad rows skipped)")
     return "\n".join(lines)
+
+
+def _vllm_sync() -> str:
+    """How the installed vLLM would take the weights ("" when none is installed here: the run's machine decides)."""
+    from grpo_ds.config.software import installed_versions
+
+    version = installed_versions()["vllm"]
+    if version is None:
+        return " (no vLLM installed here: the weight-sync path is chosen where the run starts)"
+    from grpo_ds.rollout.vllm import weight_sync_path
+
+    return f" through {weight_sync_path()} (vLLM {version} installed here)"
 
 
 def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_size: int, lengths: list[int],
@@ -277,9 +289,9 @@ def main(argv: list[str] | None = None) -> None:
         inputs = prepare_inputs(args.recipe, args.overrides, args.world_size, device_type(), machine=False)
         print("\n".join(environment_lines(software.survey(), device_type())) + "\n")  # bad input: stdout empty
         print(report(inputs, args.world_size, args.lengths, gpu))
-        if inputs.recipe.rollout.engine == "vllm":
-            print('note: rollout.engine "vllm": GPUs and the installed vLLM are checked when the run starts, on the '
-                  "machine it runs on")
+        if inputs.recipe.uses_vllm:
+            print("note: vLLM: the installed version (and on a CPU its attention's head sizes) is checked when the run "
+                  "starts, on the machine it runs on")
 
 
 if __name__ == "__main__":

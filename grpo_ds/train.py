@@ -183,6 +183,8 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
             run_folder.mark_complete(run_dir, recipe.train.steps, digest)
     logger.close()
     dist.barrier()
+    if hasattr(rollout, "close"):  # vLLM: its shutdown takes the process group down, so it comes last
+        rollout.close()
     return logger.history
 
 
@@ -274,7 +276,7 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
 def _sync_weights(policy: Policy, rollout, bucket_bytes: int) -> None:
     """The policy's weights into the rollout engine (nothing to send when it generates with the policy's module)."""
     if not rollout.shares_policy_weights:
-        rollout.update_weights(policy.rollout_weights(bucket_bytes))
+        rollout.update_weights(policy.rollout_weights(bucket_bytes, getattr(rollout, "whole_layers", None)))
 
 
 def _start_logger(recipe: Recipe, run_dir: Path, dist: Dist) -> MetricsLogger:
@@ -305,18 +307,23 @@ def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist, shared_module: t
     whole: grpo_ds.config.deepspeed.rollout_shares_policy) or else with an unsharded copy of the policy, loaded here
     (the one full copy a rank holds); vLLM loads its own weights from model.path and gets no copy."""
     r, tokenizer = recipe.rollout, inputs.tokenizer
-    if r.engine == "vllm":  # vLLM is imported only when chosen (an optional extra; GPUs only)
+    if recipe.uses_vllm:  # vLLM is imported only when chosen (an optional extra)
         from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
 
-        return VLLMRolloutEngine(VLLMSettings.from_recipe(recipe), tokenizer,
-                                 lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed))
+        engine = VLLMRolloutEngine(VLLMSettings.from_recipe(recipe), tokenizer,
+                                   lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed))
+        if r.engine == "agent":  # the agent engine's turns from vLLM
+            return AgentRolloutEngine(engine, tokenizer, inputs.env_factory, r.max_turns, recipe.max_response_tokens,
+                                      r.generation_batch_prompts)
+        return engine
     shared = shared_module is not None
     model = shared_module if shared else load_model(recipe.model, len(tokenizer), recipe.run.seed).to(dist.device)
     if recipe.train.sequence_parallel_size > 1:  # Ulysses replaces the policy's attention process-wide
         sequence_parallel.keep_out(model)
     if r.engine == "agent":
-        return AgentRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer, inputs.env_factory,
-                                  r.max_turns, recipe.max_response_tokens, r.generation_batch_prompts, shared)
+        return AgentRolloutEngine.on_hf(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer,
+                                        inputs.env_factory, r.max_turns, recipe.max_response_tokens,
+                                        r.generation_batch_prompts, shared)
     return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, r.generation_batch_prompts, shared)
 
 

@@ -98,7 +98,8 @@ def test_tiny_recipe_learns_from_the_command_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(("recipe", "steps"), [("dapo_tiny_cpu", 300), ("multiturn_tiny_cpu", 250)])
 def test_algorithm_recipes_learn_from_the_command_line(tmp_path, recipe, steps):
-    """The DAPO and multi-turn recipes (docs/guides/recipes.md): reward rises from ~0 to >= 0.5 (mean of the last 10 steps)."""
+    """The DAPO and multi-turn recipes (docs/guides/recipes.md): reward rises from ~0 to >= 0.5 (mean of the last 10
+    steps)."""
     proc = subprocess.run([sys.executable, "-m", "grpo_ds.train", str(REPO / "recipes" / f"{recipe}.json"),
                            f"run.output_dir={tmp_path}", "logging.progress_bar=false"],
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)

@@ -157,7 +157,7 @@ def rollout_shares_policy(recipe: Recipe, ds_config: dict) -> bool:
     the peft model, which adds each adapter's product to its layer's output as the trainer does, instead of a copy
     with the adapters merged into the weights (the same function, rounded differently)."""
     t = recipe.train
-    return (recipe.rollout.engine in ("hf", "agent") and zero_stage(ds_config) < 3 and t.tensor_parallel_size == 1
+    return (not recipe.uses_vllm and zero_stage(ds_config) < 3 and t.tensor_parallel_size == 1
             and t.sequence_parallel_size == 1)
 
 

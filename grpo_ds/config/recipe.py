@@ -103,15 +103,24 @@ class RolloutConfig:
     max_turns: int = opt(4, "agent: most model turns per episode", low=1)
     max_total_tokens: int | None = opt(None, "agent: response budget, model and observation tokens together "
                                        "(null = max_new_tokens)", low=1)
+    agent_backend: str = opt("hf", "agent: what samples the model turns: transformers generate (hf) or vLLM (vllm; "
+                             "the vllm_* keys apply)", choices=("hf", "vllm"))
     vllm_gpu_memory_utilization: float = opt(0.5, "vllm: share of each GPU's memory vLLM takes for its weights and "
-                                             "KV cache (the trainer's resident states must fit in the rest)",
+                                             "KV cache (the trainer's resident states must fit in the rest); on a "
+                                             "CPU, vLLM's meaning: the share of the machine's memory per engine",
                                              low=0.0, high=1.0, low_open=True)
-    vllm_tensor_parallel_size: int = opt(1, "vllm: GPUs per vLLM engine (tensor parallel); must divide the world "
-                                         "size", low=1)
+    vllm_kv_cache_gib: float | None = opt(None, "vllm: KV cache size per engine in GiB (null = what "
+                                          "vllm_gpu_memory_utilization leaves); on a CPU vLLM's "
+                                          "VLLM_CPU_KVCACHE_SPACE, rounded up to whole GiB", low=0.0, low_open=True)
+    vllm_tensor_parallel_size: int = opt(1, "vllm: devices per vLLM engine (tensor parallel: GPUs, or CPU ranks); "
+                                         "must divide the world size", low=1)
     vllm_max_model_len: int | None = opt(None, "vllm: longest prompt + completion vLLM plans its KV cache for (null "
                                          "= data.max_prompt_tokens + max_new_tokens)", low=1)
     vllm_sleep_mode: bool = opt(False, "vllm: release vLLM's GPU memory between generations (weights to CPU "
-                                "memory, KV cache dropped) so the trainer can use it")
+                                "memory, KV cache dropped) so the trainer can use it; skipped, with a note, where "
+                                "vLLM has no sleep mode (its CPU build)")
+    vllm_enforce_eager: bool = opt(False, "vllm: run the model eagerly, without CUDA graphs or torch.compile: "
+                                   "start-up in seconds instead of ~30 s of compiling, slower generation")
     vllm_dtype: str | None = opt(None, "vllm: dtype of vLLM's weights and activations (null = model.dtype)",
                                  choices=("bfloat16", "float16", "float32"))
 
@@ -291,6 +300,12 @@ class Recipe:
         """Longest possible response: max_new_tokens, or an agent episode's total budget."""
         r = self.rollout
         return (r.max_total_tokens or r.max_new_tokens) if r.engine == "agent" else r.max_new_tokens
+
+    @property
+    def uses_vllm(self) -> bool:
+        """vLLM generates: the vllm engine, or the agent engine's turns with agent_backend "vllm"."""
+        r = self.rollout
+        return r.engine == "vllm" or (r.engine == "agent" and r.agent_backend == "vllm")
 
     @property
     def loss_agg_norm_tokens(self) -> int:

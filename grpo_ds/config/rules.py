@@ -107,7 +107,7 @@ def _validate_vllm(recipe: Recipe) -> None:
     the world size at start-up (grpo_ds.rollout.vllm.check_vllm_setup)."""
     r = recipe.rollout
     longest = recipe.data.max_prompt_tokens + r.max_new_tokens
-    if r.engine == "vllm" and r.vllm_max_model_len is not None and r.vllm_max_model_len < longest:
+    if recipe.uses_vllm and r.vllm_max_model_len is not None and r.vllm_max_model_len < longest:
         raise UserError("rollout.vllm_max_model_len", f"{r.vllm_max_model_len} is less than the longest sequence "
                         f"{longest} (data.max_prompt_tokens {recipe.data.max_prompt_tokens} + rollout.max_new_tokens "
                         f"{r.max_new_tokens})", f"raise it to at least {longest}, or null")

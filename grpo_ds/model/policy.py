@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import shutil
 import sys
 from collections.abc import Iterator
@@ -101,10 +102,16 @@ class Policy:
         else:
             yield self.reference_engine
 
-    def rollout_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """What a weight sync sends the rollout engine (every rank must consume it to the end)."""
+    def rollout_weights(self, bucket_bytes: int, whole_layers: dict[str, list[str]] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends the rollout engine (every rank must consume it to the end): every weight, or under
+        LoRA the merged adapted layers, plus, where the engine rebuilds each layer whole (``whole_layers``: its fused
+        layer names -> member names), the frozen tensors that complete those layers (lora.layer_companions)."""
         if self.lora:
-            return lora.merged_weights(self.engine.module, bucket_bytes)
+            merged = lora.merged_weights(self.engine.module, bucket_bytes)
+            if whole_layers:
+                return itertools.chain(lora.layer_companions(self.engine.module, bucket_bytes, whole_layers), merged)
+            return merged
         return gathered_named_parameters(self.engine.module, bucket_bytes)
 
     def full_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:

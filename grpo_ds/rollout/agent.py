@@ -21,14 +21,17 @@ does not fit in the budget is cut and the episode ends with "length". finish_rea
 environment said done or EOS was sampled, "length" when a turn or token limit ended the episode (a last turn
 cut by a token limit is "length" even if the environment then said done).
 
-Generation is batched over every still-active episode of a chunk of ``batch_prompts`` prompts: one left-padded
-transformers ``generate`` call per turn, as the ``hf`` engine does. The weights live in a composed
-HFRolloutEngine, so weight updates are the hf engine's. The environment protocol (``Environment``,
-``StepResult``) and the loading of environments by name live in grpo_ds.envs.
+Generation is batched over every still-active episode of a chunk of ``batch_prompts`` prompts, one round of turns at a
+time, by a turn sampler (grpo_ds.rollout.base.TurnSampler) that owns the weights: ``HFTurns`` (one left-padded
+transformers ``generate`` call per round, as the ``hf`` engine does; rollout.agent_backend "hf") or the vLLM engine
+(one request per episode and round, prompted with the episode's token ids; "vllm"). Either way the tokens are kept as
+sampled, so the token exactness above holds for both. The environment protocol (``Environment``, ``StepResult``)
+and the loading of environments by name live in grpo_ds.envs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,31 +42,42 @@ from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from grpo_ds.envs.base import EnvFactory, Environment, StepResult
 from grpo_ds.errors import first_line
-from grpo_ds.rollout.base import Rollouts, SamplingParams
+from grpo_ds.rollout.base import Rollouts, SamplingParams, Turn, TurnSampler
 from grpo_ds.rollout.hf import HFRolloutEngine, eval_mode, generate_left_padded
 
 
 class AgentRolloutEngine:
-    """Multi-turn rollouts; same surface as HFRolloutEngine, plus each prompt's data row in ``generate``."""
+    """Multi-turn rollouts; same surface as HFRolloutEngine, plus each prompt's data row in ``generate``. ``turns``
+    samples the model turns and owns the weights (HFTurns, or a VLLMRolloutEngine)."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int,
-                 tokenizer: PreTrainedTokenizerBase, env_factory: EnvFactory, max_turns: int, max_total_tokens: int,
-                 batch_prompts: int, shares_policy_weights: bool = False) -> None:
+    def __init__(self, turns: TurnSampler, tokenizer: PreTrainedTokenizerBase, env_factory: EnvFactory,
+                 max_turns: int, max_total_tokens: int, batch_prompts: int) -> None:
         if max_turns < 1 or max_total_tokens < 1:
             raise ValueError(f"max_turns ({max_turns}) and max_total_tokens ({max_total_tokens}) must be >= 1")
-        self._hf = HFRolloutEngine(model, pad_token_id, eos_token_id, batch_prompts,
-                                   shares_policy_weights)  # owns the weights
-        self.model = self._hf.model
-        self.shares_policy_weights = shares_policy_weights
-        self.pad_token_id = pad_token_id
-        self.stop_ids = self._hf.stop_ids  # "EOS" below: any of them (grpo_ds.rollout.stop)
+        self.turns = turns
+        self.shares_policy_weights = turns.shares_policy_weights
+        self.model = getattr(turns, "model", None)  # the hf backend's module (None on vLLM, which holds its own)
+        self.stop_ids = turns.stop_ids  # "EOS" below: any of them (grpo_ds.rollout.stop)
         self.tokenizer = tokenizer
         self.env_factory = env_factory
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.batch_prompts = batch_prompts  # prompts per chunk; a chunk's episodes are generated together
 
+    @classmethod
+    def on_hf(cls, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, tokenizer: PreTrainedTokenizerBase,
+              env_factory: EnvFactory, max_turns: int, max_total_tokens: int, batch_prompts: int,
+              shares_policy_weights: bool = False) -> AgentRolloutEngine:
+        """Turns from transformers generate on ``model`` (the policy's own module with ``shares_policy_weights``)."""
+        turns = HFTurns(HFRolloutEngine(model, pad_token_id, eos_token_id, batch_prompts, shares_policy_weights),
+                        tokenizer)
+        return cls(turns, tokenizer, env_factory, max_turns, max_total_tokens, batch_prompts)
+
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-        return self._hf.update_weights(named_tensors)
+        return self.turns.update_weights(named_tensors)
+
+    def close(self) -> None:
+        if hasattr(self.turns, "close"):
+            self.turns.close()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
@@ -74,22 +88,25 @@ class AgentRolloutEngine:
             got = "no rows" if rows is None else f"{len(rows)} rows"
             raise ValueError(f"got {len(prompts)} prompts but {got}; give one data row per prompt")
         torch.manual_seed(sampling.seed)
-        with eval_mode(self.model):
+        with eval_mode(self.model) if self.model is not None else contextlib.nullcontext():
             parts = [self._generate_chunk(prompts[i:i + self.batch_prompts], rows[i:i + self.batch_prompts],
-                                          group_size, sampling)
+                                          group_size, sampling, first_episode=i * group_size)
                      for i in range(0, len(prompts), self.batch_prompts)]
+        if hasattr(self.turns, "sleep"):  # vLLM: its memory back to the trainer until the next generation
+            self.turns.sleep()
         return Rollouts.concat(parts)
 
     def _generate_chunk(self, prompts: list[list[int]], rows: list[dict], group_size: int,
-                        sampling: SamplingParams) -> Rollouts:
+                        sampling: SamplingParams, first_episode: int) -> Rollouts:
         episodes = []
         for prompt, row in zip(prompts, rows, strict=True):
             for _ in range(group_size):
                 env = self.env_factory()
-                episode = _Episode(env, list(prompt), tuple(getattr(env, "turn_stop", ())))
+                episode = _Episode(env, list(prompt), tuple(getattr(env, "turn_stop", ())),
+                                   first_episode + len(episodes))
                 self._observe(episode, _call(env.reset, dict(row), "reset"))
                 episodes.append(episode)
-        while active := [e for e in episodes if e.finish is None]:
+        while self.turns.keep_going(bool(active := [e for e in episodes if e.finish is None])):
             for episode, turn in zip(active, self._sample_turns(active, sampling), strict=True):
                 episode.add(turn.ids, turn.logprobs, 1)
                 episode.turns += 1
@@ -114,13 +131,38 @@ class AgentRolloutEngine:
         if len(ids) >= room:
             episode.finish = "length"
 
-    def _sample_turns(self, episodes: list[_Episode], sampling: SamplingParams) -> list[_Turn]:
-        """One model turn for each episode, in one batched generate call."""
-        contexts = [e.prompt + e.ids for e in episodes]
-        budgets = [min(sampling.max_new_tokens, self.max_total_tokens - len(e.ids)) for e in episodes]
+    def _sample_turns(self, episodes: list[_Episode], sampling: SamplingParams) -> list[Turn]:
+        """One model turn for each episode, in one call of the turn sampler."""
+        return self.turns.sample_turns([e.prompt + e.ids for e in episodes],
+                                       [min(sampling.max_new_tokens, self.max_total_tokens - len(e.ids))
+                                        for e in episodes],
+                                       [e.stop for e in episodes], sampling,
+                                       [e.index * self.max_turns + e.turns for e in episodes])
+
+
+class HFTurns:
+    """Model turns from transformers generate: every round is one left-padded batched call on the hf engine's model,
+    ended per row by ``_TurnEnd``. The hf engine owns the weights (its own copy, or the policy's module)."""
+
+    def __init__(self, engine: HFRolloutEngine, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.shares_policy_weights = engine.shares_policy_weights
+        self.stop_ids = engine.stop_ids
+        self.pad_token_id = engine.pad_token_id
+        self.tokenizer = tokenizer
+
+    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+        return self.engine.update_weights(named_tensors)
+
+    def keep_going(self, active: bool) -> bool:
+        return active
+
+    def sample_turns(self, contexts: list[list[int]], budgets: list[int], stops: list[tuple[str, ...]],
+                     sampling: SamplingParams, keys: list[int]) -> list[Turn]:
+        """``keys`` are unused: the engine seeded torch once per generate call (the draws follow the batch)."""
         # the stopping criterion counts new tokens from the padded width
-        turn_end = _TurnEnd(max(len(c) for c in contexts), budgets, [e.stop for e in episodes], self.stop_ids,
-                            self.tokenizer)
+        turn_end = _TurnEnd(max(len(c) for c in contexts), budgets, stops, self.stop_ids, self.tokenizer)
         new_tokens, token_logprobs = generate_left_padded(self.model, contexts, sampling, max(budgets), 1,
                                                           self.pad_token_id, self.stop_ids,
                                                           StoppingCriteriaList([turn_end]))
@@ -128,17 +170,9 @@ class AgentRolloutEngine:
         for b, length in enumerate(turn_end.lengths):
             if length is None:  # generate stopped without this criterion seeing the turn end: cannot happen
                 raise RuntimeError(f"the turn of row {b} ended without EOS, a stop string or its budget")
-            turns.append(_Turn(new_tokens[b, :length].tolist(), token_logprobs[b, :length].tolist(),
-                               eos=turn_end.reasons[b] == "eos", cut=turn_end.reasons[b] == "budget"))
+            turns.append(Turn(new_tokens[b, :length].tolist(), token_logprobs[b, :length].tolist(),
+                              eos=turn_end.reasons[b] == "eos", cut=turn_end.reasons[b] == "budget"))
         return turns
-
-
-@dataclass(frozen=True)
-class _Turn:
-    ids: list[int]  # exactly as sampled
-    logprobs: list[float]  # sampler log-probs of ids
-    eos: bool  # ended by EOS (the last id)
-    cut: bool  # ended by the token budget, not by EOS or a stop string
 
 
 @dataclass
@@ -146,6 +180,7 @@ class _Episode:
     env: Environment
     prompt: list[int]
     stop: tuple[str, ...]
+    index: int  # the episode's place in the generate call (seeds a vLLM request)
     ids: list[int] = field(default_factory=list)  # the response so far: model and observation tokens
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)

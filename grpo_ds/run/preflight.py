@@ -92,11 +92,12 @@ def _check_context_length(recipe: Recipe, prompts: list[PromptRow], eval_prompts
         return
     limit, source = found
     r = recipe.rollout
-    if r.engine == "vllm":
-        planned = r.vllm_max_model_len or recipe.data.max_prompt_tokens + r.max_new_tokens
+    if recipe.uses_vllm:
+        planned = r.vllm_max_model_len or recipe.data.max_prompt_tokens + recipe.max_response_tokens
         if planned > limit:
-            key = "rollout.vllm_max_model_len" if r.vllm_max_model_len else \
-                "data.max_prompt_tokens + rollout.max_new_tokens"
+            budget = "rollout.max_total_tokens" if r.engine == "agent" and r.max_total_tokens else \
+                "rollout.max_new_tokens"
+            key = "rollout.vllm_max_model_len" if r.vllm_max_model_len else f"data.max_prompt_tokens + {budget}"
             raise UserError(key, f"{planned} is more than the model's context length {limit} ({source}), which vLLM "
                             "refuses", f"plan for at most {limit} tokens")
     key = "rollout.max_total_tokens" if r.engine == "agent" and r.max_total_tokens else "rollout.max_new_tokens"

@@ -1,7 +1,7 @@
 """One micro-batch's loss on the flat token layout, and how it reaches DeepSpeed's gradients.
 
-Loss contract (docs/concepts/loss-normalisation.md). The loss of one optimizer step is sum_i w_i sum_t l_it over the whole global
-mini-batch: w_i comes from grpo_ds.algo.aggregation (computed on every sequence of the mini-batch, by the
+Loss contract (docs/concepts/loss-normalisation.md). The loss of one optimizer step is sum_i w_i sum_t l_it over the
+whole global mini-batch: w_i comes from grpo_ds.algo.aggregation (computed on every sequence of the mini-batch, by the
 update phase) and l_it from grpo_ds.algo.policy_loss. A micro-batch contributes its partial sum
 
     loss = sum_t token_weight_t * l_t,     token_weight_t = w_i(t) x loss mask_t x importance weight_t

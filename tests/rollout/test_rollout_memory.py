@@ -8,8 +8,8 @@ generate returns, their log-softmaxes, and the stacked copy).
 Measured at a realistic vocabulary (151,936, Qwen2's) on a random Qwen2-architecture model with a tiny hidden
 size, so that the scores dominate: the same 4 samples at 16 and at 64 new tokens, in a fresh process whose glibc
 returns freed blocks above 128 KiB to the OS (MALLOC_MMAP_THRESHOLD_: glibc's mallopt M_MMAP_THRESHOLD, which
-otherwise rises as large blocks are freed and keeps them on the heap), the peak anonymous resident memory sampled in a thread during ``generate`` minus its value just
-before. Run this file as a script to print the numbers.
+otherwise rises as large blocks are freed and keeps them on the heap), the peak anonymous resident memory sampled in a
+thread during ``generate`` minus its value just before. Run this file as a script to print the numbers.
 """
 
 import json

@@ -81,7 +81,7 @@ def test_the_hf_engine_stops_at_every_eos_of_the_generation_config(tmp_path):
 def test_the_agent_engine_ends_a_turn_at_every_eos_of_the_generation_config(tmp_path):
     model, tokenizer = loaded(model_folder(tmp_path / "both", [TOK.eos_token_id, SECOND]))
     factory, envs = recording(EchoEnv)
-    engine = AgentRolloutEngine(favour_eos(model, SECOND, bias=30.0, every=1), tokenizer.pad_token_id,
+    engine = AgentRolloutEngine.on_hf(favour_eos(model, SECOND, bias=30.0, every=1), tokenizer.pad_token_id,
                                 tokenizer.eos_token_id, tokenizer, factory, max_turns=3, max_total_tokens=24,
                                 batch_prompts=8)
     out = engine.generate([TOK.encode("1+2=")], 2, SamplingParams(max_new_tokens=6, seed=0), rows=[{}])

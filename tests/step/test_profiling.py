@@ -64,7 +64,8 @@ def test_a_resumed_run_traces_the_rest_of_the_range_and_off_writes_nothing(tmp_p
 
 @pytest.mark.slow
 def test_two_ranks_write_a_trace_each_with_the_phases_and_the_collectives(tmp_path):
-    """The docs' example (docs/guides/evaluation-and-metrics.md) at world size 2 through the real launcher: step 2 of 2 traced (step 1 warms up)."""
+    """The docs' example (docs/guides/evaluation-and-metrics.md) at world size 2 through the real launcher: step 2 of 2
+    traced (step 1 warms up)."""
     deepspeed_launch(2, ["--module", "grpo_ds.train", str(REPO / "recipes" / "tiny_cpu.json"),
                          f"run.output_dir={tmp_path}", "train.steps=2", "rollout.prompts_per_step=2",
                          "rollout.group_size=2", "train.micro_batch_samples_per_gpu=2", "logging.progress_bar=false",

