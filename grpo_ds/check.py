@@ -164,7 +164,7 @@ def _vllm_sync() -> str:
     version = installed_versions()["vllm"]
     if version is None:
         return " (no vLLM installed here: the weight-sync path is chosen where the run starts)"
-    from grpo_ds.rollout.vllm import weight_sync_path
+    from grpo_ds.rollout.vllm_checks import weight_sync_path
 
     return f" through {weight_sync_path()} (vLLM {version} installed here)"
 

@@ -104,7 +104,7 @@ def _validate_sequence_parallel(recipe: Recipe) -> None:
 def _validate_vllm(recipe: Recipe) -> None:
     """rollout.vllm_max_model_len must hold the longest sequence. The vllm_* keys are ignored by the other engines
     (so one recipe can compare engines with a rollout.engine override); the tensor-parallel size is checked against
-    the world size at start-up (grpo_ds.rollout.vllm.check_vllm_setup)."""
+    the world size at start-up (grpo_ds.rollout.vllm_checks.check_vllm_setup)."""
     r = recipe.rollout
     longest = recipe.data.max_prompt_tokens + r.max_new_tokens
     if recipe.uses_vllm and r.vllm_max_model_len is not None and r.vllm_max_model_len < longest:

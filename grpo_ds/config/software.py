@@ -16,7 +16,7 @@ Known-bad combinations, each from a source:
   is refused by name before vLLM is ever imported.
 - model.lora_rank: peft missing or older than ``PEFT_SPEC`` (``check_peft``).
 A vLLM that is not installed at all is refused when the run starts on its GPU machine
-(grpo_ds.rollout.vllm.require_vllm): the dry run may plan a run for another machine. Triton missing with
+(grpo_ds.rollout.vllm_checks.require_vllm): the dry run may plan a run for another machine. Triton missing with
 ``kernels.backend "triton"`` is refused by ``resolve_backend`` ("auto" falls back to the PyTorch path): which
 kernels a run gets is a question about the installed software, so it is answered here (the kernels themselves,
 grpo_ds.kernels, take the resolved "triton" or "torch").

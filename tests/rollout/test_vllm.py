@@ -25,15 +25,14 @@ from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.rollout.vllm import (
     VLLMRolloutEngine,
     VLLMSettings,
-    check_vllm_setup,
     llm_kwargs,
     request_seeds,
-    require_vllm,
     rollouts_from_outputs,
     sampling_kwargs,
     turn_from_output,
     turn_seed,
 )
+from grpo_ds.rollout.vllm_checks import check_vllm_setup, require_vllm
 from tests.launch import REPO
 
 EOS = 1

@@ -105,31 +105,46 @@ def metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not (k.startswith("time_") or "per_s" in k or "memory" in k)} for r in rows]
 
 
-def test_the_driver_trains_with_vllm_on_two_ranks(tmp_path):
-    """The documented command: `deepspeed --num_gpus 2 --module grpo_ds.train recipes/tiny_vllm_cpu.json` (two
-    engines), shortened."""
-    launch_venv(2, ["--module", "grpo_ds.train", RECIPE, f"run.output_dir={tmp_path}", *SHORT])
-    rows = metrics(tmp_path / "tiny_vllm_cpu")
+@pytest.mark.parametrize("recipe, extra", [
+    ("tiny_vllm_cpu", []),
+    ("multiturn_tiny_cpu", ["rollout.agent_backend=vllm", "model.tiny_num_heads=2", "data.max_prompt_tokens=30",
+                            "rollout.vllm_gpu_memory_utilization=0.1", "rollout.vllm_kv_cache_gib=1",
+                            "rollout.vllm_enforce_eager=true", "algorithm.rollout_is_cap=2.0"]),
+], ids=["single_turn", "agent"])
+def test_the_driver_trains_with_vllm_on_two_ranks(tmp_path, recipe, extra):
+    """The documented command, `deepspeed --num_gpus 2 --module grpo_ds.train recipes/tiny_vllm_cpu.json` (two
+    engines), shortened; and multi-turn episodes whose turns vLLM samples, the same way."""
+    launch_venv(2, ["--module", "grpo_ds.train", REPO / "recipes" / f"{recipe}.json", f"run.output_dir={tmp_path}",
+                    *SHORT, *extra])
+    rows = metrics(tmp_path / recipe)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["response_len_mean"] > 0 for r in rows)
 
 
-def test_a_sigkilled_vllm_run_resumes_exactly(tmp_path):
-    """SIGKILL once step 3 is logged (after step 2's checkpoint); the same command continues from the newest checkpoint
-    and its metrics equal an uninterrupted run's."""
-    whole = tmp_path / "whole"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    """The short run's metrics, start to end, once for the resume tests."""
+    whole = tmp_path_factory.mktemp("whole")
     run_venv(["-m", "grpo_ds.train", RECIPE, f"run.output_dir={whole}", *SHORT])
-    killed = tmp_path / "killed"
-    cmd = [str(VENV_PYTHON), "-m", "grpo_ds.train", str(RECIPE), f"run.output_dir={killed}", *SHORT]
+    return metrics(whole / "tiny_vllm_cpu")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_stopped_vllm_run_resumes_exactly(tmp_path, uninterrupted, stop):
+    """SIGKILL (a lost node) or SIGTERM (preemption: the step ends, a checkpoint, exit 75) once step 3 is logged; the
+    same command continues from the newest checkpoint, and its metrics equal an uninterrupted run's."""
+    cmd = [str(VENV_PYTHON), "-m", "grpo_ds.train", str(RECIPE), f"run.output_dir={tmp_path}", *SHORT]
     proc = subprocess.Popen(cmd, cwd=REPO, env=venv_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    log = killed / "tiny_vllm_cpu" / "metrics.jsonl"
+    log = tmp_path / "tiny_vllm_cpu" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (log.exists() and len(log.read_text().splitlines()) >= 3):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step 3"
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert len(metrics(killed / "tiny_vllm_cpu")) < 6  # it was stopped before the end
-    out = run_venv(["-m", "grpo_ds.train", RECIPE, f"run.output_dir={killed}", *SHORT])
-    assert re.search(r"resuming after step [24] ", out), out[-3000:]
-    assert metrics(killed / "tiny_vllm_cpu") == metrics(whole / "tiny_vllm_cpu")
+    os.killpg(proc.pid, stop)
+    code = proc.wait(timeout=120)
+    assert code == (75 if stop == signal.SIGTERM else -signal.SIGKILL)
+    assert len(metrics(tmp_path / "tiny_vllm_cpu")) < 6  # it was stopped before the end
+    out = run_venv(["-m", "grpo_ds.train", RECIPE, f"run.output_dir={tmp_path}", *SHORT])
+    assert re.search(r"resuming after step [2-5] ", out), out[-3000:]
+    assert metrics(tmp_path / "tiny_vllm_cpu") == uninterrupted

@@ -20,7 +20,8 @@ from grpo_ds.model.engine import create_reference_engine
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from grpo_ds.model.weight_gather import gathered_named_parameters  # noqa: E402
 from grpo_ds.rollout.base import SamplingParams  # noqa: E402
-from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings, require_vllm  # noqa: E402
+from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings  # noqa: E402
+from grpo_ds.rollout.vllm_checks import require_vllm  # noqa: E402
 
 HIDDEN, LAYERS, HEADS = 256, 2, 4  # head dim 64: every vLLM attention backend takes it
 
