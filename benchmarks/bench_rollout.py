@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
              "generated tokens/s: prompts x completions x the longest completion's tokens / wall s (a random model "
              "over this vocabulary practically never samples EOS, so every completion has the same length)"]
     if any(r["variant"] == "vllm" for r in rows):
-        notes.append(f"vllm: vLLM's CPU build in its own environment ({args.vllm_python}), float32, "
+        shown = os.path.relpath(args.vllm_python, REPO)
+        notes.append(f"vllm: vLLM's CPU build in its own environment ({shown}), float32, "
                      f"{'enforce_eager' if args.vllm_eager else 'compiled (torch.compile, its default)'}, one engine, "
                      "the same prompts, one request per prompt with n = completions; its CPU threads are vLLM's own")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
