@@ -39,3 +39,10 @@ def remove_shm_buffers(port: int) -> None:
     each) behind when the processes end; a test suite of multi-rank launches would fill /dev/shm (RAM)."""
     for leftover in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
         leftover.unlink(missing_ok=True)
+
+
+def remove_vllm_shm() -> None:
+    """vLLM's CPU tensor-parallel groups leave /dev/shm segments behind when their processes are killed (grpo_ds names
+    them grpo_ds-<id>-...: grpo_ds.rollout.vllm)."""
+    for leftover in Path("/dev/shm").glob("grpo_ds-*cpushm*"):
+        leftover.unlink(missing_ok=True)

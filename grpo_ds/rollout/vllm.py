@@ -52,6 +52,7 @@ import math
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -208,6 +209,14 @@ class VLLMRolloutEngine:
 
         on_cpu = current_platform.is_cpu()
         self.sleeps = settings.sleep_mode and sleep_mode_available()  # check_vllm_setup said so when it is not
+        if on_cpu and "VLLM_DIST_IDENT" not in os.environ:
+            # vLLM's CPU tensor-parallel groups share memory under /dev/shm names made from this variable (empty
+            # under the external launcher): a run's own name, the same on every rank, keeps two runs (or a run and
+            # the leftovers of a killed one) from colliding ("create shm in SHMManager failed. errno: 17")
+            ident = [f"grpo_ds-{uuid.uuid4().hex[:12]}"]
+            if dist:
+                torch.distributed.broadcast_object_list(ident, src=0)
+            os.environ["VLLM_DIST_IDENT"] = ident[0]
         if on_cpu and settings.kv_cache_gib is not None:  # whole GiB: vLLM reads the variable as an integer
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(settings.kv_cache_gib))
         if torch.cuda.is_available():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
+from tests.launch import REPO, clean_env, free_port, remove_shm_buffers, remove_vllm_shm
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +57,7 @@ def launch_venv(ranks: int, args: list, timeout: int = 600) -> str:
         proc = subprocess.run(cmd, cwd=REPO, env=venv_env(), capture_output=True, text=True, timeout=timeout)
     finally:
         remove_shm_buffers(port)
+        remove_vllm_shm()
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
     return proc.stdout + proc.stderr
 
