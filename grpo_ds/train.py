@@ -36,6 +36,7 @@ from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.run import checkpoint, writes
 from grpo_ds.run import folder as run_folder
+from grpo_ds.run.lock import RunLock
 from grpo_ds.run.metrics import MetricsLogger, peak_memory_gib, read_metrics
 from grpo_ds.run.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals
 from grpo_ds.run.preflight import Inputs, prepare_inputs
@@ -61,17 +62,31 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
 def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, stop: StopRequest) -> list[dict]:
     # ---- 1. validate everything before any model loads or any file is written
     inputs = prepare_inputs(recipe, overrides, launcher.world_size(), device_type())
+    recipe = inputs.recipe
+
+    # ---- 2. processes, and the run folder's lock: one launch owns a run folder (a second one stops, writing nothing)
+    dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
+    lock = RunLock(run_folder.folder_path(recipe)) if dist.is_main else None
+    dist.decide(_acquire, lock)  # rank 0 takes it; a live holder stops every rank with one line
+    try:
+        return _train(inputs, dist, stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     recipe, tokenizer, prompts = inputs.recipe, inputs.tokenizer, inputs.prompts
-    folder = run_folder.decide(recipe)  # fresh, resume, finished already, or refuse (another recipe's run)
+    # fresh, resume, finished already, or refuse (another recipe's run, or data that changed under a resumed one)
+    folder = run_folder.decide(recipe, inputs.data_identity)
     run_dir = folder.path
     if folder.completed_steps is not None:
         launcher.say(f"the run in {run_dir} has already finished its {folder.completed_steps} steps: nothing to do "
                      "(raise train.steps to continue it; run.overwrite=true or another run.name starts again)")
         return read_metrics(run_dir)  # the finished run's history, as grpo_ds.plot reads it
 
-    # ---- 2. processes, run folder, models
-    dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
-    dist.decide(run_folder.prepare, folder, recipe, inputs.ds_config)  # rank 0 writes; a failure stops every rank
+    # ---- 3. the run folder, models
+    dist.decide(run_folder.prepare, folder, recipe, inputs.ds_config, inputs.data_identity)  # rank 0 writes
     logger = _start_logger(recipe, run_dir, dist)  # W&B starts before the models load; a failure stops every rank
     torch.manual_seed(recipe.run.seed)
     # the rollout engine comes before the trainer (vLLM measures the free GPU memory), except one that generates with
@@ -154,7 +169,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
         # ---- checkpoint: atomically, every checkpoint.every_steps and after the last step
         # (never after a non-finite step: its weights may not be good)
         every, saved = recipe.checkpoint.every_steps, None
-        trainer_state = {"sampler": sampler.state_dict(), "history": logger.history}
+        trainer_state = {"sampler": sampler.state_dict(), "history": logger.history, "data": inputs.data_identity}
         if every is not None and (step % every == 0 or step == recipe.train.steps) and not nonfinite:
             with Phase("checkpoint"):
                 saved = checkpoint.save(policy, run_dir, step, trainer_state, recipe.checkpoint.keep, dist)
@@ -189,6 +204,10 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
 
 
 # ----------------------------------------------------------------------------------------- phases
+
+def _acquire(lock: RunLock) -> None:
+    lock.acquire()
+
 
 def _advantages(recipe: Recipe, inputs: Inputs, data: StepBatch, device: torch.device) -> tuple[list[float], dict]:
     """Rank 0: the reward shaping of the recipe, then group advantages (through the kernels backend)."""
@@ -264,7 +283,10 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
         _trim_logs(folder.path, rank_log, 0, dist)
         return 1
     resumed = checkpoint.load(policy, path, dist)
-    sampler.load_state_dict(resumed.trainer_state["sampler"])
+    sampler.load_state_dict(resumed.trainer_state["sampler"], data_changed=folder.data_changed is not None)
+    if folder.data_changed:
+        launcher.say(f"note: data.train changed since the run started ({folder.data_changed}); data.on_change is "
+                     '"continue": a new pass over the changed data begins')
     logger.resume(resumed.trainer_state["history"])
     _trim_logs(folder.path, rank_log, resumed.step, dist)
     launcher.say(f"resuming after step {resumed.step} from {path}")

@@ -88,6 +88,9 @@ def test_tiny_recipe_learns_from_the_command_line(tmp_path):
     assert first < 0.1
     assert last >= 0.9, f"reward of the last 10 steps {last:.3f}"
     assert "step  260 reward_mean=" in proc.stdout + proc.stderr  # the console line of the last step
+    # a log, not a terminal: the periodic step lines and no progress-bar frames (`> log 2>&1` stays small)
+    assert "%|" not in proc.stderr and "\r" not in proc.stderr
+    assert len((proc.stdout + proc.stderr).encode()) < 20_000
     written = json.loads((tmp_path / "tiny_cpu" / "recipe.json").read_text())
     assert written["rollout"]["group_size"] == 32
     ds = json.loads((tmp_path / "tiny_cpu" / "deepspeed.json").read_text())

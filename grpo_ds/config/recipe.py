@@ -79,6 +79,9 @@ class DataConfig:
     on_bad_row: str = opt("error", "Row without the prompt key, empty, or too long: stop, or skip and count",
                           choices=("error", "skip"))
     shuffle: bool = opt(True, "Shuffle prompts each pass over the data (seeded by run.seed)")
+    on_change: str = opt("stop", "A resumed run whose data.train changed since it started (its size or content): "
+                         'stop with one line, or continue ("continue": a new pass over the changed data begins)',
+                         choices=("stop", "continue"))
 
 
 @dataclass(frozen=True)
@@ -244,7 +247,8 @@ class CheckpointConfig:
 class LoggingConfig:
     every_steps: int = opt(1, "Print a metrics line every this many steps, and at the first and the last "
                            "(metrics.jsonl gets every step)", low=1)
-    progress_bar: bool = opt(True, "Show a progress bar on rank 0")
+    progress_bar: bool = opt(True, "Show a progress bar on rank 0, where stderr is a terminal (in a log file the "
+                             "step lines of every_steps are the progress)")
     tensorboard: bool = opt(False, "Write TensorBoard event files to <run folder>/tensorboard (extra: tensorboard)")
     wandb_project: str | None = opt(None, "Log every step to this Weights & Biases project (extra: wandb; null = off)")
     samples_every_steps: int | None = opt(10, "Every this many steps, write a few (prompt, completion, reward) "

@@ -29,9 +29,12 @@ from grpo_ds.config.recipe import Recipe
 from grpo_ds.errors import UserError
 from grpo_ds.run import writes
 from grpo_ds.run.checkpoint import CHECKPOINTS, verify, write_error
+from grpo_ds.run.lock import LOCK
+from grpo_ds.run.prompts import data_changes
 
 # Keys that may change between the attempts of one run (extending it, checkpointing or logging differently).
-_MAY_DIFFER = ("run.overwrite", "train.steps", "checkpoint.", "logging.")
+_MAY_DIFFER = ("run.overwrite", "train.steps", "checkpoint.", "logging.", "data.on_change")
+DATA = "data.json"  # what the run trains on (grpo_ds.run.prompts.data_identity), rewritten by every launch
 COMPLETE = "complete.json"  # written when a run finishes: {"steps": N, "final_weights_sha256": ...}
 
 
@@ -41,11 +44,18 @@ class RunFolder:
     fresh: bool  # wipe (if present) and start at step 1
     checkpoint: Path | None  # resume from this checkpoint folder (None: from the newest good one, if any)
     completed_steps: int | None = None  # the folder holds this recipe's run, finished at train.steps: nothing to do
+    data_changed: str | None = None  # how data.train changed since the run started (data.on_change "continue")
 
 
-def decide(recipe: Recipe) -> RunFolder:
-    """Check the run folder against the recipe; raise UserError when it must not be touched."""
-    path = Path(recipe.run.output_dir) / recipe.run.name
+def folder_path(recipe: Recipe) -> Path:
+    """The run folder: run.output_dir/run.name."""
+    return Path(recipe.run.output_dir) / recipe.run.name
+
+
+def decide(recipe: Recipe, data: dict | None = None) -> RunFolder:
+    """Check the run folder against the recipe and, when it resumes, against ``data`` (the data_identity of
+    data.train now); raise UserError when it must not be touched or its data changed (data.on_change "stop")."""
+    path = folder_path(recipe)
     resume = recipe.checkpoint.resume
     explicit = None
     if resume not in ("auto", "never"):
@@ -70,7 +80,21 @@ def decide(recipe: Recipe) -> RunFolder:
     completed = completed_steps(path)
     if explicit is None and completed is not None and completed >= recipe.train.steps:
         return RunFolder(path, False, None, completed)
-    return RunFolder(path, False, explicit)
+    changed = _data_changed(path, data) if data is not None else None
+    if changed and recipe.data.on_change == "stop":
+        raise UserError("data.train", f"changed since the run in {path} started: {changed}",
+                        'restore it, or set data.on_change="continue" to go on with the changed data (a new pass '
+                        "over it begins), or start another run (run.name)")
+    return RunFolder(path, False, explicit, data_changed=changed)
+
+
+def _data_changed(path: Path, now: dict) -> str | None:
+    """How the data changed since the run in ``path`` recorded it (None: unchanged, or a run from before data.json)."""
+    try:
+        before = json.loads((path / DATA).read_text())
+    except (OSError, ValueError):
+        return None
+    return data_changes(before, now)
 
 
 def completed_steps(path: Path) -> int | None:
@@ -87,10 +111,12 @@ def mark_complete(path: Path, steps: int, final_weights_sha256: str) -> None:
     writes.write_atomic(path / COMPLETE, json.dumps(record) + "\n")
 
 
-def prepare(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None:
-    """Rank 0: wipe a replaced run and write the recipe and the resolved DeepSpeed config."""
+def prepare(folder: RunFolder, recipe: Recipe, ds_config: dict, data: dict | None = None) -> None:
+    """Rank 0: wipe a replaced run and write the recipe, the resolved DeepSpeed config and what the run trains on."""
     try:
         _write_run_files(folder, recipe, ds_config)
+        if data is not None:
+            writes.write_atomic(folder.path / DATA, json.dumps(data, indent=2) + "\n")
     except OSError as err:  # rank 0 (train.py runs it through Dist.decide): the error reaches every rank
         raise write_error(folder.path, "run folder", err) from None
 
@@ -100,7 +126,13 @@ def _write_run_files(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None
         if (folder.path / "metrics.jsonl").exists() or (folder.path / CHECKPOINTS).exists():
             print(f"replacing the run folder {folder.path} (run.overwrite is true): {_held(folder.path)} deleted",
                   file=sys.stderr, flush=True)
-        shutil.rmtree(folder.path)
+        for child in folder.path.iterdir():  # all of it but the lock this launch holds (grpo_ds.run.lock)
+            if child.name == LOCK:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
     folder.path.mkdir(parents=True, exist_ok=True)
     writes.write_atomic(folder.path / "recipe.json", json.dumps(recipe.to_dict(), indent=2) + "\n")
     writes.write_atomic(folder.path / "deepspeed.json", json.dumps(ds_config, indent=2) + "\n")

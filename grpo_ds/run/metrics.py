@@ -70,8 +70,10 @@ class MetricsLogger:
         self.every_steps = cfg.every_steps
         self.total_steps = total_steps
         self.history: list[dict] = []
+        # a bar only where stderr is a terminal: in a log file (nohup, SLURM, `> log`) its carriage-returned
+        # frames would be most of the bytes, and the step lines (every logging.every_steps) are the progress there
         self.bar = tqdm(total=total_steps, desc="grpo_ds", unit="step", dynamic_ncols=True) \
-            if cfg.progress_bar and run_dir else None
+            if cfg.progress_bar and run_dir and sys.stderr.isatty() else None
         self.tensorboard = self.wandb = None
         if run_dir and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

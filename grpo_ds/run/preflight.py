@@ -26,7 +26,7 @@ from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm_checks import check_vllm_setup
 from grpo_ds.run.folder import check_run_folder
 from grpo_ds.run.metrics import check_logging_extras
-from grpo_ds.run.prompts import PromptRow, load_rows, prepare_prompts
+from grpo_ds.run.prompts import PromptRow, data_identity, load_rows, prepare_prompts
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Inputs:
     kernels_backend: str  # "triton" or "torch", resolved for the device
     env_factory: Callable[[], Any] | None  # rollout.engine "agent": builds one environment per episode
     eval_prompts: list[PromptRow]  # eval.data's prompts (empty: no evaluation)
+    data_identity: dict  # what data.train holds: source, prompts, fingerprint (grpo_ds.run.prompts.data_identity)
 
 
 def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
@@ -67,7 +68,9 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     check_columns({key for row in prompts for key in row.columns})
     eval_prompts = _eval_prompts(recipe, tokenizer)
     _check_context_length(recipe, prompts, eval_prompts)
-    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts)
+    identity = data_identity(recipe.data.train, recipe.source_dir, prompts)
+    return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts,
+                  identity)
 
 
 def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:

@@ -10,6 +10,7 @@ resume exactly from its ``state_dict``.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -230,6 +231,30 @@ def _apply_template(prompt: str, tokenizer: PreTrainedTokenizerBase) -> str:
 # ------------------------------------------------------------------------------------------ sampling
 
 
+def data_identity(spec: str, source_dir: str, prompts: list[PromptRow]) -> dict:
+    """What a run trains on, recorded in its run folder (data.json) and checkpoints: the source (a builtin name, or the
+    resolved path), the number of prompts kept, and a fingerprint of their text and columns in order."""
+    source = spec if spec.startswith("builtin:") else str(_resolve(spec, source_dir).resolve())
+    digest = hashlib.sha256()
+    for row in prompts:
+        digest.update(json.dumps([row.prompt_text, row.columns], sort_keys=True, default=str).encode())
+        digest.update(b"\n")
+    return {"source": source, "prompts": len(prompts), "sha256": digest.hexdigest()}
+
+
+def data_changes(before: dict, now: dict) -> str | None:
+    """How the data of a run changed between ``before`` and ``now`` (data_identity), in words; None if it did not."""
+    what = []
+    if before.get("source") != now["source"]:
+        what.append(f"its source was {before.get('source')}, now {now['source']}")
+    if before.get("prompts") != now["prompts"]:
+        what.append(f"it held {before.get('prompts')} prompts, now {now['prompts']}")
+    elif before.get("sha256") != now["sha256"]:
+        what.append(f"its {now['prompts']} prompts differ (fingerprint {str(before.get('sha256'))[:12]}, now "
+                    f"{now['sha256'][:12]})")
+    return "; ".join(what) or None
+
+
 class PromptSampler:
     """Deterministic, resumable order of prompt indices.
 
@@ -269,9 +294,13 @@ class PromptSampler:
         """Where the sampler stands: enough to resume the same sequence."""
         return {"epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a ``state_dict()`` taken from a sampler with the same num_prompts, seed and shuffle."""
+    def load_state_dict(self, state: dict, data_changed: bool = False) -> None:
+        """Continue from a ``state_dict()`` taken from a sampler with the same num_prompts, seed and shuffle. With
+        ``data_changed`` (the prompts changed since, and the run goes on: data.on_change "continue"), the position
+        in the old order means nothing: a new pass over the changed data begins, as the next epoch."""
         epoch, position = int(state["epoch"]), int(state["position"])
+        if data_changed:
+            epoch, position = epoch + (position > 0), 0
         if epoch < 0 or not 0 <= position < self.num_prompts:
             raise ValueError(f"sampler state {state} does not fit {self.num_prompts} prompts")
         self.epoch, self.position = epoch, position

@@ -54,3 +54,32 @@ def test_replacing_a_run_says_what_it_deletes(tmp_path, capsys):
     err = capsys.readouterr().err
     assert (f"replacing the run folder {tmp_path / 'tiny_cpu'} (run.overwrite is true): 1 checkpoint(s) (newest "
             "step_00000001) and the metrics of 1 step(s) deleted") in err
+
+
+@pytest.mark.slow
+def test_data_that_changed_under_a_run_stops_its_resume_unless_told_to_continue(tmp_path, capsys):
+    """data.train shrunk from 40 to 10 rows between a run and its resume: one line naming the change (no traceback);
+    with data.on_change="continue" the run goes on, a new pass over the new rows; the same length with an edited row
+    is a change too."""
+    from grpo_ds.errors import UserError
+
+    data = tmp_path / "arith.jsonl"
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = _small(tmp_path, **{"data.train": str(data), "train.steps": 4, "checkpoint.every_steps": 2})
+    grpo_ds.train(TINY, run)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))
+    longer = {**run, "train.steps": 6}
+    with pytest.raises(UserError) as err:
+        grpo_ds.train(TINY, longer)
+    assert str(err.value).startswith(f"data.train: changed since the run in {tmp_path / 'tiny_cpu'} started: it held "
+                                     "40 prompts, now 10.") and "data.on_change" in str(err.value)
+    capsys.readouterr()
+    metrics = grpo_ds.train(TINY, {**longer, "data.on_change": "continue"})
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert "a new pass over the changed data begins" in capsys.readouterr().err
+    recorded = json.loads((tmp_path / "tiny_cpu" / run_folder.DATA).read_text())
+    assert recorded["prompts"] == 10  # the run now records the data it trains on
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:9] + [{"prompt": "9+9=", "answer": "19"}]))
+    with pytest.raises(UserError, match="its 10 prompts differ"):
+        grpo_ds.train(TINY, {**longer, "train.steps": 8})

@@ -86,7 +86,8 @@ def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch, capsys):
     assert wandb_mode("online") == "online"
 
 
-def test_progress_bar_shows_eta_and_reward_and_resumes_where_it_stopped(tmp_path, capsys):
+def test_progress_bar_shows_eta_and_reward_and_resumes_where_it_stopped(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # a terminal
     logger = MetricsLogger(tmp_path, 10, LoggingConfig(progress_bar=True, every_steps=100))
     logger.resume([{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}])  # after a checkpoint
     logger.log({"step": 3, "reward_mean": 0.25, "loss": -0.5})
@@ -97,6 +98,15 @@ def test_progress_bar_shows_eta_and_reward_and_resumes_where_it_stopped(tmp_path
     assert "3/10" in last and "reward=0.250" in last and "loss=-0.5" in last
     assert "<" in last  # elapsed<remaining: the ETA
     logger.close()
+
+
+def test_a_log_file_gets_step_lines_and_no_bar(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)  # nohup, SLURM, `> log`
+    logger = MetricsLogger(tmp_path, 10, LoggingConfig(progress_bar=True, every_steps=5))
+    assert logger.bar is None
+    _steps(logger, 10)
+    captured = capsys.readouterr()
+    assert captured.err == "" and [line.split()[1] for line in captured.out.splitlines()] == ["1", "5", "10"]
 
 
 def test_samples_go_to_samples_jsonl(tmp_path):

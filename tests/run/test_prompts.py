@@ -255,3 +255,25 @@ def test_sampler_resume_reproduces_continuation():
 def test_sampler_rejects_state_that_does_not_fit():
     with pytest.raises(ValueError):
         PromptSampler(3, 0, True).load_state_dict({"epoch": 0, "position": 5})
+
+
+def test_a_changed_dataset_continues_with_a_new_pass():
+    sampler = PromptSampler(10, seed=1, shuffle=True)
+    sampler.load_state_dict({"epoch": 3, "position": 30}, data_changed=True)  # 40 prompts before, 10 now
+    assert sampler.state_dict() == {"epoch": 4, "position": 0}
+    fresh = PromptSampler(10, seed=1, shuffle=True)
+    fresh.load_state_dict({"epoch": 2, "position": 0}, data_changed=True)  # at an epoch boundary: that epoch
+    assert fresh.state_dict() == {"epoch": 2, "position": 0}
+
+
+def test_data_identity_names_what_changed(tmp_path):
+    from grpo_ds.run.prompts import PromptRow, data_changes, data_identity
+
+    rows = [PromptRow(i, f"{i}+1=", [i], {"answer": str(i + 1)}) for i in range(4)]
+    (tmp_path / "d.jsonl").write_text("")
+    now = data_identity("d.jsonl", str(tmp_path), rows)
+    assert now["prompts"] == 4 and now["source"] == str((tmp_path / "d.jsonl").resolve())
+    assert data_changes(now, data_identity("d.jsonl", str(tmp_path), rows)) is None  # the same rows: no change
+    assert data_changes(now, data_identity("d.jsonl", str(tmp_path), rows[:1])) == "it held 4 prompts, now 1"
+    edited = rows[:3] + [PromptRow(3, "3+1=", [3], {"answer": "5"})]  # same length, one answer edited
+    assert "its 4 prompts differ (fingerprint" in data_changes(now, data_identity("d.jsonl", str(tmp_path), edited))
