@@ -85,6 +85,8 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
                      "(raise train.steps to continue it; run.overwrite=true or another run.name starts again)")
         return read_metrics(run_dir)  # the finished run's history, as grpo_ds.plot reads it
 
+    run_folder.check_world_size(folder, recipe, inputs.ds_config, dist.world_size)  # a resume on another one
+
     # ---- 3. the run folder, models
     dist.decide(run_folder.prepare, folder, recipe, inputs.ds_config, inputs.data_identity)  # rank 0 writes
     logger = _start_logger(recipe, run_dir, dist)  # W&B starts before the models load; a failure stops every rank

@@ -13,6 +13,7 @@ import pytest
 
 from grpo_ds import check
 from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.software import VLLM_SPEC
 from grpo_ds.run.preflight import prepare_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,7 +233,7 @@ def test_the_dry_run_refuses_an_installed_vllm_outside_the_supported_range(tmp_p
     out, err = capsys.readouterr()
     assert out == ""
     assert err.strip() == ('error: rollout.engine "vllm": vLLM 0.16.0 is installed but grpo_ds supports '
-                           "vllm>=0.17,<0.26. install a supported version: pip install 'vllm>=0.17,<0.26'.")
+                           f"vllm{VLLM_SPEC}. install a supported version: pip install 'vllm{VLLM_SPEC}'.")
     check.main([str(RECIPE)])  # the hf engine does not care which vLLM is installed
     out = capsys.readouterr().out
     assert "recipe is valid for world size 1" in out and "  vllm          0.16.0" in out.splitlines()

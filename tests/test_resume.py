@@ -250,3 +250,57 @@ def _train_recording_offload(folder: Path) -> None:
 
 if __name__ == "__main__":
     _train_recording_offload(Path(os.environ[OFFLOAD_RECORD]))
+
+
+def _close(got: dict[int, dict], expected: dict[int, dict], first_step_there: int) -> None:
+    """The same steps with the same counts and samples, and every number equal to float rounding (gradients are
+    reduced in another order at another world size: the layout tests' exactness, not bit equality). Before
+    ``first_step_there`` the run was on other ranks, so the metric that describes the layout may differ there."""
+    assert got.keys() == expected.keys()
+    for step in expected:
+        for key, value in expected[step].items():
+            if key == "token_imbalance" and step < first_step_there:
+                continue
+            if isinstance(value, float):
+                assert got[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
+            else:
+                assert got[step][key] == value, (step, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_a_run_resumes_on_another_world_size_as_if_it_had_run_there(tmp_path, before, after):
+    """Checkpointed at world size `before` (2 ranks: ZeRO-3; 1 rank: stage 1) and continued on `after` ranks through
+    DeepSpeed's universal checkpoint: the metrics from the resume on are those of a run that had been on `after`
+    ranks all along."""
+    reference = subprocess.run(_command(after, tmp_path / "reference"), cwd=REPO, env=clean_env(),
+                               capture_output=True, text=True, timeout=900)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    expected = _metrics(tmp_path / "reference" / "tiny_cpu")
+    half = [f"train.steps={STEPS // 2}" if arg.startswith("train.steps=") else arg for arg in ARGS]
+    first = _command(before, tmp_path / "moved")
+    first[first.index(ARGS[0])] = half[0]
+    started = subprocess.run(first, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert started.returncode == 0, started.stderr[-4000:]
+    resumed = subprocess.run(_command(after, tmp_path / "moved"), cwd=REPO, env=clean_env(), capture_output=True,
+                             text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"was written by {before} ranks; loading it on {after}" in resumed.stderr
+    assert f"resuming after step {STEPS // 2}" in resumed.stderr
+    _close(_metrics(tmp_path / "moved" / "tiny_cpu"), expected, first_step_there=STEPS // 2 + 1)
+
+
+@pytest.mark.slow
+def test_a_layout_that_cannot_move_says_so_before_anything_loads(tmp_path, cpu_adam_built):
+    """ZeRO offload (like tensor and sequence parallelism) changes what a partition is: resuming such a run on another
+    world size is one line, exit 2, before any model loads."""
+    offload = ["deepspeed=ds_configs/zero3_offload.json"]
+    done = subprocess.run([*_command(2, tmp_path), "train.steps=2", *offload], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    moved = subprocess.run([*_command(1, tmp_path), "train.steps=4", *offload], cwd=REPO, env=clean_env(),
+                           capture_output=True, text=True, timeout=900)
+    assert moved.returncode == 2, moved.stderr[-3000:]
+    errors = [line for line in moved.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: world size: the run in")
+    assert "was checkpointed at world size 2 and resumes at 1, which ZeRO offload optimizer to cpu" in errors[0]

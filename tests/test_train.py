@@ -43,14 +43,16 @@ def _small(tmp_path, **overrides):
 # moves and clips), a k3 KL term and an entropy bonus: every term of the loss contributes. A refactor that
 # changes any of them changes these numbers. Tolerance: float32 reductions in another order (~1e-6).
 # Re-pinned when the hf engine began to draw its own samples (grpo_ds.rollout.hf.TokenSampler: other random
-# numbers, so other completions); the loss math was unchanged and every kernel path gave these values again.
+# numbers, so other completions), and again when each sample got its own stream keyed by its place in the step
+# (grpo_ds.rollout.streams: the same samples at any world size); the loss math was unchanged both times, and every
+# kernel path gave these values again.
 PINNED = [
-    {"reward_mean": 0.4285714285714286, "loss": -0.05063453130424023, "kl": 0.008665218949317932,
-     "entropy": 4.624461054801941, "clip_frac": 0.09375, "grad_norm": 1.9823939800262451},
-    {"reward_mean": 0.41964285714285715, "loss": -0.008689215406775475, "kl": 0.03762604296207428,
-     "entropy": 4.6150113344192505, "clip_frac": 0.03125, "grad_norm": 1.6660690903663635},
-    {"reward_mean": 0.5714285714285714, "loss": -0.043256714940071106, "kl": 0.039961181581020355,
-     "entropy": 4.595770239830017, "clip_frac": 0.0, "grad_norm": 1.4905607104301453},
+    {"reward_mean": 0.40178571428571425, "loss": -0.06275864690542221, "kl": 0.005838122218847275,
+     "entropy": 4.624950289726257, "clip_frac": 0.0625, "grad_norm": 2.009141445159912},
+    {"reward_mean": 0.38392857142857145, "loss": -0.07813819125294685, "kl": 0.02043570626166559,
+     "entropy": 4.612757159817603, "clip_frac": 0.0967741935483871, "grad_norm": 1.5041068494319916},
+    {"reward_mean": 0.5624999999999999, "loss": -0.05126854032278061, "kl": 0.030396729707717896,
+     "entropy": 4.590234994888306, "clip_frac": 0.0, "grad_norm": 1.3892328143119812},
 ]
 
 

@@ -83,14 +83,15 @@ class AgentRolloutEngine:
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
                  rows: list[dict] | None = None) -> Rollouts:
         """``group_size`` episodes per prompt (consecutive), each with its own environment; rows[i] is the data
-        row of prompts[i] (required: environments are reset from it). Deterministic given ``sampling.seed``."""
+        row of prompts[i] (required: environments are reset from it). Deterministic given ``sampling.seed`` and
+        ``sampling.first_prompt``: an episode's turns are keyed by its place in the step (base.TurnSampler)."""
         if rows is None or len(rows) != len(prompts):
             got = "no rows" if rows is None else f"{len(rows)} rows"
             raise ValueError(f"got {len(prompts)} prompts but {got}; give one data row per prompt")
-        torch.manual_seed(sampling.seed)
         with eval_mode(self.model) if self.model is not None else contextlib.nullcontext():
             parts = [self._generate_chunk(prompts[i:i + self.batch_prompts], rows[i:i + self.batch_prompts],
-                                          group_size, sampling, first_episode=i * group_size)
+                                          group_size, sampling,
+                                          first_episode=(sampling.first_prompt + i) * group_size)
                      for i in range(0, len(prompts), self.batch_prompts)]
         if hasattr(self.turns, "sleep"):  # vLLM: its memory back to the trainer until the next generation
             self.turns.sleep()
@@ -160,11 +161,11 @@ class HFTurns:
 
     def sample_turns(self, contexts: list[list[int]], budgets: list[int], stops: list[tuple[str, ...]],
                      sampling: SamplingParams, keys: list[int]) -> list[Turn]:
-        """``keys`` are unused: the engine seeded torch once per generate call (the draws follow the batch)."""
+        """Row i samples from the stream of (``sampling.seed``, ``keys[i]``) (grpo_ds.rollout.streams)."""
         # the stopping criterion counts new tokens from the padded width
         turn_end = _TurnEnd(max(len(c) for c in contexts), budgets, stops, self.stop_ids, self.tokenizer)
         new_tokens, token_logprobs = generate_left_padded(self.model, contexts, sampling, max(budgets), 1,
-                                                          self.pad_token_id, self.stop_ids,
+                                                          self.pad_token_id, self.stop_ids, keys,
                                                           StoppingCriteriaList([turn_end]))
         turns = []
         for b, length in enumerate(turn_end.lengths):
@@ -180,7 +181,7 @@ class _Episode:
     env: Environment
     prompt: list[int]
     stop: tuple[str, ...]
-    index: int  # the episode's place in the generate call (seeds a vLLM request)
+    index: int  # the episode's place in the step (keys its turns' draws)
     ids: list[int] = field(default_factory=list)  # the response so far: model and observation tokens
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)

@@ -20,7 +20,11 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy decoding
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    seed: int = 0
+    seed: int = 0  # the step's (the same on every rank)
+    # The place in the step's batch of the call's first prompt: samples are keyed by their place, so they do not
+    # depend on how the step's prompts are spread over ranks (the hf engine: grpo_ds.rollout.streams; vLLM: one seed
+    # per request).
+    first_prompt: int = 0
 
 
 @dataclass
@@ -119,8 +123,8 @@ class TurnSampler(Protocol):
                      sampling: SamplingParams, keys: list[int]) -> list[Turn]:
         """One turn per context: sampled after ``contexts[i]`` (token ids, never re-encoded), ending at EOS, at the
         token that completes one of ``stops[i]`` in the turn's text, or after ``budgets[i]`` tokens. ``keys[i]``
-        identifies the (episode, turn) for per-request seeds; every turn of one call is sampled with
-        ``sampling``."""
+        identifies the (episode, turn) within the step, and seeds the turn's draws with ``sampling.seed``, so a
+        turn does not depend on the batch it is sampled in; every turn of one call is sampled with ``sampling``."""
         ...
 
     def keep_going(self, active: bool) -> bool:

@@ -31,6 +31,7 @@ from transformers.generation import (
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.stop import stop_token_ids
+from grpo_ds.rollout.streams import RowStreams
 
 # Warpers that transformers would take from the model's own generation_config (a key our config leaves unset is
 # filled from it) and apply after top-p, that is after TokenSampler: refused, see _check_model_warpers.
@@ -47,19 +48,22 @@ class TokenSampler(LogitsProcessor):
     takes that token. Sampling draws the token by inverting the cumulative distribution: one uniform number per row
     and a float64 cumulative sum of the probabilities, where transformers' torch.multinomial draws an exponential
     number for every vocabulary entry (150 of the 230 ms of a step at 64 x 151,936 on 2 CPU cores). The
-    distribution is the same, softmax(scores); the random numbers, and so the samples for a seed, are not. Greedy
+    distribution is the same, softmax(scores); the random numbers, and so the samples for a seed, are not. Row b's
+    numbers come from its own stream (``streams``, grpo_ds.rollout.streams), so a sample does not depend on which
+    other rows share its batch. Greedy
     decoding picks the argmax as generate would. The log-prob is gathered from torch.log_softmax of the same
     scores, the op the all-steps path (output_scores, then a log-softmax of each step) ran, so the numbers are
     bitwise the same for the same tokens. Nothing leaves the device inside the loop.
     """
 
-    def __init__(self, greedy: bool) -> None:
-        self.greedy = greedy
+    def __init__(self, streams: RowStreams | None) -> None:
+        self.streams = streams  # None: greedy decoding
         self._taken: list[torch.Tensor] = []  # (B,) per step: log-prob of the token picked at that step
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logprobs = torch.log_softmax(scores, dim=-1)  # (B, V)
-        tokens = scores.argmax(dim=-1, keepdim=True) if self.greedy else sample_tokens(logprobs)  # (B, 1)
+        tokens = scores.argmax(dim=-1, keepdim=True) if self.streams is None else \
+            sample_tokens(logprobs, self.streams.uniform(len(self._taken)))  # (B, 1)
         self._taken.append(logprobs.gather(-1, tokens).squeeze(-1))
         return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
 
@@ -72,12 +76,13 @@ class TokenSampler(LogitsProcessor):
         return torch.stack(self._taken[:steps], dim=1)
 
 
-def sample_tokens(logprobs: torch.Tensor) -> torch.Tensor:
-    """(B, V) log-probabilities -> (B, 1) one token per row drawn from them, by inverse transform sampling: the first
-    token whose cumulative probability (float64) exceeds a uniform draw scaled to the row's total. A token of
-    probability 0 (a warper's -inf) adds nothing to the cumulative sum, so it is never drawn."""
+def sample_tokens(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """(B, V) log-probabilities and (B,) uniform numbers in [0, 1) -> (B, 1) one token per row drawn from them, by
+    inverse transform sampling: the first token whose cumulative probability (float64) exceeds the row's number
+    scaled to the row's total. A token of probability 0 (a warper's -inf) adds nothing to the cumulative sum, so it
+    is never drawn."""
     cdf = logprobs.double().exp_().cumsum_(dim=-1)  # (B, V)
-    draw = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    draw = uniform.to(device=cdf.device, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
     return torch.searchsorted(cdf, draw, right=True).clamp_(max=cdf.shape[1] - 1)
 
 
@@ -119,17 +124,22 @@ def _check_model_warpers(model: PreTrainedModel) -> None:
 
 def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], sampling: SamplingParams,
                          max_new_tokens: int, num_return_sequences: int, pad_token_id: int, stop_ids: Sequence[int],
-                         stopping_criteria: StoppingCriteriaList | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         row_keys: Sequence[int], stopping_criteria: StoppingCriteriaList | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batched generate call on left-padded contexts, ``num_return_sequences`` consecutive rows per context, a
     row ending at any of ``stop_ids``:
     (new tokens (B, T_new), their log-probs under the distribution actually sampled from (B, T_new)), on the CPU.
     That distribution is the model's next-token logits after generate's own processors and the recipe's
-    temperature, top-k and top-p (greedy: the logits themselves)."""
+    temperature, top-k and top-p (greedy: the logits themselves). Row b samples from the stream of
+    (``sampling.seed``, ``row_keys[b]``)."""
+    rows = len(contexts) * num_return_sequences
+    if len(row_keys) != rows:
+        raise ValueError(f"{len(row_keys)} row keys for {rows} rows")
     if sampling.temperature > 0:
         _check_model_warpers(model)
     input_ids, attention_mask = left_padded([c for c in contexts for _ in range(num_return_sequences)], pad_token_id)
     device = next(model.parameters()).device
-    sampler = TokenSampler(greedy=sampling.temperature <= 0)
+    sampler = TokenSampler(None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device))
     config = _generation_config(max_new_tokens, pad_token_id, stop_ids)
     sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                generation_config=config, logits_processor=LogitsProcessorList([
@@ -177,18 +187,22 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
                  rows: list[dict] | None = None) -> Rollouts:
-        """``group_size`` completions of each prompt; ``rows`` (the prompts' data rows) is unused here."""
-        torch.manual_seed(sampling.seed)
+        """``group_size`` completions of each prompt; ``rows`` (the prompts' data rows) is unused here. Sample k of
+        ``prompts[i]`` is keyed (``sampling.first_prompt`` + i) * group_size + k: its draws do not depend on the
+        batch (grpo_ds.rollout.streams)."""
         with eval_mode(self.model):
-            parts = [self._generate_batch(prompts[i:i + self.batch_prompts], group_size, sampling)
+            parts = [self._generate_batch(prompts[i:i + self.batch_prompts], group_size, sampling,
+                                          first_sample=(sampling.first_prompt + i) * group_size)
                      for i in range(0, len(prompts), self.batch_prompts)]
         return Rollouts.concat(parts)
 
-    def _generate_batch(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> Rollouts:
+    def _generate_batch(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
+                        first_sample: int) -> Rollouts:
         if not prompts:
             return Rollouts([], [], [], [])
+        keys = range(first_sample, first_sample + len(prompts) * group_size)
         new_tokens, token_logprobs = generate_left_padded(self.model, prompts, sampling, sampling.max_new_tokens,
-                                                          group_size, self.pad_token_id, self.stop_ids)
+                                                          group_size, self.pad_token_id, self.stop_ids, keys)
         result = Rollouts([], [], [], [])
         for row, (ids, logprobs) in enumerate(zip(new_tokens.tolist(), token_logprobs.tolist(), strict=True)):
             stop = next((t + 1 for t, token in enumerate(ids) if token in self.stop_ids), None)  # pads come after

@@ -106,11 +106,12 @@ def llm_kwargs(settings: VLLMSettings, model_folder: str, rank: int, on_cpu: boo
     return kwargs
 
 
-def request_seeds(base: int, prompts: int, group_size: int) -> list[int]:
-    """One seed per prompt; vLLM seeds the prompt's k-th sample with seed + k, so seeds are group_size apart, and
-    ``base`` (different per step and per rank) is spread so that neighbouring bases do not share seeds."""
+def request_seeds(base: int, places: Sequence[int], group_size: int) -> list[int]:
+    """One seed per prompt, from its place in the step's batch; vLLM seeds the prompt's k-th sample with seed + k, so
+    seeds are group_size apart, and ``base`` (different per step, the same on every rank) is spread so that
+    neighbouring bases do not share seeds."""
     start = (base * 1_000_003) % (2**31 - 1)
-    return [(start + i * group_size) % (2**31 - 1) for i in range(prompts)]
+    return [(start + place * group_size) % (2**31 - 1) for place in places]
 
 
 def sampling_kwargs(sampling: SamplingParams, group_size: int, stop_ids: Sequence[int], seed: int) -> dict:
@@ -151,8 +152,8 @@ def rollouts_from_outputs(prompts: Sequence[list[int]], outputs: Sequence, group
 
 
 def turn_seed(base: int, key: int) -> int:
-    """The seed of one agent turn request: ``key`` numbers the (episode, turn) within a generate call, ``base`` the
-    call (the step and rank), mixed so that neighbouring keys and bases do not share seeds."""
+    """The seed of one agent turn request: ``key`` numbers the (episode, turn) within the step, ``base`` the step,
+    mixed so that neighbouring keys and bases do not share seeds."""
     return (base * 1_000_003 + key * 7_919 + 12_345) % (2**31 - 1)
 
 
@@ -269,13 +270,15 @@ class VLLMRolloutEngine:
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
                  rows: list[dict] | None = None) -> Rollouts:
         """``group_size`` samples of each prompt, consecutive; ``rows`` is unused (single-turn)."""
-        batch, base_seed, mine = self._group_batch(prompts, sampling.seed)
+        places = range(sampling.first_prompt, sampling.first_prompt + len(prompts))
+        batch, mine = self._group_batch(list(zip(prompts, places, strict=True)))
         if not batch:  # the whole tensor-parallel group has nothing to do
             return Rollouts([], [], [], [])
         self.wake()
         params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, group_size, self.stop_ids, seed),
                                             detokenize=False)  # token ids are all a single-turn rollout needs
-                  for seed in request_seeds(base_seed, len(batch), group_size)]
+                  for seed in request_seeds(sampling.seed, [place for _, place in batch], group_size)]
+        batch = [prompt for prompt, _ in batch]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in batch], sampling_params=params,
                                     use_tqdm=False)
         self.sleep()
@@ -289,15 +292,14 @@ class VLLMRolloutEngine:
         its token ids, one sample of at most its budget, ending at an EOS id or at the token that completes one of
         its stop strings (vLLM ends the request there and keeps that token; only its text would be cut). Request
         ``keys[i]`` is seeded from (``sampling.seed``, key), so a turn's sample does not depend on the batch."""
-        requests, base_seed, mine = self._group_batch(list(zip(contexts, budgets, stops, keys, strict=True)),
-                                                      sampling.seed)
+        requests, mine = self._group_batch(list(zip(contexts, budgets, stops, keys, strict=True)))
         if not requests:
             return []
         self.wake()
         params = []
         for _, budget, stop, key in requests:
             kwargs = sampling_kwargs(replace(sampling, max_new_tokens=budget), 1, self.stop_ids,
-                                     turn_seed(base_seed, key))
+                                     turn_seed(sampling.seed, key))
             params.append(self._vllm.SamplingParams(**kwargs, stop=list(stop), include_stop_str_in_output=True))
         outputs = self.llm.generate([{"prompt_token_ids": list(c)} for c, *_ in requests], sampling_params=params,
                                     use_tqdm=False)
@@ -313,16 +315,16 @@ class VLLMRolloutEngine:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
         return bool(flag.item())
 
-    def _group_batch(self, items: list, seed: int) -> tuple[list, int, range]:
-        """The requests of this rank's tensor-parallel group (every member's ``items``, in rank order), the group's
-        seed (its first rank's), and which of the group's requests are this rank's."""
+    def _group_batch(self, items: list) -> tuple[list, range]:
+        """The requests of this rank's tensor-parallel group (every member's ``items``, in rank order) and which of
+        them are this rank's."""
         if self.tp_group is None:
-            return items, seed, range(len(items))
+            return items, range(len(items))
         parts = [None] * torch.distributed.get_world_size(group=self.tp_group)
-        torch.distributed.all_gather_object(parts, (items, seed), group=self.tp_group)
+        torch.distributed.all_gather_object(parts, items, group=self.tp_group)
         me = torch.distributed.get_rank(group=self.tp_group)
-        start = sum(len(p) for p, _ in parts[:me])
-        return [q for p, _ in parts for q in p], parts[0][1], range(start, start + len(items))
+        start = sum(len(p) for p in parts[:me])
+        return [q for p in parts for q in p], range(start, start + len(items))
 
     # ------------------------------------------------------------------------------------------- weights
 

@@ -26,6 +26,7 @@ previous checkpoint's, or ``bytes_per_parameter`` per trainable parameter for th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,9 +42,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError, first_line
-from grpo_ds.run import writes
+from grpo_ds.run import universal, writes
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -96,7 +98,8 @@ def save(policy, run_dir: Path, step: int, trainer_state: dict, keep: int, dist:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()  # no rank exits (and has the launcher stop the others) before the folder is gone
         raise
-    dist.decide(_finish, run_dir, tmp, final, {"step": step, **trainer_state}, keep, where)  # also the barrier
+    state = {"step": step, "world_size": dist.world_size, **trainer_state}  # the world size: grpo_ds.run.universal
+    dist.decide(_finish, run_dir, tmp, final, state, keep, where)  # also the barrier
     return final
 
 
@@ -344,15 +347,25 @@ def choose(run_dir: Path) -> tuple[Path | None, list[str]]:
 
 
 def load(policy, path: Path, dist: Dist) -> Resumed:
-    """Restore the policy (weights, optimizer, lr schedule), this rank's RNG states and the trainer state."""
-    if not policy.load_state(path, DS_TAG):
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path / DS_TAG}")
+    """Restore the policy (weights, optimizer, lr schedule), this rank's RNG states and the trainer state. A checkpoint
+    of another world size is loaded through DeepSpeed's universal checkpoint (grpo_ds.run.universal), made by rank 0
+    the first time; its ranks' RNG states do not map onto this world size, and need not: a sample's draws are keyed by
+    the step and its place in the step (grpo_ds.rollout.streams)."""
+    saved = universal.saved_world_size(path, DS_TAG)
+    tag = DS_TAG
+    if saved is not None and saved != dist.world_size:
+        dist.decide(universal.ensure, path, DS_TAG)
+        launcher.say(f"note: the checkpoint {path.name} was written by {saved} ranks; loading it on {dist.world_size} "
+                     f"through DeepSpeed's universal checkpoint ({path.name}/{universal.UNIVERSAL_TAG})")
+        tag = universal.UNIVERSAL_TAG
+    with universal.loading(policy.engine) if tag != DS_TAG else contextlib.nullcontext():
+        if not policy.load_state(path, tag):
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path / tag}")
     rng_file = path / "rng" / f"rank{dist.rank}.pt"
-    if rng_file.is_file():
+    if rng_file.is_file() and tag == DS_TAG:
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    else:
-        warnings.warn(f"{rng_file} is missing (saved with another world size?); RNG states not restored",
-                      stacklevel=2)
+    elif tag == DS_TAG:
+        warnings.warn(f"{rng_file} is missing; RNG states not restored", stacklevel=2)
     state = json.loads((path / "trainer_state.json").read_text())
     return Resumed(state["step"], state, path)
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from grpo_ds.config.parse import printable
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.errors import UserError
-from grpo_ds.run import writes
-from grpo_ds.run.checkpoint import CHECKPOINTS, verify, write_error
+from grpo_ds.run import universal, writes
+from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, complete_checkpoints, verify, write_error
 from grpo_ds.run.lock import LOCK
 from grpo_ds.run.prompts import data_changes
 
@@ -86,6 +86,20 @@ def decide(recipe: Recipe, data: dict | None = None) -> RunFolder:
                         'restore it, or set data.on_change="continue" to go on with the changed data (a new pass '
                         "over it begins), or start another run (run.name)")
     return RunFolder(path, False, explicit, data_changed=changed)
+
+
+def check_world_size(folder: RunFolder, recipe: Recipe, ds_config: dict, world_size: int) -> None:
+    """Before anything loads: a resume on another world size than its checkpoint's goes through DeepSpeed's universal
+    checkpoint (grpo_ds.run.universal), which this layout may not take; then one UserError says so."""
+    if folder.fresh:
+        return
+    found = [folder.checkpoint] if folder.checkpoint is not None else complete_checkpoints(folder.path)[:1]
+    saved = universal.saved_world_size(found[0], DS_TAG) if found else None
+    if saved is None or saved == world_size or (problem := universal.layout_problem(recipe, ds_config)) is None:
+        return
+    raise UserError("world size", f"the run in {folder.path} was checkpointed at world size {saved} and resumes at "
+                    f"{world_size}, which {problem} cannot do (a ZeRO data-parallel layout resumes at any world size)",
+                    f"resume it on {saved} ranks")
 
 
 def _data_changed(path: Path, now: dict) -> str | None:

@@ -1,14 +1,15 @@
 """One step's training samples: rollout, reward, and DAPO's dynamic sampling.
 
-Rank 0 picks the prompts; every rank generates a contiguous slice of them and all ranks receive the
-whole batch; rank 0 scores it (reward functions plus environment rewards) and sends the rewards to
-every rank. Without dynamic sampling that is one round. With it (DAPO, Yu et al. 2025,
-arXiv:2503.14476), a group whose G rewards are all equal has zero advantage under every group
-baseline and teaches nothing, so it is dropped and another round of prompts_per_step prompts is drawn,
-until prompts_per_step informative groups are collected or ``dynamic_sampling_max_rounds`` extra
-rounds are spent; then the step is topped up with equal-reward groups (which contribute no gradient)
-so the batch algebra stays exact. Reward metrics describe every sample drawn in the step; ``no_signal_frac`` is
-the fraction of the trained groups whose rewards are all equal (with dynamic sampling: the topped-up ones).
+Rank 0 picks the prompts; every rank generates a contiguous slice of them and all ranks receive the whole batch. A
+sample is drawn with the step's seed and its place in the batch (``SamplingParams.first_prompt``), so a step draws
+the same samples at any world size and a run can move to another one (grpo_ds.run.universal). Rank 0 scores the
+batch (reward functions plus environment rewards) and sends the rewards to every rank. Without dynamic sampling that
+is one round. With it (DAPO, Yu et al. 2025, arXiv:2503.14476), a group whose G rewards are all equal has zero
+advantage under every group baseline and teaches nothing, so it is dropped and another round of prompts_per_step
+prompts is drawn, until prompts_per_step informative groups are collected or ``dynamic_sampling_max_rounds`` extra
+rounds are spent; then the step is topped up with equal-reward groups (which contribute no gradient) so the batch
+algebra stays exact. Reward metrics describe every sample drawn in the step; ``no_signal_frac`` is the fraction of
+the trained groups whose rewards are all equal (with dynamic sampling: the topped-up ones).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
             lo, hi = slice_for_rank(P, dist)
             sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature,
                                       recipe.rollout.top_p, recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003
-                                      + step * 1_009 + round_index * 100_003 + dist.dp_rank)
+                                      + step * 1_009 + round_index * 100_003, first_prompt=lo)
             mine = prompt_index[lo:hi]
             local = engine.generate([inputs.prompts[i].prompt_ids for i in mine], G, sampling,
                                     [inputs.prompts[i].columns for i in mine])

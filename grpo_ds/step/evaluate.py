@@ -51,7 +51,7 @@ def _answers(recipe: Recipe, prompts: list[PromptRow], engine: RolloutEngine, di
              temperature: float, seed: int) -> Rollouts:
     lo, hi = slice_for_rank(len(prompts), dist)
     sampling = SamplingParams(recipe.rollout.max_new_tokens, temperature, recipe.rollout.top_p, recipe.rollout.top_k,
-                              seed=recipe.run.seed * 7_777 + seed * 31 + dist.dp_rank)
+                              seed=recipe.run.seed * 7_777 + seed * 31, first_prompt=lo)
     mine = prompts[lo:hi]
     local = engine.generate([p.prompt_ids for p in mine], group_size, sampling, [p.columns for p in mine])
     return Rollouts.concat(dist.dp_parts(dist.all_gather(local)))

@@ -269,6 +269,21 @@ def test_same_seed_same_rollouts_other_seed_differs_and_rows_must_match_prompts(
         eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=3))
 
 
+def test_an_episode_does_not_depend_on_how_the_steps_prompts_are_spread():
+    """All prompts in one call, or one rank per prompt (first_prompt: the rank's slice) in chunks of one prompt: the
+    same episodes, turn for turn."""
+    model = tiny_model()
+    whole = engine(CalculatorEnv, model).generate(arith_prompts(), 3, SamplingParams(max_new_tokens=3, seed=5), ARITH)
+    eng = engine(CalculatorEnv, model, batch_prompts=1)
+    parts = Rollouts.concat([eng.generate(arith_prompts()[i:i + 1], 3,
+                                          SamplingParams(max_new_tokens=3, seed=5, first_prompt=i), ARITH[i:i + 1])
+                             for i in range(len(ARITH))])
+    assert parts.response_ids == whole.response_ids and parts.loss_mask == whole.loss_mask
+    for got, expected in zip(parts.sampler_logprobs, whole.sampler_logprobs, strict=True):
+        assert got == pytest.approx(expected, abs=1e-5)  # fp32 logits of other padded widths: equal to rounding
+    assert len(set(map(tuple, whole.response_ids))) > len(ARITH)
+
+
 def test_chunks_of_prompts_concatenate_in_order_and_update_weights_reaches_the_model():
     eng = engine(CalculatorEnv, batch_prompts=2)
     out = eng.generate(arith_prompts(), 2, SamplingParams(max_new_tokens=2, seed=0), ARITH)

@@ -1,6 +1,8 @@
 """The hf rollout engine: grouping, EOS handling, sampler log-probs (the same numbers as the all-steps path it
 replaced, recorded after every warper), weight updates."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -9,6 +11,7 @@ from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout import hf
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
+from grpo_ds.rollout.streams import RowStreams
 
 # temperature 1; a lower temperature with top-k and top-p (three warpers); greedy decoding
 SAMPLINGS = {"t1": dict(temperature=1.0), "t0.7_topk_topp": dict(temperature=0.7, top_k=20, top_p=0.9),
@@ -59,6 +62,29 @@ def test_same_seed_same_samples_and_batching_does_not_matter():
     assert a.response_ids == b.response_ids
     c = engine.generate(prompts, 2, SamplingParams(max_new_tokens=3, seed=8))
     assert c.response_ids != a.response_ids
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_a_sample_does_not_depend_on_how_the_steps_prompts_are_spread(sampling):
+    """A step's prompts on one rank in one call, or cut over three ranks (first_prompt: where a rank's slice starts)
+    and generated two prompts per call: the same samples with the same log-probs, so a run draws the same samples at
+    any world size. Different seeds or places draw others."""
+    engine, tok = _engine()
+    prompts = [tok.encode(f"{a}+{b}=") for a in range(0, 30, 7) for b in (1, 22, 5)]
+    params = SamplingParams(max_new_tokens=6, seed=11, **sampling)
+    whole = engine.generate(prompts, 4, params)
+    engine.batch_prompts = 2
+    cuts = [0, 6, 11, len(prompts)]
+    parts = Rollouts.concat([engine.generate(prompts[lo:hi], 4, replace(params, first_prompt=lo))
+                             for lo, hi in zip(cuts, cuts[1:], strict=False)])
+    assert parts.response_ids == whole.response_ids
+    # fp32 logits of other padded widths: equal to rounding
+    for got, expected in zip(parts.sampler_logprobs, whole.sampler_logprobs, strict=True):
+        assert got == pytest.approx(expected, abs=1e-5)
+    if sampling["temperature"] > 0:
+        moved = engine.generate(prompts[6:], 4, params)  # the same prompts keyed as the step's first
+        assert moved.response_ids != whole.response_ids[6 * 4:]
+        assert len(set(map(tuple, whole.response_ids))) > len(prompts)  # a group's samples differ from each other
 
 
 def test_generation_batches_split_and_concatenate_in_order():
@@ -121,14 +147,14 @@ def test_generation_uses_the_kv_cache_even_when_training_turned_it_off():
 
 
 def all_steps_generate_left_padded(model, contexts, sampling, max_new_tokens, num_return_sequences, pad_token_id,
-                                   eos_token_id, stopping_criteria=None):
+                                   eos_token_id, row_keys, stopping_criteria=None):
     """The reference: generate keeps every step's logits (output_logits, T tensors of (B, V)), and the log-probs are a
     float32 log-softmax of each after the same warpers, stacked, gathered at the new tokens (the path grpo_ds took up
     to commit 8643ce6). Its tokens are picked as grpo_ds picks them (a TokenSampler after the warpers: the same
     random numbers in the same order), and what that sampler records is not used. Same signature as the one-step
     recorder it must equal."""
     warpers = hf.LogitsProcessorList(hf._warpers(sampling))
-    pick = hf.TokenSampler(greedy=sampling.temperature <= 0)
+    pick = hf.TokenSampler(None if sampling.temperature <= 0 else hf.RowStreams(sampling.seed, row_keys))
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                               eos_token_id=eos_token_id, output_logits=True, return_dict_in_generate=True,
@@ -216,26 +242,26 @@ def test_a_warper_in_the_model_generation_config_is_refused_in_one_line():
     assert len(out) == 1  # greedy decoding uses no warper
 
 
-def test_sample_tokens_draws_from_the_softmax_and_never_a_masked_token():
-    """Inverse transform sampling is exact: over 200,000 rows each token's frequency is its probability within 5
-    standard errors, a token at -inf (a warper's mask) is never drawn, and the same seed draws the same tokens."""
-    torch.manual_seed(0)
+@pytest.mark.parametrize("step", [0, 1, 1000])
+def test_sample_tokens_draws_from_the_softmax_and_never_a_masked_token(step):
+    """Inverse transform sampling with the rows' streams is exact: over 200,000 rows each token's frequency is its
+    probability within 5 standard errors, a token at -inf (a warper's mask) is never drawn, and the same seed and
+    keys draw the same tokens."""
     scores = torch.tensor([2.0, -torch.inf, 0.5, -1.0, 1.0, -torch.inf, -3.0])
     probs = torch.softmax(scores, -1)
     rows = 200_000
     logprobs = torch.log_softmax(scores, -1).expand(rows, -1)
-    torch.manual_seed(1)
-    drawn = hf.sample_tokens(logprobs)
+    streams = RowStreams(1, range(rows))
+    drawn = hf.sample_tokens(logprobs, streams.uniform(step))
     assert drawn.shape == (rows, 1)
     freq = torch.bincount(drawn.squeeze(1), minlength=len(scores)).double() / rows
     se = (probs.double() * (1 - probs.double()) / rows).sqrt()
     assert ((freq - probs.double()).abs() <= 5 * se + 1e-12).all(), (freq, probs)
     assert freq[1] == 0 and freq[5] == 0
-    torch.manual_seed(1)
-    assert torch.equal(hf.sample_tokens(logprobs), drawn)
+    assert torch.equal(hf.sample_tokens(logprobs, RowStreams(1, range(rows)).uniform(step)), drawn)
 
 
 def test_a_sure_token_is_always_drawn_even_with_a_tiny_vocabulary_tail():
     logprobs = torch.log_softmax(torch.tensor([[0.0, -200.0, -300.0], [-300.0, -200.0, 0.0]]), -1).repeat(1000, 1)
-    drawn = hf.sample_tokens(logprobs).squeeze(1)
+    drawn = hf.sample_tokens(logprobs, RowStreams(0, range(len(logprobs))).uniform(0)).squeeze(1)
     assert drawn[0::2].eq(0).all() and drawn[1::2].eq(2).all()

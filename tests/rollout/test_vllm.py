@@ -155,13 +155,14 @@ def test_sampling_parameters_translate_to_vllm():
     assert (greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (0.0, 1.0, 0)  # greedy: no truncation
 
 
-def test_request_seeds_never_share_a_child_seed():
+def test_request_seeds_never_share_a_child_seed_and_follow_the_prompts_place():
     group = 8
-    seeds = request_seeds(1234, 50, group)
-    assert seeds == request_seeds(1234, 50, group)  # deterministic: a resumed step samples the same
+    seeds = request_seeds(1234, range(50), group)
+    assert seeds == request_seeds(1234, range(50), group)  # deterministic: a resumed step samples the same
+    assert request_seeds(1234, range(20, 50), group) == seeds[20:]  # a rank whose slice starts at prompt 20
     children = [s + k for s in seeds for k in range(group)]  # vLLM seeds sample k of a request with seed + k
     assert len(set(children)) == len(children)
-    neighbour = [s + k for s in request_seeds(1235, 50, group) for k in range(group)]  # the next rank's base
+    neighbour = [s + k for s in request_seeds(1235, range(50), group) for k in range(group)]  # the next step's base
     assert not set(children) & set(neighbour)
 
 
