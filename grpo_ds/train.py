@@ -32,6 +32,7 @@ from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.model import sequence_parallel
 from grpo_ds.model.loading import load_model
 from grpo_ds.model.policy import Policy, weights_sha256
+from grpo_ds.rewards.pool import RewardPool, worker_count
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.run import checkpoint, writes
@@ -68,9 +69,15 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
     lock = RunLock(run_folder.folder_path(recipe)) if dist.is_main else None
     dist.decide(_acquire, lock)  # rank 0 takes it; a live holder stops every rank with one line
+    # rank 0's reward workers start here, loading the functions while the models load (grpo_ds/rewards/pool.py)
+    processes = worker_count(recipe.reward.processes)
+    if dist.is_main and processes and recipe.reward.functions:
+        inputs.reward_pool = RewardPool(recipe.reward.functions, processes, recipe.reward.worker_memory_gib)
     try:
         return _train(inputs, dist, stop)
     finally:
+        if inputs.reward_pool is not None:
+            inputs.reward_pool.close()
         if lock is not None:
             lock.release()
 

@@ -22,6 +22,19 @@ def first_char(completions, **kwargs):
 
 def broken(completions, **kwargs):
     raise ValueError("this reward function is broken")
+
+
+def exits(completions, **kwargs):
+    import os
+    os._exit(3)  # as a C extension that calls exit() would: the whole process ends
+
+
+def logged(prompts, completions, **kwargs):
+    """exact_match's score, and one line per scored sample appended to $SCORED_LOG (any worker may write)."""
+    import os
+    with open(os.environ["SCORED_LOG"], "a") as log:
+        log.write("".join(f"{p!r} {c!r}\\n" for p, c in zip(prompts, completions)))
+    return [float(c.strip() == str(a)) for c, a in zip(completions, kwargs["answer"])]
 '''
 
 
@@ -202,7 +215,8 @@ def test_sample_counts_that_do_not_divide_the_world_size(tmp_path, world, prompt
 
 @pytest.mark.slow
 def test_a_failure_on_rank_0_stops_every_rank(tmp_path, reward_module):
-    """reward.on_error=fail raises on rank 0 during the decision; rank 1 must not hang in a collective."""
+    """reward.on_error=fail raises on rank 0 during the decision: one line naming the function, exit 2, and rank 1
+    does not hang in a collective."""
     env = clean_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
     proc = subprocess.run(
@@ -211,7 +225,37 @@ def test_a_failure_on_rank_0_stops_every_rank(tmp_path, reward_module):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
-    assert "RewardFailure" in output and "this reward function is broken" in output
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if "error: reward function" in line]
+    assert len(errors) == 1 and "'pin_rewards:broken': raised ValueError: this reward function is broken" in errors[0]
+
+
+@pytest.mark.slow
+def test_a_reward_that_ends_its_process_does_not_end_the_run(tmp_path, reward_module, caplog):
+    """A reward function that calls os._exit runs in a reward worker: under "zero" its samples score 0 and are
+    counted, the other function scores, and the run trains to its last step."""
+    metrics = grpo_ds.train(TINY, _small(tmp_path, **{"reward.functions": [
+        {"name": "exact_match"}, {"name": f"{reward_module}:exits"}], "reward.chunk_samples": 4}))
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m[f"reward_errors/{reward_module}:exits"] == 16 for m in metrics)
+    assert all(m["reward_errors/exact_match"] == 0 for m in metrics)
+    assert f"reward function '{reward_module}:exits' ended its worker process (exited with code 3" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_resume_scores_no_sample_twice(tmp_path, reward_module, monkeypatch):
+    """Rewards are scored once per step, before the step's checkpoint: a run stopped after step 2 and resumed to
+    step 4 scores exactly the samples of an uninterrupted 4-step run, each once."""
+    def scored(name: str, *stops: int) -> list[str]:
+        monkeypatch.setenv("SCORED_LOG", str(tmp_path / f"{name}.log"))
+        for steps in stops:
+            grpo_ds.train(TINY, _small(tmp_path, **{"run.name": name, "train.steps": steps,
+                                                   "checkpoint.every_steps": 1, "reward.chunk_samples": 4,
+                                                   "reward.functions": [{"name": f"{reward_module}:logged"}]}))
+        return sorted((tmp_path / f"{name}.log").read_text().splitlines())
+
+    resumed = scored("resumed", 2, 4)
+    assert len(resumed) == 4 * 16 and resumed == scored("whole", 4)
 
 
 @pytest.mark.slow

@@ -134,8 +134,17 @@ class RewardConfig:
                           'Reward functions: [{"name": builtin or "package.module:function", "weight": float}]')
     on_error: str = opt("zero", "A function that raises, times out or returns a bad value: score 0 and count "
                         "it, or stop the run", choices=ON_ERROR_CHOICES)
-    timeout_s: float = opt(30.0, "Seconds one reward function call may take for a whole batch", low=0.0,
-                           low_open=True)
+    timeout_s: float = opt(30.0, "Seconds one reward function call (one chunk) may take; past it, the call fails "
+                           "and its worker process is killed and replaced", low=0.0, low_open=True)
+    processes: int | None = opt(None, "Reward worker processes on rank 0, started once per run: a crash or a "
+                                "timeout costs one chunk, not the run (null = one per CPU core this process may use, "
+                                "at most 8; 0 = call the functions in the trainer's process, without containment)",
+                                low=0)
+    chunk_samples: int = opt(64, "Completions per reward call, rounded up to whole groups: each function is called "
+                             "once per chunk, in any worker, so scores do not depend on reward.processes", low=1)
+    worker_memory_gib: float | None = opt(None, "Bound each reward worker's address space (RLIMIT_AS) to this many "
+                                          "GiB: an allocation past it raises MemoryError in the function (null = no "
+                                          "bound)", low=0.0, low_open=True)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ Every reward function has this one keyword-only signature::
     def my_reward(*, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
                   **columns) -> list[float | None]:
 
-It is called once per step on the whole batch. ``completions[i]`` is the generated text of sample
+It is called on a chunk of the step's batch (below). ``completions[i]`` is the generated text of sample
 ``i``, ``prompts[i]`` the prompt it answers, ``completion_ids[i]`` its generated token ids.
 ``columns`` holds every dataset column as a list aligned with ``completions`` (a prompt's row is
 repeated for each completion of its group), so a column ``answer`` arrives as ``answer=[...]``.
@@ -35,25 +35,22 @@ Return one value per completion: a float (an int or bool counts as a number), No
 ``none``, or ``RewardError(kind, message)`` for "scoring this sample failed", which is handled like a
 failure of the function (below) but for that sample alone.
 
-A function defined with ``async def`` is awaited. All async functions of a step run concurrently in
-one event loop (and alongside the sync ones), each with its own ``reward.timeout_s``, after which it is
-cancelled. Use it for I/O-bound scoring (a judge model behind an HTTP API, a sandbox); an async function
-that blocks without awaiting holds up the others.
+The step's completions are cut into chunks of ``reward.chunk_samples`` (whole groups), and each function is called
+once per chunk, in rank 0's reward worker processes (``rewards.pool``, ``reward.processes``), so scores do not
+depend on the number of workers. A function defined with ``async def`` is awaited.
 
 When a function fails
 ---------------------
-A function that raises, runs longer than ``reward.timeout_s`` for the batch, returns something
-other than a list with one value per completion, or returns items that are not a finite number or
-None, does not stop the run by default (``reward.on_error: "zero"``): the affected samples score
-0.0 for that function (the whole batch for a raise, timeout or wrong length; just the bad items
-otherwise), the count goes into the metrics as ``errors``, and a warning with the cause is logged
-once per function and kind of failure. With ``"on_error": "fail"`` the run stops with
-``RewardFailure`` instead.
+A call that raises, runs longer than ``reward.timeout_s``, ends its worker process (a segfault, ``os._exit``),
+returns something other than a list with one value per completion, or returns items that are not a finite number
+or None, does not stop the run by default (``reward.on_error: "zero"``): the affected samples score 0.0 for that
+function (the chunk for a raise, timeout, crash or wrong length; just the bad items otherwise), the count goes into
+the metrics as ``errors``, and a warning with the cause is logged once per function and kind of failure. A worker
+that timed out is killed and, like one that died, replaced. With ``"on_error": "fail"`` the run stops with
+``RewardFailure``: one line naming the function, exit code 2.
 
-Limitation: Python cannot kill a thread, so a sync call that times out is abandoned, not stopped. It
-keeps running in a background (daemon) thread, using CPU and memory, until it returns or the
-process exits. A function that can hang should enforce its own limits (e.g. timeouts on network
-calls or subprocesses), or be ``async`` so that the timeout cancels it.
+With ``reward.processes: 0`` the calls run in the trainer's process instead, without that containment: a sync call
+that times out is abandoned (Python cannot kill a thread) and one that ends its process ends the run.
 
 Mistakes found when the recipe is loaded (an unknown built-in, a module that does not import or
 raises while importing, a missing or non-callable attribute, a signature that cannot take these

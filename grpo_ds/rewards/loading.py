@@ -21,9 +21,10 @@ _SIGNATURE = "def my_reward(*, prompts, completions, completion_ids, **columns)"
 
 
 class RewardFn(Protocol):
-    """What a reward function is: called once per step on the whole batch, with keyword arguments only; returns one
-    value per completion (a number, None for "no score", or a RewardError for a failed sample), or an awaitable of
-    that list for an ``async def`` function. ``columns`` holds every dataset column, aligned with ``completions``."""
+    """What a reward function is: called on each chunk of a step's batch (``reward.chunk_samples``), with keyword
+    arguments only; returns one value per completion (a number, None for "no score", or a RewardError for a failed
+    sample), or an awaitable of that list for an ``async def`` function. ``columns`` holds every dataset column,
+    aligned with ``completions``."""
 
     def __call__(self, *, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
                  **columns: list) -> list | Awaitable[list]: ...

@@ -1,13 +1,15 @@
 """Score a batch with weighted reward functions, containing each function's failures.
 
 total[i] = sum_k weight_k * score_k[i], where score_k[i] is function k's value for sample i, and
-0.0 when it returned None or failed (raised, timed out, returned a bad value, or returned a
-``RewardError`` for that sample). Failures are counted per function so the metrics show them; with
-``on_error="fail"`` the first one stops the run.
+0.0 when it returned None or failed (raised, timed out, ended its worker process, returned a bad
+value, or returned a ``RewardError`` for that sample). Failures are counted per function so the
+metrics show them; with ``on_error="fail"`` the first one stops the run with one line.
 
-Sync functions are called one after another, each in a thread with its own ``timeout_s``. ``async def``
-functions are awaited together in one event loop (in a thread of its own), so they run concurrently with
-each other and with the sync ones; each has its own ``timeout_s``, after which it is cancelled.
+The batch is cut into chunks of whole groups (``chunks_of``), and each function is called once per
+chunk, so a score never depends on how many workers there are. The calls run in the run's worker
+processes (``rewards.pool``), or, without a pool, in this process: sync functions one after another,
+each in a thread with its own ``timeout_s``, and ``async def`` functions awaited together in one
+event loop (in a thread of its own), each cancelled at its ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from grpo_ds.config.reward_specs import ON_ERROR_CHOICES
 from grpo_ds.errors import UserError
 from grpo_ds.rewards.item_error import RewardError
 from grpo_ds.rewards.loading import RewardFunction
+from grpo_ds.rewards.pool import Failed, RewardPool
 
 logger = logging.getLogger("grpo_ds.rewards")
 
@@ -34,8 +37,17 @@ logger = logging.getLogger("grpo_ds.rewards")
 _WARNED: set[tuple[str, str]] = set()
 
 
-class RewardFailure(RuntimeError):
-    """A reward function failed and ``reward.on_error`` is ``"fail"``; the message names the function and cause."""
+class RewardFailure(UserError):
+    """A reward function failed and ``reward.on_error`` is ``"fail"``: one line (exit 2) naming the function and what
+    happened."""
+
+    def __init__(self, key: str, what: str) -> None:
+        super().__init__(f"reward function {key!r}", f"{what} (reward.on_error=fail)",
+                         'fix the function, or set reward.on_error="zero" to score its failures 0 and go on')
+        self.key = key
+
+    def __reduce__(self):  # rank 0 sends it to the other ranks
+        return (RewardFailure, (self.key, self.what.removesuffix(" (reward.on_error=fail)")))
 
 
 @dataclass
@@ -81,6 +93,15 @@ def check_columns(column_names) -> None:
             )
 
 
+def chunks_of(n: int, chunk_samples: int | None, group_size: int = 1) -> list[tuple[int, int]]:
+    """The batch's chunks as (start, end) index ranges: ``chunk_samples`` completions each, rounded up to whole groups
+    of ``group_size`` (a group is never split); one chunk for the whole batch when ``chunk_samples`` is None."""
+    if not n:
+        return []
+    size = n if chunk_samples is None else -(-max(chunk_samples, 1) // group_size) * group_size
+    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+
 def score(
     functions: list[RewardFunction],
     *,
@@ -90,17 +111,20 @@ def score(
     columns: dict[str, list],
     on_error: str,
     timeout_s: float,
+    chunk_samples: int | None = None,
+    group_size: int = 1,
+    pool: RewardPool | None = None,
 ) -> RewardResult:
-    """Call each function once on the whole batch and combine the weighted scores.
+    """Call each function on each chunk of the batch (``chunks_of``) and combine the weighted scores.
 
-    ``columns`` maps each dataset column to a list aligned with ``completions``. A function that
-    raises or runs past ``timeout_s`` scores 0.0 on the whole batch; one that returns a list of the
-    wrong length or a non-list does too; each bad item (not a number, None or RewardError, or not
-    finite) and each RewardError item scores 0.0 alone. With ``on_error="fail"`` any of these raises
-    RewardFailure instead.
+    ``columns`` maps each dataset column to a list aligned with ``completions``. A call that raises, runs past
+    ``timeout_s``, or (in a ``pool``) ends its worker process scores 0.0 on its chunk; one that returns a list of the
+    wrong length or a non-list does too; each bad item (not a number, None or RewardError, or not finite) and each
+    RewardError item scores 0.0 alone. With ``on_error="fail"`` any of these raises RewardFailure instead.
 
-    A sync call that times out is abandoned: Python cannot kill a thread, so it keeps running (and holding
-    its CPU and memory) in the background until it returns. An async call that times out is cancelled.
+    With a ``pool`` the calls run in its worker processes, where a timed-out call is killed with its worker. Without
+    one they run in this process: a sync call that times out is abandoned (Python cannot kill a thread, so it keeps
+    running, holding its CPU and memory, until it returns); an async call that times out is cancelled.
     """
     if on_error not in ON_ERROR_CHOICES:
         raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
@@ -111,35 +135,50 @@ def score(
     check_columns(columns)
 
     keys = unique_names(functions)
-    outcomes: dict[str, Any] = {}  # key -> the returned value, or a _Failure
-    if n:
+    chunks = chunks_of(n, chunk_samples, group_size)
+
+    def chunk_kwargs(lo: int, hi: int) -> dict[str, Any]:
         # Fresh lists per call: a function that mutates its inputs (or a timed-out one still running) cannot
         # change what the next function sees.
-        def fresh_kwargs() -> dict[str, Any]:
-            return {
-                "prompts": list(prompts),
-                "completions": list(completions),
-                "completion_ids": [list(ids) for ids in completion_ids],
-                **{name: list(values) for name, values in columns.items()},
-            }
+        return {"prompts": prompts[lo:hi], "completions": completions[lo:hi],
+                "completion_ids": [list(ids) for ids in completion_ids[lo:hi]],
+                **{name: values[lo:hi] for name, values in columns.items()}}
 
-        jobs = {key: (func.fn, fresh_kwargs()) for key, func in zip(keys, functions, strict=True)}
-        async_keys = [key for key, (fn, _) in jobs.items() if _is_async(fn)]
-        batch = _AsyncBatch({key: jobs[key] for key in async_keys}, timeout_s) if async_keys else None
-        for key, (fn, kwargs) in jobs.items():
-            if key not in async_keys:
-                outcomes[key] = _outcome(key, fn, kwargs, timeout_s)
-        if batch is not None:
-            outcomes.update(batch.results())
+    calls = [(k, c) for k in range(len(functions)) for c in range(len(chunks))]
+    if pool is not None:
+        returned = pool.run([(k, chunk_kwargs(*chunks[c])) for k, c in calls], timeout_s)
+        outcomes = {call: _Failure(value.kind, value.message) if isinstance(value, Failed) else value
+                    for call, value in zip(calls, returned, strict=True)}
+    else:
+        outcomes = _in_process({call: (functions[call[0]].fn, chunk_kwargs(*chunks[call[1]])) for call in calls},
+                               keys, timeout_s)
 
     total = [0.0] * n
     result = RewardResult(total=total, per_function={}, errors={}, nones={})
-    for key, func in zip(keys, functions, strict=True):
-        scores, errors, nones = _collect(key, outcomes.get(key), n, on_error) if n else ([], 0, 0)
+    for k, (key, func) in enumerate(zip(keys, functions, strict=True)):
+        scores: list[float] = []
+        errors = nones = 0
+        for c, (lo, hi) in enumerate(chunks):
+            chunk_scores, chunk_errors, chunk_nones = _collect(key, outcomes[(k, c)], hi - lo, on_error)
+            scores += chunk_scores
+            errors, nones = errors + chunk_errors, nones + chunk_nones
         result.per_function[key], result.errors[key], result.nones[key] = scores, errors, nones
         for i, value in enumerate(scores):
             total[i] += func.weight * value
     return result
+
+
+def _in_process(jobs: dict[tuple[int, int], tuple[Any, dict[str, Any]]], keys: list[str], timeout_s: float
+                ) -> dict[tuple[int, int], Any]:
+    """Each (function, chunk) call's value or _Failure, run in this process: the sync ones one after another in a
+    thread each, the async ones together in one event loop."""
+    async_calls = [call for call, (fn, _) in jobs.items() if _is_async(fn)]
+    batch = _AsyncBatch({call: jobs[call] for call in async_calls}, timeout_s) if async_calls else None
+    outcomes = {call: _outcome(keys[call[0]], fn, kwargs, timeout_s)
+                for call, (fn, kwargs) in jobs.items() if call not in async_calls}
+    if batch is not None:
+        outcomes.update(batch.results())
+    return outcomes
 
 
 def _is_async(fn: Any) -> bool:
@@ -309,7 +348,7 @@ def _check_length(values: Any, n: int) -> list[Any]:
 def _handle(key: str, failure: _Failure, on_error: str, samples: int) -> None:
     """Raise RewardFailure (on_error="fail"), or warn once per (function, kind) that the samples score 0."""
     if on_error == "fail":
-        raise RewardFailure(f"reward function {key!r} {failure} (reward.on_error=fail)") from failure.cause
+        raise RewardFailure(key, str(failure)) from failure.cause
     if (key, failure.kind) not in _WARNED:
         _WARNED.add((key, failure.kind))
         logger.warning(

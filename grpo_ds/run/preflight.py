@@ -41,6 +41,7 @@ class Inputs:
     env_factory: Callable[[], Any] | None  # rollout.engine "agent": builds one environment per episode
     eval_prompts: list[PromptRow]  # eval.data's prompts (empty: no evaluation)
     data_identity: dict  # what data.train holds: source, prompts, fingerprint (grpo_ds.run.prompts.data_identity)
+    reward_pool: Any = None  # rank 0's reward worker processes (grpo_ds.rewards.pool), started by the driver
 
 
 def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,

@@ -92,7 +92,8 @@ def score_rewards(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], roll
     return score(inputs.reward_functions, prompts=[r.prompt_text for r in rows],
                  completions=inputs.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True),
                  completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
-                 timeout_s=recipe.reward.timeout_s)
+                 timeout_s=recipe.reward.timeout_s, chunk_samples=recipe.reward.chunk_samples, group_size=group_size,
+                 pool=inputs.reward_pool)
 
 
 def score_samples(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int

@@ -122,7 +122,7 @@ def test_abuse_scores_zero_is_counted_and_the_batch_goes_on(caplog):
 @pytest.mark.parametrize("name", list(ABUSE))
 def test_abuse_with_on_error_fail_stops_the_run(name):
     completion, kind = ABUSE[name]
-    with pytest.raises(RewardFailure, match=rf"'code_exec' failed on 1 of 2 samples \({kind}; sample 1"):
+    with pytest.raises(RewardFailure, match=rf"'code_exec': failed on 1 of 2 samples \({kind}; sample 1"):
         run_score([GOOD, completion], "fail")
 
 
