@@ -210,7 +210,7 @@ def test_reward_error_items_score_zero_and_count_per_sample(caplog):
 
 
 def test_reward_error_items_with_on_error_fail():
-    with pytest.raises(RewardFailure, match=r"'sandboxed': failed on 1 of 3 \(timeout; sample 1: ran past 2s\)"):
+    with pytest.raises(RewardFailure, match=r"'sandboxed': failed on 1 of 3 samples .timeout; sample 1: ran past 2s\)"):
         run([fn("sandboxed", 1.0, per_item)], on_error="fail")
 
 
