@@ -46,7 +46,11 @@ STEP_SIZE = 1.0  # lr / eps: every optimizer step moves the weights by -STEP_SIZ
 # the second one trains a policy that has moved since sampling (PPO ratios != 1) and away from the reference
 # (KL != 0). Sampling keeps the 50 most likely tokens, so the sampler's probabilities (renormalised over them) differ
 # from the policy's, as the rollout importance weights assume. No gradient clipping, no checkpoints.
-BASE = {"rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 3, "rollout.top_k": 50,
+# run.seed 2: a seed whose samples give every test here what it needs (groups with equal and unequal rewards,
+# clipped tokens at the second step, ...); seed 0 stopped doing so when each sample got its own random stream
+# (grpo_ds.rollout.streams), and seeds 1 and 4 leave one test without its case.
+BASE = {"run.seed": 2, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 3,
+        "rollout.top_k": 50,
         "train.micro_batch_samples_per_gpu": 8, "train.samples_per_optimizer_step": 8, "train.steps": 1,
         "train.lr": STEP_SIZE * EPS, "train.adam_betas": [0.0, 0.0], "train.max_grad_norm": 0.0,
         "deepspeed": {**json.loads((REPO / "ds_configs" / "zero3.json").read_text()),
