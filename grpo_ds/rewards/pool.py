@@ -107,16 +107,23 @@ class RewardPool:
 
     def run(self, tasks: list[tuple[int, dict[str, Any]]], timeout_s: float) -> list[Any]:
         """Each task ``(function_index, kwargs)``'s returned value, or a ``Failed``, in the tasks' order."""
+        if not self._workers:
+            raise RuntimeError("the reward pool is closed")
         results: list[Any] = [None] * len(tasks)
         queue = deque(enumerate(tasks))
         busy = 0
         while queue or busy:
             now = time.monotonic()
-            for worker in self._workers:
+            for worker in list(self._workers):
                 if worker.ready and worker.task is None and queue:
                     task_id, (index, kwargs) = queue.popleft()
+                    try:
+                        worker.inbox.send((task_id, index, kwargs))
+                    except OSError:  # it died while idle (a thread of the user's code exited it): start another
+                        queue.appendleft((task_id, (index, kwargs)))
+                        self._replace(worker)
+                        continue
                     worker.task, worker.deadline = (task_id, index, kwargs), now + timeout_s
-                    worker.inbox.send(worker.task)
                     busy += 1
             waiting = [w for w in self._workers if w.task is not None or not w.ready]
             deadlines = [w.deadline if w.ready else w.started + START_TIMEOUT_S for w in waiting]

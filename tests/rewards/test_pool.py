@@ -154,3 +154,13 @@ def test_a_function_that_does_not_load_in_a_worker_is_one_line(pools, tmp_path, 
 def test_the_default_is_one_worker_per_usable_core_at_most_eight():
     assert worker_count(None) == min(8, len(os.sched_getaffinity(0))) and worker_count(0) == 0
     assert worker_count(3) == 3
+
+
+def test_a_worker_that_died_while_idle_is_replaced_before_its_next_call(pools):
+    spec = specs("length")
+    pool = pools(spec, 1)
+    run(spec, pool, ["a", "b", "c", "d"])
+    os.kill(pool.pids()[0], 9)  # between two steps: nothing was running on it
+    time.sleep(0.2)
+    assert run(spec, pool, ["a", "b", "c", "d"]).errors[f"{HERE}:length"] == 0
+    assert pool.replaced == 1
