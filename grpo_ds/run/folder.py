@@ -195,9 +195,12 @@ def _first_difference(saved_path: Path, current: dict) -> str | None:
     except (OSError, ValueError):
         return f"its {saved_path.name} is missing or unreadable"
     flat_saved, flat_now = _flatten(saved), _flatten(current)
+    defaults = _flatten(Recipe().to_dict())
     for key in sorted(set(flat_saved) | set(flat_now)):
         if key.startswith(_MAY_DIFFER) or key in _MAY_DIFFER:
             continue
+        if key not in flat_saved and key in defaults and flat_now.get(key) == defaults[key]:
+            continue  # a key added since an older grpo_ds wrote that recipe, at its default: the same run
         if flat_saved.get(key) != flat_now.get(key):
             return f"{key} was {json.dumps(flat_saved.get(key))}, the recipe says {json.dumps(flat_now.get(key))}"
     return None

@@ -83,3 +83,21 @@ def test_data_that_changed_under_a_run_stops_its_resume_unless_told_to_continue(
     data.write_text("".join(json.dumps(r) + "\n" for r in rows[:9] + [{"prompt": "9+9=", "answer": "19"}]))
     with pytest.raises(UserError, match="its 10 prompts differ"):
         grpo_ds.train(TINY, {**longer, "train.steps": 8})
+
+
+def test_a_run_folder_from_before_a_key_existed_resumes_when_the_key_is_at_its_default(tmp_path):
+    """An older grpo_ds wrote recipe.json without keys added since (here reward.chunk_samples): the run is the same
+    recipe's while the new key is at its default, and another recipe's when it is not."""
+    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.errors import UserError
+
+    recipe = load_recipe(TINY, {"run.output_dir": str(tmp_path)})
+    folder = tmp_path / "tiny_cpu"
+    folder.mkdir()
+    saved = recipe.to_dict()
+    del saved["reward"]["chunk_samples"]
+    (folder / "recipe.json").write_text(json.dumps(saved))
+    (folder / "metrics.jsonl").write_text("")
+    assert not run_folder.decide(recipe).fresh
+    with pytest.raises(UserError, match=r"reward.chunk_samples was null, the recipe says 8"):
+        run_folder.decide(load_recipe(TINY, {"run.output_dir": str(tmp_path), "reward.chunk_samples": 8}))
