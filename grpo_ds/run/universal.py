@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from grpo_ds.config.deepspeed_keys import offloaded
+
 UNIVERSAL_TAG = "ds_universal"
 
 
@@ -60,7 +62,7 @@ def layout_problem(recipe, ds_config: dict) -> str | None:
     if t.sequence_parallel_size > 1:
         return f"train.sequence_parallel_size {t.sequence_parallel_size}"
     for part in ("offload_optimizer", "offload_param"):
-        if (zero.get(part) or {}).get("device", "none") not in ("none", None):
+        if offloaded(zero, part):
             return f"ZeRO {part.replace('_', ' ')} to {zero[part]['device']}"
     return None
 
