@@ -69,10 +69,6 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
     lock = RunLock(run_folder.folder_path(recipe)) if dist.is_main else None
     dist.decide(_acquire, lock)  # rank 0 takes it; a live holder stops every rank with one line
-    # rank 0's reward workers start here, loading the functions while the models load (grpo_ds/rewards/pool.py)
-    processes = worker_count(recipe.reward.processes)
-    if dist.is_main and processes and recipe.reward.functions:
-        inputs.reward_pool = RewardPool(recipe.reward.functions, processes, recipe.reward.worker_memory_gib)
     try:
         return _train(inputs, dist, stop)
     finally:
@@ -93,6 +89,11 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
         return read_metrics(run_dir)  # the finished run's history, as grpo_ds.plot reads it
 
     run_folder.check_world_size(folder, recipe, inputs.ds_config, dist.world_size)  # a resume on another one
+    # rank 0's reward workers start here, loading the functions while the models load (grpo_ds/rewards/pool.py);
+    # _run closes them
+    processes = worker_count(recipe.reward.processes)
+    if dist.is_main and processes and recipe.reward.functions:
+        inputs.reward_pool = RewardPool(recipe.reward.functions, processes, recipe.reward.worker_memory_gib)
 
     # ---- 3. the run folder, models
     dist.decide(run_folder.prepare, folder, recipe, inputs.ds_config, inputs.data_identity)  # rank 0 writes
