@@ -40,11 +40,14 @@ def worker_count(processes: int | None) -> int:
     return max(1, min(DEFAULT_MAX_PROCESSES, cores))
 
 
-class Failed:
-    """One call's failure (kind ``"died"``, ``"timeout"``, ``"raised"`` or ``"bad_return"``) and its message."""
+class Failed(Exception):
+    """One call's failure: its kind (``"died"``, ``"timeout"``, ``"raised"``, ``"bad_return"``, ``"bad_item"``, or
+    ``"item:<kind>"`` for RewardError items), its message, and the exception behind it where there is one in this
+    process. Returned by the pool, and raised and caught inside grpo_ds.rewards.scoring."""
 
-    def __init__(self, kind: str, message: str) -> None:
-        self.kind, self.message = kind, message
+    def __init__(self, kind: str, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.cause = kind, cause
 
 
 @dataclass

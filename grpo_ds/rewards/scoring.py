@@ -60,15 +60,6 @@ class RewardResult:
     nones: dict[str, int] = field(default_factory=dict)  # samples the function returned None for
 
 
-class _Failure(Exception):
-    """Internal: one function's failure, with its kind ("raised", "timeout", "bad_return", "bad_item", or
-    "item:<kind>" for RewardError items)."""
-
-    def __init__(self, kind: str, message: str, cause: BaseException | None = None) -> None:
-        super().__init__(message)
-        self.kind, self.cause = kind, cause
-
-
 def unique_names(functions: list[RewardFunction]) -> list[str]:
     """The functions' names with repeats numbered: ``["exact_match", "format", "exact_match#2"]``."""
     seen: dict[str, int] = {}
@@ -147,8 +138,7 @@ def score(
     calls = [(k, c) for k in range(len(functions)) for c in range(len(chunks))]
     if pool is not None:
         returned = pool.run([(k, chunk_kwargs(*chunks[c])) for k, c in calls], timeout_s)
-        outcomes = {call: _Failure(value.kind, value.message) if isinstance(value, Failed) else value
-                    for call, value in zip(calls, returned, strict=True)}
+        outcomes = dict(zip(calls, returned, strict=True))
     else:
         outcomes = _in_process({call: (functions[call[0]].fn, chunk_kwargs(*chunks[call[1]])) for call in calls},
                                keys, timeout_s)
@@ -170,7 +160,7 @@ def score(
 
 def _in_process(jobs: dict[tuple[int, int], tuple[Any, dict[str, Any]]], keys: list[str], timeout_s: float
                 ) -> dict[tuple[int, int], Any]:
-    """Each (function, chunk) call's value or _Failure, run in this process: the sync ones one after another in a
+    """Each (function, chunk) call's value or Failed, run in this process: the sync ones one after another in a
     thread each, the async ones together in one event loop."""
     async_calls = [call for call, (fn, _) in jobs.items() if _is_async(fn)]
     batch = _AsyncBatch({call: jobs[call] for call in async_calls}, timeout_s) if async_calls else None
@@ -187,20 +177,20 @@ def _is_async(fn: Any) -> bool:
 
 
 def _outcome(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: float) -> Any:
-    """A sync function's value, or its _Failure."""
+    """A sync function's value, or its Failed."""
     try:
         return _call_with_timeout(key, fn, kwargs, timeout_s)
-    except _Failure as failure:
+    except Failed as failure:
         return failure
 
 
 def _collect(key: str, outcome: Any, n: int, on_error: str) -> tuple[list[float], int, int]:
     """One function's (scores, error count, None count), with failures contained or raised per on_error."""
     try:
-        if isinstance(outcome, _Failure):
+        if isinstance(outcome, Failed):
             raise outcome
         values = _check_length(outcome, n)
-    except _Failure as failure:
+    except Failed as failure:
         _handle(key, failure, on_error, samples=n)
         return [0.0] * n, n, 0
 
@@ -219,14 +209,14 @@ def _collect(key: str, outcome: Any, n: int, on_error: str) -> tuple[list[float]
             scores.append(0.0)
     for kind, indices in item_errors.items():
         first = values[indices[0]]
-        failure = _Failure(
+        failure = Failed(
             f"item:{kind}",
             f"failed on {len(indices)} of {n} samples ({kind}; sample {indices[0]}: {first.message})",
         )
         _handle(key, failure, on_error, samples=len(indices))
     if bad:
         first = values[bad[0]]
-        failure = _Failure(
+        failure = Failed(
             "bad_item",
             f"returned {len(bad)} of {n} items that are not a finite number, None or RewardError "
             f"(item {bad[0]} is {first!r} of type {type(first).__name__})",
@@ -236,7 +226,7 @@ def _collect(key: str, outcome: Any, n: int, on_error: str) -> tuple[list[float]
 
 
 def _call_with_timeout(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: float) -> Any:
-    """Run ``fn(**kwargs)`` in a daemon thread; return its value or raise _Failure (raised / timeout)."""
+    """Run ``fn(**kwargs)`` in a daemon thread; return its value or raise Failed (raised / timeout)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -252,7 +242,7 @@ def _call_with_timeout(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: flo
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise _Failure(
+        raise Failed(
             "timeout",
             f"took longer than reward.timeout_s={timeout_s:g}s (the call is abandoned and may still be running)",
         )
@@ -265,8 +255,8 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _raised(err: BaseException) -> _Failure:
-    return _Failure("raised", f"raised {type(err).__name__}: {err}", cause=err)
+def _raised(err: BaseException) -> Failed:
+    return Failed("raised", f"raised {type(err).__name__}: {err}", cause=err)
 
 
 # Extra wait for the event loop thread beyond timeout_s: asyncio cancels a timed-out coroutine at its next
@@ -305,7 +295,7 @@ class _AsyncBatch:
             finished, _ = await asyncio.wait({task}, timeout=self._timeout_s)
             if not finished:
                 task.cancel()
-                self._done[key] = _Failure(
+                self._done[key] = Failed(
                     "timeout", f"took longer than reward.timeout_s={self._timeout_s:g}s (the call was cancelled)"
                 )
             elif task.exception() is not None:
@@ -317,7 +307,7 @@ class _AsyncBatch:
         self._finished.set()
 
     def results(self) -> dict[str, Any]:
-        """Each function's value or _Failure; a function still running (the loop is stuck) counts as timed out."""
+        """Each function's value or Failed; a function still running (the loop is stuck) counts as timed out."""
         self._finished.wait(max(0.0, self._deadline - time.monotonic()))
         done = dict(self._done)
         for key in self._jobs:
@@ -325,7 +315,7 @@ class _AsyncBatch:
                 done[key] = (
                     _raised(self._crash)
                     if self._crash is not None
-                    else _Failure(
+                    else Failed(
                         "timeout",
                         f"took longer than reward.timeout_s={self._timeout_s:g}s (the call blocks its event loop and "
                         "is abandoned)",
@@ -335,17 +325,17 @@ class _AsyncBatch:
 
 
 def _check_length(values: Any, n: int) -> list[Any]:
-    """The return value as a list of n items, or _Failure("bad_return"). Arrays and tensors are accepted."""
+    """The return value as a list of n items, or Failed("bad_return"). Arrays and tensors are accepted."""
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
-        raise _Failure("bad_return", f"returned a {type(values).__name__}, expected a list of {n} floats")
+        raise Failed("bad_return", f"returned a {type(values).__name__}, expected a list of {n} floats")
     if len(values) != n:
-        raise _Failure("bad_return", f"returned {len(values)} scores for {n} completions")
+        raise Failed("bad_return", f"returned {len(values)} scores for {n} completions")
     return list(values)
 
 
-def _handle(key: str, failure: _Failure, on_error: str, samples: int) -> None:
+def _handle(key: str, failure: Failed, on_error: str, samples: int) -> None:
     """Raise RewardFailure (on_error="fail"), or warn once per (function, kind) that the samples score 0."""
     if on_error == "fail":
         raise RewardFailure(key, str(failure)) from failure.cause
