@@ -2,6 +2,8 @@
 its worker, which is replaced), "fail" stops with one line naming the function, and nothing piles up."""
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 from grpo_ds.errors import UserError
 from grpo_ds.rewards import RewardFailure, load_reward_functions, score, scoring
 from grpo_ds.rewards.pool import RewardPool, worker_count
+from tests.launch import REPO
 
 HERE = "tests.rewards.pool_functions"
 G = 4  # completions per prompt; a chunk holds whole groups
@@ -32,7 +35,8 @@ def run(spec: list[dict], pool: RewardPool | None, completions=None, on_error="z
 
 
 def children() -> list[int]:
-    """This process's child processes, from /proc."""
+    """This process's reward worker processes, from /proc (other tests may leave other children that end on their
+    own, such as sandboxed programs)."""
     mine = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -40,7 +44,8 @@ def children() -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and \
+                    b"grpo_ds.rewards.worker" in (entry / "cmdline").read_bytes():
                 mine.append(int(entry.name))
     return mine
 
@@ -103,19 +108,34 @@ def test_a_reward_that_ends_its_process_stops_the_run_with_one_line_under_fail(p
     assert "\n" not in line and line.startswith(f"reward function '{HERE}:{name}': ended its worker process ({how}")
 
 
-def test_a_hanging_reward_is_killed_at_its_timeout_and_nothing_piles_up_over_20_steps(pools):
+def test_a_hanging_reward_is_killed_at_its_timeout_and_nothing_piles_up_over_20_steps():
+    """Run in a fresh interpreter, whose processes and threads are the pool's alone (tests before this one in this
+    process leave threads and sandboxed programs that end on their own)."""
+    done = subprocess.run([sys.executable, "-c", "from tests.rewards.test_pool import hang_rounds; hang_rounds()"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "20 rounds: 2 workers, 21 replaced, threads flat"
+
+
+def hang_rounds() -> None:
+    """20 rounds with a spinning reward: each is killed at its timeout, and the processes and threads stay flat."""
     spec = specs("hangs", "length")
-    pool = pools(spec, 2)
-    batch = ["hang", "1", "2", "3", "4", "5", "6", "7"]  # the first chunk (group) hangs, the second does not
-    run(spec, pool, batch, timeout_s=1.0)
-    procs, thread_count = len(children()), threads()
-    started = time.monotonic()
-    for _ in range(20):
-        result = run(spec, pool, batch, timeout_s=0.5)
-        assert result.per_function[f"{HERE}:hangs"] == [0.0] * G + [1.0] * G and result.errors[f"{HERE}:hangs"] == G
-    assert time.monotonic() - started < 20 * (0.5 + 2.0)  # each step waits the timeout and a worker's start, no more
-    assert len(children()) == procs == 2 and threads() == thread_count
-    assert pool.replaced == 21  # one killed and replaced per step
+    pool = RewardPool(spec, 2)
+    try:
+        batch = ["hang", "1", "2", "3", "4", "5", "6", "7"]  # the first chunk (group) hangs, the second does not
+        run(spec, pool, batch, timeout_s=1.0)
+        procs, thread_count = len(children()), threads()
+        started = time.monotonic()
+        for _ in range(20):
+            result = run(spec, pool, batch, timeout_s=0.5)
+            assert result.per_function[f"{HERE}:hangs"] == [0.0] * G + [1.0] * G
+            assert result.errors[f"{HERE}:hangs"] == G
+        assert time.monotonic() - started < 20 * (0.5 + 2.0)  # each round waits the timeout and a worker's start
+        assert len(children()) == procs == 2 and threads() == thread_count
+        assert pool.replaced == 21  # one killed and replaced per round
+    finally:
+        pool.close()
+    print(f"20 rounds: {procs} workers, {pool.replaced} replaced, threads flat")
 
 
 def test_memory_per_worker_is_bounded(pools):
