@@ -74,7 +74,8 @@ def estimated(world: int, overrides: list[str]):
 
     inputs = prepare_inputs(str(REPO / "recipes" / "tiny_cpu.json"), overrides, world, "cpu")
     shape = model_shape(inputs.recipe, len(inputs.tokenizer))
-    return estimate_memory(inputs.recipe, shape, inputs.ds_config, world, simulated_lengths(inputs, "max"))
+    return estimate_memory(inputs.recipe, shape, inputs.ds_config, world, simulated_lengths(inputs, "max"),
+                           backend=inputs.kernels_backend)
 
 
 def main() -> None:

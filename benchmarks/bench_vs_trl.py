@@ -66,6 +66,7 @@ from common import fmt, markdown_table, report, verdict  # noqa: E402
 
 from grpo_ds.config.parse import parse_override  # noqa: E402
 from grpo_ds.config.recipe import Recipe, load_recipe  # noqa: E402
+from grpo_ds.step.memory_timeline import format_table, phase_peaks  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parent / "bench_vs_trl_runner.py"
 TRAINERS = ("grpo_ds", "trl")
@@ -167,6 +168,7 @@ class Run:
     peak_gpu_mib: float | None
     versions: dict[str, str]
     threads: int
+    memory_peaks: list | None = None  # grpo_ds: grpo_ds.step.memory_timeline.phase_peaks of its profiled steps
 
 
 # ------------------------------------------------------------------------------------------------ recipes
@@ -230,7 +232,10 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
     """One training run in a fresh process; its timings relative to the moment the process was started."""
     tag = f"{trainer}_run{index}"
     spec, out, log = workdir / f"{tag}.spec.json", workdir / f"{tag}.out.json", workdir / f"{tag}.log"
-    spec.write_text(json.dumps({"recipe": recipe.to_dict(), "device": args.device,
+    spec_recipe = recipe.to_dict()
+    if trainer == "grpo_ds" and recipe.train.steps >= 2:  # its memory timeline, steps 2..last (no torch.profiler)
+        spec_recipe["logging"].update(profile_steps=[2, min(recipe.train.steps, 11)], profile_trace=False)
+    spec.write_text(json.dumps({"recipe": spec_recipe, "device": args.device,
                                 "trl_output_dir": str(workdir / "trl" / tag)}))
     print(f"  run {index + 1}/{args.runs}: {LABELS[trainer]} (seed {recipe.run.seed}) ...", file=sys.stderr,
           flush=True)
@@ -247,11 +252,14 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
         raise SystemExit(f"{LABELS[trainer]} run {index + 1}: {len(ends)} steps timed and {len(result['reward'])} "
                          f"rewards logged, expected {recipe.train.steps}; see {log}")
     loop_start = result["loop_start"]
+    timeline = Path(recipe.run.output_dir) / recipe.run.name / "profile" / "rank0.memory.csv"
+    peaks = phase_peaks(timeline) if trainer == "grpo_ds" and timeline.is_file() else None
     return Run(trainer, index, recipe.run.seed, startup_s=loop_start - start, loop_s=ends[-1] - loop_start,
                step_s=deltas(loop_start, ends), cpu_step_s=deltas(result["cpu_loop_start"], result["cpu_step_end"]),
                reward=result["reward"],
                response_len=result["response_len"], phases=result["phases"], peak_rss_mib=result["peak_rss_mib"],
-               peak_gpu_mib=result.get("peak_gpu_mib"), versions=result["versions"], threads=result["threads"])
+               peak_gpu_mib=result.get("peak_gpu_mib"), versions=result["versions"], threads=result["threads"],
+               memory_peaks=peaks)
 
 
 def deltas(start: float, ends: list[float]) -> list[float]:
@@ -461,7 +469,7 @@ def main() -> None:
     reward_ahead, reward_line = reward_comparison(runs, per_step, points, args.window)
     notes = [
         f"grpo_ds: DeepSpeed at world size 1 (one process, as `python -m grpo_ds.train`: ZeRO stage 1 from "
-        f"ds_configs/zero3.json), on {args.device}; "
+        f"ds_configs/zero3.json, its fp32 master the float32 weights themselves), on {args.device}; "
         "TRL: GRPOTrainer, plain torch through accelerate, one process",
         f"torch threads per run: {g[0].threads} (grpo_ds), {t[0].threads} (TRL)" + (
             " (OMP_NUM_THREADS=1: on a CPU shared with other jobs, two threads' spinning barriers inflate step "
@@ -487,7 +495,20 @@ def main() -> None:
     shape = (f"{model}, {recipe.data.train}, {r.prompts_per_step} prompts x {r.group_size} completions of <= "
              f"{r.max_new_tokens} tokens, {args.steps} steps ({per_step * args.steps:,} samples) per run, "
              f"{args.device}")
-    report("bench_vs_trl", shape, args.device, markdown_table(headers, rows), notes, args.record)
+    report("bench_vs_trl", shape, args.device, markdown_table(headers, rows) + memory_block(g), notes, args.record)
+
+
+def memory_block(runs: list[Run]) -> str:
+    """grpo_ds's memory per phase (its timeline, grpo_ds.step.memory_timeline) in the run with the highest peak."""
+    timed = [r for r in runs if r.memory_peaks]
+    if not timed:
+        return ""
+    worst = max(timed, key=lambda r: max(p.peak_rss for p in r.memory_peaks))
+    last = worst.memory_peaks and max(p.peak_step for p in worst.memory_peaks)
+    return (f"\n\ngrpo_ds memory per phase, run {worst.index + 1} (seed {worst.seed}), steps 2-{last}: RSS from its "
+            "timeline (logging.profile_steps with logging.profile_trace false, sampled every 10 ms and at every "
+            "phase boundary); rise: the peak above the RSS at the start of the phase run that reached it\n\n"
+            + format_table(worst.memory_peaks))
 
 
 if __name__ == "__main__":

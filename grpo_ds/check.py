@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 
 import numpy as np
+import torch
 
 from grpo_ds.config import software
 from grpo_ds.config.deepspeed import (
@@ -24,6 +25,7 @@ from grpo_ds.config.deepspeed_keys import zero_stage
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.kernels import chunk_bytes_per_token, chunk_tokens_for
 from grpo_ds.model import lora, memory
 from grpo_ds.model.memory import GIB
 from grpo_ds.run.preflight import Inputs, prepare_inputs
@@ -119,6 +121,7 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
                      for mb in rank if mb)
         lines.append(f"  per sequence-parallel rank: {rows} rows x {-(-widest // sp)} positions in the longest "
                      f"micro-batch ({rows * -(-widest // sp)} model positions, of {rows * widest} unsplit)")
+    shape = memory.model_shape(r, len(inputs.tokenizer))
     lines += [f"  token imbalance (max/mean over ranks): {token_imbalance(first, lengths):.3f}", "",
               f"DeepSpeed (resolved from {ds_where})",
               f"  train_micro_batch_size_per_gpu  {ds['train_micro_batch_size_per_gpu']}",
@@ -133,14 +136,13 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
               f"kernels: {inputs.kernels_backend} backend (kernels.backend {r.kernels.backend!r}), "
               + ("full logits, " if not r.kernels.fused_lm_head else "fused lm_head (no full logits), " if tp == 1
                  else "full logits (tensor parallelism splits the lm_head), ")
-              + f"{r.kernels.logprob_chunk_tokens} tokens per chunk",
+              + _chunk_text(r, inputs.kernels_backend, shape.vocab),
               f"rollout: {r.rollout.engine} engine, " + (
                   "generating with the policy's own module (every rank holds it whole: no copy, no weight sync)"
                   if rollout_shares_policy(r, ds) else "its own weights from model.path, synced after every "
                   f"optimizer step{_vllm_sync()}" if r.uses_vllm else "generating with an unsharded copy of the "
                   "policy, synced after every optimizer step")]
-    shape = memory.model_shape(r, len(inputs.tokenizer))
-    est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib)
+    est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib, inputs.kernels_backend)
     trained = f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) \
         else ""
     lines += ["", f"memory estimate per rank ({shape.params / 1e6:.2f} M parameters{trained}, {r.model.dtype}; "
@@ -170,8 +172,9 @@ def _vllm_sync() -> str:
 
 
 def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_size: int, lengths: list[int],
-                    gpu_memory_gib: float | None = None) -> memory.MemoryEstimate:
-    """The estimate for the recipe's first planned step over ``lengths``."""
+                    gpu_memory_gib: float | None = None, backend: str = "torch") -> memory.MemoryEstimate:
+    """The estimate for the recipe's first planned step over ``lengths``; ``backend``: the resolved kernels
+    backend."""
     dp = world_size // r.train.tensor_parallel_size
     plan = plan_recipe_step(r, lengths, dp, step=1)
     micro = [mb for m in plan.minibatches for rank in m.micro_batches for mb in rank if mb]
@@ -182,7 +185,19 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
         model_tokens = max(sum(lengths[s] for s in mb) if r.train.packing else len(mb) * max(lengths[s] for s in mb)
                            for mb in micro)
     generation = _prompts_per_generate_call(r, world_size) * r.rollout.group_size
-    return memory.estimate(r, shape, ds_config, world_size, model_tokens, max(lengths), generation, gpu_memory_gib)
+    return memory.estimate(r, shape, ds_config, world_size, model_tokens, max(lengths), generation, gpu_memory_gib,
+                           backend)
+
+
+def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:
+    k = r.kernels
+    if k.logprob_chunk_tokens is not None:
+        return f"{k.logprob_chunk_tokens} tokens per chunk (kernels.logprob_chunk_tokens)"
+    dtype = getattr(torch, r.model.dtype)
+    tokens = chunk_tokens_for(vocab, dtype, backend, int(k.logprob_chunk_mib * 2**20))
+    per_token = chunk_bytes_per_token(vocab, dtype, backend)
+    return (f"{tokens:,} tokens per chunk ({tokens * per_token / 2**20:.1f} MiB of a {k.logprob_chunk_mib:g} MiB "
+            f"budget, kernels.logprob_chunk_mib, at {vocab:,} vocabulary entries)")
 
 
 def _prompts_per_generate_call(r: Recipe, world_size: int) -> int:
@@ -209,7 +224,7 @@ def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.Memory
             r = apply(r)
         try:
             return estimate_memory(r, shape, resolve_deepspeed_config(r, world_size, device_type()), world_size,
-                                   lengths, gpu_memory_gib).peak
+                                   lengths, gpu_memory_gib, inputs.kernels_backend).peak
         except UserError:
             return None
 

@@ -1,11 +1,16 @@
-"""Training curves from a run folder's metrics.jsonl, drawn into one PNG.
+"""Training curves from a run folder's metrics.jsonl, drawn into one PNG; or the memory timeline of profiled steps.
 
     python -m grpo_ds.plot RUN_DIR [--out FILE.png] [--smooth N] [--keys k1,k2,...]
+    python -m grpo_ds.plot RUN_DIR --memory [--rank R] [--out FILE.png]
 
 One panel per curve: reward (mean with a +-std band, plus ``reward/NAME`` per function), response length, KL,
 entropy, clip fraction, grad norm, loss, per-phase timings (stacked; their sum is ``time_step_s``) and tokens/s.
 Panels whose keys the file lacks are skipped. The file is read the way a crash or a resume leaves it: unreadable
 lines (a torn last line) are skipped, and when a step appears more than once its last record wins.
+
+``--memory`` draws ``profile/rank<R>.memory.csv`` (grpo_ds.step.memory_timeline, written with
+``logging.profile_steps``) over seconds: RSS and RssAnon, and CUDA allocated and reserved below them on a GPU, in MiB,
+each phase's runs shaded and named, the steps' starts marked.
 
 matplotlib draws off-screen (a Figure on the Agg canvas; pyplot and its global backend are never touched).
 """
@@ -25,6 +30,8 @@ import numpy as np
 
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.run.metrics import read_metrics
+from grpo_ds.step.memory_timeline import MIB, Row, read_rows, spans
+from grpo_ds.step.profiling import memory_path
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -33,6 +40,7 @@ COLUMNS = 3  # panels per row
 PANEL_INCHES = (4.8, 3.2)  # width, height of one panel
 TITLE_INCHES = 0.4  # room for the figure title
 DPI = 100
+MEMORY_INCHES = (12.0, 3.6)  # width, height of a memory panel
 
 
 @dataclass(frozen=True)
@@ -138,8 +146,72 @@ def make_figure(run_dir: str | Path, smooth: int = 1, keys: Sequence[str] | None
 def plot_run(run_dir: str | Path, out: str | Path | None = None, smooth: int = 1,
              keys: Sequence[str] | None = None) -> Path:
     """Draw a run folder's curves into ``out`` (default RUN_DIR/curves.png); return the path written."""
-    fig = make_figure(run_dir, smooth, keys)
-    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    return _save(make_figure(run_dir, smooth, keys), Path(out) if out is not None else Path(run_dir) / "curves.png")
+
+
+def make_memory_figure(run_dir: str | Path, rank: int = 0) -> Figure:
+    """The Figure (Agg canvas) of rank ``rank``'s memory timeline: host memory, and CUDA memory below it on a GPU."""
+    run_dir = Path(run_dir)
+    rows = read_rows(memory_path(run_dir, rank))
+    if not rows:
+        raise UserError(str(memory_path(run_dir, rank)), "has no rows", "a profiled range writes them when it ends")
+    charts = [("host memory (MiB)", {"RSS": [r.rss for r in rows], "RssAnon": [r.rss_anon for r in rows]}),
+              ("CUDA memory (MiB)", {"allocated": [r.cuda_allocated for r in rows],
+                                     "reserved": [r.cuda_reserved for r in rows]})]
+    charts = [(title, {k: v for k, v in lines.items() if None not in v}) for title, lines in charts]
+    charts = [(title, lines) for title, lines in charts if lines]
+    figure_class, canvas_class = _matplotlib()
+    fig = figure_class(figsize=(MEMORY_INCHES[0], MEMORY_INCHES[1] * len(charts) + TITLE_INCHES), dpi=DPI,
+                       layout="constrained")
+    canvas_class(fig)
+    steps = sorted({r.step for r in rows})
+    fig.suptitle(f"{run_name(run_dir)}: memory of rank {rank}, " + (
+        f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"))
+    axes = fig.subplots(len(charts), 1, sharex=True, squeeze=False)[:, 0]
+    seconds = np.array([r.seconds for r in rows])
+    for ax, (title, lines) in zip(axes, charts, strict=True):
+        for (label, values), style in zip(lines.items(), ("-", "--"), strict=False):
+            ax.plot(seconds, np.array(values, dtype=float) / MIB, style, color="black", linewidth=1.2, label=label)
+        ax.set_title(title)
+        ax.set_ylabel("MiB")
+        ax.grid(alpha=0.3)
+        _mark_phases_and_steps(ax, rows, labelled=ax is axes[0])
+    axes[-1].set_xlabel("seconds since the first profiled step")
+    return fig
+
+
+def plot_memory(run_dir: str | Path, out: str | Path | None = None, rank: int = 0) -> Path:
+    """Draw rank ``rank``'s memory timeline into ``out`` (default RUN_DIR/memory.png, memory_rank<R>.png for rank
+    R > 0); return the path written."""
+    default = Path(run_dir) / ("memory.png" if rank == 0 else f"memory_rank{rank}.png")
+    return _save(make_memory_figure(run_dir, rank), Path(out) if out is not None else default)
+
+
+def _mark_phases_and_steps(ax, rows: list[Row], labelled: bool) -> None:
+    """Each phase run shaded in its phase's colour (named in the legend, and on the span where it is wide enough);
+    a dotted line where each step starts, named on the top panel."""
+    runs = spans(rows)
+    colors = {phase: f"C{i % 10}" for i, phase in enumerate(dict.fromkeys(s.phase for s in runs))}
+    width = (rows[-1].seconds - rows[0].seconds) or 1.0
+    named = set()
+    for span in runs:
+        start, end = rows[span.first].seconds, rows[span.last].seconds
+        ax.axvspan(start, end, color=colors[span.phase], alpha=0.2, linewidth=0,
+                   label=None if span.phase in named else span.phase)
+        named.add(span.phase)
+        if labelled and end - start > 0.04 * width:
+            ax.text((start + end) / 2, 0.9, span.phase, transform=ax.get_xaxis_transform(), ha="center",
+                    va="top", fontsize="small", color=colors[span.phase])
+    for row in rows:
+        if row.event == "step":
+            ax.axvline(row.seconds, color="gray", linestyle=":", linewidth=1.0)
+            if labelled:
+                ax.text(row.seconds, 0.98, f" step {row.step}", transform=ax.get_xaxis_transform(), va="top",
+                        fontsize="small", color="gray")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def _save(fig: Figure, out: Path) -> Path:
     if not out.parent.is_dir():
         raise UserError("--out", f"folder {out.parent} does not exist", "create it first or write elsewhere")
     suffix = out.suffix.lstrip(".").lower()
@@ -243,8 +315,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--smooth", type=int, default=1, help="moving average over N steps; the raw curve stays "
                         "faint behind (default 1: no smoothing)")
     parser.add_argument("--keys", help="comma-separated metric keys to plot (default: every standard curve)")
+    parser.add_argument("--memory", action="store_true", help="draw the memory timeline of the profiled steps "
+                        "(RUN_DIR/profile/rank<R>.memory.csv, from logging.profile_steps) instead, into "
+                        "RUN_DIR/memory.png")
+    parser.add_argument("--rank", type=int, help="with --memory: whose timeline (default 0)")
     args = parser.parse_args(argv)
     with exit_on_user_error():
+        if args.memory:
+            if args.keys is not None or args.smooth != 1:
+                raise UserError("--memory", "draws the memory timeline; --keys and --smooth are for the curves",
+                                "leave them out")
+            print(plot_memory(args.run_dir, args.out, args.rank or 0))
+            return
+        if args.rank is not None:
+            raise UserError("--rank", "chooses whose memory timeline --memory draws", "add --memory")
         keys = None if args.keys is None else [k.strip() for k in args.keys.split(",") if k.strip()]
         print(plot_run(args.run_dir, args.out, args.smooth, keys))
 

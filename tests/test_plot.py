@@ -111,10 +111,17 @@ def _cli_cases(tmp_path: Path) -> dict:
         "smooth": ([str(parent / "mine"), "--smooth", "0"], "error: --smooth: 0 is out of range: must be >= 1."),
         "out_folder": ([str(parent / "mine"), "--out", str(tmp_path / "no" / "x.png")],
                        f"error: --out: folder {tmp_path / 'no'} does not exist."),
+        "no_timeline": ([str(parent / "mine"), "--memory"], f"error: {parent / 'mine' / 'profile' / 'rank0.memory.csv'}"
+                        ": not found. logging.profile_steps=[first, last] writes the memory timeline"),
+        "memory_keys": ([str(parent / "mine"), "--memory", "--keys", "loss"], "error: --memory: draws the memory "
+                        "timeline; --keys and --smooth are for the curves. leave them out."),
+        "rank_alone": ([str(parent / "mine"), "--rank", "1"], "error: --rank: chooses whose memory timeline --memory "
+                       "draws. add --memory."),
     }
 
 
-@pytest.mark.parametrize("case", ["missing_folder", "no_metrics", "empty", "unknown_key", "smooth", "out_folder"])
+@pytest.mark.parametrize("case", ["missing_folder", "no_metrics", "empty", "unknown_key", "smooth", "out_folder",
+                                  "no_timeline", "memory_keys", "rank_alone"])
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, case):
     argv, start = _cli_cases(tmp_path)[case]
     with pytest.raises(SystemExit) as exit_info:

@@ -146,7 +146,7 @@ def one_rank_stage_note(recipe: Recipe, ds_config: dict) -> str | None:
     file_stage = (raw.get("zero_optimization") or {}).get("stage") if isinstance(raw, dict) else None
     if file_stage != 3 or zero_stage(ds_config) != 1:
         return None
-    return (f"{where}: ZeRO stage 3 runs as stage 1 on one rank (the same memory, without ZeRO-3's per-module "
+    return (f"{where}: ZeRO stage 3 runs as stage 1 on one rank (no more memory, without ZeRO-3's per-module "
             "gathers); train.zero3_on_one_rank=true keeps stage 3")
 
 

@@ -224,8 +224,12 @@ class TrainConfig:
 class KernelsConfig:
     backend: str = opt("auto", "Per-token math: Triton kernels or the chunked PyTorch path (auto = triton on CUDA "
                        "when installed, else torch)", choices=BACKENDS)
-    logprob_chunk_tokens: int = opt(512, "Tokens per chunk for log-probs, entropy and the loss: bounds memory to "
-                                    "one chunk of logits", low=1)
+    logprob_chunk_mib: float = opt(64.0, "Working-set budget of one chunk of log-probs, entropy and the loss, in MiB: "
+                                   "the tokens per chunk follow from the vocabulary, dtype and backend (a chunk's "
+                                   "logits, plus float32 probabilities on the torch backend)", low=0,
+                                   low_open=True)
+    logprob_chunk_tokens: int | None = opt(None, "Tokens per chunk, overriding logprob_chunk_mib (null = as many as "
+                                           "the budget holds)", low=1)
     fused_lm_head: bool = opt(True, "Compute log-probs from hidden states and the lm_head weight so full logits "
                               "never exist (false = full logits, then the logits kernels)")
 
@@ -267,9 +271,15 @@ class LoggingConfig:
                           choices=("online", "offline", "disabled"))
     profile_steps: list | None = opt(None, "[first, last]: record a torch.profiler trace of these steps (inclusive, "
                                      "at most 10) per rank to <run folder>/profile/rank<r>.pt.trace.json, phases "
-                                     "labelled grpo/<phase> (null = off)")
+                                     "labelled grpo/<phase>, and their memory timeline to rank<r>.memory.csv "
+                                     "(null = off)")
+    profile_trace: bool = opt(True, "With profile_steps: record the torch.profiler trace (false = only the memory "
+                              "timeline, without the profiler's own buffers in it)")
     profile_comms: bool = opt(False, "With profile_steps: also log DeepSpeed's collectives of those steps (op, "
                               "message size, count) per rank to <run folder>/profile/rank<r>.comms.txt")
+    memory_sample_ms: int = opt(10, "With profile_steps: sample this process's memory (RSS, RssAnon; CUDA allocated "
+                                "and reserved on a GPU) every this many milliseconds, and at every phase boundary",
+                                low=1)
 
 
 @dataclass(frozen=True)

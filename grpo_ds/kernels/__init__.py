@@ -8,6 +8,8 @@ Public operations (each has a Triton kernel and a chunked PyTorch path; both fol
     policy_loss_from_hidden  hidden, weight, loss inputs -> sum_t w_t l_t and per-token statistics
     masked_policy_loss       (B, T) log-probs and mask -> per-sequence sums for every loss_agg mode
 
+``chunk_tokens_for`` sizes their chunks: how many tokens' (tokens x vocabulary) working set fits a byte budget.
+
 ``backend`` is "triton" or "torch" (resolve "auto" with grpo_ds.config.software.resolve_backend first). Triton modules
 are
 imported only when the Triton backend is used, so the CPU path never needs Triton. No kernel communicates:
@@ -65,6 +67,22 @@ def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "gr
 
     check_arguments(rewards, group_size, baseline, scale)
     return triton_advantages.group_advantages(rewards, group_size, baseline, scale, eps)
+
+
+def chunk_bytes_per_token(vocab: int, dtype: torch.dtype, backend: str) -> int:
+    """Bytes one token adds to a chunk's working set: its row of logits in ``dtype``, which the Triton kernels
+    overwrite in place with its gradient; the PyTorch path adds float32 rows of the scaled logits (float32 logits are
+    their own) and of the probabilities (grpo_ds.kernels.chunked)."""
+    itemsize = torch.finfo(dtype).bits // 8
+    if backend == "triton":
+        return vocab * itemsize
+    return vocab * (8 if dtype == torch.float32 else itemsize + 8)
+
+
+def chunk_tokens_for(vocab: int, dtype: torch.dtype, backend: str, budget_bytes: int) -> int:
+    """The most tokens per chunk whose working set (``chunk_bytes_per_token``) stays within ``budget_bytes``; at
+    least 1, even where one token's row is larger than the budget."""
+    return max(1, budget_bytes // chunk_bytes_per_token(vocab, dtype, backend))
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None,

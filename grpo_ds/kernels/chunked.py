@@ -34,13 +34,18 @@ def _scaled(x: torch.Tensor, temperature: float, scratch: bool) -> torch.Tensor:
     return s  # (c, V)
 
 
-def _row_stats(s: torch.Tensor, targets: torch.Tensor):
-    """(p (c, V) a new tensor, lse (c,), mean_s (c,), logprob (c,)) of float32 rows s."""
+def _probabilities(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p = softmax(s) (c, V), a new tensor, lse (c,)) of float32 rows s."""
     m = s.amax(dim=1, keepdim=True)  # (c, 1)
     p = torch.sub(s, m).exp_()  # (c, V), the one chunk-sized temporary
     d = p.sum(dim=1, keepdim=True)  # (c, 1)
     p.div_(d)
-    lse = (m + d.log()).squeeze(1)  # (c,)
+    return p, (m + d.log()).squeeze(1)
+
+
+def _row_stats(s: torch.Tensor, targets: torch.Tensor):
+    """(p (c, V) a new tensor, lse (c,), mean_s (c,), logprob (c,)) of float32 rows s."""
+    p, lse = _probabilities(s)
     mean_s = _row_dot(p, s)  # (c,) sum_v p_v s_v
     logprob = s.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
     return p, lse, mean_s, logprob
@@ -99,7 +104,7 @@ class LogprobsFromLogits(torch.autograd.Function):
         for a, b in _spans(targets.shape[0], ctx.chunk_tokens):
             x, scratch = _chunk(logits, rows, a, b)
             s = _scaled(x, ctx.temperature, scratch)
-            p, _, _, _ = _row_stats(s, targets[a:b])
+            p, _ = _probabilities(s)  # the backward reuses the forward's mean_s
             own = s is not x or scratch  # s is a float32 scratch copy: write the gradient into it
             target = grad[a:b] if rows is None and grad.dtype == torch.float32 and not own else s if own else \
                 torch.empty_like(s)
@@ -137,7 +142,7 @@ class LogprobsFromHidden(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H)
         for a, b in _spans(hidden.shape[0], ctx.chunk_tokens):
             s = _scaled(hidden[a:b] @ weight.t(), ctx.temperature, scratch=True)  # (c, V), recomputed
-            p, _, _, _ = _row_stats(s, targets[a:b])
+            p, _ = _probabilities(s)  # the backward reuses the forward's mean_s
             _write_grad(s, p, targets[a:b], mean_s[a:b], g_logprob[a:b], g_entropy[a:b], ctx.temperature, s)
             del p
             g = s.to(hidden.dtype)  # d/d logits_c

@@ -37,6 +37,48 @@ def create_train_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     return engine
 
 
+def shared_master_note(freed_bytes: int) -> str:
+    """The one-line note a run prints when ``share_fp32_master`` freed the second copy."""
+    saved = f"{freed_bytes / 2**30:.2f} GiB" if freed_bytes >= 2**30 else f"{freed_bytes / 2**20:.1f} MiB"
+    return (f"ZeRO stage 1's fp32 master weights are the module's own float32 weights on one rank (no second copy: "
+            f"{saved} saved)")
+
+
+def share_fp32_master(engine) -> int:
+    """Let ZeRO stage 1-2's fp32 master weights be the module's own float32 weights, at one rank; returns the bytes
+    this frees (0 where nothing changed).
+
+    DeepSpeed's stage 1-2 optimizer flattens the trained weights into one buffer per parameter group and keeps the
+    rank's partition of it as a separate fp32 "master" tensor, a clone, that the torch optimizer updates; after each
+    step it copies the master back into the flat weights. With float32 weights and one rank the clone equals the
+    whole flat buffer, byte for byte: a second copy of every trained weight that nothing needs. This points each
+    master at the flat buffer itself (``.data``: the optimizer's parameter, its state and its param group stay the
+    same objects), so the optimizer updates the module's weights in place and the copy back is a copy onto itself.
+    Checkpoints keep DeepSpeed's format (the master partition is saved and loaded in place, so loading writes the
+    weights too). Where the master must differ (bf16/fp16 weights, an offloaded optimizer on the host, more than
+    one rank holding a partition) nothing changes. Call again after loading a checkpoint: a loader that replaced the
+    master tensor instead of writing into it is linked again, after copying its values into the weights.
+    """
+    optimizer = engine.optimizer
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    flats = getattr(optimizer, "parallel_partitioned_bit16_groups", None)
+    if masters is None or flats is None or engine.zero_optimization_stage() not in (1, 2):
+        return 0
+    freed = 0
+    for master, partitions in zip(masters, flats, strict=True):
+        if len(partitions) != 1:  # partitioned over data-parallel ranks
+            continue
+        flat = partitions[0]
+        if (master.dtype, master.shape, master.device) != (flat.dtype, flat.shape, flat.device) or \
+                master.data_ptr() == flat.data_ptr():
+            continue
+        with torch.no_grad():
+            flat.copy_(master)
+        freed += master.numel() * master.element_size()
+        master.data = flat.data
+    return freed
+
+
 def create_reference_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     """Frozen reference policy for the KL term, no optimizer: under ZeRO-3 sharded like the policy; under stages 1
     and 2, which shard optimizer states and gradients only (and DeepSpeed refuses without an optimizer), plain."""

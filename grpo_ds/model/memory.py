@@ -7,7 +7,9 @@ partition in the parameters' dtype, and AdamW's two fp32 moments), which measure
 in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py):
 
     policy weights     P x W / shard            ZeRO-3: shard = dp x tp; ZeRO 0-2: tp (the TP-split part)
-    master weights     T x 4 / opt shard        opt shard = dp x tp from ZeRO-1 on
+    master weights     T x 4 / opt shard        opt shard = dp x tp from ZeRO-1 on; none for float32 weights where
+                                                the rank's partition is the whole model (ZeRO 0, or one
+                                                data-parallel rank: grpo_ds.model.engine.share_fp32_master)
     gradients          T x W / grad shard       grad shard = dp x tp from ZeRO-2 on
     Adam moments       T x 8 / opt shard
     reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
@@ -40,9 +42,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.kernels import chunk_bytes_per_token, chunk_tokens_for
 from grpo_ds.model import lora
 
 GIB = 2**30
@@ -90,7 +95,6 @@ class MemoryEstimate:
 
 def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
     """The model's shape from its config, built on the meta device (no weights, no memory)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpo_ds.model.loading import BUILTIN_TINY
@@ -119,12 +123,13 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
 
 
 def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int, update_tokens: int,
-             longest_sequence: int, generation_sequences: int, gpu_memory_gib: float | None = None
-             ) -> MemoryEstimate:
+             longest_sequence: int, generation_sequences: int, gpu_memory_gib: float | None = None,
+             backend: str = "torch") -> MemoryEstimate:
     """Per-rank bytes. ``update_tokens``: the model's tokens (packed: the real ones; padded: samples x longest) of the
     largest update micro-batch;
     ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
-    generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share."""
+    generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share; ``backend``: the
+    resolved kernels backend (it sizes the log-prob chunks)."""
     w = _WIDTH[recipe.model.dtype]
     zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
     tp = recipe.train.tensor_parallel_size
@@ -141,7 +146,10 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     opt_shard = dp if stage >= 1 else 1
     grad_shard = dp if stage >= 2 else 1
     states = est.host if offload_opt else est.device
-    states["master weights (fp32)"] = _b(trained * 4 / opt_shard)
+    if w == 4 and not offload_opt and (stage == 0 or (stage in (1, 2) and dp == 1)):
+        states["master weights (fp32): the float32 weights themselves"] = 0  # grpo_ds.model.engine.share_fp32_master
+    else:
+        states["master weights (fp32)"] = _b(trained * 4 / opt_shard)
     states["Adam moments (fp32 m, v)"] = _b(trained * 8 / opt_shard)
     est.device["gradients"] = _b(trained * w / grad_shard)
     if recipe.algorithm.kl_coef > 0 and not lora.enabled(recipe.model):
@@ -162,7 +170,7 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
         gathered = 2 * min(prefetch + shape.largest_layer, zero.get("stage3_max_live_parameters", _MAX_LIVE),
                            per_rank) * w
     est.phases["update micro-batch (activations, logits, gathers)"] = _update_bytes(
-        recipe, shape, w, tp, update_tokens, longest_sequence) + _b(gathered)
+        recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(gathered)
     torch_adam = bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam")) and not offload_opt
     est.phases["optimizer step (torch AdamW temporaries)" if torch_adam else "optimizer step (in place)"] = \
         _b(3 * trained * 4 / opt_shard) if torch_adam else 0
@@ -176,7 +184,7 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     return est
 
 
-def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: int, longest: int) -> int:
+def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: int, longest: int, backend: str) -> int:
     h, i, kv = shape.hidden, shape.intermediate / tp, shape.kv_heads * (shape.hidden // shape.heads) / tp
     heads = shape.heads / tp / recipe.train.sequence_parallel_size  # Ulysses: a rank attends with 1/sp of the heads
     per_layer = 8 * h + 3 * kv + 4 * i + heads * longest  # values a token saves in one layer
@@ -184,10 +192,14 @@ def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: in
         activations = tokens * (shape.layers * h + per_layer) * w
     else:
         activations = tokens * shape.layers * per_layer * w
-    chunk = min(tokens, recipe.kernels.logprob_chunk_tokens)
+    dtype = getattr(torch, recipe.model.dtype)
+    k = recipe.kernels
+    chunk = min(tokens, k.logprob_chunk_tokens or chunk_tokens_for(shape.vocab, dtype, backend,
+                                                                   int(k.logprob_chunk_mib * 2**20)))
     head_adapted = lora.enabled(recipe.model) and "lm_head" in recipe.model.lora_target_modules
-    fused = recipe.kernels.fused_lm_head and tp == 1 and not head_adapted  # grpo_ds.model.policy's rule
-    logits = 2 * chunk * shape.vocab * 4 if fused else tokens * shape.vocab * (2 * w) + chunk * shape.vocab * 4
+    fused = k.fused_lm_head and tp == 1 and not head_adapted  # grpo_ds.model.policy's rule
+    working_set = chunk * chunk_bytes_per_token(shape.vocab, dtype, backend)
+    logits = working_set if fused else tokens * shape.vocab * (2 * w) + working_set
     return _b(activations + logits)
 
 

@@ -31,7 +31,12 @@ import torch
 from grpo_ds.config.deepspeed import one_rank_stage_note
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.model import lora, sequence_parallel
-from grpo_ds.model.engine import create_reference_engine, create_train_engine
+from grpo_ds.model.engine import (
+    create_reference_engine,
+    create_train_engine,
+    share_fp32_master,
+    shared_master_note,
+)
 from grpo_ds.model.loading import load_model
 from grpo_ds.model.weight_gather import gathered_named_parameters
 
@@ -55,6 +60,7 @@ class Policy:
         sp = recipe.train.sequence_parallel_size
         mpu = sequence_parallel.register(model, sp, recipe.sequence_parallel_rows) if sp > 1 else None
         engine = create_train_engine(model, ds_config, mpu)
+        shared_bytes = share_fp32_master(engine)
         reference = None
         if recipe.algorithm.kl_coef > 0:
             reference = engine if use_lora else create_reference_engine(
@@ -67,6 +73,8 @@ class Policy:
         if announce:
             if stage_note := one_rank_stage_note(recipe, ds_config):
                 print(f"note: {stage_note}", file=sys.stderr, flush=True)
+            if shared_bytes:
+                print(f"note: {shared_master_note(shared_bytes)}", file=sys.stderr, flush=True)
             if use_lora:
                 print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
             if recipe.kernels.fused_lm_head and policy.fused_lm_head_problem:
@@ -160,6 +168,7 @@ class Policy:
         """Restore weights, optimizer and lr schedule from ``folder/tag``; False if DeepSpeed found nothing."""
         load_path, _ = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True, load_module_strict=not self.lora)
+        share_fp32_master(self.engine)
         return load_path is not None
 
 

@@ -42,8 +42,15 @@ class LossSettings:
     config: LossConfig
     temperature: float  # the sampling temperature: log-probs are those of softmax(logits / temperature)
     backend: str  # resolved kernels backend: "triton" or "torch"
-    chunk_tokens: int
+    chunk_tokens: int | None  # tokens per chunk of the log-prob kernels; None: as many as chunk_mib holds
     fused_lm_head: bool  # the recipe asks for it and the model allows it (grpo_ds.model.policy decides, once)
+    chunk_mib: float = 64.0  # a chunk's working-set budget (kernels.logprob_chunk_mib) when chunk_tokens is None
+
+    def chunk(self, vocab: int, dtype: torch.dtype) -> int:
+        """Tokens per chunk for a (tokens x ``vocab``) working set of ``dtype`` logits."""
+        if self.chunk_tokens is not None:
+            return self.chunk_tokens
+        return kernels.chunk_tokens_for(vocab, dtype, self.backend, int(self.chunk_mib * 2**20))
 
 
 @dataclass
@@ -92,8 +99,9 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
                                     terms.old_logprobs, terms.ref_logprobs)
 
         def head(module, hidden):  # (B, T, H) -> (4,): the loss (differentiable), then KL, entropy, clipped sums
-            out = kernels.policy_loss_from_hidden(_trained_positions(hidden, mb), module.weight, inputs, s.config,
-                                                  s.temperature, s.chunk_tokens, s.backend)
+            weight = module.weight
+            out = kernels.policy_loss_from_hidden(_trained_positions(hidden, mb), weight, inputs, s.config,
+                                                  s.temperature, s.chunk(weight.shape[0], weight.dtype), s.backend)
             counted = terms.token_weight > 0
             sums = [torch.where(counted, t.detach().float(), 0.0).sum() for t in (out.kl, out.entropy, out.clipped)]
             return torch.stack([out.loss.float(), *sums])
@@ -101,8 +109,9 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
         packed = _forward_with_head(model, mb, head)
         loss, sums = packed[0], list(packed[1:])
     else:
-        logprobs, entropy = kernels.logprobs_from_logits(_logits(model, mb), mb.target_ids, mb.logit_index,
-                                                         s.temperature, s.chunk_tokens, s.backend)  # (N,)
+        logits = _logits(model, mb)
+        logprobs, entropy = kernels.logprobs_from_logits(logits, mb.target_ids, mb.logit_index, s.temperature,
+                                                         s.chunk(logits.shape[-1], logits.dtype), s.backend)  # (N,)
 
         def rows(values):
             return None if values is None else as_sequence_rows(values.float(), mb)
@@ -145,12 +154,15 @@ def discard_gradients(engine) -> None:
 def _logprobs_and_entropy(model, mb: MicroBatch, s: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
     if s.fused_lm_head:
         def head(module, hidden):  # (B, T, H) -> (2, N): log-probs and entropies
-            return torch.stack(kernels.logprobs_from_hidden(_trained_positions(hidden, mb), module.weight,
-                                                            mb.target_ids, s.temperature, s.chunk_tokens, s.backend))
+            weight = module.weight
+            return torch.stack(kernels.logprobs_from_hidden(_trained_positions(hidden, mb), weight, mb.target_ids,
+                                                            s.temperature, s.chunk(weight.shape[0], weight.dtype),
+                                                            s.backend))
         both = _forward_with_head(model, mb, head)
         return both[0], both[1]
-    return kernels.logprobs_from_logits(_logits(model, mb), mb.target_ids, mb.logit_index, s.temperature,
-                                        s.chunk_tokens, s.backend)
+    logits = _logits(model, mb)
+    return kernels.logprobs_from_logits(logits, mb.target_ids, mb.logit_index, s.temperature,
+                                        s.chunk(logits.shape[-1], logits.dtype), s.backend)
 
 
 def _trained_positions(hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

@@ -11,7 +11,11 @@ shapes) and writes one Chrome-trace JSON per rank, ``<run folder>/profile/rank<r
 ui.perfetto.dev or chrome://tracing. The step before ``first`` (when the run has one) is a warm-up: the profiler
 runs but keeps nothing, so its start-up cost stays out of the trace. Each step is labelled ``grpo/step <n>``. With
 ``logging.profile_comms`` DeepSpeed's communication logger counts the same steps' collectives (op, message size,
-count) into ``profile/rank<r>.comms.txt``. Off, the loop runs ``steps`` untouched.
+count) into ``profile/rank<r>.comms.txt``. The same steps (not the warm-up) get a memory timeline
+(grpo_ds.step.memory_timeline): RSS, and CUDA allocated / reserved on a GPU, every ``logging.memory_sample_ms`` and at
+every phase boundary, into ``profile/rank<r>.memory.csv``. ``logging.profile_trace: false`` leaves the profiler out
+(its buffers would show in the timeline), so only the timeline (and the collectives) are recorded. Off, the loop runs
+``steps`` untouched.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 
 from grpo_ds.config.recipe import LoggingConfig
 from grpo_ds.distributed.ranks import Dist
+from grpo_ds.step import memory_timeline
 
 LABEL_PREFIX = "grpo/"
 PROFILE_DIR = "profile"
@@ -34,13 +39,17 @@ PROFILE_DIR = "profile"
 
 class Phase:
     """Time one phase of a step into ``times[name]`` (added, so a phase may run several times per step) and label
-    it ``grpo/<name>`` in a profiler trace. ``times=None``: label only; ``.seconds`` holds the wall time."""
+    it ``grpo/<name>`` in a profiler trace. ``times=None``: label only; ``.seconds`` holds the wall time. While a
+    memory timeline records, the phase's start and end are rows of it."""
 
     def __init__(self, name: str, times: dict[str, float] | None = None) -> None:
         self.name, self.times, self.seconds = name, times, 0.0
         self._label = record_function(LABEL_PREFIX + name)
 
     def __enter__(self) -> Phase:
+        self._timeline = memory_timeline.current()
+        if self._timeline is not None:
+            self._timeline.enter(self.name)
         self._label.__enter__()
         self._start = time.perf_counter()
         return self
@@ -48,6 +57,8 @@ class Phase:
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self._start
         self._label.__exit__(*exc)
+        if self._timeline is not None:
+            self._timeline.exit(self.name)
         if self.times is not None:
             self.times[self.name] = self.times.get(self.name, 0.0) + self.seconds
 
@@ -60,44 +71,53 @@ def comms_path(run_dir: Path, rank: int) -> Path:
     return run_dir / PROFILE_DIR / f"rank{rank}.comms.txt"
 
 
+def memory_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / PROFILE_DIR / f"rank{rank}.memory.csv"
+
+
 def profiled_steps(steps: range, cfg: LoggingConfig, run_dir: Path, dist: Dist) -> Iterator[int]:
-    """The step numbers of ``steps``; those of ``cfg.profile_steps`` that the run reaches are traced (a resumed
-    run traces the part of the range it runs)."""
+    """The step numbers of ``steps``; those of ``cfg.profile_steps`` that the run reaches are traced and their memory
+    sampled (a resumed run records the part of the range it runs)."""
     wanted = [s for s in steps if cfg.profile_steps and cfg.profile_steps[0] <= s <= cfg.profile_steps[1]]
     if not wanted:
         yield from steps
         return
     first, last = wanted[0], wanted[-1]
-    start = first - 1 if first - 1 in steps else first  # the warm-up step, when there is one
-    profiler, comms = None, None
-    try:
+    start = first - 1 if cfg.profile_trace and first - 1 in steps else first  # the profiler's warm-up step
+    profiler, timeline = None, None
+    with contextlib.ExitStack() as recorders:  # closed at the range's end, or when the loop stops inside it
         for step in steps:
-            if step == start:
+            if step == start and cfg.profile_trace:
                 profiler = _profiler(first - start, last - first + 1, trace_path(run_dir, dist.rank), dist.device)
                 profiler.start()
-            if step == first and cfg.profile_comms:
-                comms = _CommsLog()
+                recorders.callback(profiler.stop)  # writes the trace (on_trace_ready); runs last
+            if step == first:
+                timeline = recorders.enter_context(memory_timeline.recording(
+                    memory_path(run_dir, dist.rank), cfg.memory_sample_ms / 1000, dist.device))
+                if cfg.profile_comms:
+                    recorders.callback(_CommsLog().finish, comms_path(run_dir, dist.rank))
+            if timeline is not None:
+                timeline.begin_step(step)
             with record_function(f"{LABEL_PREFIX}step {step}") if profiler else contextlib.nullcontext():
                 yield step
-            if profiler is None:
-                continue
-            if step < last:
+            if profiler is not None and step < last:
                 profiler.step()
-                continue
-            profiler.stop()  # writes the trace (on_trace_ready)
-            profiler = None
-            if comms is not None:
-                comms.finish(comms_path(run_dir, dist.rank))
-                comms = None
-            if dist.is_main:
-                which = f"step {first}" if first == last else f"steps {first}-{last}"
-                print(f"profile: {which} traced to {trace_path(run_dir, 0).parent}/rank*.pt.trace.json (open in "
-                      "ui.perfetto.dev)", file=sys.stderr, flush=True)
-    finally:  # the loop stopped inside the range: keep what was recorded
-        if profiler is not None:
-            profiler.stop()
-        if comms is not None:
-            comms.finish(comms_path(run_dir, dist.rank))
+            if step == last:
+                recorders.close()
+                profiler = timeline = None
+                if dist.is_main:
+                    _say_where(cfg, run_dir, f"step {first}" if first == last else f"steps {first}-{last}")
+
+
+def _say_where(cfg: LoggingConfig, run_dir: Path, which: str) -> None:
+    """Rank 0's line per file kind on stderr, with its own peak memory."""
+    if cfg.profile_trace:
+        print(f"profile: {which} traced to {trace_path(run_dir, 0).parent}/rank*.pt.trace.json (open in "
+              "ui.perfetto.dev)", file=sys.stderr, flush=True)
+    rows = memory_timeline.read_rows(memory_path(run_dir, 0))
+    print(f"profile: memory of {which} sampled every {cfg.memory_sample_ms} ms to {memory_path(run_dir, 0).parent}/"
+          f"rank*.memory.csv; rank 0's {memory_timeline.summary(rows)} (draw it: python -m grpo_ds.plot {run_dir} "
+          "--memory)", file=sys.stderr, flush=True)
 
 
 def _profiler(warmup: int, active: int, path: Path, device: torch.device) -> torch.profiler.profile:

@@ -64,8 +64,9 @@ class UpdateSettings:
         kl_in_loss = 0.0 if a.kl_in_reward else a.kl_coef
         config = LossConfig(a.clip_low, a.clip_high, a.dual_clip, kl_in_loss, a.kl_estimator, a.entropy_coef,
                             a.policy_loss)
-        loss = LossSettings(config, recipe.rollout.temperature, backend, recipe.kernels.logprob_chunk_tokens,
-                            recipe.kernels.fused_lm_head and fused_lm_head_allowed)
+        k = recipe.kernels
+        loss = LossSettings(config, recipe.rollout.temperature, backend, k.logprob_chunk_tokens,
+                            k.fused_lm_head and fused_lm_head_allowed, k.logprob_chunk_mib)
         return UpdateSettings(pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, a.mask_truncated,
                               a.rollout_is_cap, recipe.train.packing and packing_allowed and sp == 1, one_row,
                               recipe.sequence_parallel_rows if sp > 1 else 0)

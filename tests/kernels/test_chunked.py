@@ -68,3 +68,20 @@ def test_bad_arguments_raise():
         kernels.logprobs_from_hidden(inputs["hidden"], inputs["weight"], inputs["targets"], temperature=0.0)
     with pytest.raises(ValueError, match=r"\(V, H\)"):
         kernels.logprobs_from_hidden(inputs["hidden"], inputs["weight"][:, :8], inputs["targets"])
+
+
+def test_chunks_are_sized_by_bytes_from_the_vocabulary_dtype_and_backend():
+    """kernels.chunk_tokens_for: the most tokens whose (tokens x vocabulary) working set fits the budget."""
+    mib = 2**20
+    # torch path, float32: the logits (their own float32 copy) and the probabilities, 8 bytes an entry
+    assert kernels.chunk_bytes_per_token(151_936, F32, "torch") == 151_936 * 8
+    assert kernels.chunk_tokens_for(151_936, F32, "torch", 64 * mib) == 55  # 55 x 1.16 MiB <= 64 MiB < 56 x
+    # torch path, bfloat16: the bf16 logits, then float32 scaled logits and probabilities
+    assert kernels.chunk_bytes_per_token(1_000, BF16, "torch") == 1_000 * 10
+    # triton: the logits alone, overwritten in place by their gradient
+    assert kernels.chunk_tokens_for(151_936, BF16, "triton", 64 * mib) == 220
+    assert kernels.chunk_tokens_for(103, F32, "torch", 64 * mib) == 81_442  # a small vocabulary: any micro-batch
+    assert kernels.chunk_tokens_for(151_936, F32, "torch", 1) == 1  # at least one token, whatever the budget
+    for tokens in (55, 220):
+        assert tokens * kernels.chunk_bytes_per_token(151_936, F32 if tokens == 55 else BF16,
+                                                      "torch" if tokens == 55 else "triton") <= 64 * mib

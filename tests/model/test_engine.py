@@ -1,8 +1,13 @@
-"""The DeepSpeed engines' set-up quirks (grpo_ds.model.engine)."""
+"""The DeepSpeed engines' set-up (grpo_ds.model.engine): its quirks, and the one-rank fp32 master that is the weights."""
 
 import pytest
+import torch
 
-from grpo_ds.model.engine import deepspeed_arch_list
+from grpo_ds.config.deepspeed import resolve_deepspeed_config
+from grpo_ds.config.recipe import load_recipe
+from grpo_ds.distributed.ranks import init_distributed
+from grpo_ds.model.engine import create_train_engine, deepspeed_arch_list, share_fp32_master, shared_master_note
+from grpo_ds.model.tiny import build_tiny_model
 
 
 def test_an_arch_specific_suffix_is_dropped_for_deepspeeds_op_builder(monkeypatch):
@@ -20,3 +25,78 @@ def test_an_arch_specific_suffix_is_dropped_for_deepspeeds_op_builder(monkeypatc
     assert deepspeed_arch_list("8.0 9.0a") == "8.0;9.0"
     assert deepspeed_arch_list("7.5;8.6+PTX;10.0a") == "7.5;8.6+PTX;10.0"
     assert deepspeed_arch_list("9.0") == "9.0"
+
+
+def _stage1_engine(share: bool, dtype: torch.dtype = torch.float32):
+    """A one-rank engine as grpo_ds builds it from ds_configs/zero3.json (stage 1), over a tiny model."""
+    init_distributed()
+    recipe = load_recipe({"model": {"dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]},
+                          "train": {"lr": 1e-2}})
+    model = build_tiny_model(64, hidden_size=32, num_layers=2, num_heads=4, seed=0).to(dtype)
+    engine = create_train_engine(model, resolve_deepspeed_config(recipe, 1, "cpu"))
+    freed = share_fp32_master(engine) if share else 0
+    return engine, freed
+
+
+def _train(engine, steps: int, first: int = 0) -> list[float]:
+    norms = []
+    for step in range(first, first + steps):
+        tokens = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(step))
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+    return norms
+
+
+def _same_tensor_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_one_rank_float32_master_is_the_module_weights_and_trains_bit_identically(tmp_path):
+    shared, freed = _stage1_engine(share=True)
+    plain, _ = _stage1_engine(share=False)
+    assert shared.zero_optimization_stage() == 1
+    trained = sum(p.numel() for p in shared.module.parameters())
+    flat = shared.optimizer.parallel_partitioned_bit16_groups[0][0]
+    master = shared.optimizer.single_partition_of_fp32_groups[0]
+    assert freed == master.numel() * 4 >= trained * 4  # the whole clone (plus DeepSpeed's alignment padding)
+    assert _same_tensor_memory(master, flat)
+    assert all(_same_tensor_memory(p, flat) for p in shared.module.parameters())  # views of the one flat buffer
+    assert not _same_tensor_memory(plain.optimizer.single_partition_of_fp32_groups[0],
+                                   plain.optimizer.parallel_partitioned_bit16_groups[0][0])
+
+    assert _train(shared, 3) == _train(plain, 3)  # the same grad norms, step by step
+    for (name, a), b in zip(shared.module.named_parameters(), plain.module.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert not torch.equal(shared.module.lm_head.weight, build_tiny_model(64, 32, 2, 4, seed=0).lm_head.weight)
+    assert share_fp32_master(shared) == 0  # already shared: nothing more to free
+
+    # a checkpoint in DeepSpeed's own format, loaded into a fresh shared engine, continues exactly
+    shared.save_checkpoint(str(tmp_path), tag="t")
+    plain.save_checkpoint(str(tmp_path / "plain"), tag="t")
+    resumed, _ = _stage1_engine(share=True)
+    resumed.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=True, load_lr_scheduler_states=True)
+    share_fp32_master(resumed)  # what Policy.load_state does after every load
+    assert _same_tensor_memory(resumed.optimizer.single_partition_of_fp32_groups[0],
+                               resumed.optimizer.parallel_partitioned_bit16_groups[0][0])
+    saved = torch.load(next((tmp_path / "t").glob("*optim_states.pt")), weights_only=False)
+    saved_plain = torch.load(next((tmp_path / "plain" / "t").glob("*optim_states.pt")), weights_only=False)
+    master_key = "single_partition_of_fp32_groups"
+    assert torch.equal(saved["optimizer_state_dict"][master_key][0], saved_plain["optimizer_state_dict"][master_key][0])
+    assert _train(resumed, 2, first=3) == _train(plain, 2, first=3)
+    for a, b in zip(resumed.module.parameters(), plain.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_master_weights_of_bfloat16_weights_stay_a_float32_copy():
+    engine, freed = _stage1_engine(share=True, dtype=torch.bfloat16)
+    assert freed == 0
+    master = engine.optimizer.single_partition_of_fp32_groups[0]
+    assert master.dtype == torch.float32
+    assert not _same_tensor_memory(master, engine.optimizer.parallel_partitioned_bit16_groups[0][0])
+
+
+def test_the_note_says_what_was_saved():
+    assert shared_master_note(171_328_512).endswith("(no second copy: 163.4 MiB saved)")
+    assert "1.50 GiB saved" in shared_master_note(3 * 2**29)

@@ -96,3 +96,24 @@ def test_rows_for_eager_and_sdpa_hold_whole_sequences_and_flash_gets_one_row():
     assert one.input_ids.shape == (1, sum(lengths))
     assert one.boundaries["cu_seq_lens_q"].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
     assert one.boundaries["max_length_q"] == max(lengths)
+
+
+def test_the_chunk_follows_the_budget_unless_tokens_are_given():
+    budget = LossSettings(LossConfig(), 1.0, "torch", None, True, chunk_mib=64)
+    assert budget.chunk(151_936, torch.float32) == 55
+    assert budget.chunk(151_936, torch.bfloat16) == 44  # 2 + 8 bytes an entry on the torch path
+    assert LossSettings(LossConfig(), 1.0, "triton", None, True, chunk_mib=64).chunk(151_936, torch.bfloat16) == 220
+    assert LossSettings(LossConfig(), 1.0, "torch", 512, True, chunk_mib=64).chunk(151_936, torch.float32) == 512
+
+
+def test_a_chunked_micro_batch_scores_the_same_as_one_chunk():
+    """The chunk only bounds memory: a budget of a few tokens' rows gives the numbers of one chunk for all."""
+    rollouts, _ = fixed_rollouts()
+    model = _model("sdpa")
+    mb = collate(rollouts, [4, 0, 7], 0, torch.device("cpu"), packed=True)
+    row_bytes = 64 * 8  # the tiny model's vocabulary of 64, float32 on the torch path
+    tiny_budget = LossSettings(LossConfig(), 1.0, "torch", None, True, chunk_mib=3 * row_bytes / 2**20)
+    assert tiny_budget.chunk(64, torch.float32) == 3
+    whole = LossSettings(LossConfig(), 1.0, "torch", 10_000, True)
+    torch.testing.assert_close(token_logprobs(model, mb, tiny_budget), token_logprobs(model, mb, whole), rtol=0,
+                               atol=1e-6)

@@ -104,6 +104,7 @@ def test_two_ranks_write_a_trace_each_with_the_phases_and_the_collectives(tmp_pa
                                                             "time goes."),
     ({"logging.profile_comms": True}, "logging.profile_comms: logs the profiled steps, but logging.profile_steps "
                                       "is null. set logging.profile_steps too, e.g. [2, 3]."),
+    ({"logging.memory_sample_ms": 0}, "logging.memory_sample_ms: 0 is out of range: must be >= 1. e.g. 10."),
 ])
 def test_bad_profiling_keys_are_one_clear_line(overrides, message):
     with pytest.raises(UserError) as info:
@@ -112,6 +113,9 @@ def test_bad_profiling_keys_are_one_clear_line(overrides, message):
 
 
 def test_profiling_keys_load():
-    r = load_recipe({}, {"train.steps": 3, "logging.profile_steps": [3, 3], "logging.profile_comms": True})
-    assert (r.logging.profile_steps, r.logging.profile_comms) == ([3, 3], True)
-    assert load_recipe({}).logging.profile_steps is None
+    r = load_recipe({}, {"train.steps": 3, "logging.profile_steps": [3, 3], "logging.profile_comms": True,
+                         "logging.profile_trace": False, "logging.memory_sample_ms": 2})
+    assert (r.logging.profile_steps, r.logging.profile_comms, r.logging.profile_trace) == ([3, 3], True, False)
+    assert r.logging.memory_sample_ms == 2
+    default = load_recipe({}).logging
+    assert (default.profile_steps, default.profile_trace, default.memory_sample_ms) == (None, True, 10)
