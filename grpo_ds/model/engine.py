@@ -76,6 +76,10 @@ def share_fp32_master(engine) -> int:
             flat.copy_(master)
         freed += master.numel() * master.element_size()
         master.data = flat.data
+    if freed and hasattr(optimizer, "_link_all_hp_params"):
+        # DeepSpeed maps every parameter to its fragment of the master (a view, made when the optimizer was built),
+        # which universal checkpoints load into and which kept the old copy alive: map them to the shared storage.
+        optimizer._link_all_hp_params()
     return freed
 
 

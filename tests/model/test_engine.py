@@ -63,6 +63,9 @@ def test_one_rank_float32_master_is_the_module_weights_and_trains_bit_identicall
     assert freed == master.numel() * 4 >= trained * 4  # the whole clone (plus DeepSpeed's alignment padding)
     assert _same_tensor_memory(master, flat)
     assert all(_same_tensor_memory(p, flat) for p in shared.module.parameters())  # views of the one flat buffer
+    # DeepSpeed's per-parameter views of the master (universal checkpoints load through them) follow it: a view
+    # left on the old copy kept it alive and sent a universal checkpoint's weights into it (a resume lost them)
+    assert all(_same_tensor_memory(p._hp_mapping.hp_fragment, flat) for p in shared.module.parameters())
     assert not _same_tensor_memory(plain.optimizer.single_partition_of_fp32_groups[0],
                                    plain.optimizer.parallel_partitioned_bit16_groups[0][0])
 

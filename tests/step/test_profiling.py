@@ -72,7 +72,8 @@ def test_two_ranks_write_a_trace_each_with_the_phases_and_the_collectives(tmp_pa
                          "logging.profile_steps=[2, 2]", "logging.profile_comms=true"])
     run_dir = tmp_path / "tiny_cpu"
     assert sorted(p.name for p in (run_dir / "profile").iterdir()) == [
-        "rank0.comms.txt", "rank0.pt.trace.json", "rank1.comms.txt", "rank1.pt.trace.json"]
+        "rank0.comms.txt", "rank0.memory.csv", "rank0.pt.trace.json", "rank1.comms.txt", "rank1.memory.csv",
+        "rank1.pt.trace.json"]
     for rank in range(2):
         labels = _labels(trace_path(run_dir, rank))
         assert [n for n in labels if n.startswith("grpo/step")] == ["grpo/step 2"]
