@@ -29,8 +29,10 @@ host memory: they are listed under ``host``. Then the largest phase on top:
                     chunks of chunk x vocab; full logits: the logits and their gradient) and, under ZeRO-3, the
                     gathered working set twice (the parameters and their full gradients before reduction): the
                     prefetch bucket plus the largest layer, capped at the rank's parameters
-    optimizer step  torch's AdamW (DeepSpeed's torch_adam, on the CPU) makes three fp32 temporaries the size of the
-                    trained partition; DeepSpeed's fused and CPU Adam work in place (counted as 0)
+    optimizer step  torch's AdamW (DeepSpeed's torch_adam, on the CPU) makes fp32 temporaries the size of the
+                    trained partition: under ZeRO-3 three, under ZeRO 1-2 two (the flat fp32 gradient partition
+                    DeepSpeed builds while the gradients are still held, and AdamW's square-root denominator),
+                    under ZeRO 0 one (the denominator); DeepSpeed's fused and CPU Adam work in place (counted as 0)
     generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position) and two
                     fp32 (batch x vocab) score tensors
 
@@ -172,8 +174,9 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     est.phases["update micro-batch (activations, logits, gathers)"] = _update_bytes(
         recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(gathered)
     torch_adam = bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam")) and not offload_opt
+    temporaries = 3 if stage == 3 else 2 if stage >= 1 else 1
     est.phases["optimizer step (torch AdamW temporaries)" if torch_adam else "optimizer step (in place)"] = \
-        _b(3 * trained * 4 / opt_shard) if torch_adam else 0
+        _b(temporaries * trained * 4 / opt_shard) if torch_adam else 0
     if recipe.uses_vllm:
         if r.vllm_sleep_mode:
             est.phases["generation (vLLM awake: gpu_memory_utilization)"] = vllm_share
