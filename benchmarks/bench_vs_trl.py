@@ -142,7 +142,7 @@ UNMATCHED = [
     "with 0/1 rewards and 16 samples per group a non-zero std is at least 0.25, so this changes advantages by "
     "less than 0.04 %",
     "optimizer: the same AdamW (betas, eps 1e-8, weight decay, constant learning rate, clipping at the same "
-    "global gradient norm), applied by DeepSpeed to its flat fp32 partition (torch AdamW on CPU, DeepSpeed's "
+    "global gradient norm), applied by DeepSpeed to its flat fp32 partition (torch's fused AdamW on CPU, DeepSpeed's "
     "FusedAdam on CUDA) in grpo_ds and by torch per parameter in TRL (adamw_torch on CPU, adamw_torch_fused on "
     "CUDA)",
     "bf16 (CUDA): DeepSpeed keeps fp32 master weights and optimizer states; TRL updates the bf16 weights it "

@@ -36,6 +36,7 @@ from grpo_ds.rewards.pool import RewardPool, worker_count
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.run import checkpoint, writes
+from grpo_ds.run.host_allocator import return_large_frees
 from grpo_ds.run import folder as run_folder
 from grpo_ds.run.lock import RunLock
 from grpo_ds.run.metrics import MetricsLogger, peak_memory_gib, read_metrics
@@ -123,7 +124,9 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
         # ---- plan: optimizer steps, per-rank shards, micro-batches (rank 0 decides)
         data.plan = dist.decide(plan_recipe_step, recipe, data.sequence_tokens(), dist.dp_size, step, settings.packed)
 
-        # ---- old / reference log-probs, each pass with the log-prob phase's own micro size
+        # ---- old / reference log-probs, each pass with the log-prob phase's own micro size; from here to the end of
+        # the update, freed tensors of 1 MiB and more go back to the system (grpo_ds/run/host_allocator.py)
+        return_large_frees(True)
         with Phase("logprob", data.times):
             if data.plan.old_logprob_pass:
                 data.old_logprobs = logprob_pass(policy.engine, data, settings, dist)
@@ -153,6 +156,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
                     nonfinite, nonfinite_in_a_row = nonfinite + 1, nonfinite_in_a_row + 1
                 if nonfinite_in_a_row >= recipe.train.max_nonfinite_steps:
                     _stop_nonfinite(step, nonfinite_in_a_row, run_dir)
+        return_large_frees(False)
 
         # ---- weight sync: ZeRO-3 shards -> full weights (LoRA: merged adapted layers), bucket by bucket
         with Phase("sync", data.times):

@@ -231,6 +231,10 @@ def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) 
     params.setdefault("eps", 1e-8)
     if device_type == "cpu" and not offloaded(cfg.get("zero_optimization"), "offload_optimizer"):
         params.setdefault("torch_adam", True)  # DeepSpeed's fused Adam needs a GPU
+        if params["torch_adam"] and not params.get("foreach"):
+            # torch's fused CPU AdamW: one pass, in place; the default single-tensor path makes two fp32
+            # temporaries the size of the partition (the square root and the denominator)
+            params.setdefault("fused", True)
 
 
 def _resolve_scheduler(cfg: dict, recipe: Recipe, where: str) -> None:

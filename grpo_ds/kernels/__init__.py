@@ -85,6 +85,15 @@ def chunk_tokens_for(vocab: int, dtype: torch.dtype, backend: str, budget_bytes:
     return max(1, budget_bytes // chunk_bytes_per_token(vocab, dtype, backend))
 
 
+def logprob_chunk_tokens(vocab: int, dtype: torch.dtype, backend: str, budget_mib: float,
+                         override_tokens: int | None) -> int:
+    """Tokens per chunk of the log-prob kernels: ``override_tokens`` (kernels.logprob_chunk_tokens) when set, else as
+    many as ``budget_mib`` (kernels.logprob_chunk_mib) holds (``chunk_tokens_for``)."""
+    if override_tokens is not None:
+        return override_tokens
+    return chunk_tokens_for(vocab, dtype, backend, int(budget_mib * 2**20))
+
+
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None,
                          temperature: float = 1.0, chunk_tokens: int = 512, backend: str = "torch"
                          ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,36 +26,57 @@ def _zero_if_none(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor
     return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad.float()
 
 
-def _scaled(x: torch.Tensor, temperature: float, scratch: bool) -> torch.Tensor:
-    """s = x / temperature in float32; reuses x's storage only when x is a scratch copy we own."""
-    s = x.float()
+class _Scratch:
+    """The float32 chunk-sized buffers of one call, allocated once and reused by every chunk: a new (chunk, V) tensor
+    per chunk would leave holes in the C allocator's heap that small tensors split, so the heap grows chunk after chunk
+    (grpo_ds/run/host_allocator.py's module docstring tells the allocator's side of it)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device):
+        self.s = torch.empty(rows, vocab, dtype=torch.float32, device=device)  # the scaled logits
+        self.p = torch.empty(rows, vocab, dtype=torch.float32, device=device)  # the probabilities
+        self.product = torch.empty(min(rows, _ROWS_AT_ONCE), vocab, dtype=torch.float32, device=device)
+
+
+def _scaled(x: torch.Tensor, temperature: float, scratch: bool, into: torch.Tensor | None = None) -> torch.Tensor:
+    """s = x / temperature in float32; reuses x's storage only when x is a scratch copy we own, else writes into
+    ``into`` (c, V) when given."""
+    if x.dtype != torch.float32 and into is not None:
+        s = into.copy_(x)
+    else:
+        s = x.float()
     if temperature != 1.0:
         s = s.div_(temperature) if (scratch or s is not x) else s / temperature
     return s  # (c, V)
 
 
-def _probabilities(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p = softmax(s) (c, V), a new tensor, lse (c,)) of float32 rows s."""
+def _probabilities(s: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p = softmax(s) (c, V), a new tensor or ``out``, lse (c,)) of float32 rows s."""
     m = s.amax(dim=1, keepdim=True)  # (c, 1)
-    p = torch.sub(s, m).exp_()  # (c, V), the one chunk-sized temporary
+    p = torch.sub(s, m, out=out).exp_()  # (c, V), the one chunk-sized temporary
     d = p.sum(dim=1, keepdim=True)  # (c, 1)
     p.div_(d)
     return p, (m + d.log()).squeeze(1)
 
 
-def _row_stats(s: torch.Tensor, targets: torch.Tensor):
-    """(p (c, V) a new tensor, lse (c,), mean_s (c,), logprob (c,)) of float32 rows s."""
-    p, lse = _probabilities(s)
-    mean_s = _row_dot(p, s)  # (c,) sum_v p_v s_v
+def _row_stats(s: torch.Tensor, targets: torch.Tensor, scratch: _Scratch | None = None):
+    """(p (c, V) a new tensor or scratch.p, lse (c,), mean_s (c,), logprob (c,)) of float32 rows s."""
+    c = s.shape[0]
+    p, lse = _probabilities(s, None if scratch is None else scratch.p[:c])
+    mean_s = _row_dot(p, s, None if scratch is None else scratch.product)  # (c,) sum_v p_v s_v
     logprob = s.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
     return p, lse, mean_s, logprob
 
 
-def _row_dot(p: torch.Tensor, s: torch.Tensor, rows_at_once: int = 32) -> torch.Tensor:
+_ROWS_AT_ONCE = 32
+
+
+def _row_dot(p: torch.Tensor, s: torch.Tensor, product: torch.Tensor | None = None) -> torch.Tensor:
     """sum_v p_v s_v per row, a few rows at a time: torch's reductions sum pairwise (bmm on CPU accumulates
-    sequentially, ~1e-3 off at 32k vocabulary), and the product temporary stays a small slice of the chunk."""
-    return torch.cat([(p[i:i + rows_at_once] * s[i:i + rows_at_once]).sum(dim=1)
-                      for i in range(0, p.shape[0], rows_at_once)]) if p.shape[0] else p.new_zeros(0)
+    sequentially, ~1e-3 off at 32k vocabulary), and the product temporary (``product`` when given) stays a small
+    slice of the chunk."""
+    k = _ROWS_AT_ONCE
+    return torch.cat([torch.mul(p[i:i + k], s[i:i + k], out=None if product is None else product[:p[i:i + k].shape[0]])
+                      .sum(dim=1) for i in range(0, p.shape[0], k)]) if p.shape[0] else p.new_zeros(0)
 
 
 def _write_grad(s: torch.Tensor, p: torch.Tensor, targets: torch.Tensor, mean_s: torch.Tensor, g_logprob, g_entropy,
@@ -118,6 +139,13 @@ class LogprobsFromLogits(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, scratch: _Scratch) -> torch.Tensor:
+    """hidden_c @ weight.T (c, V), into the scratch's float32 buffer when the model is float32."""
+    if hidden.dtype == torch.float32:
+        return torch.matmul(hidden, weight.t(), out=scratch.s[:hidden.shape[0]])
+    return hidden @ weight.t()
+
+
 class LogprobsFromHidden(torch.autograd.Function):
     """(hidden (N, H), weight (V, H), targets (N,), temperature, chunk_tokens) -> (logprob, entropy) (N,) fp32."""
 
@@ -125,9 +153,10 @@ class LogprobsFromHidden(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk_tokens):
         n = hidden.shape[0]
         out = torch.empty(3, n, dtype=torch.float32, device=hidden.device)  # logprob, entropy, mean_s
+        scratch = _Scratch(min(n, chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(n, chunk_tokens):
-            s = _scaled(hidden[a:b] @ weight.t(), temperature, scratch=True)  # (c, V), our own chunk
-            p, lse, mean_s, logprob = _row_stats(s, targets[a:b])
+            s = _scaled(_logits(hidden[a:b], weight, scratch), temperature, True, scratch.s[:b - a])  # (c, V), our own
+            p, lse, mean_s, logprob = _row_stats(s, targets[a:b], scratch)
             del p, s
             out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
         ctx.save_for_backward(hidden, weight, targets, out[2])
@@ -140,13 +169,14 @@ class LogprobsFromHidden(torch.autograd.Function):
         g_logprob, g_entropy = _zero_if_none(g_logprob, targets), _zero_if_none(g_entropy, targets)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H)
+        scratch = _Scratch(min(hidden.shape[0], ctx.chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(hidden.shape[0], ctx.chunk_tokens):
-            s = _scaled(hidden[a:b] @ weight.t(), ctx.temperature, scratch=True)  # (c, V), recomputed
-            p, _ = _probabilities(s)  # the backward reuses the forward's mean_s
+            s = _scaled(_logits(hidden[a:b], weight, scratch), ctx.temperature, True, scratch.s[:b - a])  # recomputed
+            p, _ = _probabilities(s, scratch.p[:b - a])  # the backward reuses the forward's mean_s
             _write_grad(s, p, targets[a:b], mean_s[a:b], g_logprob[a:b], g_entropy[a:b], ctx.temperature, s)
             del p
             g = s.to(hidden.dtype)  # d/d logits_c
             grad_hidden[a:b] = g @ weight
             grad_weight.addmm_(g.t().float() if g.dtype != torch.float32 else g.t(), hidden[a:b].float())
-            del s, g  # free this chunk before the next one is allocated
+            del s, g
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None

@@ -37,6 +37,13 @@ def create_train_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     return engine
 
 
+def no_second_fp32_copy(weight_bytes: int, stage: int, dp: int, offload_optimizer: bool) -> bool:
+    """Whether a run keeps no fp32 copy of its weights besides the weights themselves: float32 weights, the optimizer
+    on the device, and the rank's partition the whole model (ZeRO 0, which has no master copy, or ZeRO 1-2 at one
+    data-parallel rank, where ``share_fp32_master`` makes the master the weights). The memory estimate's rule."""
+    return weight_bytes == 4 and not offload_optimizer and (stage == 0 or (stage in (1, 2) and dp == 1))
+
+
 def shared_master_note(freed_bytes: int) -> str:
     """The one-line note a run prints when ``share_fp32_master`` freed the second copy."""
     saved = f"{freed_bytes / 2**30:.2f} GiB" if freed_bytes >= 2**30 else f"{freed_bytes / 2**20:.1f} MiB"

@@ -29,10 +29,11 @@ host memory: they are listed under ``host``. Then the largest phase on top:
                     chunks of chunk x vocab; full logits: the logits and their gradient) and, under ZeRO-3, the
                     gathered working set twice (the parameters and their full gradients before reduction): the
                     prefetch bucket plus the largest layer, capped at the rank's parameters
-    optimizer step  torch's AdamW (DeepSpeed's torch_adam, on the CPU) makes fp32 temporaries the size of the
-                    trained partition: under ZeRO-3 three, under ZeRO 1-2 two (the flat fp32 gradient partition
-                    DeepSpeed builds while the gradients are still held, and AdamW's square-root denominator),
-                    under ZeRO 0 one (the denominator); DeepSpeed's fused and CPU Adam work in place (counted as 0)
+    optimizer step  fp32 temporaries the size of the trained partition with torch's AdamW (DeepSpeed's torch_adam,
+                    on the CPU): from ZeRO-1 on, the flat fp32 gradient partition DeepSpeed builds while the
+                    gradients are still held; two more (the square root and the denominator) unless AdamW is
+                    fused, as grpo_ds.config.deepspeed makes it on the CPU; DeepSpeed's fused and CPU Adam work in
+                    place (counted as 0)
     generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position) and two
                     fp32 (batch x vocab) score tensors
 
@@ -49,8 +50,9 @@ import torch
 from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
 from grpo_ds.config.recipe import Recipe
-from grpo_ds.kernels import chunk_bytes_per_token, chunk_tokens_for
+from grpo_ds.kernels import chunk_bytes_per_token, logprob_chunk_tokens
 from grpo_ds.model import lora
+from grpo_ds.model.engine import no_second_fp32_copy
 
 GIB = 2**30
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -148,8 +150,8 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     opt_shard = dp if stage >= 1 else 1
     grad_shard = dp if stage >= 2 else 1
     states = est.host if offload_opt else est.device
-    if w == 4 and not offload_opt and (stage == 0 or (stage in (1, 2) and dp == 1)):
-        states["master weights (fp32): the float32 weights themselves"] = 0  # grpo_ds.model.engine.share_fp32_master
+    if no_second_fp32_copy(w, stage, dp, offload_opt):
+        states["master weights (fp32): the float32 weights themselves"] = 0
     else:
         states["master weights (fp32)"] = _b(trained * 4 / opt_shard)
     states["Adam moments (fp32 m, v)"] = _b(trained * 8 / opt_shard)
@@ -173,9 +175,10 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
                            per_rank) * w
     est.phases["update micro-batch (activations, logits, gathers)"] = _update_bytes(
         recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(gathered)
-    torch_adam = bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam")) and not offload_opt
-    temporaries = 3 if stage == 3 else 2 if stage >= 1 else 1
-    est.phases["optimizer step (torch AdamW temporaries)" if torch_adam else "optimizer step (in place)"] = \
+    adam = (ds_config.get("optimizer") or {}).get("params") or {}
+    torch_adam = bool(adam.get("torch_adam")) and not offload_opt
+    temporaries = (1 if stage >= 1 else 0) + (0 if adam.get("fused") else 2)
+    est.phases["optimizer step (fp32 temporaries)" if torch_adam else "optimizer step (in place)"] = \
         _b(temporaries * trained * 4 / opt_shard) if torch_adam else 0
     if recipe.uses_vllm:
         if r.vllm_sleep_mode:
@@ -197,8 +200,8 @@ def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: in
         activations = tokens * shape.layers * per_layer * w
     dtype = getattr(torch, recipe.model.dtype)
     k = recipe.kernels
-    chunk = min(tokens, k.logprob_chunk_tokens or chunk_tokens_for(shape.vocab, dtype, backend,
-                                                                   int(k.logprob_chunk_mib * 2**20)))
+    chunk = min(tokens, logprob_chunk_tokens(shape.vocab, dtype, backend, k.logprob_chunk_mib,
+                                             k.logprob_chunk_tokens))
     head_adapted = lora.enabled(recipe.model) and "lm_head" in recipe.model.lora_target_modules
     fused = k.fused_lm_head and tp == 1 and not head_adapted  # grpo_ds.model.policy's rule
     working_set = chunk * chunk_bytes_per_token(shape.vocab, dtype, backend)

@@ -48,9 +48,7 @@ class LossSettings:
 
     def chunk(self, vocab: int, dtype: torch.dtype) -> int:
         """Tokens per chunk for a (tokens x ``vocab``) working set of ``dtype`` logits."""
-        if self.chunk_tokens is not None:
-            return self.chunk_tokens
-        return kernels.chunk_tokens_for(vocab, dtype, self.backend, int(self.chunk_mib * 2**20))
+        return kernels.logprob_chunk_tokens(vocab, dtype, self.backend, self.chunk_mib, self.chunk_tokens)
 
 
 @dataclass
