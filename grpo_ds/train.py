@@ -36,8 +36,8 @@ from grpo_ds.rewards.pool import RewardPool, worker_count
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.run import checkpoint, writes
-from grpo_ds.run.host_allocator import return_large_frees
 from grpo_ds.run import folder as run_folder
+from grpo_ds.run.host_allocator import return_large_frees
 from grpo_ds.run.lock import RunLock
 from grpo_ds.run.metrics import MetricsLogger, peak_memory_gib, read_metrics
 from grpo_ds.run.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals

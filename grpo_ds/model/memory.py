@@ -27,8 +27,9 @@ host memory: they are listed under ``host``. Then the largest phase on top:
                     tensors, 8h + 3kv + 4i values a token, plus heads x T attention probabilities; with it: one
                     value of h a layer, plus one layer's worth), the lm_head's logits (the fused head: two fp32
                     chunks of chunk x vocab; full logits: the logits and their gradient) and, under ZeRO-3, the
-                    gathered working set twice (the parameters and their full gradients before reduction): the
-                    prefetch bucket plus the largest layer, capped at the rank's parameters
+                    gathered parameters (the prefetch bucket plus the largest layer, capped at the rank's
+                    parameters) and one layer's full gradient: DeepSpeed's gradient hook copies each parameter's
+                    gradient into the reduce bucket (counted above) as soon as it is computed
     optimizer step  fp32 temporaries the size of the trained partition with torch's AdamW (DeepSpeed's torch_adam,
                     on the CPU): from ZeRO-1 on, the flat fp32 gradient partition DeepSpeed builds while the
                     gradients are still held; two more (the square root and the denominator) unless AdamW is
@@ -171,8 +172,8 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     gathered = 0
     if stage == 3:
         prefetch = zero.get("stage3_prefetch_bucket_size", _PREFETCH_BUCKET)
-        gathered = 2 * min(prefetch + shape.largest_layer, zero.get("stage3_max_live_parameters", _MAX_LIVE),
-                           per_rank) * w
+        gathered = (min(prefetch + shape.largest_layer, zero.get("stage3_max_live_parameters", _MAX_LIVE), per_rank)
+                    + min(shape.largest_layer, per_rank)) * w
     est.phases["update micro-batch (activations, logits, gathers)"] = _update_bytes(
         recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(gathered)
     adam = (ds_config.get("optimizer") or {}).get("params") or {}

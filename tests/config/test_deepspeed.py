@@ -177,6 +177,15 @@ def test_torch_adam_on_cpu_only():
     assert "torch_adam" not in resolve("ds_configs/zero3_offload.json", device="cpu")["optimizer"]["params"]
 
 
+def test_torch_adam_is_fused_unless_the_file_says_otherwise():
+    assert resolve(device="cpu")["optimizer"]["params"]["fused"] is True
+    assert "fused" not in resolve(device="cuda")["optimizer"]["params"]
+    assert "fused" not in resolve("ds_configs/zero3_offload.json", device="cpu")["optimizer"]["params"]
+    for params in ({"fused": False}, {"foreach": True}):  # torch refuses fused together with foreach
+        cfg = resolve({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": params}})
+        assert cfg["optimizer"]["params"].get("fused", False) is False
+
+
 def test_optimizer_filled_from_the_recipe():
     params = resolve(train={"weight_decay": 0.01, "adam_betas": [0.8, 0.95]})["optimizer"]["params"]
     assert resolve()["optimizer"]["type"] == "AdamW"

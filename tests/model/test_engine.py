@@ -1,4 +1,5 @@
-"""The DeepSpeed engines' set-up (grpo_ds.model.engine): its quirks, and the one-rank fp32 master that is the weights."""
+"""The DeepSpeed engines' set-up (grpo_ds.model.engine): its quirks, and the one-rank fp32 master that is the
+weights."""
 
 import pytest
 import torch
