@@ -146,14 +146,12 @@ def policy_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, inputs: 
         if value is not None and value.shape != inputs.targets.shape:
             raise ValueError(f"{name} must be (N,) = {tuple(inputs.targets.shape)}, got {tuple(value.shape)}")
     if backend == "torch":
-        logprobs, entropy = chunked.LogprobsFromHidden.apply(hidden, weight, inputs.targets, temperature, chunk_tokens)
-        per_token, kl, clipped = token_losses(logprobs, inputs.old_logprobs, inputs.advantages.float(),
-                                              inputs.ref_logprobs, entropy, cfg)
-        loss = (per_token * inputs.token_weights.float()).sum()
-        return PolicyLossOutput(loss, logprobs.detach(), entropy.detach(), kl.detach(), clipped)
-    from grpo_ds.kernels import fused_linear
+        function = chunked.PolicyLossFromHidden
+    else:
+        from grpo_ds.kernels import fused_linear
 
-    loss, stats = fused_linear.PolicyLossFromHidden.apply(
+        function = fused_linear.PolicyLossFromHidden
+    loss, stats = function.apply(
         hidden.contiguous(), weight, inputs.targets.contiguous(), inputs.old_logprobs, inputs.ref_logprobs,
         inputs.advantages, inputs.token_weights, cfg, temperature, chunk_tokens)
     return PolicyLossOutput(loss, stats[0], stats[1], stats[2], stats[3])

@@ -180,3 +180,69 @@ class LogprobsFromHidden(torch.autograd.Function):
             grad_weight.addmm_(g.t().float() if g.dtype != torch.float32 else g.t(), hidden[a:b].float())
             del s, g
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+class PolicyLossFromHidden(torch.autograd.Function):
+    """sum_t token_weight_t * l_t from hidden states, for token-level losses; returns (loss scalar, stats (4, N):
+    logprob, entropy, kl, clipped). old/ref may be None (on-policy / no reference).
+
+    Every input of the loss is known in the forward, so the gradients are computed there, chunk by chunk: three
+    matmuls a chunk (the logits, then the gradients of the hidden states and of the weight) instead of the four of
+    ``LogprobsFromHidden`` followed by the loss, whose backward recomputes each chunk's logits (the Triton kernel does
+    the same). l_t and its derivatives in logprob_t and entropy_t come from grpo_ds.algo.policy_loss.token_losses
+    itself, by autograd on the chunk's (c,) vectors, so the values are those of the unfused path. The backward scales
+    the stored gradients by the incoming one, in place: it runs once (no retain_graph, no double backward).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, old, ref, advantages, token_weight, cfg, temperature, chunk_tokens):
+        from grpo_ds.algo.policy_loss import token_losses  # the reference formulas (grpo_ds/algo imports no kernels)
+
+        n = hidden.shape[0]
+        with_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # forward itself runs under no_grad
+        stats = torch.empty(5, n, dtype=torch.float32, device=hidden.device)  # w*loss, logprob, entropy, kl, clipped
+        grad_hidden = torch.empty_like(hidden) if with_grad else None  # (N, H)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None  # (V, H)
+        scratch = _Scratch(min(n, chunk_tokens), weight.shape[0], hidden.device)
+        for a, b in _spans(n, chunk_tokens):
+            s = _scaled(_logits(hidden[a:b], weight, scratch), temperature, True, scratch.s[:b - a])  # (c, V)
+            p, lse, mean_s, logprob = _row_stats(s, targets[a:b], scratch)
+            with torch.enable_grad():
+                lp = logprob.detach().requires_grad_(with_grad)  # (c,)
+                ent = (lse - mean_s).requires_grad_(with_grad)  # (c,)
+                per_token, kl, clipped = token_losses(lp, _rows(old, a, b), advantages[a:b].float(), _rows(ref, a, b),
+                                                      ent, cfg)
+                weighted = per_token * token_weight[a:b].float()  # (c,)
+                if with_grad:
+                    g_lp, g_ent = torch.autograd.grad(weighted.sum(), (lp, ent), allow_unused=True)
+            stats[0, a:b], stats[1, a:b], stats[2, a:b] = weighted.detach(), logprob, ent.detach()
+            stats[3, a:b], stats[4, a:b] = kl.detach(), clipped
+            if with_grad:
+                _write_grad(s, p, targets[a:b], mean_s, _zero_if_none(g_lp, lp), _zero_if_none(g_ent, lp),
+                            temperature, s)  # s now holds d loss / d logits_c
+                g = s.to(hidden.dtype)
+                grad_hidden[a:b] = g @ weight
+                if grad_weight is not None:
+                    grad_weight.addmm_(g.t().float() if g.dtype != torch.float32 else g.t(), hidden[a:b].float())
+                del g
+            del p, s
+        # kept as attributes, not saved tensors: the backward hands them on without a copy
+        ctx.grad_hidden, ctx.grad_weight, ctx.weight_dtype = grad_hidden, grad_weight, weight.dtype
+        loss, token_stats = stats[0].sum(), stats[1:].clone()  # (), (4, N)
+        ctx.mark_non_differentiable(token_stats)
+        return loss, token_stats
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_stats):
+        grad_hidden, grad_weight = ctx.grad_hidden, ctx.grad_weight
+        ctx.grad_hidden = ctx.grad_weight = None
+        if grad_hidden is not None:
+            grad_hidden.mul_(g_loss.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(g_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
+def _rows(values: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    return None if values is None else values[a:b]
