@@ -9,8 +9,10 @@ p = softmax(s) and E = sum_v p_v s_v (grpo_ds.kernels.token_math states the form
 Memory stays bounded by the chunk: the forward keeps 3 floats per token; the backward recomputes one chunk
 at a time and writes its gradient straight into the preallocated gradient (in place where the chunk is a
 scratch copy), so at most about two float32 chunks of (chunk_tokens x vocab) exist besides the gradient
-itself. The fused-linear variant computes logits_c = hidden_c @ weight.T per chunk, so full logits never exist,
-and accumulates the weight gradient in place. The reference these are tested against is grpo_ds/algo.
+itself. The fused-linear variants compute logits_c = hidden_c @ weight.T per chunk, so full logits never exist,
+and accumulate the weight gradient in place; their chunk buffers are allocated once per call. PolicyLossFromHidden
+computes the gradients in the forward, where the loss is known, and so never recomputes a chunk. The reference these
+are tested against is grpo_ds/algo.
 """
 
 from __future__ import annotations
