@@ -148,6 +148,16 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, scratch: _Scratch) -> to
     return hidden @ weight.t()
 
 
+def _linear_grads(grad_logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, grad_hidden: torch.Tensor,
+                  grad_weight: torch.Tensor | None) -> None:
+    """From one chunk's float32 d/d logits (c, V): writes grad_hidden (c, H) and adds into the float32 grad_weight
+    (V, H), when given."""
+    g = grad_logits.to(hidden.dtype)
+    grad_hidden.copy_(g @ weight)
+    if grad_weight is not None:
+        grad_weight.addmm_(g.t().float() if g.dtype != torch.float32 else g.t(), hidden.float())
+
+
 class LogprobsFromHidden(torch.autograd.Function):
     """(hidden (N, H), weight (V, H), targets (N,), temperature, chunk_tokens) -> (logprob, entropy) (N,) fp32."""
 
@@ -177,10 +187,8 @@ class LogprobsFromHidden(torch.autograd.Function):
             p, _ = _probabilities(s, scratch.p[:b - a])  # the backward reuses the forward's mean_s
             _write_grad(s, p, targets[a:b], mean_s[a:b], g_logprob[a:b], g_entropy[a:b], ctx.temperature, s)
             del p
-            g = s.to(hidden.dtype)  # d/d logits_c
-            grad_hidden[a:b] = g @ weight
-            grad_weight.addmm_(g.t().float() if g.dtype != torch.float32 else g.t(), hidden[a:b].float())
-            del s, g
+            _linear_grads(s, hidden[a:b], weight, grad_hidden[a:b], grad_weight)
+            del s
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 
@@ -223,11 +231,7 @@ class PolicyLossFromHidden(torch.autograd.Function):
             if with_grad:
                 _write_grad(s, p, targets[a:b], mean_s, _zero_if_none(g_lp, lp), _zero_if_none(g_ent, lp),
                             temperature, s)  # s now holds d loss / d logits_c
-                g = s.to(hidden.dtype)
-                grad_hidden[a:b] = g @ weight
-                if grad_weight is not None:
-                    grad_weight.addmm_(g.t().float() if g.dtype != torch.float32 else g.t(), hidden[a:b].float())
-                del g
+                _linear_grads(s, hidden[a:b], weight, grad_hidden[a:b], grad_weight)
             del p, s
         # kept as attributes, not saved tensors: the backward hands them on without a copy
         ctx.grad_hidden, ctx.grad_weight, ctx.weight_dtype = grad_hidden, grad_weight, weight.dtype

@@ -26,6 +26,7 @@ see these calls.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -35,8 +36,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers, fr
 ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
+@functools.cache
 def _glibc():
-    """The process's glibc, or None (another C library, or not Linux)."""
+    """The process's glibc, or None (another C library, or not Linux); looked up once."""
     if not sys.platform.startswith("linux"):
         return None
     try:
