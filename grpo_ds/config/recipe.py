@@ -270,9 +270,9 @@ class LoggingConfig:
     wandb_mode: str = opt("online", "Weights & Biases mode (offline writes to <run folder>/wandb)",
                           choices=("online", "offline", "disabled"))
     profile_steps: list | None = opt(None, "[first, last]: record a torch.profiler trace of these steps (inclusive, "
-                                     "at most 10) per rank to <run folder>/profile/rank<r>.pt.trace.json, phases "
-                                     "labelled grpo/<phase>, and their memory timeline to rank<r>.memory.csv "
-                                     "(null = off)")
+                                     "at most 10 with profile_trace) per rank to <run folder>/profile/"
+                                     "rank<r>.pt.trace.json, phases labelled grpo/<phase>, and their memory timeline "
+                                     "to rank<r>.memory.csv (null = off)")
     profile_trace: bool = opt(True, "With profile_steps: record the torch.profiler trace (false = only the memory "
                               "timeline, without the profiler's own buffers in it)")
     profile_comms: bool = opt(False, "With profile_steps: also log DeepSpeed's collectives of those steps (op, "

@@ -100,9 +100,11 @@ def test_two_ranks_write_a_trace_each_with_the_phases_and_the_collectives(tmp_pa
     ({"logging.profile_steps": [11, 12]}, "logging.profile_steps: [11, 12] ends after the run's last step "
                                           "(train.steps 10). e.g. [2, 3]."),
     ({"logging.profile_steps": [1, 11], "train.steps": 20}, "logging.profile_steps: [1, 11] is 11 steps; at most "
-                                                            "10 (a trace holds every operator of every step it "
-                                                            "covers). e.g. [1, 2]: a few steps show where the "
-                                                            "time goes."),
+                                                            "10 with logging.profile_trace (a trace holds every "
+                                                            "operator of every step it covers). e.g. [1, 2]: a few "
+                                                            "steps show where the time goes, or logging."
+                                                            "profile_trace=false for the memory timeline alone "
+                                                            "over any range."),
     ({"logging.profile_comms": True}, "logging.profile_comms: logs the profiled steps, but logging.profile_steps "
                                       "is null. set logging.profile_steps too, e.g. [2, 3]."),
     ({"logging.memory_sample_ms": 0}, "logging.memory_sample_ms: 0 is out of range: must be >= 1. e.g. 10."),
@@ -118,5 +120,8 @@ def test_profiling_keys_load():
                          "logging.profile_trace": False, "logging.memory_sample_ms": 2})
     assert (r.logging.profile_steps, r.logging.profile_comms, r.logging.profile_trace) == ([3, 3], True, False)
     assert r.logging.memory_sample_ms == 2
+    timeline_only = load_recipe({}, {"train.steps": 500, "logging.profile_steps": [2, 500],
+                                     "logging.profile_trace": False}).logging
+    assert timeline_only.profile_steps == [2, 500]  # no trace, so no 10-step cap
     default = load_recipe({}).logging
     assert (default.profile_steps, default.profile_trace, default.memory_sample_ms) == (None, True, 10)
