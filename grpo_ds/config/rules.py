@@ -121,8 +121,9 @@ def _validate_eval(e: EvalConfig) -> None:
                         f"eval.samples_per_prompt {e.samples_per_prompt}", f"e.g. [1, {e.samples_per_prompt}]")
 
 
-PROFILE_MAX_STEPS = 10  # a trace holds every operator of every step: MBs per step even for builtin:tiny (the
-# memory timeline alone grows 6.4 KB a second at 10 ms, so a timeline-only range has no cap)
+# A trace holds every operator of every step: MBs per step even for builtin:tiny. The memory timeline alone is small
+# (step/memory_timeline.py), so a range without the trace has no cap.
+PROFILE_MAX_STEPS = 10
 
 
 def _validate_profiling(recipe: Recipe) -> None:
