@@ -1,0 +1,195 @@
+"""The code's maps stay true: each package's ``__init__`` docstring names its modules, and every repository path
+(``grpo_ds/...``, ``tests/...``) and dotted name (``grpo_ds.x.y``) written in the sources, the docs and setup.cfg
+exists.
+
+Names are checked statically (files and ``ast``), so that a name in an optional module (vLLM) is checked without
+importing it.
+"""
+
+import ast
+import functools
+import glob
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "grpo_ds"
+SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+
+
+# ------------------------------------------------------------------------------------------------- package maps
+
+def _named(docstring: str, package: str, module: str) -> bool:
+    """A map names a module as ``module`` (an RST literal, the maps' style), ``package.module`` in a literal, or by
+    its full dotted name grpo_ds.package.module anywhere. A bare word is not enough: ``logprobs`` is named, but
+    logprobs_from_logits does not name the module logprobs."""
+    literal = re.compile(rf"``(?:(?:grpo_ds\.)?{package}\.)?{module}``")
+    dotted = re.compile(rf"(?<![\w.])grpo_ds\.{package}\.{module}(?!\w)")
+    return bool(literal.search(docstring) or dotted.search(docstring))
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_each_package_map_names_each_of_its_modules(package):
+    folder = PACKAGE / package
+    docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    modules = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    missing = [m for m in modules if not _named(docstring, package, m)]
+    assert not missing, f"grpo_ds/{package}/__init__.py's docstring does not name {missing}"
+
+
+def test_the_map_rule_sees_a_missing_module():
+    """The rule above is not vacuous: a literal names a module, a longer identifier containing it does not."""
+    assert _named("the plan (``plan``)", "step", "plan")
+    assert _named("see grpo_ds.step.plan.", "step", "plan")
+    assert not _named("``plan_recipe_step`` plans", "step", "plan")
+    assert not _named("grpo_ds.step.planner", "step", "plan")
+
+
+# ------------------------------------------------------------------------------------------- names that resolve
+
+# A path starts with grpo_ds/ or tests/ after a character that cannot belong to a longer path or word, and goes on
+# through path characters; each of its parts starts with a letter or "_" (a module, a folder, a test file: none of
+# them starts with a digit, so a table label such as "grpo_ds/16" is not a path). "*" makes it a glob.
+PATH = re.compile(r"(?<![\w.\-/])(?:grpo_ds|tests)(?:/[A-Za-z_*][\w.*\-]*)+/?")
+DOTTED = re.compile(r"(?<![\w./])grpo_ds(?:\.[A-Za-z_]\w*)+")
+
+
+def _generated_pages() -> set[str]:
+    """The pages docs/generate.py writes (its PAGES keys): each is checked at its source (the recipe schema, the
+    command lines' help, benchmarks/RESULTS.md), and rewritten from it."""
+    tree = ast.parse((REPO / "docs" / "generate.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                       else None)
+        if isinstance(target, ast.Name) and target.id == "PAGES" and isinstance(node.value, ast.Dict):
+            return {f"docs/{key.value}" for key in node.value.keys}
+    raise AssertionError("docs/generate.py has no PAGES dict")
+
+
+# benchmarks/RESULTS.md is a dated log: each block names the commit it was measured on and the files as they were at
+# that commit (an uncommitted file list, a "matched" line), so its paths are true of their commit, not of today. The
+# scripts that write the blocks are .py files and are checked.
+DATED_LOGS = {"benchmarks/RESULTS.md"}
+
+
+def _checked_files() -> list[str]:
+    """Tracked *.py, *.md and *.ipynb files and setup.cfg (git's list: no generated site, no run folders)."""
+    listed = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.ipynb", "setup.cfg"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split()
+    skip = DATED_LOGS | _generated_pages()
+    return [name for name in listed if name not in skip and (REPO / name).is_file()]
+
+
+def _path_exists(path: str) -> bool:
+    if "*" in path:
+        return bool(glob.glob(str(REPO / path), recursive=True))
+    return (REPO / path).exists()
+
+
+def _defined(body: list[ast.stmt]) -> dict[str, ast.AST]:
+    """Names a module or class body defines: functions, classes, assignments and imports, including those under a
+    top-level ``if``/``try`` (optional imports)."""
+    out: dict[str, ast.AST] = {}
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        elif isinstance(node, ast.Assign):
+            out.update({n.id: node for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)})
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update({(a.asname or a.name).split(".")[0]: node for a in node.names})
+        elif isinstance(node, (ast.If, ast.Try)):
+            for block in (node.body, node.orelse, getattr(node, "finalbody", []),
+                          *[h.body for h in getattr(node, "handlers", [])]):
+                out.update(_defined(block))
+    return out
+
+
+@functools.cache
+def _body(path: Path) -> list[ast.stmt]:
+    return ast.parse(path.read_text()).body
+
+
+def _module_file(parts: list[str]) -> Path | None:
+    base = REPO.joinpath(*parts)
+    for candidate in (base / "__init__.py", base.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.cache
+def _lazy_names() -> dict[str, str]:
+    """grpo_ds/__init__.py's public names, imported on first use: name -> the module that defines it."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_PUBLIC" for t in node.targets):
+            return {k.value: v.value for k, v in zip(node.value.keys, node.value.values, strict=True)}
+    raise AssertionError("grpo_ds/__init__.py has no _PUBLIC dict")
+
+
+def _resolves(dotted: str) -> bool:
+    """grpo_ds.a.b.C.d resolves when its longest module prefix is a file of the package and each further part is
+    defined in the module or class before it. A part after a function or a value (an attribute of an object) cannot
+    be read from the source and is taken as is; grpo_ds.X follows the lazily exported names."""
+    parts = dotted.split(".")
+    cut = max(i for i in range(1, len(parts) + 1) if _module_file(parts[:i]))
+    module, rest = _module_file(parts[:cut]), parts[cut:]
+    if cut == 1 and rest:
+        lazy = _lazy_names()
+        if rest[0] not in lazy:
+            return False
+        module = _module_file(lazy[rest[0]].split("."))
+    body = _body(module)
+    for name in rest:
+        node = _defined(body).get(name)
+        if node is None:
+            return False
+        if not isinstance(node, ast.ClassDef):
+            return True
+        body = node.body
+    return True
+
+
+def _stale(name: str, text: str) -> list[str]:
+    """"file:line: path ..." or "file:line: name ..." for each path or dotted name in ``text`` that does not resolve."""
+    found = []
+    for match in PATH.finditer(text):
+        path = match.group(0).rstrip(".")  # a sentence's full stop
+        if not _path_exists(path):
+            found.append(f"{name}:{text.count(chr(10), 0, match.start()) + 1}: path {path}")
+    for match in DOTTED.finditer(text):
+        if not _resolves(match.group(0)):
+            found.append(f"{name}:{text.count(chr(10), 0, match.start()) + 1}: name {match.group(0)}")
+    return found
+
+
+def test_every_path_and_dotted_name_resolves():
+    files = _checked_files()
+    assert "setup.cfg" in files and "README.md" in files and "grpo_ds/train.py" in files
+    stale = [line for name in files for line in _stale(name, (REPO / name).read_text())]
+    assert not stale, "names that do not resolve (moved or removed?):\n" + "\n".join(stale)
+
+
+@pytest.mark.parametrize(("text", "stale"), [
+    ("see grpo_ds/step/plan.py and tests/step/test_plan.py.", []),
+    ("see grpo_ds/planner.py", ["path grpo_ds/planner.py"]),
+    ("tests/test_update.py pins it", ["path tests/test_update.py"]),
+    ("tests/**/*_gpu.py need a GPU", []),
+    ("| grpo_ds/16 | 51.1 |", []),  # a table label, not a path
+    ("my_tests/x.py and /tmp/grpo_ds.log", []),  # part of another path or word
+    ("grpo_ds.step.plan.plan_recipe_step and grpo_ds.load_recipe", []),
+    ("grpo_ds.distributed.ranks.Dist.decide", []),  # a class attribute
+    ("grpo_ds.lora.PEFT_SPEC", ["name grpo_ds.lora.PEFT_SPEC"]),
+    ("grpo_ds.batching", ["name grpo_ds.batching"]),
+    ("grpo_ds.step.plan.no_such_function", ["name grpo_ds.step.plan.no_such_function"]),
+    ("grpo_ds.distributed.ranks.Dist.no_such_method", ["name grpo_ds.distributed.ranks.Dist.no_such_method"]),
+    ("grpo_ds.NoSuchName", ["name grpo_ds.NoSuchName"]),
+])
+def test_the_name_rule(text, stale):
+    """The rule above finds what moved and passes what is there."""
+    assert [line.split(": ", 1)[1] for line in _stale("example.md", text)] == stale
