@@ -245,7 +245,7 @@ def _resolve_scheduler(cfg: dict, recipe: Recipe, where: str) -> None:
             return
         cfg["scheduler"] = {"type": "WarmupLR", "params": {}}
     cls = scheduler_class(cfg["scheduler"].get("type"))
-    takes = set(inspect.signature(cls).parameters) if cls is not None else set()  # unknown: ds_config_check says so
+    takes = set(inspect.signature(cls).parameters) if cls is not None else set()  # unknown: deepspeed_check says so
     params = cfg["scheduler"].setdefault("params", {})
     if "warmup_num_steps" not in takes and train.warmup_steps and cls is not None:
         raise UserError("train.warmup_steps", f"is {train.warmup_steps} but the DeepSpeed scheduler "

@@ -11,9 +11,13 @@ Public operations (each has a Triton kernel and a chunked PyTorch path; both fol
 ``chunk_tokens_for`` sizes their chunks: how many tokens' (tokens x vocabulary) working set fits a byte budget.
 
 ``backend`` is "triton" or "torch" (resolve "auto" with grpo_ds.config.software.resolve_backend first). Triton modules
-are
-imported only when the Triton backend is used, so the CPU path never needs Triton. No kernel communicates:
+are imported only when the Triton backend is used, so the CPU path never needs Triton. No kernel communicates:
 cross-rank sums belong to the driver.
+
+Modules: this one (the operations above), the chunked PyTorch path (``chunked``), and the Triton kernels: group
+advantages (``advantages``), log-probs and entropy from logits (``logprobs``), the same and the policy loss from hidden
+states and the lm_head weight (``fused_linear``), the masked policy loss (``policy_loss``), and the device functions
+they share (``token_math``). Rule (tests/test_layout.py): imports nothing of grpo_ds but algo and kernels.
 """
 
 from __future__ import annotations

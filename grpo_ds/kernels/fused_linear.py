@@ -13,7 +13,7 @@ Two functions:
   Every input of the loss is known in the forward, so gradients are computed there (3 matmuls per chunk)
   and the backward only scales them by the incoming gradient.
 The weight may be a ZeRO-3 parameter: call these inside the lm_head module's forward, where DeepSpeed has
-gathered it (grpo_ds.batching does).
+gathered it (grpo_ds.step.loss swaps the lm_head's forward for one micro-batch to do so).
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
 """Reward functions: how completions are scored.
 
+Modules: the recipe's specs turned into callables (``loading``), a batch scored with them (``scoring``), in worker
+processes (``pool``, each one ``worker``), a per-sample failure (``item_error``); the built-ins (``builtin``), with the
+final-answer extraction they share (``final_answer``), ``math_equivalence`` (``math_answer``) and ``code_exec``
+(``code_exec``), which runs untrusted code in a confined process (``sandbox``, whose child side is
+``sandbox_runner``).
+
 A recipe lists weighted reward functions; a sample's reward is the weighted sum of their scores::
 
     "reward": {"functions": [{"name": "exact_match", "weight": 1.0},
