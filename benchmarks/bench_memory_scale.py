@@ -77,7 +77,7 @@ def rank_job(folder: str, out: str) -> None:
     import torch
 
     from grpo_ds.config.deepspeed import resolve_deepspeed_config
-    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.config.loading import load_recipe
     from grpo_ds.distributed.ranks import init_distributed
     from grpo_ds.model.engine import create_train_engine
     from grpo_ds.model.loading import load_model

@@ -56,7 +56,7 @@ def variant(packed: bool, steps: int, out: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from grpo_ds.config.deepspeed import resolve_deepspeed_config
-    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.config.loading import load_recipe
     from grpo_ds.distributed.ranks import init_distributed
     from grpo_ds.model.engine import create_train_engine
     from grpo_ds.step.batch import StepBatch

@@ -64,8 +64,9 @@ import torch  # noqa: E402
 from bench_vs_trl_runner import trl_config  # noqa: E402
 from common import fmt, markdown_table, report, verdict  # noqa: E402
 
+from grpo_ds.config.loading import load_recipe  # noqa: E402
 from grpo_ds.config.parse import parse_override  # noqa: E402
-from grpo_ds.config.recipe import Recipe, load_recipe  # noqa: E402
+from grpo_ds.config.recipe import Recipe  # noqa: E402
 from grpo_ds.step.memory_timeline import format_table, phase_peaks  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parent / "bench_vs_trl_runner.py"

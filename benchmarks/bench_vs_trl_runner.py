@@ -147,7 +147,7 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.config.loading import load_recipe
     from grpo_ds.model.loading import load_model, load_tokenizer
     from grpo_ds.rewards.builtin import BUILTIN_REWARDS
     from grpo_ds.run.prompts import load_rows

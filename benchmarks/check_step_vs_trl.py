@@ -59,7 +59,8 @@ from bench_vs_trl_runner import trl_config  # noqa: E402
 
 from grpo_ds import train as driver  # noqa: E402
 from grpo_ds.config.deepspeed_keys import zero_stage  # noqa: E402
-from grpo_ds.config.recipe import Recipe, load_recipe  # noqa: E402
+from grpo_ds.config.loading import load_recipe  # noqa: E402
+from grpo_ds.config.recipe import Recipe  # noqa: E402
 from grpo_ds.distributed.ranks import Dist  # noqa: E402
 from grpo_ds.model.loading import load_model  # noqa: E402
 from grpo_ds.rollout.base import Rollouts  # noqa: E402

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 # name -> the module that defines it. Imported on first use: `import grpo_ds` stays light (no torch, no DeepSpeed).
 _PUBLIC = {
     "Recipe": "grpo_ds.config.recipe",
-    "load_recipe": "grpo_ds.config.recipe",
+    "load_recipe": "grpo_ds.config.loading",
     "UserError": "grpo_ds.errors",
     "RewardFn": "grpo_ds.rewards.loading",
     "RewardError": "grpo_ds.rewards.item_error",

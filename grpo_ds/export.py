@@ -47,7 +47,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from grpo_ds.config import software
-from grpo_ds.config.recipe import ModelConfig, load_recipe
+from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
 from grpo_ds.model import lora

@@ -31,7 +31,8 @@ from grpo_ds.algo.logprobs import token_logprobs_and_entropy
 from grpo_ds.algo.names import ESTIMATORS
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
-from grpo_ds.config.recipe import Recipe, load_recipe
+from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.recipe import Recipe
 from grpo_ds.model.tiny import EOS, build_tiny_model, build_tiny_tokenizer
 from grpo_ds.model.weight_gather import gathered_named_parameters
 from grpo_ds.step.batch import StepBatch

@@ -340,7 +340,7 @@ def test_full_logits_give_the_fused_update(runs):
 
 
 def test_truncated_completions_get_no_weight():
-    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.config.loading import load_recipe
     from grpo_ds.rollout.base import Rollouts
     from grpo_ds.step.update import UpdateSettings, trained_tokens
 

@@ -12,7 +12,8 @@ import pytest
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
 from grpo_ds.config.deepspeed_check import check_precision_supported
-from grpo_ds.config.recipe import DataConfig, ModelConfig, iter_fields, load_recipe
+from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.recipe import DataConfig, ModelConfig, iter_fields
 from grpo_ds.errors import UserError
 from grpo_ds.model.loading import context_length
 from grpo_ds.run import folder as run_folder

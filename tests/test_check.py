@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds import check
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.software import VLLM_SPEC
 from grpo_ds.run.preflight import prepare_inputs
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -325,7 +325,7 @@ def test_sequence_parallel_run_trains_like_one_rank(tmp_path):
 def test_a_logger_that_cannot_start_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
     """W&B starts on rank 0 only; its failure must reach the other ranks, which would otherwise wait in the first
     collective for ever (a hang instead of one line)."""
-    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.config.loading import load_recipe
     from grpo_ds.errors import UserError
 
     failure = UserError("logging.wandb_project", "Weights & Biases could not start the run (timed out)")

@@ -1,12 +1,11 @@
-"""The recipe: schema (frozen dataclasses), loading and cross-field validation.
+"""The recipe's schema: frozen dataclasses, one field per key.
 
 Every default lives here and nowhere else. Each field declares its documentation, and where it
 applies its allowed choices and numeric range, in ``field(metadata=...)``; validation, ``grpo_ds.check``
 and the docs' key reference (docs/reference/recipe.md, generated) all read that one declaration.
 
-Load order (nothing touches a model): JSON file -> ``section.key=value`` overrides -> type, choice
-and range checks per field (grpo_ds.config.parse) -> cross-field checks (batch algebra, here) -> a frozen
-``Recipe``.
+The schema knows nothing of loading or of its cross-key rules: grpo_ds.config.loading.load_recipe reads a recipe
+into it and then runs the rules (grpo_ds.config.rules).
 The DeepSpeed side (``train_batch_size`` and friends) is resolved in ``grpo_ds.config.deepspeed``.
 """
 
@@ -16,15 +15,10 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from grpo_ds.algo.names import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, SCALES
-from grpo_ds.config.parse import apply_override, build, normalise_overrides, printable, read_json_object
 from grpo_ds.config.reward_specs import ON_ERROR_CHOICES
-from grpo_ds.config.rules import validate
-from grpo_ds.config.software import BACKENDS
-from grpo_ds.errors import UserError
 
 _MISSING = object()
 
@@ -220,6 +214,9 @@ class TrainConfig:
                                   "bench_one_rank_stage.py)")
 
 
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")  # grpo_ds.config.software.resolve_backend resolves "auto"
+
+
 @dataclass(frozen=True)
 class KernelsConfig:
     backend: str = opt("auto", "Per-token math: Triton kernels or the chunked PyTorch path (auto = triton on CUDA "
@@ -363,23 +360,3 @@ def iter_fields():
                 yield f.name, sub
         else:
             yield None, f
-
-
-# ----------------------------------------------------------------------------------------- loading
-
-def load_recipe(source: str | Path | dict, overrides: list[str] | dict | None = None) -> Recipe:
-    """Read a recipe (JSON path or dict), apply overrides, validate everything; raise UserError if bad."""
-    if isinstance(source, dict):
-        raw, where, source_dir = json.loads(json.dumps(source)), "recipe", "."
-    else:
-        path = Path(source)
-        where, source_dir = str(path), str(path.parent)
-        if not path.is_file():
-            what = "is a folder, not a recipe file" if path.is_dir() else "recipe file not found"
-            raise UserError(printable(where), what, "check the path, e.g. recipes/tiny_cpu.json")
-        raw = read_json_object(path, "a recipe", '{"run": {...}, ...}')
-    for key, value in normalise_overrides(overrides):
-        apply_override(raw, key, value, SECTIONS, TOP_LEVEL_VALUES)
-    recipe = build(Recipe, raw, where, source_dir, SECTIONS, TOP_LEVEL_VALUES)
-    validate(recipe)
-    return recipe

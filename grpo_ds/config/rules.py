@@ -1,8 +1,8 @@
 """The recipe's cross-key rules, above all the batch algebra: what no single key's type, choices and range can say.
 
-``validate`` runs when a recipe is loaded (grpo_ds.config.recipe.load_recipe), after every key was checked on its own;
-each message names the key and the fix. The schema is not imported here at run time, only for type hints, so that the
-schema module can call in without a circle.
+``validate`` runs when a recipe is loaded (grpo_ds.config.loading.load_recipe), after every key was checked on its
+own; each message names the key and the fix. The schema is imported for type hints only; it knows nothing of these
+rules.
 """
 
 from __future__ import annotations

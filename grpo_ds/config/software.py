@@ -33,9 +33,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grpo_ds.config.recipe import BACKENDS
 from grpo_ds.errors import UserError
 
-if TYPE_CHECKING:  # the schema imports this module for the kernels backend choices
+if TYPE_CHECKING:
     from grpo_ds.config.recipe import Recipe
 
 # The distributions the report shows, in this order (torch's CUDA and NCCL are shown with it).
@@ -253,9 +254,6 @@ def check_peft() -> None:
                         f"pip install 'grpo_ds[lora]' (or '{PEFT_SPEC}'), or set model.lora_rank to null") from None
     if Version(found) < Version(PEFT_SPEC.removeprefix("peft>=")):
         raise UserError("model.lora_rank", f"peft {found} is too old", f"pip install '{PEFT_SPEC}'")
-
-
-BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
 
 
 def triton_problem(device_type: str) -> str | None:

@@ -17,7 +17,8 @@ from typing import Any
 from grpo_ds.config import software
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
 from grpo_ds.config.deepspeed_check import check_precision_supported
-from grpo_ds.config.recipe import Recipe, load_recipe
+from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.recipe import Recipe
 from grpo_ds.config.software import resolve_backend
 from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError

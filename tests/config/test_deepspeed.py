@@ -6,7 +6,7 @@ import math
 import pytest
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.errors import UserError
 
 # 5 prompts x 4 completions = 20 samples, 3 per micro-batch: gas differs at world sizes 1, 2, 3 (7, 4, 3)

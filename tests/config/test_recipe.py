@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.parse import parse_override
-from grpo_ds.config.recipe import SECTIONS, Recipe, iter_fields, load_recipe
+from grpo_ds.config.recipe import SECTIONS, Recipe, iter_fields
 from grpo_ds.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

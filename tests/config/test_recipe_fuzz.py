@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_ds.config.recipe import Recipe, iter_fields, load_recipe
+from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.recipe import Recipe, iter_fields
 from grpo_ds.errors import UserError
 
 KEYS = [(section, f) for section, f in iter_fields()]

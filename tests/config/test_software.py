@@ -10,7 +10,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from grpo_ds.config import software
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.errors import UserError
 from tests.launch import REPO, clean_env
 

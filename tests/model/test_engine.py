@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.model.engine import create_train_engine, deepspeed_arch_list, share_fp32_master, shared_master_note
 from grpo_ds.model.tiny import build_tiny_model

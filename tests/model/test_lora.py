@@ -17,7 +17,7 @@ import grpo_ds.model.policy as policy_module
 import grpo_ds.train as train_module
 from grpo_ds.config import software
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
 from grpo_ds.export import export

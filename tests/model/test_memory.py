@@ -7,7 +7,7 @@ import pytest
 
 from grpo_ds import check
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.model.memory import ModelShape, estimate
 from grpo_ds.run.preflight import prepare_inputs
 from tests.launch import REPO

@@ -3,7 +3,7 @@
 
 import pytest
 
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.errors import UserError
 from grpo_ds.rewards import RewardFunction, load_reward_functions
 from grpo_ds.rewards.builtin import exact_match, format_reward

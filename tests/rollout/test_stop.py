@@ -6,7 +6,7 @@ import json
 import pytest
 from transformers import GenerationConfig
 
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.model.loading import load_model, load_tokenizer
 from grpo_ds.model.tiny import IM_END, build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout.agent import AgentRolloutEngine

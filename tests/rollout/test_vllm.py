@@ -14,7 +14,7 @@ import torch
 
 from grpo_ds import check
 from grpo_ds.algo.importance import truncated_importance_weights
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.software import VLLM_SPEC
 from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("vLLM needs a CUDA GPU", allow_module_level=True)
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config  # noqa: E402
-from grpo_ds.config.recipe import load_recipe  # noqa: E402
+from grpo_ds.config.loading import load_recipe  # noqa: E402
 from grpo_ds.distributed.ranks import init_distributed  # noqa: E402
 from grpo_ds.model.engine import create_reference_engine
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402

@@ -88,7 +88,7 @@ def test_data_that_changed_under_a_run_stops_its_resume_unless_told_to_continue(
 def test_a_run_folder_from_before_a_key_existed_resumes_when_the_key_is_at_its_default(tmp_path):
     """An older grpo_ds wrote recipe.json without keys added since (here reward.chunk_samples): the run is the same
     recipe's while the new key is at its default, and another recipe's when it is not."""
-    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.config.loading import load_recipe
     from grpo_ds.errors import UserError
 
     recipe = load_recipe(TINY, {"run.output_dir": str(tmp_path)})

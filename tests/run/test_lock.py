@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.errors import UserError
 from grpo_ds.run import folder as run_folder
 from grpo_ds.run import lock as run_lock

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
 from grpo_ds.model import sequence_parallel
 from grpo_ds.model.engine import create_train_engine

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
 from grpo_ds.model.engine import create_reference_engine, create_train_engine
 from grpo_ds.model.loading import load_model

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 import torch  # noqa: E402
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config  # noqa: E402
-from grpo_ds.config.recipe import load_recipe  # noqa: E402
+from grpo_ds.config.loading import load_recipe  # noqa: E402
 from grpo_ds.distributed.ranks import init_distributed  # noqa: E402
 from grpo_ds.envs.calculator import CalculatorEnv  # noqa: E402
 from grpo_ds.model.loading import load_model, load_tokenizer  # noqa: E402

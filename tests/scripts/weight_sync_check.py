@@ -22,7 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.distributed.ranks import end_launched_rank, init_distributed
 from grpo_ds.model.engine import create_train_engine
 from grpo_ds.model.weight_gather import gathered_named_parameters

@@ -3,7 +3,7 @@
 import pytest
 
 import grpo_ds
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.errors import UserError
 from grpo_ds.step.evaluate import pass_at_k
 from tests.launch import REPO

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.errors import UserError
 from grpo_ds.step.plan import (
     old_logprob_pass_reason,

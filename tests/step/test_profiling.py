@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from grpo_ds.config.recipe import LoggingConfig, load_recipe
+from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.recipe import LoggingConfig
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError
 from grpo_ds.step.profiling import Phase, comms_path, profiled_steps, trace_path
