@@ -31,13 +31,9 @@ import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from grpo_ds.config.recipe import BACKENDS
+from grpo_ds.config.recipe import BACKENDS, Recipe
 from grpo_ds.errors import UserError
-
-if TYPE_CHECKING:
-    from grpo_ds.config.recipe import Recipe
 
 # The distributions the report shows, in this order (torch's CUDA and NCCL are shown with it).
 PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "datasets", "triton", "peft", "vllm", "wandb",
