@@ -46,16 +46,25 @@ def _schema_keys() -> list[str]:
     return [f"{section}.{f.name}" if section else f.name for section, f in iter_fields()]
 
 
+# The reference gives each key a definition: the key alone on a line, in backticks, then its meaning after ":   ".
+_DEFINED_KEY = re.compile(r"^`([A-Za-z_][\w.]*)`\n:   \S", flags=re.MULTILINE)
+
+
+def _defined_keys() -> list[str]:
+    return _DEFINED_KEY.findall(REFERENCE.read_text(encoding="utf-8"))
+
+
 def test_every_recipe_key_is_in_the_reference():
-    text = REFERENCE.read_text(encoding="utf-8")
-    missing = [key for key in _schema_keys() if f"| `{key}` |" not in text]
+    defined = set(_defined_keys())
+    missing = [key for key in _schema_keys() if key not in defined]
     assert not missing, f"docs/reference/recipe.md does not document {missing}; {REGENERATE}"
 
 
 def test_the_reference_names_only_existing_keys():
-    rows = re.findall(r"^\| `([A-Za-z_][\w.]*)` \|", REFERENCE.read_text(encoding="utf-8"), flags=re.MULTILINE)
-    stale = sorted(set(rows) - set(_schema_keys()))
-    assert rows and not stale, f"docs/reference/recipe.md documents keys the schema does not have: {stale}"
+    defined = _defined_keys()
+    stale = sorted(set(defined) - set(_schema_keys()))
+    assert defined and not stale, f"docs/reference/recipe.md documents keys the schema does not have: {stale}"
+    assert len(defined) == len(set(defined)), "docs/reference/recipe.md defines a key twice"
 
 
 def test_generated_pages_are_fresh():
@@ -178,6 +187,23 @@ def test_every_list_renders_as_a_list():
     md = _site_markdown()
     found = [hit for page in _pages() for hit in broken_lists(page, md)]
     assert not found, "a list renders as text (add a blank line before it; nest by four spaces):\n" + "\n".join(found)
+
+
+LAUNCH = {"docs/snippets/launch.txt": "```\n{}```", "docs/snippets/launch.py": "```python\n{}```"}
+
+
+@pytest.mark.parametrize("snippet", LAUNCH)
+def test_the_ways_to_launch_have_one_source(snippet):
+    """The launch commands (and the Python call) live in docs/snippets/; the home page and getting-started include
+    them, and the README, which GitHub shows without snippets, holds a verbatim copy."""
+    text = (ROOT / snippet).read_text(encoding="utf-8")
+    assert text.strip(), snippet
+    block = LAUNCH[snippet]
+    assert block.format(text) in (ROOT / "README.md").read_text(encoding="utf-8"), \
+        f"README.md's launch block differs from {snippet}: copy the file's text into the README's block"
+    for page in ("docs/index.md", "docs/getting-started.md"):
+        assert block.format(f'--8<-- "{snippet}"\n') in (ROOT / page).read_text(encoding="utf-8"), \
+            f"{page} should include {snippet} as a code block"
 
 
 def test_the_docs_build_with_strict(tmp_path):
