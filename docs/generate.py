@@ -40,12 +40,12 @@ sys.path.insert(0, str(REPO))  # this checkout's grpo_ds, whatever is installed
 # ------------------------------------------------------------------------------------------ reference pages
 
 def recipe_page() -> str:
-    from grpo_ds.config.reference import tables
+    from grpo_ds.config.reference import definitions
 
-    return (f"{GENERATED}\n# Recipe keys\n\nEvery key of a recipe, its type, default, allowed values and meaning, "
-            "generated from the schema (grpo_ds/config/recipe.py), which is the only place a default is written. "
-            "A key is set in the recipe's JSON (`{\"train\": {\"lr\": 1e-5}}`) or overridden on the command line "
-            "(`train.lr=1e-5`); see [Writing recipes](../guides/recipes.md).\n\n" + tables())
+    return (f"{GENERATED}\n# Recipe keys\n\nEvery key of a recipe: its meaning, then its type, default and allowed "
+            "values, generated from the schema (grpo_ds/config/recipe.py), which is the only place a default is "
+            "written. A key is set in the recipe's JSON (`{\"train\": {\"lr\": 1e-5}}`) or overridden on the command "
+            "line (`train.lr=1e-5`); see [Writing recipes](../guides/recipes.md).\n\n" + definitions())
 
 
 CLIS = ("train", "check", "export", "plot")

@@ -1,5 +1,6 @@
 """The docs site stays true to the code: it builds with --strict, its generated pages and transcripts are fresh,
-every recipe key is in the reference, and no module cites a file outside the repository."""
+every recipe key is in the reference, every list renders as a list, and no module cites a file outside the
+repository."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,19 @@ from grpo_ds.config.recipe import iter_fields
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference" / "recipe.md"
 REGENERATE = "regenerate the generated pages: python docs/generate.py"
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _docs_tool(module: str):
+    """Import one of the docs tools (the docs extra, which the test extra pulls in); skip without it, except in CI,
+    where a docs test that skips would let a broken site through."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        if IN_CI:
+            pytest.fail(f"CI=true and {module} is missing ({error}): CI must build the docs; "
+                        "install the docs tools: pip install -e \".[test]\" (it pulls the docs extra)")
+        pytest.skip(f"{module} is not installed: pip install -e \".[docs]\"")
 
 
 def _generate():
@@ -30,16 +46,25 @@ def _schema_keys() -> list[str]:
     return [f"{section}.{f.name}" if section else f.name for section, f in iter_fields()]
 
 
+# The reference gives each key a definition: the key alone on a line, in backticks, then its meaning after ":   ".
+_DEFINED_KEY = re.compile(r"^`([A-Za-z_][\w.]*)`\n:   \S", flags=re.MULTILINE)
+
+
+def _defined_keys() -> list[str]:
+    return _DEFINED_KEY.findall(REFERENCE.read_text(encoding="utf-8"))
+
+
 def test_every_recipe_key_is_in_the_reference():
-    text = REFERENCE.read_text(encoding="utf-8")
-    missing = [key for key in _schema_keys() if f"| `{key}` |" not in text]
+    defined = set(_defined_keys())
+    missing = [key for key in _schema_keys() if key not in defined]
     assert not missing, f"docs/reference/recipe.md does not document {missing}; {REGENERATE}"
 
 
 def test_the_reference_names_only_existing_keys():
-    rows = re.findall(r"^\| `([A-Za-z_][\w.]*)` \|", REFERENCE.read_text(encoding="utf-8"), flags=re.MULTILINE)
-    stale = sorted(set(rows) - set(_schema_keys()))
-    assert rows and not stale, f"docs/reference/recipe.md documents keys the schema does not have: {stale}"
+    defined = _defined_keys()
+    stale = sorted(set(defined) - set(_schema_keys()))
+    assert defined and not stale, f"docs/reference/recipe.md documents keys the schema does not have: {stale}"
+    assert len(defined) == len(set(defined)), "docs/reference/recipe.md defines a key twice"
 
 
 def test_generated_pages_are_fresh():
@@ -74,10 +99,119 @@ def test_masking_hides_only_what_differs_between_runs():
                                                                             "step 2 of 60")
 
 
+# Two ways Python-Markdown turns a list into something else. A list with no blank line before it joins the paragraph
+# above, and each of its markers stays text at the start of a rendered line. A list nested by fewer than four spaces
+# (two, say) is not nested at all: its items join the outer list, so the marker's indent is not a multiple of four.
+_SURVIVING_MARKER = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
+_SHALLOW_NESTING = re.compile(r"^( *)(?:[-*+]|\d+\.)\s+\S")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_PRE = re.compile(r"<pre\b.*?</pre>", flags=re.DOTALL)
+_TAG = re.compile(r"<[^>]+>")
+
+
+def _site_markdown():
+    """Python-Markdown with the extensions mkdocs.yml gives the site (and MkDocs' own), snippets read from the root."""
+    markdown, yaml = _docs_tool("markdown"), _docs_tool("yaml")
+    _docs_tool("pymdownx")
+
+    class Loader(yaml.SafeLoader):  # mkdocs.yml may hold !!python/name or !ENV tags; none of them matter here
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=Loader)
+    names, configs = ["toc", "tables", "fenced_code"], {}
+    for entry in config.get("markdown_extensions", []):
+        name, options = next(iter(entry.items())) if isinstance(entry, dict) else (entry, None)
+        names.append(name)
+        configs[name] = dict(options or {})
+    configs.setdefault("pymdownx.snippets", {})["base_path"] = [str(ROOT)]
+    return markdown.Markdown(extensions=list(dict.fromkeys(names)), extension_configs=configs)
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _source_line(source: list[str], text: str) -> int | None:
+    """The number of the source line that a surviving marker's rendered line came from (its first words match)."""
+    marker, _, rest = text.strip().partition(" ")
+    words = re.sub(r"[`*_]", "", rest).split()[:4]
+    for n, line in enumerate(source, 1):
+        plain = re.sub(r"[`*_]", "", line.strip())
+        if line.strip().startswith(marker) and plain.split()[1:5] == words:
+            return n
+    return None
+
+
+def broken_lists(page: Path, md) -> list[str]:
+    """Where the page's lists do not render as lists, as 'page:line: text': each rendered line (outside <pre>) that
+    starts with a list marker (a rendered item starts with <li>), and each item (outside code fences) nested by an
+    indent that is not a multiple of four."""
+    source = page.read_text(encoding="utf-8")
+    lines, where = source.splitlines(), page.relative_to(ROOT)
+    found = []
+    for line in _PRE.sub("", md.reset().convert(source)).splitlines():
+        if _SURVIVING_MARKER.match(line):
+            shown = unescape(_TAG.sub("", line)).strip()
+            found.append(f"{where}:{_source_line(lines, shown) or '?'}: marker inside a paragraph: {shown[:80]}")
+    fenced = False
+    for n, line in enumerate(lines, 1):
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (item := _SHALLOW_NESTING.match(line)) and len(item.group(1)) % 4:
+            found.append(f"{where}:{n}: nested by {len(item.group(1))} spaces, not 4: {line.strip()[:80]}")
+    return found
+
+
+def _broken(md, text: str) -> list[str]:
+    with tempfile.TemporaryDirectory(dir=ROOT) as folder:
+        page = Path(folder) / "probe.md"
+        page.write_text(text, encoding="utf-8")
+        return broken_lists(page, md)
+
+
+def test_the_list_checker_sees_a_list_rendered_as_text():
+    md = _site_markdown()
+    broken = {"no blank line": "Intro:\n- one\n- two\n", "two-space nesting": "- one\n  - inner\n- two\n",
+              "numbered": "Steps:\n1. one\n2. two\n", "in an admonition": "!!! note\n    Intro:\n    - one\n",
+              "nested in an admonition": "!!! note\n    - one\n      - inner\n"}
+    for what, text in broken.items():
+        assert _broken(md, text), what
+    good = "Intro:\n\n- one\n    - inner\n- two\n\n1. first\n\n```\n- in a code block\n  - nested\n```\n"
+    assert md.reset().convert(good).count("<li>") == 4 and not _broken(md, good)
+
+
+def test_every_list_renders_as_a_list():
+    """Every page (docs/ and the README), rendered with the site's Markdown extensions, has no list marker left in a
+    paragraph or item: a list needs a blank line before it and four-space nesting."""
+    md = _site_markdown()
+    found = [hit for page in _pages() for hit in broken_lists(page, md)]
+    assert not found, "a list renders as text (add a blank line before it; nest by four spaces):\n" + "\n".join(found)
+
+
+LAUNCH = {"docs/snippets/launch.txt": "```\n{}```", "docs/snippets/launch.py": "```python\n{}```"}
+
+
+@pytest.mark.parametrize("snippet", LAUNCH)
+def test_the_ways_to_launch_have_one_source(snippet):
+    """The launch commands (and the Python call) live in docs/snippets/; the home page and getting-started include
+    them, and the README, which GitHub shows without snippets, holds a verbatim copy."""
+    text = (ROOT / snippet).read_text(encoding="utf-8")
+    assert text.strip(), snippet
+    block = LAUNCH[snippet]
+    assert block.format(text) in (ROOT / "README.md").read_text(encoding="utf-8"), \
+        f"README.md's launch block differs from {snippet}: copy the file's text into the README's block"
+    for page in ("docs/index.md", "docs/getting-started.md"):
+        assert block.format(f'--8<-- "{snippet}"\n') in (ROOT / page).read_text(encoding="utf-8"), \
+            f"{page} should include {snippet} as a code block"
+
+
 def test_the_docs_build_with_strict(tmp_path):
     """mkdocs build --strict: a broken link, a missing anchor, a snippet that is not there or a docstring that does
     not render fails the build."""
-    pytest.importorskip("mkdocs")
+    _docs_tool("mkdocs")
+    _docs_tool("material")
+    _docs_tool("mkdocstrings_handlers.python")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)})

@@ -1,5 +1,7 @@
-"""The recipe reference, generated from the schema: one markdown table per section (key, type, default, allowed
-values, meaning) from the field declarations in grpo_ds/config/recipe.py.
+"""The recipe reference, generated from the schema: a heading per section and, under it, one definition per key (the
+key whole on its own line; below it, its meaning, then its type, default and allowed values) from the field
+declarations in grpo_ds/config/recipe.py. A definition per key, not a table, so that a key never wraps in a narrow
+column and its meaning is read without scrolling sideways on a phone.
 
 docs/generate.py writes it into docs/reference/recipe.md, and tests/test_docs.py checks that the page holds exactly
 this text; ``python -m grpo_ds.config.reference`` prints it.
@@ -39,23 +41,29 @@ def _allowed(meta: dict) -> str:
 
 
 def _escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    return text.replace("<", "&lt;").replace(">", "&gt;")
 
 
-def tables() -> str:
-    """Markdown: a ``## `section``` heading and a table per section."""
+def definitions() -> str:
+    """Markdown (with the def_list extension): a ``## `section``` heading per section, then per key::
+
+        `section.key`
+        :   Its meaning
+
+            type · default `value` · allowed values
+    """
     out, current = [], object()
     for section, f in iter_fields():
         if section != current:
             current = section
-            title = f"`{section}`" if section else f"`{f.name}` (a top-level value, not a section)"
-            out += ["", f"## {title}", "", "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+            out += ["", f"## `{section}`" if section else f"## `{f.name}` (a top-level value, not a section)"]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        key = f"{section}.{f.name}" if section else f.name
-        out.append(f"| `{key}` | {_type_name(f.type)} | `{json.dumps(default)}` | {_allowed(f.metadata)} | "
-                   f"{_escape(f.metadata['doc'])} |")
+        allowed = _allowed(f.metadata)
+        facts = [_type_name(f.type), f"default `{json.dumps(default)}`"] + ([allowed] if allowed else [])
+        out += ["", f"`{section}.{f.name}`" if section else f"`{f.name}`", f":   {_escape(f.metadata['doc'])}", "",
+                "    " + " · ".join(facts)]
     return "\n".join(out[1:]) + "\n"
 
 
 if __name__ == "__main__":
-    print(tables(), end="")
+    print(definitions(), end="")
