@@ -1,13 +1,19 @@
 """Generate the docs pages that come from the code and from real runs, or check that they are fresh.
 
-    python docs/generate.py                  # the recipe reference, the command-line reference, the benchmarks page
+    python docs/generate.py                  # the reference pages, the benchmarks pages and the pictures
     python docs/generate.py --transcripts    # also run the commands the docs show and record their consoles (minutes)
-    python docs/generate.py --check [--transcripts]   # exit 1 naming every page that differs from a fresh one
+    python docs/generate.py --pictures       # also run the tiny recipe again for the data of its pictures
+    python docs/generate.py --check [--transcripts]   # exit 1 naming each page or picture not fresh
 
 Generated, never edited by hand:
 - docs/reference/recipe.md: every recipe key from the schema (grpo_ds.config.reference);
 - docs/reference/cli.md: each command line's ``--help``;
-- docs/benchmarks.md: benchmarks/RESULTS.md, whose blocks the benchmark scripts append;
+- docs/benchmarks.md: a summary of benchmarks/RESULTS.md (whose blocks the benchmark scripts append), one row per
+  question from its latest block, and the pictures; docs/benchmarks-archive.md: every block;
+- docs/img/*.png: matplotlib pictures (``PICTURES``): grpo_ds's and TRL's reward from RESULTS.md, the tiny recipe's
+  curves and memory timeline drawn by grpo_ds.plot from a run's files kept in docs/img/tiny_cpu/, and the parts of the
+  package from the import rules of tests/test_layout.py. Each PNG carries the sha256 of what it is drawn from, so the
+  check tells new data from another matplotlib (whose pixels it cannot compare, and says so);
 - docs/transcripts/*.txt: the consoles of real runs of the commands shown in the docs, run from a scratch folder
   that holds the repository's recipes/ and ds_configs/ (so the commands are the ones a user types at the repository
   root). Timings, versions and the step at which a signal landed differ from run to run: the check compares the
@@ -367,18 +373,20 @@ def _target_cell(targets: tuple[Target, ...]) -> str:
 
 
 def summary_table(rows: list[Row]) -> str:
-    lines = ["| question | latest figure | target | machine | commit | block |", "|---|---|---|---|---|---|"]
+    """The summary: question, latest figure, target, and where and when (the block's date, linked to it on the
+    archive page, its machine and its commit)."""
+    lines = ["| question | latest figure | target | measured |", "|---|---|---|---|"]
     for row in rows:
         block = row.block
         if block is None:
-            lines.append(f"| {row.question.title} | not measured yet | - | - | - | - |")
+            lines.append(f"| {row.question.title} | not measured yet | - | - |")
             continue
         figure = row.figure if row.unreadable is None else f"**unreadable block**: {row.unreadable}"
         commit = (block.field("commit") or "?").split(" ")[0]
         date = re.search(r"\((\d{4}-\d\d-\d\d)[^)]*\)\s*$", block.heading)
         link = f"[#{block.index}{', ' + date.group(1) if date else ''}]({ARCHIVE}#{block.anchor})"
         lines.append(f"| {row.question.title} | {_escape(figure)} | {_escape(_target_cell(row.targets))} | "
-                     f"{_escape(short_machine(block.field('machine')))} | `{commit}` | {link} |")
+                     f"{link}, {_escape(short_machine(block.field('machine')))}, `{commit}` |")
     return "\n".join(lines) + "\n"
 
 
@@ -392,10 +400,11 @@ def benchmarks_page() -> str:
     unread = [r for r in rows if r.unreadable]
     parts = [
         f"{GENERATED}\n# Benchmarks\n\nWhere grpo_ds stands against TRL, eager PyTorch and Liger-Kernel today, one "
-        "row per question. Each row is the **latest block** that answers its question in benchmarks/RESULTS.md (the "
-        "last one a benchmark's `--record` appended), never typed by hand: its headline figure, the targets the "
-        "block states with met or NOT met, the machine, the commit, and a link to the block in the "
-        f"[archive]({ARCHIVE}), which holds all {len(found)} blocks with their commands and every table.\n\n",
+        "row per question. A row shows the **latest block** that answers its question in benchmarks/RESULTS.md (the "
+        "last one a benchmark's `--record` appended; nothing here is typed by hand): its headline figure, the "
+        "targets the block states, met or NOT met, and where it was measured: the block (linked to it in the "
+        f"[archive]({ARCHIVE}), which holds all {len(found)} blocks with their commands and tables), the machine "
+        "and the commit.\n\n",
         summary_table(rows),
     ]
     if unread:
@@ -415,10 +424,18 @@ def benchmarks_page() -> str:
         "`python -m grpo_ds.plot` from the "
         "run's own files, kept beside the pictures: [metrics.jsonl](img/tiny_cpu/metrics.jsonl), "
         "[rank0.memory.csv](img/tiny_cpu/profile/rank0.memory.csv) (`logging.profile_steps`) and "
-        "[recipe.json](img/tiny_cpu/recipe.json). Later steps follow the CPU's BLAS rounding, so a rerun on "
-        "another CPU draws a curve of the same shape, not the same points.\n\n"
+        f"[recipe.json](img/tiny_cpu/recipe.json). Its time axis is that run's: a median step of {_tiny_step_s()} s "
+        "on the machine that ran it (a shared 2-core CPU). Later steps follow the CPU's BLAS rounding, so a rerun "
+        "on another CPU draws a curve of the same shape, not the same points.\n\n"
         "## Running the benchmarks\n\n" + "\n\n".join(p for p in preamble.split("\n\n") if " below " not in p))
     return "".join(parts)
+
+
+def _tiny_step_s() -> str:
+    from grpo_ds.run.metrics import read_metrics
+
+    times = sorted(r["time_step_s"] for r in read_metrics(TINY_DATA) if "time_step_s" in r)
+    return f"{times[len(times) // 2]:.2f}" if times else "?"
 
 
 def _quoted(arg: str) -> str:
