@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import html
 import io
@@ -632,6 +633,7 @@ def draw_tiny_memory() -> Figure:
     return make_memory_figure(TINY_DATA)
 
 
+@functools.cache
 def _layout_rules():
     """tests/test_layout.py, whose tables MAY_IMPORT and NEVER_IMPORT (and its import graph) the diagram draws."""
     import importlib.util
@@ -706,7 +708,8 @@ def draw_architecture() -> Figure:
     for (a, b), kind in edges.items():
         ax.annotate("", xy=where[b], xytext=where[a], arrowprops=dict(
             arrowstyle="-|>", shrinkA=16, shrinkB=16, color="black" if kind == "may" else "0.55",
-            linestyle="-" if kind == "may" else "--", linewidth=1.0, connectionstyle="arc3,rad=0.12"))
+            linestyle="-" if kind == "may" else "--", linewidth=1.0,
+            connectionstyle=f"arc3,rad={0.1 + 0.06 * (abs(where[b][0] - where[a][0]) - 1):.2f}"))  # long: bend more
     for node, (x, y) in where.items():
         ax.text(x, y, node, ha="center", va="center", fontsize="medium", family="monospace",
                 bbox=dict(boxstyle="round,pad=0.4", edgecolor="0.3",
