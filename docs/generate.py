@@ -876,6 +876,10 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote docs/img/tiny_cpu/", file=sys.stderr)
     for name, make in PAGES.items():
         (DOCS / name).write_text(make())
+    for row in summary(blocks(RESULTS.read_text())[1])[0]:
+        if row.unreadable:
+            print(f"note: {row.question.title}: block #{row.block.index} is unreadable ({row.unreadable})",
+                  file=sys.stderr)
     IMG.mkdir(exist_ok=True)
     for name, picture in PICTURES.items():
         (IMG / name).write_bytes(png(picture))
