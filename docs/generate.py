@@ -1,13 +1,19 @@
 """Generate the docs pages that come from the code and from real runs, or check that they are fresh.
 
-    python docs/generate.py                  # the recipe reference, the command-line reference, the benchmarks page
+    python docs/generate.py                  # the reference pages, the benchmarks pages and the pictures
     python docs/generate.py --transcripts    # also run the commands the docs show and record their consoles (minutes)
-    python docs/generate.py --check [--transcripts]   # exit 1 naming every page that differs from a fresh one
+    python docs/generate.py --pictures       # also run the tiny recipe again for the data of its pictures
+    python docs/generate.py --check [--transcripts]   # exit 1 naming each page or picture not fresh
 
 Generated, never edited by hand:
 - docs/reference/recipe.md: every recipe key from the schema (grpo_ds.config.reference);
 - docs/reference/cli.md: each command line's ``--help``;
-- docs/benchmarks.md: benchmarks/RESULTS.md, whose blocks the benchmark scripts append;
+- docs/benchmarks.md: a summary of benchmarks/RESULTS.md (whose blocks the benchmark scripts append), one row per
+  question from its latest block, and the pictures; docs/benchmarks-archive.md: every block;
+- docs/img/*.png: matplotlib pictures (``PICTURES``): grpo_ds's and TRL's reward from RESULTS.md, the tiny recipe's
+  curves and memory timeline drawn by grpo_ds.plot from a run's files kept in docs/img/tiny_cpu/, and the parts of the
+  package from the import rules of tests/test_layout.py. Each PNG carries the sha256 of what it is drawn from, so the
+  check tells new data from another matplotlib (whose pixels it cannot compare, and says so);
 - docs/transcripts/*.txt: the consoles of real runs of the commands shown in the docs, run from a scratch folder
   that holds the repository's recipes/ and ds_configs/ (so the commands are the ones a user types at the repository
   root). Timings, versions and the step at which a signal landed differ from run to run: the check compares the
@@ -18,16 +24,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import hashlib
+import html
 import io
+import json
 import os
 import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -71,17 +87,375 @@ def cli_page() -> str:
     return "".join(parts)
 
 
+# ------------------------------------------------------------------------------------------------- benchmarks
+
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+ARCHIVE = "benchmarks-archive.md"
+
+
+class Target(NamedTuple):
+    """One verdict a block states: what was aimed at, and whether it was met."""
+
+    what: str
+    met: bool
+
+
+class Block(NamedTuple):
+    """One ``## ...`` section of RESULTS.md, as a benchmark's ``--record`` appended it (benchmarks/common.py)."""
+
+    index: int  # 1 for the first block of the file
+    heading: str  # the heading's text, without "## "
+    text: str  # the whole section, its heading line included
+    anchor: str = ""  # the id of its heading on the archive page
+
+    @property
+    def name(self) -> str:
+        return self.heading.split(":", 1)[0].strip()
+
+    def field(self, key: str) -> str | None:
+        """The value of the ``- key: value`` line under the heading (machine, command, commit), None if absent."""
+        found = re.search(rf"^- {key}: (.+)$", self.text, re.M)
+        return found.group(1).strip().strip("`") if found else None
+
+    @property
+    def problems(self) -> list[str]:
+        """What the parser did not find that every recorded block has."""
+        return [f"no '- {key}:' line" for key in ("machine", "command", "commit") if self.field(key) is None]
+
+    def tables(self) -> list[list[dict[str, str]]]:
+        """Each markdown table of the block, as rows of {header: cell}."""
+        found, lines = [], self.text.splitlines()
+        i = 0
+        while i < len(lines):
+            if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|[\s|:-]+\|$", lines[i + 1]):
+                headers = _cells(lines[i])
+                i += 2
+                rows = []
+                while i < len(lines) and lines[i].startswith("|"):
+                    rows.append(dict(zip(headers, _cells(lines[i]), strict=False)))
+                    i += 1
+                found.append(rows)
+            else:
+                i += 1
+        return found
+
+    def row(self, **where: str) -> dict[str, str]:
+        """The first table row whose cells equal ``where`` (a header's spaces written as "_"); KeyError if none."""
+        for table in self.tables():
+            for row in table:
+                if all(row.get(k.replace("_", " ")) == v for k, v in where.items()):
+                    return row
+        raise KeyError(f"no table row with {where}")
+
+    def note(self, prefix: str) -> str:
+        """The rest of the first ``- prefix...`` line; KeyError if none."""
+        found = re.search(rf"^- {re.escape(prefix)}(.*)$", self.text, re.M)
+        if not found:
+            raise KeyError(f"no line '- {prefix}...'")
+        return found.group(1).strip()
+
+    @property
+    def targets(self) -> list[Target]:
+        """The block's verdicts: a bullet clause ending ": met" / ": NOT met", each item of a "target (...): a met,
+        b NOT met" list, and each "met" / "NOT met" cell of a table (named by the row's first cell and the column)."""
+        found = []
+        for line in re.findall(r"^- (.+)$", self.text, re.M):
+            for clause in line.split("; "):
+                listed = re.match(r"^target \((.*)\): (.+)$", clause)
+                if listed and listed.group(2) in ("met", "NOT met"):
+                    found.append(Target(listed.group(1), listed.group(2) == "met"))
+                elif listed:
+                    for item in listed.group(2).split(", "):
+                        if verdict := re.match(r"^(.+?) (met|NOT met)$", item):
+                            found.append(Target(f"{listed.group(1)}: {verdict.group(1)}", verdict.group(2) == "met"))
+                elif verdict := re.match(r"^(.+): (met|NOT met)$", clause):
+                    found.append(Target(verdict.group(1), verdict.group(2) == "met"))
+        for table in self.tables():
+            for row in table:
+                cells = list(row.items())
+                found += [Target(f"{cells[0][1]}: {header}", cell == "met") for header, cell in cells[1:]
+                          if cell in ("met", "NOT met")]
+        return found
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def blocks(text: str) -> tuple[str, list[Block]]:
+    """RESULTS.md's preamble (under its title) and its blocks, in the order they were appended."""
+    parts = re.split(r"^(?=## )", text, flags=re.M)
+    preamble = parts[0].split("\n", 1)[1] if parts[0].startswith("# ") else parts[0]
+    found, used = [], set()
+    for i, part in enumerate(parts[1:], 1):
+        heading = part.split("\n", 1)[0][3:].strip()
+        found.append(Block(i, heading, part.rstrip("\n") + "\n", _anchor(heading, used)))
+    return preamble.strip("\n") + "\n", found
+
+
+def _anchor(heading: str, used: set[str]) -> str:
+    """The id Python-Markdown's toc gives the heading on the archive page (slugify, then _1, _2 for repeats)."""
+    from markdown.extensions.toc import slugify, unique
+
+    return unique(slugify(html.unescape(heading), "-"), used)
+
+
+class Question(NamedTuple):
+    """One row of the summary: the blocks that answer it (``asks``, on the heading) and the figure a reader wants
+    from the latest of them (``figure``; a KeyError or ValueError there marks the block unreadable)."""
+
+    title: str
+    asks: Callable[[str], bool]
+    figure: Callable[[Block], str]
+
+
+def _heading(pattern: str) -> Callable[[str], bool]:
+    return lambda heading: re.search(pattern, heading) is not None
+
+
+def _vs_trl(block: Block) -> str:
+    return "grpo_ds / TRL: " + block.note("grpo_ds / TRL: ")
+
+
+def _logprobs(block: Block) -> str:
+    row = block.row(variant="triton", mode="full")
+    return f"triton full: {row['speedup vs eager']} eager, {row['% of copy']}% of copy bandwidth"
+
+
+def _fused_linear(block: Block) -> str:
+    row = next(r for t in block.tables() for r in t if r.get("variant", "").startswith("triton/")
+               and r.get("mode") == "full")
+    return (f"{row['variant']} full: {row['speedup vs eager']} eager, {row['speedup vs liger']} Liger, "
+            f"{row['mem / liger']} of Liger's memory")
+
+
+def _kernel(variant: str, mode: str) -> Callable[[Block], str]:
+    def figure(block: Block) -> str:
+        row = block.row(variant=variant, mode=mode)
+        return f"{variant} {mode}: {row['speedup vs eager']} eager, {row['mem / eager']} of its memory"
+    return figure
+
+
+def _memory_estimate(block: Block) -> str:
+    rows = block.tables()[0]
+    worst = max(rows, key=lambda r: abs(float(r["estimate / measured - 1"].rstrip("%"))))
+    return (f"{sum(r['within 25%'] == 'met' for r in rows)} of {len(rows)} configurations within 25%; widest "
+            f"{worst['estimate / measured - 1']} ({worst['configuration']})")
+
+
+def _rollout(block: Block) -> str:
+    shown = [f"{name}: {block.row(variant=variant)['wall vs plain generate']}"
+             for name, variant in (("hf", "grpo_ds"), ("vLLM", "vllm"))
+             if any(r.get("variant") == variant for t in block.tables() for r in t)]
+    return "wall time vs plain generate: " + ", ".join(shown)
+
+
+def _reward_pool(block: Block) -> str:
+    row = block.tables()[0][-1]
+    return f"{next(iter(row.values()))}: {row['speed-up']}x the trainer's own process"
+
+
+def _weight_sync(block: Block) -> str:
+    rows = [r for r in block.tables()[0] if r["variant"].startswith("grpo_ds/")]
+    best = max(rows, key=lambda r: float(r["speedup vs per-tensor"].rstrip("x")))
+    return (f"{best['variant']}: {best['speedup vs per-tensor']} per-tensor, {best['collectives per sync']} "
+            f"collectives per sync")
+
+
+def _seeds(block: Block) -> str:
+    rows = block.tables()[0]
+    rewards = [float(r["reward, last 10 steps"]) for r in rows]
+    seconds = max(float(r["training s"]) for r in rows)
+    return f"last-10 reward {min(rewards):.3f}-{max(rewards):.3f} over {len(rows)} seeds, <= {seconds:.1f} s training"
+
+
+def _first_note(prefix: str) -> Callable[[Block], str]:
+    """The line that starts with ``prefix``, its targets and verdicts left to the target column."""
+    def figure(block: Block) -> str:
+        line = re.sub(r"; target .*$", "", prefix + block.note(prefix))
+        return re.sub(r" \(target [^)]*\)|: (NOT )?met\b", "", line)
+    return figure
+
+
+def _check_step(block: Block) -> str:
+    found = re.search(r"^VERDICT: (.+?)(;|$)", block.text, re.M)
+    if not found:
+        raise KeyError("no VERDICT line")
+    return found.group(1)
+
+
+def _not_measured(block: Block) -> str:
+    raise KeyError("no figure read from this kind of block yet")
+
+
+QUESTIONS = (
+    Question("Speed and memory vs TRL, CPU, tiny model", _heading(r"^bench_vs_trl: builtin:tiny.*, cpu \("), _vs_trl),
+    Question("Speed and memory vs TRL, CPU, vocabulary 151,936",
+             _heading(r"^bench_vs_trl: .*vocabulary 151,936.*, cpu \("), _vs_trl),
+    Question("Speed and memory vs TRL, GPU, 0.5 B", _heading(r"^bench_vs_trl: .*, cuda \("), _vs_trl),
+    Question("Same loss and step as TRL (one fixed batch)", _heading(r"^check_step_vs_trl:"), _check_step),
+    Question("Log-prob kernel vs eager (op logprobs)", _heading(r"^bench_logprobs: op logprobs"), _logprobs),
+    Question("Log-prob loss kernel vs eager (op loss)", _heading(r"^bench_logprobs: op loss"), _logprobs),
+    Question("Fused linear + loss vs eager and Liger", _heading(r"^bench_fused_linear:"), _fused_linear),
+    Question("Policy-loss kernel vs eager", _heading(r"^bench_policy_loss:"), _kernel("triton", "full")),
+    Question("Advantage kernel vs eager", _heading(r"^bench_advantages:"), _kernel("triton", "forward")),
+    Question("Memory estimate vs measured", _heading(r"^Memory estimate vs measured"), _memory_estimate),
+    Question("Rollout: hf and vLLM vs plain generate", _heading(r"^bench_rollout:"), _rollout),
+    Question("Reward worker pool", _heading(r"^bench_reward_pool: \d+ completions"), _reward_pool),
+    Question("Reward worker pool: the tiny recipe's cost", _heading(r"^bench_reward_pool: the tiny recipe"),
+             _first_note("after / before: ")),
+    Question("Weight sync to the rollout engine", _heading(r"^bench_weight_sync:"), _weight_sync),
+    Question("Tiny recipe learns (tiny_cpu.json)", _heading(r"^tiny_recipe_seeds: tiny_cpu\.json"), _seeds),
+    Question("Tiny recipe learns with vLLM (tiny_vllm_cpu.json)", _heading(r"^tiny_recipe_seeds: tiny_vllm_cpu\.json"),
+             _seeds),
+    Question("Tiny multi-turn recipe learns", _heading(r"^tiny_recipe_seeds: multiturn_tiny_cpu\.json"), _seeds),
+    Question("Tiny LoRA recipe learns", _heading(r"^tiny_recipe_seeds: lora_tiny_cpu\.json"), _seeds),
+    Question("End to end on a GPU, 0.5 B", _heading(r"^grpo_ds end to end:"),
+             _first_note("after the first step (median): ")),
+    Question("Packed vs padded micro-batches", _heading(r"^Packed vs padded"), _first_note("packed is ")),
+    Question("Partitioned loading at scale", _heading(r"^Partitioned loading at scale"), _first_note("1/dp: ")),
+    Question("One rank: ZeRO stage 1 vs 3", _heading(r"^bench_one_rank_stage:"),
+             _first_note("step time stage 1 / stage 3: ")),
+    Question("Large models: estimated fit in 8 x 80 GiB", _heading(r"^Large-model memory estimates"),
+             lambda block: f"{sum(r['in 80 GiB'] == 'yes' for r in block.tables()[0])} of "
+                           f"{len(block.tables()[0])} layouts fit (estimates, not measured)"),
+    Question("Placement (rollout and training on separate GPUs)", _heading(r"(?i)placement"), _not_measured),
+    Question("Reward models", _heading(r"(?i)reward.model"), _not_measured),
+)
+
+
+class Row(NamedTuple):
+    """A summary row: the question, the latest block that answers it (None: not measured yet), its figure and
+    targets, or what made the block unreadable."""
+
+    question: Question
+    block: Block | None
+    figure: str
+    targets: tuple[Target, ...]
+    unreadable: str | None  # None when the block was read
+
+
+def summary(all_blocks: list[Block]) -> tuple[list[Row], list[Block]]:
+    """One row per question from its latest block, and the blocks no question asks for (listed, not dropped)."""
+    rows = []
+    for question in QUESTIONS:
+        answers = [b for b in all_blocks if question.asks(b.heading)]
+        if not answers:
+            rows.append(Row(question, None, "not measured yet", (), None))
+            continue
+        block = answers[-1]
+        problems = list(block.problems)
+        try:
+            figure = question.figure(block)
+        except (KeyError, ValueError, IndexError, StopIteration) as err:
+            figure, problems = "", [*problems, f"figure not found ({err})"]
+        rows.append(Row(question, block, figure, tuple(block.targets), "; ".join(problems) or None))
+    unasked = [b for b in all_blocks if not any(q.asks(b.heading) for q in QUESTIONS)]
+    return rows, unasked
+
+
+def short_machine(machine: str | None) -> str:
+    """"AMD EPYC, 2 cores", "Intel Xeon Processor, 16 cores, NVIDIA H200" from a block's machine line."""
+    if not machine:
+        return "?"
+    cpu = re.sub(r"\(R\)|\(TM\)| Processor", "", machine.split(";")[0]).split(" (")[0]
+    gpu = re.search(r"NVIDIA [\w -]+?(?= \(|,|;|$)", machine)
+    return gpu.group(0) if gpu else re.sub(r"\s+", " ", cpu).strip()
+
+
+def _target_cell(targets: tuple[Target, ...]) -> str:
+    if not targets:
+        return "no target stated"
+    missed = [t.what for t in targets if not t.met]
+    if not missed:
+        return f"met ({len(targets)} of {len(targets)})" if len(targets) > 1 else f"met: {targets[0].what}"
+    return (f"**NOT met**: {'; '.join(missed)}" + (f" (met: {len(targets) - len(missed)} of {len(targets)})"
+                                                  if len(targets) > len(missed) else ""))
+
+
+def summary_table(rows: list[Row]) -> str:
+    """The summary: question, latest figure, target, and where and when (the block's date, linked to it on the
+    archive page, its machine and its commit)."""
+    lines = ["| question | latest figure | target | measured |", "|---|---|---|---|"]
+    for row in rows:
+        block = row.block
+        if block is None:
+            lines.append(f"| {row.question.title} | not measured yet | - | - |")
+            continue
+        figure = row.figure if row.unreadable is None else f"**unreadable block**: {row.unreadable}"
+        commit = (block.field("commit") or "?").split(" ")[0]
+        date = re.search(r"\((\d{4}-\d\d-\d\d)[^)]*\)\s*$", block.heading)
+        link = f"[#{block.index}{', ' + date.group(1) if date else ''}]({ARCHIVE}#{block.anchor})"
+        lines.append(f"| {row.question.title} | {_escape(figure)} | {_escape(_target_cell(row.targets))} | "
+                     f"{link}, {_escape(short_machine(block.field('machine')))}, `{commit}` |")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(cell: str) -> str:
+    return cell.replace("|", "\\|").replace("<", "&lt;")
+
+
 def benchmarks_page() -> str:
-    text = (REPO / "benchmarks" / "RESULTS.md").read_text()
-    body = text.split("\n", 1)[1] if text.startswith("# ") else text
-    return (f"{GENERATED}\n# Benchmarks\n\nbenchmarks/RESULTS.md, as the benchmark scripts appended it: each block "
-            "names its machine, its command and its commit.\n" + body)
+    preamble, found = blocks(RESULTS.read_text())
+    rows, unasked = summary(found)
+    unread = [r for r in rows if r.unreadable]
+    parts = [
+        f"{GENERATED}\n# Benchmarks\n\nWhere grpo_ds stands against TRL, eager PyTorch and Liger-Kernel today, one "
+        "row per question. A row shows the **latest block** that answers its question in benchmarks/RESULTS.md (the "
+        "last one a benchmark's `--record` appended; nothing here is typed by hand): its headline figure, the "
+        "targets the block states, met or NOT met, and where it was measured: the block (linked to it in the "
+        f"[archive]({ARCHIVE}), which holds all {len(found)} blocks with their commands and tables), the machine "
+        "and the commit.\n\n",
+        summary_table(rows),
+    ]
+    if unread:
+        parts.append("\n!!! warning \"Blocks the page could not read\"\n" + "".join(
+            f"    - {r.question.title}: block #{r.block.index} ({r.unreadable})\n" for r in unread))
+    if unasked:
+        parts.append("\nBlocks no row asks for (see the archive): " + ", ".join(
+            f"[#{b.index} {b.name}]({ARCHIVE}#{b.anchor})" for b in unasked) + ".\n")
+    parts.append(
+        "\n## Reward against TRL\n\n![Reward of grpo_ds and TRL at equal samples](img/reward_vs_trl.png)\n\n"
+        "The mean reward at equal samples of grpo_ds and TRL's GRPOTrainer on the same tiny model, task, reward and "
+        "settings, from the latest CPU tiny-model bench_vs_trl block (the points its table reports, averaged over "
+        "its runs).\n\n"
+        "## The tiny recipe, step by step\n\n![Reward, groups without signal and entropy of the tiny recipe]"
+        "(img/tiny_cpu_curves.png)\n\n![Memory of the tiny recipe's profiled steps](img/tiny_cpu_memory.png)\n\n"
+        f"`python -m grpo_ds.train {TINY} {' '.join(_quoted(a) for a in TINY_OVERRIDES)}`, drawn by "
+        "`python -m grpo_ds.plot` from the "
+        "run's own files, kept beside the pictures: [metrics.jsonl](img/tiny_cpu/metrics.jsonl), "
+        "[rank0.memory.csv](img/tiny_cpu/profile/rank0.memory.csv) (`logging.profile_steps`) and "
+        f"[recipe.json](img/tiny_cpu/recipe.json). Its time axis is that run's: a median step of {_tiny_step_s()} s "
+        "on the machine that ran it (a shared 2-core CPU). Later steps follow the CPU's BLAS rounding, so a rerun "
+        "on another CPU draws a curve of the same shape, not the same points.\n\n"
+        "## Running the benchmarks\n\n" + "\n\n".join(p for p in preamble.split("\n\n") if " below " not in p))
+    return "".join(parts)
+
+
+def _tiny_step_s() -> str:
+    from grpo_ds.run.metrics import read_metrics
+
+    times = sorted(r["time_step_s"] for r in read_metrics(TINY_DATA) if "time_step_s" in r)
+    return f"{times[len(times) // 2]:.2f}" if times else "?"
+
+
+def _quoted(arg: str) -> str:
+    return f"'{arg}'" if re.search(r"[\s\[\]{}\"*]", arg) else arg
+
+
+def benchmarks_archive_page() -> str:
+    preamble, found = blocks(RESULTS.read_text())
+    return (f"{GENERATED}\n# Benchmarks archive\n\nEvery block of benchmarks/RESULTS.md, oldest first, as the "
+            "benchmark scripts appended it: each names its machine, its command and its commit. The "
+            "[summary](benchmarks.md) shows the latest block per question.\n\n" + preamble + "\n"
+            + "\n".join(b.text for b in found))
 
 
 PAGES: dict[str, Callable[[], str]] = {
     "reference/recipe.md": recipe_page,
     "reference/cli.md": cli_page,
     "benchmarks.md": benchmarks_page,
+    ARCHIVE: benchmarks_archive_page,
 }
 
 
@@ -207,11 +581,273 @@ def transcript_path(name: str) -> Path:
     return DOCS / "transcripts" / f"{name}.txt"
 
 
+# --------------------------------------------------------------------------------------------------- pictures
+
+IMG = DOCS / "img"
+TINY_DATA = IMG / "tiny_cpu"  # the files of a run of the tiny recipe that the pictures are drawn from
+TINY_OVERRIDES = ("logging.profile_steps=[2,4]", "logging.profile_trace=false", "logging.progress_bar=false")
+TINY_FILES = ("metrics.jsonl", "recipe.json", "profile/rank0.memory.csv")
+
+
+def _figure_class():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    return Figure, FigureCanvasAgg
+
+
+def draw_reward_vs_trl() -> Figure:
+    """grpo_ds's and TRL's reward at equal samples: the "reward @ N" columns of the latest CPU tiny-model
+    bench_vs_trl block."""
+    _, found = blocks(RESULTS.read_text())
+    block = [b for b in found if QUESTIONS[0].asks(b.heading)][-1]
+    figure_class, canvas_class = _figure_class()
+    fig = figure_class(figsize=(7.2, 4.0), dpi=100, layout="constrained")
+    canvas_class(fig)
+    ax = fig.add_subplot()
+    for row, style in zip(block.tables()[0], ("o-", "s--"), strict=False):
+        points = [(float(k.split("@")[1].replace(",", "")), float(v)) for k, v in row.items()
+                  if k.startswith("reward @") and v not in ("-", "")]
+        ax.plot(*zip(*points, strict=True), style, label=f"{row['trainer']} ({row['runs']} runs)")
+    ax.set_xlabel("samples trained on")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    date = re.search(r"\((\d{4}-\d\d-\d\d)", block.heading)
+    ax.set_title(f"builtin:tiny on builtin:arith: block #{block.index} ({date.group(1) if date else 'undated'}), "
+                 f"{short_machine(block.field('machine'))}",
+                 fontsize="medium")
+    return fig
+
+
+def draw_tiny_curves() -> Figure:
+    from grpo_ds.plot import make_figure
+
+    return make_figure(TINY_DATA, keys=["reward_mean", "no_signal_frac", "entropy"])
+
+
+def draw_tiny_memory() -> Figure:
+    from grpo_ds.plot import make_memory_figure
+
+    return make_memory_figure(TINY_DATA)
+
+
+@functools.cache
+def _layout_rules():
+    """tests/test_layout.py, whose tables MAY_IMPORT and NEVER_IMPORT (and its import graph) the diagram draws."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_rules", REPO / "tests" / "test_layout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def architecture_edges() -> tuple[list[str], dict[tuple[str, str], str]]:
+    """The parts (sub-packages, the CLIs, errors) and the arrows to draw between them: "may" wherever
+    test_layout's MAY_IMPORT lets a lower part import another part; "imports" for an upper part's imports (which only
+    NEVER_IMPORT and "no circles" bound), read from test_layout's import graph, leaving out an arrow a -> c that a
+    path a -> b -> c already shows."""
+    rules = _layout_rules()
+    nodes = [*rules.PARTS, *(t for t in rules.TOP_LEVEL if t != "__init__")]
+    part = rules._part
+    edges = {}
+    for name, deps in sorted(rules.GRAPH.items()):
+        for dep in sorted(deps):
+            a, b = part(name), part(dep)
+            if a != b and a in nodes and b in nodes:
+                edges[(a, b)] = "imports"
+    for rule, allowed in rules.MAY_IMPORT.items():
+        for target in allowed:
+            a, b = part(rule), part(target)
+            if a != b:
+                edges[(a, b)] = "may"
+
+    def reaches(a: str, c: str, skip: tuple[str, str]) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            node = todo.pop()
+            for x, y in edges:
+                if x == node and (x, y) != skip and y not in seen:
+                    if y == c:
+                        return True
+                    seen.add(y)
+                    todo.append(y)
+        return False
+
+    implied = {e for e, kind in edges.items() if kind == "imports" and reaches(*e, skip=e)}
+    return nodes, {e: kind for e, kind in sorted(edges.items()) if e not in implied}
+
+
+def draw_architecture() -> Figure:
+    rules = _layout_rules()
+    nodes, edges = architecture_edges()
+    depth: dict[str, int] = {}
+
+    def level(node: str) -> int:  # 0: imports no other part; the graph has no circle (test_layout)
+        if node not in depth:
+            depth[node] = 1 + max((level(b) for (a, b) in edges if a == node), default=-1)
+        return depth[node]
+
+    layers: dict[int, list[str]] = {}
+    for node in nodes:
+        layers.setdefault(level(node), []).append(node)
+    top = max(layers)
+    where: dict[str, tuple[float, float]] = {}
+    for x in sorted(layers):  # columns from the CLIs (left) down to what imports nothing (right)
+        column = sorted(layers[x], key=lambda n: (sum(where[b][1] for (a, b) in edges if a == n and b in where)
+                                                  / max(1, sum(1 for (a, b) in edges if a == n and b in where)), n))
+        for y, node in enumerate(column):
+            where[node] = (float(top - x), (len(column) - 1) / 2 - y)
+    figure_class, canvas_class = _figure_class()
+    height = max(len(v) for v in layers.values())
+    fig = figure_class(figsize=(12.0, 1.0 * height + 2.0), dpi=100, layout="constrained")
+    canvas_class(fig)
+    ax = fig.add_subplot()
+    for (a, b), kind in edges.items():
+        ax.annotate("", xy=where[b], xytext=where[a], arrowprops=dict(
+            arrowstyle="-|>", shrinkA=16, shrinkB=16, color="black" if kind == "may" else "0.55",
+            linestyle="-" if kind == "may" else "--", linewidth=1.0,
+            connectionstyle=f"arc3,rad={0.1 + 0.06 * (abs(where[b][0] - where[a][0]) - 1):.2f}"))  # long: bend more
+    for node, (x, y) in where.items():
+        ax.text(x, y, node, ha="center", va="center", fontsize="medium", family="monospace",
+                bbox=dict(boxstyle="round,pad=0.4", edgecolor="0.3",
+                          facecolor="#dbe6f7" if node in rules.ENTRY_POINTS else "#f4f4f4"))
+    never = "; ".join(f"{p.removeprefix('grpo_ds.')} never imports "
+                      f"{', '.join(n.removeprefix('grpo_ds.') for n in ns)}" for p, ns in rules.NEVER_IMPORT)
+    ax.set_title("grpo_ds's parts, each pointing at what it imports. Solid: allowed by MAY_IMPORT in "
+                 "tests/test_layout.py. Dashed: an upper part's imports\n(an arrow that a path of arrows already "
+                 "shows is left out). Blue: the command lines, which nothing imports. No circles.", fontsize="small")
+    ax.text(0.5, -0.01, "NEVER_IMPORT: " + never, transform=ax.transAxes, ha="center", va="top", fontsize="small",
+            wrap=True)
+    ys = [y for _, y in where.values()]
+    ax.set_xlim(-0.6, top + 0.6)
+    ax.set_ylim(min(ys) - 0.6, max(ys) + 0.6)
+    ax.set_axis_off()
+    return fig
+
+
+class Picture(NamedTuple):
+    """A PNG under docs/img/ and what it is drawn from: ``draw`` makes the figure, ``sources`` the bytes it depends
+    on (their hash is written into the PNG, so a check can tell new data from a new matplotlib)."""
+
+    draw: Callable[[], Figure]
+    sources: Callable[[], bytes]
+
+
+def _tiny_sources() -> bytes:
+    return b"".join((TINY_DATA / name).read_bytes() for name in TINY_FILES)
+
+
+def _architecture_sources() -> bytes:
+    rules = _layout_rules()
+    return repr((architecture_edges(), rules.NEVER_IMPORT, rules.TOP_LEVEL)).encode()
+
+
+PICTURES: dict[str, Picture] = {
+    "reward_vs_trl.png": Picture(draw_reward_vs_trl, lambda: [b for b in blocks(RESULTS.read_text())[1]
+                                                              if QUESTIONS[0].asks(b.heading)][-1].text.encode()),
+    "tiny_cpu_curves.png": Picture(draw_tiny_curves, _tiny_sources),
+    "tiny_cpu_memory.png": Picture(draw_tiny_memory, _tiny_sources),
+    "architecture.png": Picture(draw_architecture, _architecture_sources),
+}
+
+
+def png(picture: Picture) -> bytes:
+    """The PNG of a picture: matplotlib names its version in the file ("Software"), the sources' sha256 go in as
+    "Source"."""
+    out = io.BytesIO()
+    picture.draw().savefig(out, format="png", dpi=100,
+                           metadata={"Source": hashlib.sha256(picture.sources()).hexdigest()})
+    return out.getvalue()
+
+
+def png_text(data: bytes) -> dict[str, str]:
+    """The tEXt entries of a PNG file."""
+    found, at = {}, 8
+    while at + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + size].partition(b"\0")
+            found[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + size
+    return found
+
+
+def _matplotlib_version() -> str:
+    import matplotlib
+
+    return matplotlib.__version__
+
+
+def stale_pictures() -> tuple[list[str], list[str]]:
+    """(pictures that differ from what their sources draw now, and why a picture could not be compared pixel for
+    pixel). A picture is stale when its PNG is missing, when it was drawn from other sources (the Source hash) or,
+    where this matplotlib is the one that drew it, when a fresh drawing differs; the tiny run's data is stale when it
+    came from another recipe or when its first step differs from the transcript of a real run."""
+    found, unchecked = [], []
+    if problem := tiny_data_problem():
+        found.append(f"img/tiny_cpu/ ({problem})")
+    for name, picture in PICTURES.items():
+        path = IMG / name
+        if not path.is_file():
+            found.append(f"img/{name} (missing)")
+            continue
+        committed = path.read_bytes()
+        text = png_text(committed)
+        if text.get("Source") != hashlib.sha256(picture.sources()).hexdigest():
+            found.append(f"img/{name} (drawn from other data)")
+        elif text.get("Software", "").removeprefix("Matplotlib version").split(",")[0] != _matplotlib_version():
+            unchecked.append(f"img/{name}: drawn by {text.get('Software', 'an unknown program')}, this is matplotlib "
+                             f"{_matplotlib_version()}, so its pixels are not compared (its data is)")
+        elif committed != png(picture):
+            found.append(f"img/{name} (differs from a fresh drawing)")
+    return found, unchecked
+
+
+def tiny_data_problem() -> str | None:
+    """Why docs/img/tiny_cpu/ is not a run of today's tiny recipe, or None. Its recipe.json must be what the recipe
+    resolves to now (with TINY_OVERRIDES), and its first step's metrics those of the tiny run's transcript
+    (docs/transcripts/train_tiny.txt, itself compared with a real run by the slow docs test): the later steps follow
+    the CPU's BLAS rounding, so they are not compared."""
+    from grpo_ds import load_recipe
+    from grpo_ds.run.metrics import read_metrics
+
+    missing = [name for name in TINY_FILES if not (TINY_DATA / name).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    with contextlib.chdir(REPO):
+        now = load_recipe(TINY, list(TINY_OVERRIDES)).to_dict()
+    if json.loads((TINY_DATA / "recipe.json").read_text()) != now:
+        return "its recipe.json is not today's recipes/tiny_cpu.json"
+    console = re.search(r"^step +1 (.*)$", transcript_path("train_tiny").read_text(), re.M)
+    first = read_metrics(TINY_DATA)[0]
+    shown = dict(pair.split("=", 1) for pair in console.group(1).split()) if console else {}
+    differ = [k for k, v in shown.items() if not re.match(r"tokens_per_s|time_", k)
+              and (f"{first[k]:.4g}" if isinstance(first.get(k), float) else str(first.get(k))) != v]
+    if not console or differ:
+        return f"its first step differs from docs/transcripts/train_tiny.txt in {differ or 'every key'}"
+    return None
+
+
+def tiny_run() -> None:
+    """Run the tiny recipe with its memory timeline (TINY_OVERRIDES) and keep its files under docs/img/tiny_cpu/."""
+    cwd = _scratch()
+    _run(["-m", "grpo_ds.train", TINY, *TINY_OVERRIDES], cwd, expect=0)
+    run = cwd / "runs" / "tiny_cpu"
+    for name in TINY_FILES:
+        (TINY_DATA / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run / name, TINY_DATA / name)
+
+
 # ------------------------------------------------------------------------------------------------------- main
 
 def stale(transcripts: bool) -> list[str]:
-    """The generated files that differ from what the code (and, with ``transcripts``, real runs) give now."""
+    """The generated files that differ from what the code (and, with ``transcripts``, real runs) give now: the
+    pages, the pictures and the run data they are drawn from (``stale_pictures``), and the transcripts."""
     found = [name for name, make in PAGES.items() if (DOCS / name).read_text() != make()]
+    found += stale_pictures()[0]
     if transcripts:
         for name, make in TRANSCRIPTS.items():
             if mask(transcript_path(name).read_text()) != mask(make(_scratch())):
@@ -222,21 +858,37 @@ def stale(transcripts: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python docs/generate.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--transcripts", action="store_true", help="also run the commands the docs show (minutes)")
+    parser.add_argument("--pictures", action="store_true", help="also run the tiny recipe again for the data its "
+                        "pictures are drawn from, docs/img/tiny_cpu/ (a minute or two)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale page")
     args = parser.parse_args(argv)
     if args.check:
+        for note in stale_pictures()[1]:
+            print(f"not compared: {note}", file=sys.stderr)
         if found := stale(args.transcripts):
             raise SystemExit(f"stale generated docs: {', '.join(found)}; run: python docs/generate.py"
-                             + (" --transcripts" if args.transcripts else ""))
+                             + (" --transcripts" if args.transcripts else "")
+                             + (" --pictures" if any(f.startswith("img/tiny_cpu/") for f in found) else ""))
         print("generated docs are fresh")
         return
+    if args.pictures:
+        tiny_run()
+        print("wrote docs/img/tiny_cpu/", file=sys.stderr)
     for name, make in PAGES.items():
         (DOCS / name).write_text(make())
+    for row in summary(blocks(RESULTS.read_text())[1])[0]:
+        if row.unreadable:
+            print(f"note: {row.question.title}: block #{row.block.index} is unreadable ({row.unreadable})",
+                  file=sys.stderr)
+    IMG.mkdir(exist_ok=True)
+    for name, picture in PICTURES.items():
+        (IMG / name).write_bytes(png(picture))
     if args.transcripts:
         for name, make in TRANSCRIPTS.items():
             transcript_path(name).write_text(make(_scratch()))
             print(f"wrote docs/transcripts/{name}.txt", file=sys.stderr)
-    print("wrote " + ", ".join(f"docs/{name}" for name in PAGES), file=sys.stderr)
+    print("wrote " + ", ".join(f"docs/{name}" for name in [*PAGES, *(f"img/{p}" for p in PICTURES)]),
+          file=sys.stderr)
 
 
 if __name__ == "__main__":
