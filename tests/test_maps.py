@@ -61,12 +61,15 @@ def _generated_pages() -> set[str]:
     """The pages docs/generate.py writes (its PAGES keys): each is checked at its source (the recipe schema, the
     command lines' help, benchmarks/RESULTS.md), and rewritten from it."""
     tree = ast.parse((REPO / "docs" / "generate.py").read_text())
+    assigned = {}  # module-level name -> its value's node (a key may be a constant such as ARCHIVE)
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
                                                                        else None)
-        if isinstance(target, ast.Name) and target.id == "PAGES" and isinstance(node.value, ast.Dict):
-            return {f"docs/{key.value}" for key in node.value.keys}
-    raise AssertionError("docs/generate.py has no PAGES dict")
+        if isinstance(target, ast.Name):
+            assigned[target.id] = node.value
+    pages = assigned.get("PAGES")
+    assert isinstance(pages, ast.Dict), "docs/generate.py has no PAGES dict"
+    return {f"docs/{ast.literal_eval(assigned[key.id] if isinstance(key, ast.Name) else key)}" for key in pages.keys}
 
 
 # benchmarks/RESULTS.md is a dated log: each block names the commit it was measured on and the files as they were at
