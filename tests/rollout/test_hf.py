@@ -147,12 +147,13 @@ def test_generation_uses_the_kv_cache_even_when_training_turned_it_off():
 
 
 def all_steps_generate_left_padded(model, contexts, sampling, max_new_tokens, num_return_sequences, pad_token_id,
-                                   eos_token_id, row_keys, stopping_criteria=None):
+                                   eos_token_id, row_keys, stopping_criteria=None, compiled=None):
     """The reference: generate keeps every step's logits (output_logits, T tensors of (B, V)), and the log-probs are a
     float32 log-softmax of each after the same warpers, stacked, gathered at the new tokens (the path grpo_ds took up
     to commit 8643ce6). Its tokens are picked as grpo_ds picks them (a TokenSampler after the warpers: the same
     random numbers in the same order), and what that sampler records is not used. Same signature as the one-step
-    recorder it must equal."""
+    recorder it must equal (eager only: ``compiled`` must be None)."""
+    assert compiled is None, "the all-steps reference generates eagerly"
     warpers = hf.LogitsProcessorList(hf._warpers(sampling))
     pick = hf.TokenSampler(None if sampling.temperature <= 0 else hf.RowStreams(sampling.seed, row_keys))
 
