@@ -19,8 +19,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation import (
+    CompileConfig,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteriaList,
@@ -30,7 +31,7 @@ from transformers.generation import (
 )
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
-from grpo_ds.rollout.hf_compile import CompiledDecode, decode_settings
+from grpo_ds.rollout.hf_compile import CompiledDecode
 from grpo_ds.rollout.stop import stop_token_ids
 from grpo_ds.rollout.streams import RowStreams
 
@@ -107,16 +108,17 @@ def _warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
     return warpers
 
 
-def _generation_config(max_new_tokens: int, pad_token_id: int, stop_ids: Sequence[int], **settings) -> GenerationConfig:
+def _generation_config(max_new_tokens: int, pad_token_id: int, stop_ids: Sequence[int],
+                       compile_config: CompileConfig | None = None) -> GenerationConfig:
     """transformers' settings for one generate call, greedy (TokenSampler picks the tokens, sampled or greedy); a row
     ends at any of ``stop_ids`` (grpo_ds.rollout.stop). The warpers are passed as processors, before TokenSampler
     (generate would put its own after a caller's processors). Each context comes ``num_return_sequences`` times in
-    the batch already (greedy generate refuses more than one sequence per input). ``settings``: more fields (the
-    static cache and compile settings of grpo_ds.rollout.hf_compile.decode_settings)."""
+    the batch already (greedy generate refuses more than one sequence per input). ``compile_config``: compile the
+    decode step (with a static cache: grpo_ds.rollout.hf_compile)."""
     return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_return_sequences=1,
                             pad_token_id=pad_token_id, eos_token_id=list(stop_ids),
                             use_cache=True,  # the policy's config may turn the cache off for training
-                            **settings)
+                            compile_config=compile_config)
 
 
 def _check_model_warpers(model: PreTrainedModel) -> None:
@@ -152,18 +154,20 @@ def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], samp
     def sampler() -> TokenSampler:  # a fresh one per attempt: it holds the steps picked so far
         return TokenSampler(None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device))
 
-    def attempt(picker: TokenSampler, **settings) -> tuple[torch.Tensor, torch.Tensor]:
-        config = _generation_config(max_new_tokens, pad_token_id, stop_ids, **settings)
+    def attempt(picker: TokenSampler, compile_config: CompileConfig | None = None,
+                **cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        config = _generation_config(max_new_tokens, pad_token_id, stop_ids, compile_config)
         sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                    generation_config=config, logits_processor=LogitsProcessorList([
-                                       *_warpers(sampling), picker]), stopping_criteria=stopping_criteria)
+                                       *_warpers(sampling), picker]), stopping_criteria=stopping_criteria, **cache)
         new_tokens = sequences[:, input_ids.shape[1]:]  # (B, T_new)
         return new_tokens.cpu(), picker.finish(new_tokens).cpu()
 
     if compiled is not None:
         picker = sampler()
-        settings = decode_settings(input_ids.shape[1], max_new_tokens, device)
-        done = compiled.run(lambda: attempt(picker, **settings), lambda: picker.steps)
+        done = compiled.run(lambda: attempt(picker, **compiled.generate_kwargs(model, rows, input_ids.shape[1],
+                                                                               max_new_tokens)),
+                            lambda: picker.steps)
         if done is not None:
             return done
     return attempt(sampler())
