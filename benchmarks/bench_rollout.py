@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         if r.get("fell_back"):
             notes.append(f"{r['variant']}: compiled decoding {r['fell_back']}")
         if r.get("cache_mib"):
-            notes.append(f"{r['variant']}: its static KV cache, {r['cache_mib']:.0f} MiB, is allocated by the first "
+            notes.append(f"{r['variant']}: its static KV cache, {r['cache_mib']:.1f} MiB, is allocated by the first "
                          "call and kept between calls, so it is not in the peak extra memory of a timed call")
     report("bench_rollout", shape, args.device, "\n".join(lines), notes, args.record)
 
