@@ -109,7 +109,10 @@ def test_a_shared_policy_module_generates_in_eval_mode_and_goes_on_training():
     does not switch the KV cache off, and it is back in train mode afterwards; a weight sync is refused."""
     tok = build_tiny_tokenizer()
     model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=4, seed=0).train()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # 5.24 has it; 5.17 (the GPU machines') only the old name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # as grpo_ds.model.loading sets it for training
     engine = HFRolloutEngine(model, tok.pad_token_id, tok.eos_token_id, 64, shares_policy_weights=True)
     modes, lengths = [], []
