@@ -8,11 +8,15 @@ inductor's cache in /tmp is warm); the fallback tests replace torch.compile and 
 import copy
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from grpo_ds import train as train_module
+from grpo_ds.config.recipe import load_recipe
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout.base import SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
@@ -74,6 +78,21 @@ def test_compile_wanted():
     assert compile_wanted("on", "cpu") and not compile_wanted("off", "cuda")
     with pytest.raises(ValueError, match="hf_compile"):
         compile_wanted("yes", "cpu")
+
+
+@pytest.mark.parametrize("setting", ["auto", "on", "off"])
+def test_the_recipe_key_reaches_the_engine(setting):
+    """rollout.hf_compile and its timeout, as the run builds the hf engine on a CPU ("auto": eager there)."""
+    recipe = load_recipe(str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.json"),
+                         [f"rollout.hf_compile={setting}", "rollout.hf_compile_timeout_s=42"])
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=4, seed=0)
+    engine = train_module._rollout_engine(recipe, SimpleNamespace(tokenizer=tok, env_factory=None),
+                                          SimpleNamespace(device=torch.device("cpu")), shared_module=model)
+    if setting == "on":
+        assert isinstance(engine.compiled, CompiledDecode) and engine.compiled.timeout_s == 42
+    else:
+        assert engine.compiled is None
 
 
 @pytest.mark.parametrize("build", [_tiny, _qwen2], ids=["tiny_llama", "qwen2"])
