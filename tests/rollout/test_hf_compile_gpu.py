@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LOGPROB_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_decoding_on_cuda_samples_what_eager_samples():
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_compiled_decoding_on_cuda_samples_what_eager_samples(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 matmuls (torch's default)
     config = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True)
