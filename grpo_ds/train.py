@@ -35,6 +35,7 @@ from grpo_ds.model.policy import Policy, weights_sha256
 from grpo_ds.rewards.pool import RewardPool, worker_count
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
+from grpo_ds.rollout.hf_compile import CompiledDecode, compile_wanted
 from grpo_ds.run import checkpoint, writes
 from grpo_ds.run import folder as run_folder
 from grpo_ds.run.host_allocator import return_large_frees
@@ -360,7 +361,10 @@ def _rollout_engine(recipe: Recipe, inputs: Inputs, dist: Dist, shared_module: t
         return AgentRolloutEngine.on_hf(model, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer,
                                         inputs.env_factory, r.max_turns, recipe.max_response_tokens,
                                         r.generation_batch_prompts, shared)
-    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, r.generation_batch_prompts, shared)
+    compiled = (CompiledDecode(dist.device, r.hf_compile_timeout_s) if compile_wanted(r.hf_compile, dist.device)
+                else None)  # rollout.hf_compile
+    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, r.generation_batch_prompts, shared,
+                           compiled)
 
 
 # ------------------------------------------------------------------------------------ plumbing

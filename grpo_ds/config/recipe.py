@@ -93,6 +93,15 @@ class RolloutConfig:
     top_k: int = opt(0, "Keep only the k most likely tokens (0 = off)", low=0)
     generation_batch_prompts: int = opt(64, "Prompts per generate() call on each rank (bounds rollout memory)",
                                         low=1)
+    hf_compile: str = opt("auto", "hf engine: decode with a static KV cache and a torch.compile'd step (CUDA graphs "
+                          "on a GPU) instead of eagerly; the same token picking and sampler log-probs, logits equal to "
+                          "float rounding. auto = on CUDA (measured in benchmarks/RESULTS.md, bench_rollout), off on "
+                          "a CPU; a compile that fails or stalls falls back to eager with one line",
+                          choices=("auto", "on", "off"))
+    hf_compile_timeout_s: float = opt(300.0, "hf engine with hf_compile: seconds a compiled generate call may go "
+                                      "without a new token (the first decode step waits for the compile) before "
+                                      "the engine gives up and generates eagerly for the rest of the run",
+                                      low=0.0, low_open=True)
     weight_sync_bucket_mb: float = opt(256.0, "Size of each bucket of gathered ZeRO-3 weights sent to the "
                                        "rollout engine", low=0.0, low_open=True)
     env: str | None = opt(None, 'agent: the environment, a built-in ("calculator") or "package.module:Class"')

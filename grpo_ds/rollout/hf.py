@@ -19,8 +19,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation import (
+    CompileConfig,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteriaList,
@@ -30,6 +31,7 @@ from transformers.generation import (
 )
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
+from grpo_ds.rollout.hf_compile import CompiledDecode
 from grpo_ds.rollout.stop import stop_token_ids
 from grpo_ds.rollout.streams import RowStreams
 
@@ -67,6 +69,11 @@ class TokenSampler(LogitsProcessor):
         self._taken.append(logprobs.gather(-1, tokens).squeeze(-1))
         return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
 
+    @property
+    def steps(self) -> int:
+        """Tokens picked so far per row (a compiled call's watchdog watches it grow)."""
+        return len(self._taken)
+
     def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) log-probs of ``new_tokens`` (B, T), the tokens generate returned. Rows that finished early hold
         pad tokens after EOS, with meaningless log-probs there, as before."""
@@ -101,14 +108,17 @@ def _warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
     return warpers
 
 
-def _generation_config(max_new_tokens: int, pad_token_id: int, stop_ids: Sequence[int]) -> GenerationConfig:
+def _generation_config(max_new_tokens: int, pad_token_id: int, stop_ids: Sequence[int],
+                       compile_config: CompileConfig | None = None) -> GenerationConfig:
     """transformers' settings for one generate call, greedy (TokenSampler picks the tokens, sampled or greedy); a row
     ends at any of ``stop_ids`` (grpo_ds.rollout.stop). The warpers are passed as processors, before TokenSampler
     (generate would put its own after a caller's processors). Each context comes ``num_return_sequences`` times in
-    the batch already (greedy generate refuses more than one sequence per input)."""
+    the batch already (greedy generate refuses more than one sequence per input). ``compile_config``: compile the
+    decode step (with a static cache: grpo_ds.rollout.hf_compile)."""
     return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_return_sequences=1,
                             pad_token_id=pad_token_id, eos_token_id=list(stop_ids),
-                            use_cache=True)  # the policy's config may turn the cache off for training
+                            use_cache=True,  # the policy's config may turn the cache off for training
+                            compile_config=compile_config)
 
 
 def _check_model_warpers(model: PreTrainedModel) -> None:
@@ -124,14 +134,15 @@ def _check_model_warpers(model: PreTrainedModel) -> None:
 
 def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], sampling: SamplingParams,
                          max_new_tokens: int, num_return_sequences: int, pad_token_id: int, stop_ids: Sequence[int],
-                         row_keys: Sequence[int], stopping_criteria: StoppingCriteriaList | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         row_keys: Sequence[int], stopping_criteria: StoppingCriteriaList | None = None,
+                         compiled: CompiledDecode | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One batched generate call on left-padded contexts, ``num_return_sequences`` consecutive rows per context, a
     row ending at any of ``stop_ids``:
     (new tokens (B, T_new), their log-probs under the distribution actually sampled from (B, T_new)), on the CPU.
     That distribution is the model's next-token logits after generate's own processors and the recipe's
     temperature, top-k and top-p (greedy: the logits themselves). Row b samples from the stream of
-    (``sampling.seed``, ``row_keys[b]``)."""
+    (``sampling.seed``, ``row_keys[b]``). With ``compiled`` (rollout.hf_compile, grpo_ds.rollout.hf_compile) the
+    call decodes with a static cache and a compiled forward, and generates eagerly when that fails or hangs."""
     rows = len(contexts) * num_return_sequences
     if len(row_keys) != rows:
         raise ValueError(f"{len(row_keys)} row keys for {rows} rows")
@@ -139,13 +150,27 @@ def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], samp
         _check_model_warpers(model)
     input_ids, attention_mask = left_padded([c for c in contexts for _ in range(num_return_sequences)], pad_token_id)
     device = next(model.parameters()).device
-    sampler = TokenSampler(None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device))
-    config = _generation_config(max_new_tokens, pad_token_id, stop_ids)
-    sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                               generation_config=config, logits_processor=LogitsProcessorList([
-                                   *_warpers(sampling), sampler]), stopping_criteria=stopping_criteria)
-    new_tokens = sequences[:, input_ids.shape[1]:]  # (B, T_new)
-    return new_tokens.cpu(), sampler.finish(new_tokens).cpu()
+
+    def sampler() -> TokenSampler:  # a fresh one per attempt: it holds the steps picked so far
+        return TokenSampler(None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device))
+
+    def attempt(picker: TokenSampler, compile_config: CompileConfig | None = None,
+                **cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        config = _generation_config(max_new_tokens, pad_token_id, stop_ids, compile_config)
+        sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                   generation_config=config, logits_processor=LogitsProcessorList([
+                                       *_warpers(sampling), picker]), stopping_criteria=stopping_criteria, **cache)
+        new_tokens = sequences[:, input_ids.shape[1]:]  # (B, T_new)
+        return new_tokens.cpu(), picker.finish(new_tokens).cpu()
+
+    if compiled is not None:
+        picker = sampler()
+        done = compiled.run(lambda: attempt(picker, **compiled.generate_kwargs(model, rows, input_ids.shape[1],
+                                                                               max_new_tokens)),
+                            lambda: picker.steps)
+        if done is not None:
+            return done
+    return attempt(sampler())
 
 
 def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,10 +195,11 @@ def eval_mode(model: torch.nn.Module):
 
 class HFRolloutEngine:
     def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int,
-                 shares_policy_weights: bool = False) -> None:
+                 shares_policy_weights: bool = False, compiled: CompiledDecode | None = None) -> None:
         """``eos_token_id`` is the tokenizer's; a completion ends at it or at any other EOS id of the model's
         generation config, as vLLM's would (``stop_ids``, grpo_ds.rollout.stop). ``shares_policy_weights``:
-        ``model`` is the policy's own module, so it never needs a weight sync."""
+        ``model`` is the policy's own module, so it never needs a weight sync. ``compiled``: decode with a static
+        cache and a compiled forward, falling back to eager (rollout.hf_compile, grpo_ds.rollout.hf_compile)."""
         # The parameters keep requires_grad (generate runs under no_grad): with a frozen lm_head, torch.matmul does
         # not fold the prefill's last-position hidden states (a non-contiguous (B, 1, H) slice) into one matrix
         # product but runs B matrix-vector products over the whole lm_head (9x slower at vocabulary 151,936).
@@ -182,6 +208,7 @@ class HFRolloutEngine:
         self.pad_token_id = pad_token_id
         self.stop_ids = stop_token_ids(eos_token_id, getattr(model, "generation_config", None))
         self.batch_prompts = batch_prompts  # prompts per generate() call
+        self.compiled = compiled
         self._params = dict(self.model.named_parameters())
 
     @torch.no_grad()
@@ -202,7 +229,8 @@ class HFRolloutEngine:
             return Rollouts([], [], [], [])
         keys = range(first_sample, first_sample + len(prompts) * group_size)
         new_tokens, token_logprobs = generate_left_padded(self.model, prompts, sampling, sampling.max_new_tokens,
-                                                          group_size, self.pad_token_id, self.stop_ids, keys)
+                                                          group_size, self.pad_token_id, self.stop_ids, keys,
+                                                          compiled=self.compiled)
         result = Rollouts([], [], [], [])
         for row, (ids, logprobs) in enumerate(zip(new_tokens.tolist(), token_logprobs.tolist(), strict=True)):
             stop = next((t + 1 for t, token in enumerate(ids) if token in self.stop_ids), None)  # pads come after

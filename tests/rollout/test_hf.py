@@ -109,7 +109,10 @@ def test_a_shared_policy_module_generates_in_eval_mode_and_goes_on_training():
     does not switch the KV cache off, and it is back in train mode afterwards; a weight sync is refused."""
     tok = build_tiny_tokenizer()
     model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=4, seed=0).train()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # 5.24 has it; 5.17 (the GPU machines') only the old name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # as grpo_ds.model.loading sets it for training
     engine = HFRolloutEngine(model, tok.pad_token_id, tok.eos_token_id, 64, shares_policy_weights=True)
     modes, lengths = [], []
@@ -147,12 +150,13 @@ def test_generation_uses_the_kv_cache_even_when_training_turned_it_off():
 
 
 def all_steps_generate_left_padded(model, contexts, sampling, max_new_tokens, num_return_sequences, pad_token_id,
-                                   eos_token_id, row_keys, stopping_criteria=None):
+                                   eos_token_id, row_keys, stopping_criteria=None, compiled=None):
     """The reference: generate keeps every step's logits (output_logits, T tensors of (B, V)), and the log-probs are a
     float32 log-softmax of each after the same warpers, stacked, gathered at the new tokens (the path grpo_ds took up
     to commit 8643ce6). Its tokens are picked as grpo_ds picks them (a TokenSampler after the warpers: the same
     random numbers in the same order), and what that sampler records is not used. Same signature as the one-step
-    recorder it must equal."""
+    recorder it must equal (eager only: ``compiled`` must be None)."""
+    assert compiled is None, "the all-steps reference generates eagerly"
     warpers = hf.LogitsProcessorList(hf._warpers(sampling))
     pick = hf.TokenSampler(None if sampling.temperature <= 0 else hf.RowStreams(sampling.seed, row_keys))
 
