@@ -78,7 +78,7 @@ def new_weight_grad(weight: torch.Tensor, weight_grad_sum: str = "fp32") -> torc
     return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
 
 
-def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor,
+def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor,
                             weight_grad_sum: str = "fp32") -> None:
     if grad_logits.dtype == grad_weight.dtype:  # float32 inputs, or the sum kept in the model dtype
         grad_weight.addmm_(grad_logits.t(), hidden.to(grad_weight.dtype))
@@ -117,7 +117,7 @@ class LogprobsFromHidden(torch.autograd.Function):
             rows_backward(logits, rows, targets[a:b], ctx.temperature, lse[a:b], entropy[a:b], g_logprob[a:b],
                           g_entropy[a:b], logits)  # in place: logits now hold their gradient
             grad_hidden[a:b] = logits @ weight
-            _accumulate_weight_grad(grad_weight, logits, hidden[a:b])
+            accumulate_weight_grad(grad_weight, logits, hidden[a:b])
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 
@@ -173,7 +173,7 @@ class PolicyLossFromHidden(torch.autograd.Function):
             stats[:, a:b] = chunk_stats
             if with_grad:
                 grad_hidden[a:b] = logits @ weight
-                _accumulate_weight_grad(grad_weight, logits, hidden[a:b], tuning.weight_grad_sum)
+                accumulate_weight_grad(grad_weight, logits, hidden[a:b], tuning.weight_grad_sum)
         if with_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         loss, token_stats = stats[0].sum(), stats[1:].clone()  # (), (4, N)
