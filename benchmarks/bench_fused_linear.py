@@ -11,7 +11,10 @@ Variants:
                  forward pass, so its "forward" includes them and its "backward" only scales them
     liger        Liger-Kernel's LigerFusedLinearGRPOLoss, when liger_kernel is importable, same loss
                  (loss_type "bnpo" = token mean, beta 0.04, epsilon_low 0.2, epsilon_high 0.28), chunk_size =
-                 first --chunk-tokens / --seq-len sequences
+                 first --chunk-tokens / --seq-len sequences; with --liger-compiled 1 its torch.compile is tried
+                 as it comes, then with dynamic=False, then with mode "max-autotune-no-cudagraphs", then
+                 uncompiled, moving on when a call raises (torch 2.11 on an H200 failed the default with dynamo's
+                 "sources must not be empty for symbol s37"); the notes say which ran
 Peak extra memory counts everything beyond the inputs, the gradients of hidden and weight included. With memory
 measured the notes say how much each chunked variant holds beyond those gradients, in units of one chunk of
 float32 logits, against the size of the full logits.
@@ -37,6 +40,8 @@ bash benchmarks/run_cpu_memory.sh, which runs
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -82,6 +87,51 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+# How Liger's loss math is compiled, tried in order until one runs (torch.compile's keyword arguments; None:
+# Liger's compiled=False)
+LIGER_COMPILES = [("torch.compile as Liger calls it", {}), ("torch.compile(dynamic=False)", {"dynamic": False}),
+                  ('torch.compile(mode="max-autotune-no-cudagraphs", dynamic=False)',
+                   {"mode": "max-autotune-no-cudagraphs", "dynamic": False}),
+                  ("uncompiled", None)]
+
+
+@contextlib.contextmanager
+def _compile_with(kwargs: dict):
+    """torch.compile with ``kwargs`` filled in, for the code that calls it inside (Liger compiles its loss math in
+    every forward: liger_kernel/chunked_loss/fused_linear_ppo.py)."""
+    original = torch.compile
+    torch.compile = functools.partial(original, **kwargs)
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
+class LigerLoss:
+    """Liger's LigerFusedLinearGRPOLoss, compiled the first way of LIGER_COMPILES (from ``state["attempt"]``) that
+    runs; a way that raises is noted in ``state["failed"]`` and the next one is tried, in the same call."""
+
+    def __init__(self, state: dict, **kwargs):
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        self.state, self.losses = state, {c: LigerFusedLinearGRPOLoss(compiled=c, **kwargs) for c in (False, True)}
+
+    def __call__(self, **inputs) -> torch.Tensor:
+        while True:
+            name, kwargs = LIGER_COMPILES[self.state["attempt"]]
+            try:
+                if kwargs is None:
+                    return self.losses[False](**inputs)[0]
+                with _compile_with(kwargs):
+                    return self.losses[True](**inputs)[0]
+            except Exception as e:  # noqa: BLE001 - the next way is tried; the note keeps the reason
+                if kwargs is None:
+                    raise
+                self.state["failed"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                self.state["attempt"] += 1
+                torch._dynamo.reset()
+
+
 def variant_names(args: argparse.Namespace) -> list[str]:
     names = ["eager"]
     for backend in kernel_backends(args):
@@ -118,16 +168,14 @@ def setup(args: argparse.Namespace) -> Case:
             variants[f"{name}/{c}"] = lambda c=c, backend=backend: policy_loss_from_hidden(
                 hidden, weight, inputs, cfg, temperature, c, backend).loss
     if liger_available():
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        liger = LigerFusedLinearGRPOLoss(beta=cfg.kl_coef, compiled=args.liger_compiled, use_ref_model=True,
-                                         chunk_size=max(1, args.chunk_tokens[0] // seq), epsilon_low=cfg.clip_low,
-                                         epsilon_high=cfg.clip_high, loss_type="bnpo", temperature=temperature)
+        liger = LigerLoss(args.liger_state, beta=cfg.kl_coef, use_ref_model=True,
+                          chunk_size=max(1, args.chunk_tokens[0] // seq), epsilon_low=cfg.clip_low,
+                          epsilon_high=cfg.clip_high, loss_type="bnpo", temperature=temperature)
         mask = torch.ones(b, seq, device=device, dtype=torch.long)  # (B, T)
         variants["liger"] = lambda: liger(
             _input=hidden.view(b, seq, h), lin_weight=weight, selected_token_ids=targets.view(b, seq),
             attention_mask=mask, advantages=seq_advantages, ref_per_token_logps=ref.view(b, seq),
-            old_per_token_logps=old.view(b, seq))[0]
+            old_per_token_logps=old.view(b, seq))
     return Case(variants, leaves=(hidden, weight))
 
 
@@ -289,14 +337,15 @@ def main() -> None:
     parser.add_argument("--sweep-warps", type=int_list, default=[4, 8, 16], help="--sweep's num_warps values")
     parser.set_defaults(small={"tokens": 64, "seq_len": 32, "hidden": 64, "vocab": 1000})
     args = finish_args(parser.parse_args())
+    if args.liger_compiled is None:
+        args.liger_compiled = int(args.device == "cuda")
+    args.liger_state = {"attempt": 0 if args.liger_compiled else len(LIGER_COMPILES) - 1, "failed": []}
     if args.sweep:
         if args.warmup == 3 and args.repeats == 20:  # the cuda defaults: a shorter timer, to stay under a minute
             args.warmup, args.repeats = 1, 5
         return sweep(args)
     if args.tokens % args.seq_len:
         raise SystemExit(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
-    if args.liger_compiled is None:
-        args.liger_compiled = int(args.device == "cuda")
     names = variant_names(args)
     results, notes = run(setup, names, args)
 
@@ -344,8 +393,11 @@ def main() -> None:
             notes.append(f"{m.variant} full: peak {m.peak_mib:,.0f} MiB vs Liger {liger.peak_mib:,.0f} MiB "
                          f"(target <= Liger): {verdict(m.peak_mib <= liger.peak_mib)}")
     if "liger" in names:
-        notes.append(f"liger: chunk_size {max(1, args.chunk_tokens[0] // args.seq_len)} sequences, "
-                     f"compiled={bool(args.liger_compiled)}")
+        ran = LIGER_COMPILES[args.liger_state["attempt"]][0]
+        notes.append(f"liger: chunk_size {max(1, args.chunk_tokens[0] // args.seq_len)} sequences, ran {ran}"
+                     + (f" (--liger-compiled {args.liger_compiled})" if args.liger_compiled else
+                        " (--liger-compiled 0)"))
+        notes.extend(f"liger: failed first, {failure}" for failure in args.liger_state["failed"])
     elif not liger_available():
         notes.append("liger: liger_kernel is not installed here (pip install liger-kernel), not measured")
 

@@ -16,6 +16,9 @@
 #      bandwidth; fused linear full >= 1.5x eager), Liger compiled where it compiles (the block names which ran)
 #   4. pytest tests/kernels and every *_gpu.py test
 #
+# All steps want about 14 minutes; the 8-minute budget ends after the first kernel steps. The rest runs in a second
+# call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
+#
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
 # RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"), OUT (where the log,
 # the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
@@ -120,9 +123,10 @@ if want 3; then
     # Liger compiled: its default torch.compile failed on torch 2.11 (2026-11-26, dynamo's "sources must not be
     # empty"); --liger-compiled 1 tries the default, then dynamic=False, then mode="max-autotune-no-cudagraphs", then
     # falls back to uncompiled, and the block's liger line names which ran
-    run bench_fused_linear 90 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
-        --seq-len 1024 --hidden 4096 --vocab 151936 --chunk-tokens 1024 --mode forward,backward,full \
-        --liger-compiled 1 --record
+    # the Triton path only (the chunked torch path is the CPU's), 2 + 10 runs: uncompiled Liger takes ~1.1 s a call
+    run bench_fused_linear 120 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
+        --seq-len 1024 --hidden 4096 --vocab 151936 --chunk-tokens 1024 --mode forward,backward,full --backend triton \
+        --warmup 2 --repeats 10 --liger-compiled 1 --record
     run bench_policy_loss 30 python3 benchmarks/bench_policy_loss.py --device cuda --batch 256 --seq-len 8192 \
         --mode forward,backward,full --record
 fi
