@@ -520,8 +520,10 @@ def main() -> None:
                            f"({fmt(peak(runs['grpo_ds_lean']), 0)} vs {fmt(t_mem, 0)} MiB), "
                            f"{verdict(ratio <= LEAN_MEMORY_TARGET)}")
     notes = [
-        f"grpo_ds: DeepSpeed at world size 1 (one process, as `python -m grpo_ds.train`: ZeRO stage 1 from "
-        f"ds_configs/zero3.json, its fp32 master the float32 weights themselves), on {args.device}; "
+        "grpo_ds: DeepSpeed at world size 1 (one process, as `python -m grpo_ds.train`: ZeRO stage 1 from "
+        "ds_configs/zero3.json, its fp32 master "
+        + ("the float32 weights themselves" if recipe.model.dtype == "float32" else "a copy of the "
+           f"{recipe.model.dtype} weights") + f"), on {args.device}; "
         "TRL: GRPOTrainer, plain torch through accelerate, one process",
         *(["grpo_ds lean bf16: the same with train.lean_bf16 true (DeepSpeed's bf16.bf16_master_weights_and_grads "
            "and bf16.bf16_optimizer_states: bf16 master weights, gradients and AdamW moments, TRL's precision)"]
