@@ -159,7 +159,7 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     states = est.host if offload_opt else est.device
     m, master = master_width(ds_config)
     if no_second_fp32_copy(w, stage, dp, offload_opt, m):
-        states[f"master weights ({master}): the {recipe.model.dtype} weights themselves"] = 0
+        states[f"master weights ({master}): the {'float32' if m == 4 else 'bf16'} weights themselves"] = 0
     else:
         states[f"master weights ({master})"] = _b(trained * m / opt_shard)
     states[f"Adam moments ({master} m, v)"] = _b(trained * 2 * m / opt_shard)

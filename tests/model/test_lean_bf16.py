@@ -61,7 +61,7 @@ def test_lean_bf16_trains_and_the_memory_estimate_holds(tmp_path):
     shape = model_shape(inputs.recipe, len(inputs.tokenizer))
     est = estimate_memory(inputs.recipe, shape, inputs.ds_config, 1, simulated_lengths(inputs, "max"),
                           backend=inputs.kernels_backend)
-    assert "master weights (bf16): the bfloat16 weights themselves" in est.device
+    assert "master weights (bf16): the bf16 weights themselves" in est.device
     measured = json.loads(probe.with_name(probe.name + ".rank0").read_text())
     mib = 2**20
     peak, persistent = measured["peak_mib"], measured["after"]["after update"][0]

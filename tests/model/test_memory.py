@@ -41,7 +41,7 @@ def test_lean_bf16_keeps_the_master_and_the_moments_in_bf16():
                                           "Adam moments (bf16 m, v)"))
     assert states == pytest.approx(SHAPE.params * 10 / 8, rel=1e-6)
     one = _estimate(world=1, model={"dtype": "bfloat16"}, train={"lean_bf16": True})
-    assert one.device["master weights (bf16): the bfloat16 weights themselves"] == 0
+    assert one.device["master weights (bf16): the bf16 weights themselves"] == 0
     assert one.device["policy weights"] + one.device["gradients"] + one.device["Adam moments (bf16 m, v)"] == \
         pytest.approx(SHAPE.params * 8, rel=1e-6)
     default = _estimate(world=1, model={"dtype": "bfloat16"})
