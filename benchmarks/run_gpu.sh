@@ -39,7 +39,11 @@ summary=()
 note() { summary+=("$1"); echo "== $1"; }
 finish() {
     tail -n +"$((results_lines + 1))" benchmarks/RESULTS.md > "$OUT_DIR/RESULTS.new.md"
-    printf '%s\n' "${summary[@]}" > "$OUT_DIR/summary.txt"
+    {
+        printf '%s\n' "${summary[@]}"
+        echo "targets in the new blocks:"
+        grep -E '^- .*(target|NOT met)' "$OUT_DIR/RESULTS.new.md" || echo "(none)"
+    } > "$OUT_DIR/summary.txt"
     tar -czf "$OUT_DIR/steps.tar.gz" -C "$OUT_DIR" steps && rm -rf "$OUT_DIR/steps"
     echo "== run_gpu.sh: $((SECONDS - BEGAN)) s; summary:"
     cat "$OUT_DIR/summary.txt"
