@@ -6,6 +6,9 @@ states, not the libraries' noise, make the peak: bf16 weights, DeepSpeed's bf16 
 themselves), bf16 gradients and bf16 AdamW moments. The entropy bonus gives every step a gradient even when a random
 model earns no reward. Compared: the measured peak and the memory after the first optimizer step (weights,
 moments, gradients) with the estimate's peak and persistent part, each within 10%.
+
+In process, a one-rank engine: the bf16 master is the weights' own storage, the AdamW moments are bf16, and a
+checkpoint in DeepSpeed's format resumes exactly.
 """
 
 import json
@@ -69,3 +72,39 @@ def test_lean_bf16_trains_and_the_memory_estimate_holds(tmp_path):
           f"first update {persistent:.1f} MiB measured, {est.persistent / mib:.1f} estimated")
     assert est.total / mib == pytest.approx(peak, rel=0.10), (est, measured)
     assert est.persistent / mib == pytest.approx(persistent, rel=0.10), (est, measured)
+
+
+def _lean_engine():
+    """A one-rank engine (stage 1 from ds_configs/zero3.json) over a tiny bf16 model in lean mode, master shared."""
+    from grpo_ds.config.deepspeed import resolve_deepspeed_config
+    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.distributed.ranks import init_distributed
+    from grpo_ds.model.engine import create_train_engine, share_fp32_master
+
+    init_distributed()
+    recipe = load_recipe({"model": {"dtype": "bfloat16"}, "train": {"lr": 1e-2, "lean_bf16": True}})
+    model = build_tiny_model(64, hidden_size=32, num_layers=2, num_heads=4, seed=0, dtype=torch.bfloat16)
+    engine = create_train_engine(model, resolve_deepspeed_config(recipe, 1, "cpu"))
+    return engine, share_fp32_master(engine)
+
+
+def test_lean_bf16_master_is_the_weights_and_a_checkpoint_resumes_exactly(tmp_path):
+    from grpo_ds.model.engine import share_fp32_master
+    from tests.model.test_engine import _same_tensor_memory, _train
+
+    engine, freed = _lean_engine()
+    master = engine.optimizer.single_partition_of_fp32_groups[0]
+    assert master.dtype == torch.bfloat16 and freed == master.numel() * 2
+    assert _same_tensor_memory(master, engine.optimizer.parallel_partitioned_bit16_groups[0][0])
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    _train(engine, 2)
+    assert all(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+    moments = [t for state in engine.optimizer.optimizer.state.values() for t in state.values() if t.dim() > 0]
+    assert moments and all(t.dtype == torch.bfloat16 for t in moments)  # bf16 AdamW moments
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    resumed, _ = _lean_engine()
+    resumed.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=True, load_lr_scheduler_states=True)
+    share_fp32_master(resumed)  # what Policy.load_state does after every load
+    assert _train(resumed, 2, first=2) == _train(engine, 2, first=2)
+    for a, b in zip(resumed.module.parameters(), engine.module.parameters(), strict=True):
+        assert torch.equal(a, b)
