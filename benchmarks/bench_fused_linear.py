@@ -332,7 +332,7 @@ def main() -> None:
                         help="Liger's torch.compile of the loss math (default: 1 on cuda, 0 on cpu)")
     parser.add_argument("--sweep", action="store_true", help="time the Triton path's knobs (see above) instead")
     parser.add_argument("--sweep-chunks", type=int_list, default=[1024, 2048, 4096], help="--sweep's chunk sizes")
-    parser.add_argument("--sweep-blocks", type=int_list, default=[1024, 2048, 4096, 8192],
+    parser.add_argument("--sweep-blocks", type=int_list, default=[2048, 4096, 8192],
                         help="--sweep's block_v values for the row kernel")
     parser.add_argument("--sweep-warps", type=int_list, default=[4, 8, 16], help="--sweep's num_warps values")
     parser.set_defaults(small={"tokens": 64, "seq_len": 32, "hidden": 64, "vocab": 1000})

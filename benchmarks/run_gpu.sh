@@ -118,9 +118,9 @@ fi
 # ------------------------------------------------------------------------------------------ 3. kernels
 if want 3; then
     # sweeps first: they say which block sizes, warps and chunk sizes to make the defaults
-    run sweep_fused_linear 75 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
+    run sweep_fused_linear 90 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
         --seq-len 1024 --hidden 4096 --vocab 151936 --sweep --record
-    run sweep_logprobs 45 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
+    run sweep_logprobs 60 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
         --vocab 151936 --sweep --record
     run bench_logprobs 45 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
         --vocab 151936 --op logprobs --mode forward,backward,full --bandwidth --record
