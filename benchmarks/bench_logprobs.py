@@ -12,6 +12,11 @@ Peak extra memory counts everything beyond the inputs, the logits' gradient (N x
 --bandwidth adds the achieved bandwidth, minimum bytes moved / time (forward reads the logits once, backward
 reads them and writes their gradient), as a percentage of the device's measured copy bandwidth.
 
+--sweep (instead of the variants) times the Triton row kernels' launch (token_math.Launch: block_v x num_warps,
+--sweep-blocks / --sweep-warps) at the given shape, forward and backward, each with its share of the copy bandwidth,
+and prints one table (well under a minute at the GPU shapes):
+    python benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --sweep --record
+
 GPU, every benchmark at the GPU shapes, one command:  bash benchmarks/run_gpu.sh
 CPU peak memory at 4,096 x 151,936 (fp32 logits), with the fused-linear one:  bash benchmarks/run_cpu_memory.sh
 which runs
@@ -38,6 +43,8 @@ from common import (
     int_list,
     kernel_backends,
     loss_config,
+    markdown_table,
+    median_ms,
     naive_logprobs_entropy,
     report,
     run,
@@ -48,6 +55,7 @@ from common import (
 )
 
 from grpo_ds.kernels import logprobs_from_logits
+from grpo_ds.kernels.token_math import Launch
 
 PASSES = {"forward": 1, "backward": 2, "full": 3}  # reads + writes of an (N, V) tensor per mode
 
@@ -86,6 +94,54 @@ def setup(args: argparse.Namespace) -> Case:
     return Case(variants, leaves=(logits,))
 
 
+def sweep(args: argparse.Namespace) -> None:
+    """The --sweep table: rows_forward and rows_backward (grpo_ds/kernels/logprobs.py) for each launch."""
+    from grpo_ds.kernels.logprobs import rows_backward, rows_forward
+
+    n, v, device = args.tokens, args.vocab, args.device
+    torch.manual_seed(args.seed)
+    logits = torch.randn(n, v, device=device, dtype=DTYPES[args.dtype])  # (N, V)
+    grad = torch.empty_like(logits)
+    rows, targets = torch.arange(n, device=device), torch.randint(0, v, (n,), device=device)
+    g_logprob, g_entropy = torch.randn(n, device=device) / n, torch.randn(n, device=device) / n
+    _, entropy, lse = rows_forward(logits, rows, targets, args.temperature)
+    copy_bw = copy_bandwidth(device)
+    logits_bytes = n * v * logits.element_size()
+    table_rows: list[list[str]] = []
+    best: dict[str, tuple[float, str]] = {}
+    for mode in ("forward", "backward"):
+        for block_v in args.sweep_blocks:
+            for warps in args.sweep_warps:
+                launch = Launch(block_v, warps)
+                fn = (lambda launch=launch: rows_forward(logits, rows, targets, args.temperature, launch)) \
+                    if mode == "forward" else \
+                    (lambda launch=launch: rows_backward(logits, rows, targets, args.temperature, lse, entropy,
+                                                         g_logprob, g_entropy, grad, launch))
+                try:
+                    ms = median_ms(fn, device, warmup=args.warmup, repeats=args.repeats)
+                except Exception as e:  # noqa: BLE001 - a launch that cannot run is a row, not the end
+                    table_rows.append([mode, launch.name(), f"failed: {type(e).__name__}: {str(e)[:80]}", "", ""])
+                    continue
+                rate = PASSES[mode] * logits_bytes / (ms / 1e3)
+                pct = 100 * rate / copy_bw
+                table_rows.append([mode, launch.name(), fmt(ms, 3), fmt(rate / 1e9, 0), fmt(pct, 0)])
+                print(" | ".join(table_rows[-1]), flush=True)
+                if pct > best.get(mode, (-1.0, ""))[0]:
+                    best[mode] = (pct, launch.name())
+    default = Launch().name() + f" (= block_v {Launch().options(v)['BLOCK_V']}, 4 warps)"
+    notes = [f"time: median of {args.repeats} after {args.warmup} warm-up runs (CUDA events on the GPU); one "
+             "compile per launch, outside the timing",
+             f"copy bandwidth (dst.copy_(src), 1 GiB, read + written): {copy_bw / 1e9:,.0f} GB/s; bytes moved: forward "
+             f"1 x N x V x {logits.element_size()} B, backward 2 x N x V x {logits.element_size()} B",
+             f"default launch: {default}",
+             *[f"best {mode}: {name}, {pct:.0f}% of copy bandwidth"
+               + (f" (target >= 60%): {verdict(pct >= 60)}" if mode == "forward" else "")
+               for mode, (pct, name) in best.items()]]
+    shape = f"sweep, {n:,} tokens x vocab {v:,}, {args.dtype}, {device}"
+    report("bench_logprobs", shape, device, markdown_table(["pass", "launch", "time ms", "GB/s", "% of copy"],
+                                                           table_rows), notes, args.record)
+
+
 def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=16384, help="N, rows of logits")
@@ -96,7 +152,15 @@ def main() -> None:
     parser.add_argument("--entropy-coef", type=float, default=1e-3, help="entropy bonus of the loss op")
     parser.set_defaults(small={"tokens": 64, "vocab": 1000})
     parser.add_argument("--bandwidth", action="store_true", help="add achieved bandwidth as %% of copy bandwidth")
+    parser.add_argument("--sweep", action="store_true", help="time the Triton kernels' launches (see above) instead")
+    parser.add_argument("--sweep-blocks", type=int_list, default=[2048, 4096, 8192, 16384],
+                        help="--sweep's block_v values")
+    parser.add_argument("--sweep-warps", type=int_list, default=[4, 8, 16], help="--sweep's num_warps values")
     args = finish_args(parser.parse_args())
+    if args.sweep:
+        if args.warmup == 3 and args.repeats == 20:  # the cuda defaults: a shorter timer, to stay under a minute
+            args.warmup, args.repeats = 2, 10
+        return sweep(args)
     names = variant_names(args)
     elt = DTYPES[args.dtype].itemsize
     logits_bytes = args.tokens * args.vocab * elt

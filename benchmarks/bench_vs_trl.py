@@ -40,6 +40,11 @@ The reward verdict compares the means at every reward @ N point and at the end, 
 standard error (runs of one trainer are independent seeds; the two trainers draw different random numbers, so the
 difference's standard error is sqrt(se_grpo_ds^2 + se_TRL^2)).
 
+--lean adds grpo_ds in lean bf16 mode (train.lean_bf16: bf16 master weights, gradients and AdamW moments, TRL's
+precision) as a third trainer, run beside the default grpo_ds and TRL in the same alternation (--lean only: it
+replaces the default grpo_ds). On CUDA the issue-38 targets are printed: grpo_ds's step time at most 0.6x TRL's, and
+lean grpo_ds's peak GPU memory at most TRL's.
+
 --record appends the table, the matched and unmatched settings, and the per-phase times to benchmarks/RESULTS.md.
 """
 
@@ -70,8 +75,11 @@ from grpo_ds.config.recipe import Recipe  # noqa: E402
 from grpo_ds.step.memory_timeline import format_table, phase_peaks  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parent / "bench_vs_trl_runner.py"
-TRAINERS = ("grpo_ds", "trl")
-LABELS = {"grpo_ds": "grpo_ds", "trl": "TRL GRPOTrainer"}
+TRAINERS = ("grpo_ds", "trl")  # the pair every comparison is made between (the first grpo_ds variant run)
+LABELS = {"grpo_ds": "grpo_ds", "grpo_ds_lean": "grpo_ds lean bf16", "trl": "TRL GRPOTrainer"}
+LEAN = {"train.lean_bf16": True}  # what the grpo_ds_lean variant adds to the recipe
+# issue 38's targets on CUDA: step time against TRL's (the default variant), peak GPU memory against TRL's (lean)
+TIME_TARGET, LEAN_MEMORY_TARGET = 0.6, 1.0
 
 # What every benchmark run turns off in the grpo_ds recipe: TRL does none of it either (save_strategy "no", no
 # progress bar, no completions table).
@@ -175,10 +183,11 @@ class Run:
 # ------------------------------------------------------------------------------------------------ recipes
 
 
-def bench_recipe(args: argparse.Namespace, seed: int, workdir: Path) -> Recipe:
-    """The recipe both trainers follow for the run with this seed."""
+def bench_recipe(args: argparse.Namespace, seed: int, workdir: Path, trainer: str = "grpo_ds") -> Recipe:
+    """The recipe both trainers follow for the run with this seed (``trainer`` grpo_ds_lean: in lean bf16 mode)."""
     overrides = {**dict(parse_override(o) for o in args.set), **QUIET, "train.steps": args.steps, "run.seed": seed,
-                 "run.output_dir": str(workdir / "runs"), "run.name": f"grpo_ds_seed{seed}"}
+                 "run.output_dir": str(workdir / "runs"), "run.name": f"{trainer}_seed{seed}",
+                 **(LEAN if trainer == "grpo_ds_lean" else {})}
     shape = SHAPES[args.shape]
     if shape.recipe is None:
         return load_recipe(REPO / "recipes" / "tiny_cpu.json", overrides)
@@ -234,7 +243,7 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
     tag = f"{trainer}_run{index}"
     spec, out, log = workdir / f"{tag}.spec.json", workdir / f"{tag}.out.json", workdir / f"{tag}.log"
     spec_recipe = recipe.to_dict()
-    if trainer == "grpo_ds" and recipe.train.steps >= 2:  # its memory timeline, steps 2..last (no torch.profiler)
+    if trainer != "trl" and recipe.train.steps >= 2:  # its memory timeline, steps 2..last (no torch.profiler)
         spec_recipe["logging"].update(profile_steps=[2, min(recipe.train.steps, 11)], profile_trace=False)
     spec.write_text(json.dumps({"recipe": spec_recipe, "device": args.device,
                                 "trl_output_dir": str(workdir / "trl" / tag)}))
@@ -242,7 +251,8 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
           flush=True)
     start = time.monotonic()
     with log.open("w") as f:
-        done = subprocess.run([python, str(RUNNER), trainer, str(spec), str(out)], cwd=REPO,
+        done = subprocess.run([python, str(RUNNER), "trl" if trainer == "trl" else "grpo_ds", str(spec), str(out)],
+                              cwd=REPO,
                               env=child_env(args.threads), stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
@@ -254,7 +264,7 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
                          f"rewards logged, expected {recipe.train.steps}; see {log}")
     loop_start = result["loop_start"]
     timeline = Path(recipe.run.output_dir) / recipe.run.name / "profile" / "rank0.memory.csv"
-    peaks = phase_peaks(timeline) if trainer == "grpo_ds" and timeline.is_file() else None
+    peaks = phase_peaks(timeline) if trainer != "trl" and timeline.is_file() else None
     return Run(trainer, index, recipe.run.seed, startup_s=loop_start - start, loop_s=ends[-1] - loop_start,
                step_s=deltas(loop_start, ends), cpu_step_s=deltas(result["cpu_loop_start"], result["cpu_step_end"]),
                reward=result["reward"],
@@ -289,18 +299,20 @@ def standard_error(values: list[float]) -> float:
 
 def reward_comparison(runs: dict[str, list[Run]], per_step: int, points: list[int], window: int
                       ) -> tuple[bool, str]:
-    """Whether grpo_ds's mean reward is at least TRL's at every point and at the end, and the differences."""
+    """Whether grpo_ds's mean reward is at least TRL's at every point and at the end, and the differences (the
+    first grpo_ds variant run)."""
     ahead, parts = True, []
+    main = next(k for k in runs if k != "trl")
     probes = [(f"@ {n:,}", lambda r, n=n: reward_at(r, n, per_step, window)) for n in points]
     for name, value in [*probes, ("final", lambda r: statistics.fmean(r.reward[-10:]))]:
-        per_run = {k: [value(r) for r in runs[k]] for k in TRAINERS}
+        per_run = {k: [value(r) for r in runs[k]] for k in (main, "trl")}
         if any(v is None for vs in per_run.values() for v in vs):
             continue
-        diff = statistics.fmean(per_run["grpo_ds"]) - statistics.fmean(per_run["trl"])
-        se = (standard_error(per_run["grpo_ds"]) ** 2 + standard_error(per_run["trl"]) ** 2) ** 0.5
+        diff = statistics.fmean(per_run[main]) - statistics.fmean(per_run["trl"])
+        se = (standard_error(per_run[main]) ** 2 + standard_error(per_run["trl"]) ** 2) ** 0.5
         ahead &= diff >= 0
         parts.append(f"{name} {diff:+.3f} +- {se:.3f}")
-    return ahead, "reward grpo_ds - TRL (mean over runs +- standard error): " + ", ".join(parts)
+    return ahead, f"reward {LABELS[main]} - TRL (mean over runs +- standard error): " + ", ".join(parts)
 
 
 def versions(runs: list[Run]) -> str:
@@ -327,9 +339,11 @@ def phase_lines(runs: dict[str, list[Run]]) -> list[str]:
     def med(values: list[float]) -> str:
         return fmt(statistics.median(values) * 1e3, 1) + " ms"
 
-    g = runs["grpo_ds"]
-    parts = [f"{p} {med([x for r in g for x in r.phases[p][1:]])}" for p in g[0].phases]
-    lines = [f"grpo_ds phases (median per step, time_*_s metrics): {', '.join(parts)}"]
+    lines = []
+    for key in (k for k in runs if k != "trl"):
+        g = runs[key]
+        parts = [f"{p} {med([x for r in g for x in r.phases[p][1:]])}" for p in g[0].phases]
+        lines.append(f"{LABELS[key]} phases (median per step, time_*_s metrics): {', '.join(parts)}")
     t = runs["trl"]
     rollout = [x for r in t for x in r.phases["rollout"][1:]]
     reward = [b - a for r in t for a, b in zip(r.phases["rollout"][1:], r.phases["rollout_reward"][1:], strict=True)]
@@ -416,6 +430,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a key of the recipe both trainers follow (repeatable), e.g. "
                              "train.micro_batch_samples_per_gpu=400")
+    parser.add_argument("--lean", choices=("off", "on", "both"), default="off",
+                        help="grpo_ds in lean bf16 mode (train.lean_bf16; needs a bfloat16 shape): on replaces the "
+                             "default grpo_ds, both runs the two beside TRL (default: off)")
+    parser.add_argument("--lean-runs", type=int, default=None,
+                        help="with --lean both: runs of the lean variant, in the first rounds (default: --runs; 1 "
+                             "is enough for its peak memory)")
     parser.add_argument("--record", action="store_true", help="append the results to benchmarks/RESULTS.md")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -424,6 +444,13 @@ def parse_args() -> argparse.Namespace:
     shape = SHAPES[args.shape]
     args.steps = args.steps or shape.steps or load_recipe(REPO / "recipes" / "tiny_cpu.json").train.steps
     args.runs = args.runs or (5 if args.shape == "tiny" else 2)
+    args.trainers = {"off": ["grpo_ds"], "on": ["grpo_ds_lean"], "both": ["grpo_ds", "grpo_ds_lean"]}[args.lean] + \
+        ["trl"]
+    args.lean_runs = min(args.runs, args.lean_runs or args.runs)
+    dtype = dict(parse_override(o) for o in args.set).get("model.dtype", str(shape.dtype).removeprefix("torch."))
+    if args.lean != "off" and dtype != "bfloat16":
+        raise SystemExit(f"--lean {args.lean}: lean bf16 mode needs model.dtype bfloat16 (--shape {args.shape} trains "
+                         f"in {dtype}); use --shape qwen2-0.5b, or --set model.dtype=bfloat16")
     if args.threads is None:
         args.threads = shape.threads if args.device == "cpu" else 0
     if args.steps < 2 or args.runs < 1:
@@ -440,11 +467,13 @@ def measure(args: argparse.Namespace) -> tuple[Recipe, dict[str, list[Run]], str
         shape = SHAPES[args.shape]
         parameters = build_qwen2_folder(workdir / "model", shape, args.seed) if shape.model else 0
         model = model_description(shape, parameters)
-        runs: dict[str, list[Run]] = {t: [] for t in TRAINERS}
-        for i in range(args.runs):  # A B A B ...
-            recipe = bench_recipe(args, args.seed + i, workdir)
-            for trainer in TRAINERS:
-                python = sys.executable if trainer == "grpo_ds" else args.trl_python
+        runs: dict[str, list[Run]] = {t: [] for t in args.trainers}
+        for i in range(args.runs):  # A B A B ... (A B C A B C ... with --lean both)
+            for trainer in args.trainers:
+                if trainer == "grpo_ds_lean" and args.lean == "both" and i >= args.lean_runs:
+                    continue
+                recipe = bench_recipe(args, args.seed + i, workdir, trainer)
+                python = args.trl_python if trainer == "trl" else sys.executable
                 runs[trainer].append(run_one(trainer, python, recipe, i, args, workdir))
         recipe = bench_recipe(args, args.seed, workdir)
     return recipe, runs, model, (time.monotonic() - began) / 60
@@ -461,52 +490,85 @@ def main() -> None:
     headers = ["trainer", "runs", "step s (median)", "CPU s/step", "samples/s", "startup s",
                "peak RSS MiB" + (" (GPU)" if cuda else ""), *[f"reward @ {n:,}" for n in points], "final reward",
                "completion tokens"]
-    rows = [summary_row(t, runs[t], per_step, points, args.window, cuda) for t in TRAINERS]
+    rows = [summary_row(t, runs[t], per_step, points, args.window, cuda) for t in args.trainers]
 
-    g, t = (runs[k] for k in TRAINERS)
-    g_step, t_step = (statistics.median(x for r in rs for x in r.step_s[1:]) for rs in (g, t))
-    g_mem, t_mem = (max((r.peak_gpu_mib if cuda else r.peak_rss_mib) or 0 for r in rs) for rs in (g, t))
-    g_final, t_final = (final_reward(rs) for rs in (g, t))
+    main_key = args.trainers[0]
+    g, t = runs[main_key], runs["trl"]
+
+    def step_s(rs: list[Run]) -> float:
+        return statistics.median(x for r in rs for x in r.step_s[1:])
+
+    def peak(rs: list[Run]) -> float:
+        return max((r.peak_gpu_mib if cuda else r.peak_rss_mib) or 0 for r in rs)
+
+    g_step, t_step = step_s(g), step_s(t)
+    g_mem, t_mem = peak(g), peak(t)
+    t_final = final_reward(t)
     reward_ahead, reward_line = reward_comparison(runs, per_step, points, args.window)
+    variants = [k for k in args.trainers if k != "trl"]
+    ratios = [f"{LABELS[k]} / TRL: step time {step_s(runs[k]) / t_step:.2f}x, peak memory "
+              f"{peak(runs[k]) / t_mem:.2f}x, final reward {final_reward(runs[k]):.3f} vs {t_final:.3f}"
+              for k in variants]
+    targets = []
+    if cuda:  # issue 38's targets, on the machine and commit in this block's header
+        if "grpo_ds" in runs:
+            ratio = step_s(runs["grpo_ds"]) / t_step
+            targets.append(f"target (issue 38): grpo_ds step time <= {TIME_TARGET}x TRL's (median of {args.runs} "
+                           f"runs each): {ratio:.2f}x, {verdict(ratio <= TIME_TARGET)}")
+        if "grpo_ds_lean" in runs:
+            ratio = peak(runs["grpo_ds_lean"]) / t_mem
+            targets.append(f"target (issue 38): grpo_ds lean bf16 peak GPU memory <= TRL's: {ratio:.2f}x "
+                           f"({fmt(peak(runs['grpo_ds_lean']), 0)} vs {fmt(t_mem, 0)} MiB), "
+                           f"{verdict(ratio <= LEAN_MEMORY_TARGET)}")
     notes = [
-        f"grpo_ds: DeepSpeed at world size 1 (one process, as `python -m grpo_ds.train`: ZeRO stage 1 from "
-        f"ds_configs/zero3.json, its fp32 master the float32 weights themselves), on {args.device}; "
+        "grpo_ds: DeepSpeed at world size 1 (one process, as `python -m grpo_ds.train`: ZeRO stage 1 from "
+        "ds_configs/zero3.json, its fp32 master "
+        + ("the float32 weights themselves" if recipe.model.dtype == "float32" else "a copy of the "
+           f"{recipe.model.dtype} weights") + f"), on {args.device}; "
         "TRL: GRPOTrainer, plain torch through accelerate, one process",
+        *(["grpo_ds lean bf16: the same with train.lean_bf16 true (DeepSpeed's bf16.bf16_master_weights_and_grads "
+           "and bf16.bf16_optimizer_states: bf16 master weights, gradients and AdamW moments, TRL's precision)"]
+          if "grpo_ds_lean" in runs else []),
         f"torch threads per run: {g[0].threads} (grpo_ds), {t[0].threads} (TRL)" + (
             " (OMP_NUM_THREADS=1: on a CPU shared with other jobs, two threads' spinning barriers inflate step "
             "times up to 30x whenever another process runs)" if args.threads == 1 else ""),
-        f"runs alternate grpo_ds, TRL ({args.runs} each; run i seeded {args.seed} + i for both), each in a fresh "
-        f"process; whole benchmark {minutes:.1f} min",
+        f"runs alternate {', '.join(LABELS[k] for k in args.trainers)} ({args.runs} each"
+        + (f", lean {args.lean_runs} (the first)" if args.lean == "both" and args.lean_runs < args.runs else "")
+        + f"; run i seeded {args.seed} + i for all), each in a fresh process; whole benchmark {minutes:.1f} min",
         *([f"recipe overrides (--set, both trainers): {', '.join(args.set)}"] if args.set else []),
         f"step s: median over the runs' steps after the first; reward @ N: mean over runs of the mean reward of the "
         f"steps ending in the last {args.window:,} samples before N; final reward: the last 10 steps",
         f"versions: grpo_ds side: {versions(g)}; TRL side ({args.trl_python}): {versions(t)}",
         "final reward per run (seed order): " + "; ".join(
-            f"{LABELS[k]} " + ", ".join(f"{final_reward([r]):.3f}" for r in runs[k]) for k in TRAINERS),
-        f"grpo_ds / TRL: step time {g_step / t_step:.2f}x, peak memory {g_mem / t_mem:.2f}x, final reward "
-        f"{g_final:.3f} vs {t_final:.3f}",
-        f"target (grpo_ds ahead): time per step {verdict(g_step < t_step)}, memory {verdict(g_mem < t_mem)}, "
-        f"reward at equal samples (every point and final) {verdict(reward_ahead)}",
+            f"{LABELS[k]} " + ", ".join(f"{final_reward([r]):.3f}" for r in runs[k]) for k in args.trainers),
+        *ratios,
+        f"target ({LABELS[main_key]} ahead): time per step {verdict(g_step < t_step)}, memory "
+        f"{verdict(g_mem < t_mem)}, reward at equal samples (every point and final) {verdict(reward_ahead)}",
+        *targets,
         reward_line,
         *phase_lines(runs),
         *[f"matched: {line}" for line in matched_lines(recipe, trl_config(recipe, "-", args.device), model)],
-        *[f"not matched: {line}" for line in UNMATCHED],
+        *[f"not matched: {line}" for line in UNMATCHED
+          if not (line.startswith("bf16") and args.lean == "on")],
+        *(["not matched, except by grpo_ds lean bf16: bf16 (CUDA) above; lean keeps bf16 master weights and AdamW "
+           "moments as TRL does, in DeepSpeed's flat partition"] if args.lean == "both" else []),
     ]
     r = recipe.rollout
     shape = (f"{model}, {recipe.data.train}, {r.prompts_per_step} prompts x {r.group_size} completions of <= "
              f"{r.max_new_tokens} tokens, {args.steps} steps ({per_step * args.steps:,} samples) per run, "
              f"{args.device}")
-    report("bench_vs_trl", shape, args.device, markdown_table(headers, rows) + memory_block(g), notes, args.record)
+    report("bench_vs_trl", shape, args.device, markdown_table(headers, rows)
+           + "".join(memory_block(runs[k], LABELS[k]) for k in variants), notes, args.record)
 
 
-def memory_block(runs: list[Run]) -> str:
+def memory_block(runs: list[Run], label: str = "grpo_ds") -> str:
     """grpo_ds's memory per phase (its timeline, grpo_ds.step.memory_timeline) in the run with the highest peak."""
     timed = [r for r in runs if r.memory_peaks]
     if not timed:
         return ""
     worst = max(timed, key=lambda r: max(p.peak_rss for p in r.memory_peaks))
     last = worst.memory_peaks and max(p.peak_step for p in worst.memory_peaks)
-    return (f"\n\ngrpo_ds memory per phase, run {worst.index + 1} (seed {worst.seed}), steps 2-{last}: RSS from its "
+    return (f"\n\n{label} memory per phase, run {worst.index + 1} (seed {worst.seed}), steps 2-{last}: RSS from its "
             "timeline (logging.profile_steps with logging.profile_trace false, sampled every 10 ms and at every "
             "phase boundary); rise: the peak above the RSS at the start of the phase run that reached it\n\n"
             + format_table(worst.memory_peaks))

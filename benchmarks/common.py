@@ -260,6 +260,18 @@ def _warm_libraries(device: str) -> None:
     (y.exp() * y).sum().backward()
 
 
+def median_ms(fn: Callable[[], object], device: str, warmup: int = 2, repeats: int = 5) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on the GPU): the --sweep options' timer, short on purpose."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        with _Timer(device) as timer:
+            fn()
+        times.append(timer.ms)
+    return statistics.median(times)
+
+
 def _run_once(fn: Callable[[], torch.Tensor], mode: str, device: str) -> float:
     """One forward / backward / forward + backward; returns the milliseconds of the timed part."""
     if mode == "forward":

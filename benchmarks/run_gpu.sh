@@ -1,40 +1,146 @@
 #!/usr/bin/env bash
-# Every benchmark at the GPU shapes, each table appended to benchmarks/RESULTS.md (--record). Installs nothing:
-# it measures Liger-Kernel's fused linear GRPO loss only where liger_kernel is already importable.
+# The one-shot GPU run (issue 38): install the carried wheels, then measure, most valuable first, every step under
+# its own `timeout` and all of them inside one budget (default 480 s = 8 min). A step that fails or runs out of time
+# is reported at the end; the others still run. Each benchmark appends its block to benchmarks/RESULTS.md (--record).
 #
-#     bash benchmarks/run_gpu.sh
+#     GRPO_DS_COMMIT=<commit the tree was copied from> bash benchmarks/run_gpu.sh
 #
-# 1. copy bandwidth and the logits-input kernel's achieved bandwidth (target >= 60% of copy), 16,384 x 151,936 bf16
-# 2. log-prob + entropy + policy loss from logits, forward + backward, against eager PyTorch
-# 3. fused linear policy loss, 16,384 tokens x hidden 4,096 x vocab 151,936 bf16, forward / backward / full,
-#    against eager PyTorch (target >= 1.5x) and Liger (target >= 1.2x, peak memory <= Liger's)
-# 4. masked policy loss on (B, T) and group advantages
-# A benchmark that fails is reported at the end; the others still run.
+#   0. wheels: every .whl/*.whl (DeepSpeed 0.19.8 without prebuilt ops, trl, liger-kernel, datasets, pydantic, hjson,
+#      ...: what the GPU image lacks) into /tmp/site, which goes on PYTHONPATH; no .whl/ folder: nothing installed
+#   1. bench_vs_trl --device cuda at the 0.5B shape: grpo_ds (3 runs), grpo_ds in lean bf16 mode (train.lean_bf16,
+#      1 run: its target is peak memory) and TRL (3 runs), 3 steps each; targets: step time <= 0.6x TRL's, lean peak
+#      GPU memory <= TRL's
+#   2. rollout: benchmarks/run_gpu_rollout.sh when it exists (the hf engine's fast generation, bench_rollout cuda)
+#   3. kernels: the fused-linear and log-prob sweeps (block sizes, warps, chunk tokens, the forward split into its
+#      parts), then bench_logprobs and bench_fused_linear with the defaults (targets: log-prob forward >= 60% of copy
+#      bandwidth; fused linear full >= 1.5x eager), Liger compiled where it compiles (the block names which ran)
+#   4. pytest tests/kernels and every *_gpu.py test
+#
+# All steps want about 14 minutes; the 8-minute budget ends after the first kernel steps. The rest runs in a second
+# call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
+#
+# Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
+# RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"), OUT (where the log,
+# the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
+# output), RESULTS.new.md (the blocks this run appended), summary.txt (one line a step), steps.tar.gz (per-step logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT_DIR=${OUT:-$REPO/benchmarks/gpu_out}
+mkdir -p "$OUT_DIR/steps"
+BUDGET_S=${RUN_GPU_BUDGET_S:-480}
+STEPS=${RUN_GPU_STEPS:-1 2 3 4}
+BEGAN=$SECONDS
+exec > >(tee -a "$OUT_DIR/run_gpu.log") 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'run_gpu.sh: no CUDA GPU visible to torch')" \
-    || exit 1
-
-failed=()
-bench() {
-    echo "== python $*"
-    python "$@" || failed+=("python $*")
+results_lines=$(wc -l < benchmarks/RESULTS.md)
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+finish() {
+    tail -n +"$((results_lines + 1))" benchmarks/RESULTS.md > "$OUT_DIR/RESULTS.new.md"
+    {
+        printf '%s\n' "${summary[@]}"
+        echo "targets in the new blocks:"
+        grep -E '^- .*(target|NOT met)' "$OUT_DIR/RESULTS.new.md" || echo "(none)"
+    } > "$OUT_DIR/summary.txt"
+    tar -czf "$OUT_DIR/steps.tar.gz" -C "$OUT_DIR" steps && rm -rf "$OUT_DIR/steps"
+    echo "== run_gpu.sh: $((SECONDS - BEGAN)) s; summary:"
+    cat "$OUT_DIR/summary.txt"
 }
+trap finish EXIT
 
-bench benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 --vocab 151936 --op logprobs \
-    --mode forward,backward,full --bandwidth --record
-bench benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 --vocab 151936 --op loss \
-    --mode full --bandwidth --record
-# Liger uncompiled: its torch.compile'd chunk loss failed on torch 2.11 (H200, 2026-11-26: dynamo's
-# "AssertionError: sources must not be empty for symbol s37"), which ended the whole benchmark
-bench benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 --seq-len 1024 --hidden 4096 \
-    --vocab 151936 --chunk-tokens 1024 --mode forward,backward,full --liger-compiled 0 --record
-bench benchmarks/bench_policy_loss.py --device cuda --batch 256 --seq-len 8192 --mode forward,backward,full --record
-bench benchmarks/bench_advantages.py --device cuda --prompts 1024 --group-size 16 --record
+# run NAME LIMIT_S COMMAND...: COMMAND under `timeout` (LIMIT_S, cut to what is left of the budget), its output in
+# $OUT_DIR/steps/NAME.log and here; skipped when under 20 s are left
+run() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET_S - (SECONDS - BEGAN)))
+    if ((left < 20)); then
+        note "$name: SKIPPED (${left} s of the ${BUDGET_S} s budget left)"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "== $name (limit ${limit} s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT_DIR/steps/$name.log"
+    local rc=${PIPESTATUS[0]}
+    if ((rc == 0)); then
+        note "$name: ok ($((SECONDS - t0)) s)"
+    elif ((rc == 124 || rc == 137)); then
+        note "$name: TIMED OUT after ${limit} s"
+    else
+        note "$name: FAILED (exit $rc, $((SECONDS - t0)) s): $(tail -n 1 "$OUT_DIR/steps/$name.log")"
+    fi
+}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 
-if ((${#failed[@]})); then
-    printf 'failed: %s\n' "${failed[@]}"
-    exit 1
+# ---------------------------------------------------------------------------------------------- 0. wheels
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || { note "wheels: FAILED to install .whl/*.whl"; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    note "wheels: $(ls .whl | wc -l) installed into /tmp/site ($((SECONDS - BEGAN)) s)"
+else
+    note "wheels: no .whl/ folder, nothing installed"
 fi
-echo "all benchmarks ran; tables appended to benchmarks/RESULTS.md"
+if [[ -z ${GRPO_DS_COMMIT:-} ]]; then
+    note "GRPO_DS_COMMIT is not set: the blocks name this copy's git HEAD, which may be another checkout's"
+fi
+python3 - <<'EOF' || { note "environment: no CUDA GPU visible to torch, or a carried package does not import"; exit 1; }
+import importlib, sys
+import torch
+assert torch.cuda.is_available(), "no CUDA GPU visible to torch"
+print("torch", torch.__version__, torch.cuda.get_device_name(0))
+for name in ("deepspeed", "trl", "liger_kernel", "datasets", "triton", "transformers"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", "?"))
+    except Exception as e:  # noqa: BLE001 - reported, then the steps that need it fail on their own
+        print(name, "NOT importable:", e, file=sys.stderr)
+EOF
+
+# ------------------------------------------------------------------- 1. grpo_ds vs TRL at the 0.5B shape
+if want 1; then
+    run vs_trl 360 python3 benchmarks/bench_vs_trl.py --device cuda --shape qwen2-0.5b --runs 3 --steps 3 \
+        --lean both --lean-runs 1 --record
+fi
+
+# ------------------------------------------------------------------------------------------ 2. rollout
+if want 2; then
+    if [[ -f benchmarks/run_gpu_rollout.sh ]]; then
+        run rollout 60 bash benchmarks/run_gpu_rollout.sh
+    else
+        note "rollout: benchmarks/run_gpu_rollout.sh not in this tree, skipped"
+    fi
+fi
+
+# ------------------------------------------------------------------------------------------ 3. kernels
+if want 3; then
+    # sweeps first: they say which block sizes, warps and chunk sizes to make the defaults
+    run sweep_fused_linear 90 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
+        --seq-len 1024 --hidden 4096 --vocab 151936 --sweep --record
+    run sweep_logprobs 60 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
+        --vocab 151936 --sweep --record
+    run bench_logprobs 45 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
+        --vocab 151936 --op logprobs --mode forward,backward,full --bandwidth --record
+    # Liger compiled: its default torch.compile failed on torch 2.11 (2026-11-26, dynamo's "sources must not be
+    # empty"); --liger-compiled 1 tries the default, then dynamic=False, then mode="max-autotune-no-cudagraphs", then
+    # falls back to uncompiled, and the block's liger line names which ran
+    # the Triton path only (the chunked torch path is the CPU's), 2 + 10 runs: uncompiled Liger takes ~1.1 s a call
+    run bench_fused_linear 120 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
+        --seq-len 1024 --hidden 4096 --vocab 151936 --chunk-tokens 1024 --mode forward,backward,full --backend triton \
+        --warmup 2 --repeats 10 --liger-compiled 1 --record
+    run bench_policy_loss 30 python3 benchmarks/bench_policy_loss.py --device cuda --batch 256 --seq-len 8192 \
+        --mode forward,backward,full --record
+fi
+
+# ------------------------------------------------------------------------------------------ 4. GPU tests
+if want 4; then
+    mapfile -t gpu_tests < <(find tests -name '*_gpu.py' | sort)
+    run pytest_gpu 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 300 tests/kernels \
+        "${gpu_tests[@]}"
+fi
+
+failed=$(printf '%s\n' "${summary[@]}" | grep -cE 'FAILED|TIMED OUT' || true)
+((failed == 0))

@@ -115,6 +115,7 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
     dtype = recipe.model.dtype
     for section, wanted in (("bf16", dtype == "bfloat16"), ("fp16", dtype == "float16")):
         _fill(out, [section, "enabled"], wanted, f"model.dtype {dtype!r}", where)
+    _resolve_lean_bf16(out, recipe, where)
     _resolve_optimizer(out, recipe, device_type, where)
     _resolve_scheduler(out, recipe, where)
     out.setdefault("steps_per_print", 10**9)  # grpo_ds prints its own metrics
@@ -235,6 +236,23 @@ def _resolve_optimizer(cfg: dict, recipe: Recipe, device_type: str, where: str) 
             # torch's fused CPU AdamW: one pass, in place; the default single-tensor path makes two fp32
             # temporaries the size of the partition (the square root and the denominator)
             params.setdefault("fused", True)
+
+
+def _resolve_lean_bf16(cfg: dict, recipe: Recipe, where: str) -> None:
+    """train.lean_bf16 sets DeepSpeed's own bf16 master options (ZeRO 1-3): the optimizer's partition of the weights,
+    its gradients and AdamW's moments stay bf16 (deepspeed/runtime/precision_config.py). Off, the file's own values
+    stand (DeepSpeed's default: fp32); on, a file that turns them off is an error naming the key."""
+    if not recipe.train.lean_bf16:
+        return
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        _fill(cfg, ["bf16", key], True, "train.lean_bf16", where)
+    if zero_stage(cfg) == 0:
+        raise UserError("train.lean_bf16", "needs ZeRO stage 1, 2 or 3 (DeepSpeed keeps bf16 master weights in its "
+                        "ZeRO optimizer only)", 'use ds_configs/zero3.json, or set "zero_optimization.stage" to 1-3')
+    if offloaded(cfg.get("zero_optimization"), "offload_optimizer"):
+        raise UserError("train.lean_bf16", "cannot offload the optimizer (DeepSpeed's CPU Adam keeps fp32 moments "
+                        "unless built otherwise)", "remove zero_optimization.offload_optimizer, or set "
+                        "train.lean_bf16 to false")
 
 
 def _resolve_scheduler(cfg: dict, recipe: Recipe, where: str) -> None:

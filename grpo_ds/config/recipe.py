@@ -221,6 +221,11 @@ class TrainConfig:
                                   "partition, stage 1 keeps the same fp32 master weights and optimizer states, and "
                                   "skips ZeRO-3's gather and release around every module (benchmarks/"
                                   "bench_one_rank_stage.py)")
+    lean_bf16: bool = opt(False, "Lean bf16 mode (model.dtype bfloat16 only): keep the master weights, gradients and "
+                          "Adam moments in bf16, as TRL does, instead of fp32 master weights and moments (DeepSpeed's "
+                          "bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states): 8 instead of 16 bytes a "
+                          "trained parameter, traded for precision (updates below bf16's resolution of a weight are "
+                          "lost); no offloaded optimizer")
 
 
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")  # grpo_ds.config.software.resolve_backend resolves "auto"

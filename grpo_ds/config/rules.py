@@ -71,6 +71,9 @@ def validate(recipe: Recipe) -> None:
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                   for b in betas):
         raise UserError("train.adam_betas", f"{betas} is not two numbers in [0, 1)", "e.g. [0.9, 0.999]")
+    if recipe.train.lean_bf16 and m.dtype != "bfloat16":
+        raise UserError("train.lean_bf16", f'keeps bf16 master weights, so it needs model.dtype "bfloat16" (it is '
+                        f'"{m.dtype}")', 'set model.dtype to "bfloat16", or train.lean_bf16 to false')
     a = recipe.algorithm
     _validate_algorithm(recipe)
     _validate_eval(recipe.eval)

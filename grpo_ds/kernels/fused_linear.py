@@ -14,9 +14,19 @@ Two functions:
   and the backward only scales them by the incoming gradient.
 The weight may be a ZeRO-3 parameter: call these inside the lm_head module's forward, where DeepSpeed has
 gathered it (grpo_ds.step.loss swaps the lm_head's forward for one micro-batch to do so).
+
+Where the time goes (H200, 16,384 tokens x hidden 4,096 x vocab 151,936 bf16, chunks of 1,024: 123 ms full, eager
+133 ms): the three matmuls per chunk are eager's three (about 29 ms each at ~700 TFLOP/s), and summing each chunk's
+(V, H) weight gradient into the float32 accumulator reads and writes it once a chunk (about 7.5 GB a chunk, ~1.8 ms:
+~29 ms over 16 chunks), so larger chunks pay less; the row kernel reads a chunk's logits twice and writes them once.
+"forward" alone looks slow against eager's because it already holds the backward's work. ``FusedTuning`` picks
+the row kernels' launch and how the weight gradient is summed; benchmarks/bench_fused_linear.py --sweep times
+them, and each part of the forward on its own.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,16 +34,56 @@ import triton.language as tl
 
 from grpo_ds.algo.policy_loss import LossConfig
 from grpo_ds.kernels.logprobs import rows_backward, rows_forward
-from grpo_ds.kernels.token_math import KL_CODES, block_size, row_grad, row_logprob_entropy, token_loss
+from grpo_ds.kernels.token_math import (
+    DEFAULT_LAUNCH,
+    KL_CODES,
+    Launch,
+    row_grad,
+    row_logprob_entropy,
+    token_loss,
+)
+
+# How the chunks' weight gradients are summed (FusedTuning.weight_grad_sum):
+#   fp32        each chunk's product in the model dtype (tensor cores), added into a float32 accumulator
+#   fp32-gemm   the product added into the float32 accumulator by the matmul itself (torch.addmm's out_dtype:
+#               CUDA, bf16/fp16 inputs), without the chunk-sized temporary and the separate add
+#   model-dtype the sum kept in the model dtype by the matmul (beta 1): no float32 accumulator, one rounding to
+#               bf16 per chunk instead of one in all (less precise)
+WEIGHT_GRAD_SUMS = ("fp32", "fp32-gemm", "model-dtype")
+
+
+@dataclass(frozen=True)
+class FusedTuning:
+    """The knobs of PolicyLossFromHidden besides the chunk size: the row kernel's launch and the weight gradient's
+    sum (WEIGHT_GRAD_SUMS). The defaults are what ran on the H200 (benchmarks/RESULTS.md, 2026-11-26)."""
+
+    rows: Launch = DEFAULT_LAUNCH
+    weight_grad_sum: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.weight_grad_sum not in WEIGHT_GRAD_SUMS:
+            raise ValueError(f"weight_grad_sum must be one of {WEIGHT_GRAD_SUMS}, got {self.weight_grad_sum!r}")
+
+
+DEFAULT_TUNING = FusedTuning()
 
 
 def _spans(n: int, chunk_tokens: int):
     return [(a, min(a + chunk_tokens, n)) for a in range(0, n, chunk_tokens)]
 
 
-def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    if grad_logits.dtype == torch.float32:
-        grad_weight.addmm_(grad_logits.t(), hidden.float())
+def new_weight_grad(weight: torch.Tensor, weight_grad_sum: str = "fp32") -> torch.Tensor:
+    """The zeroed accumulator of the weight gradient: float32, or the model dtype for "model-dtype"."""
+    dtype = weight.dtype if weight_grad_sum == "model-dtype" else torch.float32
+    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+
+
+def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor,
+                            weight_grad_sum: str = "fp32") -> None:
+    if grad_logits.dtype == grad_weight.dtype:  # float32 inputs, or the sum kept in the model dtype
+        grad_weight.addmm_(grad_logits.t(), hidden.to(grad_weight.dtype))
+    elif weight_grad_sum == "fp32-gemm":
+        torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=torch.float32, out=grad_weight)
     else:  # the product in the model dtype (tensor cores), the sum over chunks in float32
         grad_weight.add_(grad_logits.t() @ hidden)
 
@@ -67,7 +117,7 @@ class LogprobsFromHidden(torch.autograd.Function):
             rows_backward(logits, rows, targets[a:b], ctx.temperature, lse[a:b], entropy[a:b], g_logprob[a:b],
                           g_entropy[a:b], logits)  # in place: logits now hold their gradient
             grad_hidden[a:b] = logits @ weight
-            _accumulate_weight_grad(grad_weight, logits, hidden[a:b])
+            accumulate_weight_grad(grad_weight, logits, hidden[a:b])
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 
@@ -102,12 +152,12 @@ class PolicyLossFromHidden(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, old, ref, advantages, token_weight, cfg: LossConfig, temperature,
-                chunk_tokens):
+                chunk_tokens, tuning: FusedTuning = DEFAULT_TUNING):
         n = hidden.shape[0]
         with_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # forward itself runs under no_grad
         stats = torch.empty(5, n, dtype=torch.float32, device=hidden.device)  # (5, N)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
+        grad_weight = new_weight_grad(weight, tuning.weight_grad_sum) if with_grad else None
         kl_code = KL_CODES[cfg.kl_estimator if ref is not None else None]
         dummy = stats[0]  # stands in for absent old/ref pointers (never read)
         for a, b in _spans(n, chunk_tokens):
@@ -119,11 +169,11 @@ class PolicyLossFromHidden(torch.autograd.Function):
                 token_weight[a:b].float().contiguous(), chunk_stats,
                 logits.shape[1], 1.0 / temperature, cfg.clip_low, cfg.clip_high,
                 cfg.dual_clip or 0.0, cfg.kl_coef, cfg.entropy_coef, HAS_OLD=old is not None, KL=kl_code,
-                DUAL_CLIP=cfg.dual_clip is not None, WITH_GRAD=with_grad, BLOCK_V=block_size(logits.shape[1]))
+                DUAL_CLIP=cfg.dual_clip is not None, WITH_GRAD=with_grad, **tuning.rows.options(logits.shape[1]))
             stats[:, a:b] = chunk_stats
             if with_grad:
                 grad_hidden[a:b] = logits @ weight
-                _accumulate_weight_grad(grad_weight, logits, hidden[a:b])
+                accumulate_weight_grad(grad_weight, logits, hidden[a:b], tuning.weight_grad_sum)
         if with_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         loss, token_stats = stats[0].sum(), stats[1:].clone()  # (), (4, N)
@@ -133,4 +183,4 @@ class PolicyLossFromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _g_stats):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * g_loss, grad_weight * g_loss, None, None, None, None, None, None, None, None
+        return grad_hidden * g_loss, grad_weight * g_loss, None, None, None, None, None, None, None, None, None

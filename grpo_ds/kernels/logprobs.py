@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_ds.kernels.token_math import block_size, row_grad, row_logprob_entropy
+from grpo_ds.kernels.token_math import DEFAULT_LAUNCH, Launch, row_grad, row_logprob_entropy
 
 
 @triton.jit
@@ -38,27 +38,27 @@ def _backward(logits_ptr, row_stride, rows_ptr, targets_ptr, lse_ptr, entropy_pt
              tl.load(g_entropy_ptr + i), BLOCK_V)
 
 
-def rows_forward(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rows_forward(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 launch: Launch = DEFAULT_LAUNCH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob, entropy, lse), each (N,) float32, of ``logits[rows]`` (logits (M, V), rows contiguous)."""
     n, vocab = rows.numel(), logits.shape[1]
     out = torch.empty(3, n, dtype=torch.float32, device=logits.device)  # (3, N)
     if n:
         _forward[(n,)](logits, logits.stride(0), rows, targets, out[0], out[1], out[2], vocab, 1.0 / temperature,
-                       BLOCK_V=block_size(vocab))
+                       **launch.options(vocab))
     return out[0], out[1], out[2]
 
 
 def rows_backward(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float,
                   lse: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor, g_entropy: torch.Tensor,
-                  grad: torch.Tensor) -> None:
+                  grad: torch.Tensor, launch: Launch = DEFAULT_LAUNCH) -> None:
     """Write the gradient of ``logits[rows]`` into ``grad[rows]`` (same shape as logits, last dim contiguous; may
     alias). The row strides may differ: a column slice of wider logits gets a contiguous gradient."""
     n, vocab = rows.numel(), logits.shape[1]
     if n:
         _backward[(n,)](logits, logits.stride(0), rows, targets, lse, entropy, g_logprob.contiguous(),
                         g_entropy.contiguous(), grad, grad.stride(0), vocab, 1.0 / temperature,
-                        BLOCK_V=block_size(vocab))
+                        **launch.options(vocab))
 
 
 class LogprobsFromLogits(torch.autograd.Function):

@@ -14,6 +14,8 @@ All arithmetic is float32 whatever the storage dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
@@ -94,3 +96,33 @@ def token_loss(logprob, old_logprob, ref_logprob, advantage, entropy, clip_low, 
 def block_size(width: int, cap: int = 4096) -> int:
     """The power of two that covers ``width`` elements in one block, at most ``cap``."""
     return min(cap, triton.next_power_of_2(max(int(width), 1)))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a row kernel (one program per token row, looping over the vocabulary) is launched. ``block_v``: vocabulary
+    elements per loop step (None: ``block_size(V)``, at most 4096); ``num_warps``: warps per program (None: Triton's
+    default, 4). The defaults ran on the H200 (benchmarks/RESULTS.md, 2026-11-26); the benchmarks' ``--sweep`` times
+    others at the GPU shapes, so a better pair becomes the default here, with its measurement."""
+
+    block_v: int | None = None
+    num_warps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_v is not None and (self.block_v < 16 or self.block_v & (self.block_v - 1)):
+            raise ValueError(f"block_v must be a power of two >= 16, got {self.block_v}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two from 1 to 32, got {self.num_warps}")
+
+    def options(self, vocab: int) -> dict:
+        """Keyword arguments of the launch: the BLOCK_V constexpr, and num_warps when set."""
+        found = {"BLOCK_V": self.block_v or block_size(vocab)}
+        if self.num_warps is not None:
+            found["num_warps"] = self.num_warps
+        return found
+
+    def name(self) -> str:
+        return f"block_v {self.block_v or 'auto'}, warps {self.num_warps or 'default'}"
+
+
+DEFAULT_LAUNCH = Launch()

@@ -37,18 +37,19 @@ def create_train_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     return engine
 
 
-def no_second_fp32_copy(weight_bytes: int, stage: int, dp: int, offload_optimizer: bool) -> bool:
-    """Whether a run keeps no fp32 copy of its weights besides the weights themselves: float32 weights, the optimizer
-    on the device, and the rank's partition the whole model (ZeRO 0, which has no master copy, or ZeRO 1-2 at one
-    data-parallel rank, where ``share_fp32_master`` makes the master the weights). The memory estimate's rule."""
-    return weight_bytes == 4 and not offload_optimizer and (stage == 0 or (stage in (1, 2) and dp == 1))
+def no_second_fp32_copy(weight_bytes: int, stage: int, dp: int, offload_optimizer: bool, master_bytes: int = 4) -> bool:
+    """Whether a run keeps no master copy of its weights besides the weights themselves: weights as wide as the master
+    (float32, or bfloat16 in lean bf16 mode, train.lean_bf16), the optimizer on the device, and the rank's partition
+    the whole model (ZeRO 0, which has no master copy, or ZeRO 1-2 at one data-parallel rank, where
+    ``share_fp32_master`` makes the master the weights). The memory estimate's rule."""
+    return weight_bytes == master_bytes and not offload_optimizer and (stage == 0 or (stage in (1, 2) and dp == 1))
 
 
 def shared_master_note(freed_bytes: int) -> str:
     """The one-line note a run prints when ``share_fp32_master`` freed the second copy."""
     saved = f"{freed_bytes / 2**30:.2f} GiB" if freed_bytes >= 2**30 else f"{freed_bytes / 2**20:.1f} MiB"
-    return (f"ZeRO stage 1's fp32 master weights are the module's own float32 weights on one rank (no second copy: "
-            f"{saved} saved)")
+    return (f"ZeRO stage 1's master weights are the module's own weights on one rank (no second copy: {saved} "
+            "saved)")
 
 
 def share_fp32_master(engine) -> int:
@@ -61,6 +62,7 @@ def share_fp32_master(engine) -> int:
     whole flat buffer, byte for byte: a second copy of every trained weight that nothing needs. This points each
     master at the flat buffer itself (``.data``: the optimizer's parameter, its state and its param group stay the
     same objects), so the optimizer updates the module's weights in place and the copy back is a copy onto itself.
+    Lean bf16 mode (DeepSpeed's bf16 master weights) is shared the same way: its master is a bf16 clone.
     Checkpoints keep DeepSpeed's format (the master partition is saved and loaded in place, so loading writes the
     weights too). Where the master must differ (bf16/fp16 weights, an offloaded optimizer on the host, more than
     one rank holding a partition) nothing changes. Call again after loading a checkpoint: a loader that replaced the

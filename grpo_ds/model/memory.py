@@ -4,14 +4,17 @@ Everything is per rank, in bytes, for a model of P parameters (T of them trained
 split over dp data-parallel and tp tensor-parallel ranks. The model-state terms are DeepSpeed's own allocations
 (deepspeed/runtime/zero/stage3.py: the low-precision parameter partition, an fp32 master partition, a gradient
 partition in the parameters' dtype, and AdamW's two fp32 moments), which measure at 20 bytes per trained parameter
-in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py):
+in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py). Lean bf16 mode (train.lean_bf16: DeepSpeed's
+bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states, read from the resolved config) keeps the master
+and the moments in bf16, M = 2 bytes instead of 4: 10 bytes per trained parameter under ZeRO-3, 8 at one rank.
 
     policy weights     P x W / shard            ZeRO-3: shard = dp x tp; ZeRO 0-2: tp (the TP-split part)
-    master weights     T x 4 / opt shard        opt shard = dp x tp from ZeRO-1 on; none for float32 weights where
-                                                the rank's partition is the whole model (ZeRO 0, or one
-                                                data-parallel rank: grpo_ds.model.engine.share_fp32_master)
+    master weights     T x M / opt shard        opt shard = dp x tp from ZeRO-1 on; none where the weights are as
+                                                wide as the master and the rank's partition is the whole model
+                                                (ZeRO 0, or one data-parallel rank:
+                                                grpo_ds.model.engine.share_fp32_master)
     gradients          T x W / grad shard       grad shard = dp x tp from ZeRO-2 on
-    Adam moments       T x 8 / opt shard
+    Adam moments       T x 2M / opt shard
     reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
     rollout copy       P x W                    the hf and agent engines' unsharded copy (none where they generate
                                                 with the policy's own module:
@@ -30,11 +33,14 @@ host memory: they are listed under ``host``. Then the largest phase on top:
                     gathered parameters (the prefetch bucket plus the largest layer, capped at the rank's
                     parameters) and one layer's full gradient: DeepSpeed's gradient hook copies each parameter's
                     gradient into the reduce bucket (counted above) as soon as it is computed
-    optimizer step  fp32 temporaries the size of the trained partition with torch's AdamW (DeepSpeed's torch_adam,
-                    on the CPU): from ZeRO-1 on, the flat fp32 gradient partition DeepSpeed builds while the
-                    gradients are still held; two more (the square root and the denominator) unless AdamW is
-                    fused, as grpo_ds.config.deepspeed makes it on the CPU; DeepSpeed's fused and CPU Adam work in
-                    place (counted as 0)
+    optimizer step  temporaries of the master's width (M) the size of the trained partition with torch's AdamW
+                    (DeepSpeed's torch_adam, on the CPU): from ZeRO-1 on, the flat gradient partition DeepSpeed
+                    builds in the master's dtype while the gradients are still held, and with bf16/fp16 weights
+                    at ZeRO 1-2 a second one (measured at one rank, RSS, a 17 M-parameter bf16 model: about
+                    2 x T x M above the persistent states with fp32 and with bf16 masters; float32 weights hold
+                    one); two more (the square root and the denominator) unless AdamW is fused, as
+                    grpo_ds.config.deepspeed makes it on the CPU; DeepSpeed's fused and CPU Adam work in place
+                    (counted as 0)
     generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position) and two
                     fp32 (batch x vocab) score tensors
 
@@ -151,11 +157,12 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     opt_shard = dp if stage >= 1 else 1
     grad_shard = dp if stage >= 2 else 1
     states = est.host if offload_opt else est.device
-    if no_second_fp32_copy(w, stage, dp, offload_opt):
-        states["master weights (fp32): the float32 weights themselves"] = 0
+    m, master = master_width(ds_config)
+    if no_second_fp32_copy(w, stage, dp, offload_opt, m):
+        states[f"master weights ({master}): the {'float32' if m == 4 else 'bf16'} weights themselves"] = 0
     else:
-        states["master weights (fp32)"] = _b(trained * 4 / opt_shard)
-    states["Adam moments (fp32 m, v)"] = _b(trained * 8 / opt_shard)
+        states[f"master weights ({master})"] = _b(trained * m / opt_shard)
+    states[f"Adam moments ({master} m, v)"] = _b(trained * 2 * m / opt_shard)
     est.device["gradients"] = _b(trained * w / grad_shard)
     if recipe.algorithm.kl_coef > 0 and not lora.enabled(recipe.model):
         est.device["reference model"] = _b(per_rank * w / weights_shard)
@@ -178,9 +185,9 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
         recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(gathered)
     adam = (ds_config.get("optimizer") or {}).get("params") or {}
     torch_adam = bool(adam.get("torch_adam")) and not offload_opt
-    temporaries = (1 if stage >= 1 else 0) + (0 if adam.get("fused") else 2)
-    est.phases["optimizer step (fp32 temporaries)" if torch_adam else "optimizer step (in place)"] = \
-        _b(temporaries * trained * 4 / opt_shard) if torch_adam else 0
+    temporaries = (0 if stage == 0 else 2 if w < 4 and stage < 3 else 1) + (0 if adam.get("fused") else 2)
+    est.phases[f"optimizer step ({master} temporaries)" if torch_adam else "optimizer step (in place)"] = \
+        _b(temporaries * trained * m / opt_shard) if torch_adam else 0
     if recipe.uses_vllm:
         if r.vllm_sleep_mode:
             est.phases["generation (vLLM awake: gpu_memory_utilization)"] = vllm_share
@@ -189,6 +196,14 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
             longest_sequence * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w
             + 2 * shape.vocab * 4))
     return est
+
+
+def master_width(ds_config: dict) -> tuple[int, str]:
+    """Bytes of one master weight (and of one Adam moment) and its name: bf16 where the resolved DeepSpeed config
+    keeps bf16 master weights and optimizer states (lean bf16 mode, train.lean_bf16), else fp32."""
+    bf16 = ds_config.get("bf16") or {}
+    lean = bf16.get("enabled") and bf16.get("bf16_master_weights_and_grads") and bf16.get("bf16_optimizer_states")
+    return (2, "bf16") if lean else (4, "fp32")
 
 
 def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: int, longest: int, backend: str) -> int:

@@ -377,3 +377,31 @@ def test_the_hf_engine_generates_with_the_policy_where_every_rank_holds_it_whole
 
     r = recipe(deepspeed, **sections)
     assert rollout_shares_policy(r, resolve_deepspeed_config(r, world_size, "cpu")) is shares
+
+
+# ------------------------------------------------------------------------------------------ lean bf16
+
+
+LEAN = {"model": {"dtype": "bfloat16"}, "train": {"lean_bf16": True}}
+
+
+def test_lean_bf16_turns_on_deepspeeds_bf16_master_weights_and_optimizer_states():
+    assert resolve(**LEAN)["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True,
+                                       "bf16_optimizer_states": True}
+    for world, device in ((2, "cpu"), (1, "cuda")):  # ZeRO-3 at two ranks; the GPU's optimizer too
+        assert resolve(world_size=world, device=device, **LEAN)["bf16"]["bf16_optimizer_states"] is True
+    default = resolve(model={"dtype": "bfloat16"})["bf16"]  # off: DeepSpeed's fp32 master, as before
+    assert default == {"enabled": True}
+
+
+def test_lean_bf16_is_refused_where_deepspeed_cannot_keep_a_bf16_master(tmp_path):
+    with pytest.raises(UserError, match='needs model.dtype "bfloat16"'):
+        recipe(train={"lean_bf16": True})  # float32 weights
+    offload = resolve_error("ds_configs/zero3_offload.json", **LEAN)
+    assert offload.where == "train.lean_bf16" and "offload" in str(offload)
+    stage0 = write_json(tmp_path / "zero0.json", {"zero_optimization": {"stage": 0}})
+    assert "ZeRO stage 1, 2 or 3" in str(resolve_error(str(stage0), **LEAN))
+    says_no = write_json(tmp_path / "no.json", {"zero_optimization": {"stage": 1},
+                                                "bf16": {"bf16_optimizer_states": False}})
+    error = resolve_error(str(says_no), **LEAN)
+    assert error.where.endswith("bf16.bf16_optimizer_states") and "train.lean_bf16" in str(error)

@@ -106,16 +106,30 @@ def loss_reference(cfg: LossConfig, temperature: float, reduce: bool = True):
     return fn
 
 
+def tuned_loss_kernel(tuning, cfg: LossConfig, temperature: float, chunk_tokens: int):
+    """The Triton function with a FusedTuning (row launch, weight-gradient sum), as benchmarks' --sweep runs it."""
+    from grpo_ds.kernels.fused_linear import PolicyLossFromHidden
+
+    def fn(hidden, weight, targets, advantages, weights, old_logprobs, ref_logprobs):
+        loss, stats = PolicyLossFromHidden.apply(hidden.contiguous(), weight, targets, old_logprobs, ref_logprobs,
+                                                 advantages, weights, cfg, temperature, chunk_tokens, tuning)
+        return {"loss": loss, "logprob": stats[0], "entropy": stats[1], "kl": stats[2], "clipped": stats[3]}
+
+    return fn
+
+
 def compare_policy_loss(backend: str, dtype: torch.dtype, cfg: LossConfig, has_old: bool, has_ref: bool,
                         num_tokens: int, hidden: int, vocab: int, temperature: float = 1.0, chunk_tokens: int = 4,
-                        device: str = "cpu", seed: int = 0) -> dict:
+                        device: str = "cpu", seed: int = 0, tuning=None) -> dict:
     # Upstream gradient 3 (not 1): the Triton backend computes its gradients in the forward and scales them in
     # the backward. The loss sums terms of both signs (advantages of both signs), so its error is measured
     # against the sum of their magnitudes, sum_t |w_t l_t|, not against the (partly cancelled) sum.
     inputs = loss_inputs(hidden_inputs(num_tokens, hidden, vocab, seed, device), temperature, has_old, has_ref, seed)
     with torch.no_grad():
         terms = loss_reference(cfg, temperature, reduce=False)(**inputs)["loss"]  # (N,)
-    return compare(loss_kernel(backend, cfg, temperature, chunk_tokens), loss_reference(cfg, temperature), inputs,
+    kernel = loss_kernel(backend, cfg, temperature, chunk_tokens) if tuning is None else \
+        tuned_loss_kernel(tuning, cfg, temperature, chunk_tokens)
+    return compare(kernel, loss_reference(cfg, temperature), inputs,
                    dtype, low_precision=("hidden", "weight"), differentiable=("hidden", "weight"),
                    upstream={"loss": torch.tensor(3.0, device=device)},
                    what=f"{backend} {cfg} old={has_old} ref={has_ref} V={vocab}",
@@ -157,6 +171,35 @@ def test_policy_loss_every_config(backend):
 def test_policy_loss_bf16(backend, vocab, cfg, has_old, has_ref):
     compare_policy_loss(backend, BF16, cfg, has_old, has_ref, num_tokens=10, hidden=32, vocab=vocab,
                         temperature=0.8)
+
+
+@pytest.mark.parametrize(("block_v", "num_warps", "weight_grad_sum", "dtype"), [
+    (64, 8, "fp32", F32),  # a block much smaller than the vocabulary: the online log-sum-exp runs 16 steps a row
+    (2048, 2, "model-dtype", BF16),  # one block wider than the vocabulary; the weight gradient summed in bf16
+    (128, None, "model-dtype", F32),  # float32 inputs: "model-dtype" is the float32 sum
+])
+def test_policy_loss_tuning_keeps_the_result(triton_backend, block_v, num_warps, weight_grad_sum, dtype):
+    """The knobs benchmarks/bench_fused_linear.py --sweep turns (FusedTuning) change the launch, not the math."""
+    from grpo_ds.kernels.fused_linear import FusedTuning
+    from grpo_ds.kernels.token_math import Launch
+
+    tuning = FusedTuning(Launch(block_v, num_warps), weight_grad_sum)
+    compare_policy_loss(triton_backend, dtype, ALL_TERMS, True, True, num_tokens=10, hidden=32, vocab=1000,
+                        temperature=0.8, chunk_tokens=3, tuning=tuning)
+
+
+def test_tuning_refuses_what_cannot_launch():
+    from grpo_ds.kernels.fused_linear import FusedTuning
+    from grpo_ds.kernels.token_math import Launch
+
+    with pytest.raises(ValueError, match="power of two"):
+        Launch(block_v=1000)
+    with pytest.raises(ValueError, match="num_warps"):
+        Launch(num_warps=3)
+    with pytest.raises(ValueError, match="weight_grad_sum"):
+        FusedTuning(weight_grad_sum="fp16")
+    assert Launch().options(151_936) == {"BLOCK_V": 4096}  # the default: Triton's own num_warps
+    assert Launch(8192, 16).options(151_936) == {"BLOCK_V": 8192, "num_warps": 16}
 
 
 def test_policy_loss_single_token(backend):

@@ -76,3 +76,17 @@ def test_masked_policy_loss(backend, dtype):
 @pytest.mark.parametrize("group_size", [1, 16])
 def test_advantages(backend, dtype, group_size):
     compare_advantages(backend, dtype, num_groups=512, group_size=group_size, device="cuda")
+
+
+@pytest.mark.parametrize("weight_grad_sum", ["fp32-gemm", "model-dtype"])
+def test_policy_loss_from_hidden_weight_grad_sums(weight_grad_sum):
+    """The weight-gradient sums benchmarks/bench_fused_linear.py --sweep compares (FusedTuning), on the GPU: the
+    matmul's own float32 accumulation (torch.addmm's out_dtype, CUDA only) and the bf16 sum."""
+    from grpo_ds.kernels.fused_linear import FusedTuning
+
+    problem = triton_problem("cuda")
+    if problem is not None:
+        pytest.skip(problem)
+    compare_policy_loss("triton", torch.bfloat16, ALL_TERMS, True, True, num_tokens=512, hidden=256, vocab=32000,
+                        temperature=0.8, chunk_tokens=_chunk(torch.bfloat16), device="cuda",
+                        tuning=FusedTuning(weight_grad_sum=weight_grad_sum))

@@ -32,6 +32,24 @@ def test_zero3_model_states_are_deepspeeds_bytes_per_parameter_over_dp(dtype, by
     assert states == pytest.approx(SHAPE.params * bytes_per_param / 8, rel=1e-6)
 
 
+def test_lean_bf16_keeps_the_master_and_the_moments_in_bf16():
+    """Lean bf16 mode (train.lean_bf16): 2-byte master and moments, 10 bytes a parameter under ZeRO-3; at one rank
+    the bf16 master is the weights themselves (share_fp32_master), 8 bytes: TRL's bf16 weights, gradients and
+    AdamW moments. The optimizer step's temporaries are bf16 too."""
+    lean = _estimate(model={"dtype": "bfloat16"}, train={"lean_bf16": True})
+    states = sum(lean.device[k] for k in ("policy weights", "master weights (bf16)", "gradients",
+                                          "Adam moments (bf16 m, v)"))
+    assert states == pytest.approx(SHAPE.params * 10 / 8, rel=1e-6)
+    one = _estimate(world=1, model={"dtype": "bfloat16"}, train={"lean_bf16": True})
+    assert one.device["master weights (bf16): the bf16 weights themselves"] == 0
+    assert one.device["policy weights"] + one.device["gradients"] + one.device["Adam moments (bf16 m, v)"] == \
+        pytest.approx(SHAPE.params * 8, rel=1e-6)
+    default = _estimate(world=1, model={"dtype": "bfloat16"})
+    assert default.device["master weights (fp32)"] == SHAPE.params * 4
+    step = {k: v for k, v in one.phases.items() if k.startswith("optimizer step")}
+    assert step == {"optimizer step (bf16 temporaries)": default.phases["optimizer step (fp32 temporaries)"] // 2}
+
+
 def test_tensor_parallel_divides_the_split_layers_and_offload_moves_states_to_host():
     plain = _estimate(model={"dtype": "bfloat16"})
     tp = _estimate(model={"dtype": "bfloat16"}, train={"tensor_parallel_size": 2})
