@@ -10,7 +10,8 @@
 #   1. bench_vs_trl --device cuda at the 0.5B shape: grpo_ds (3 runs), grpo_ds in lean bf16 mode (train.lean_bf16,
 #      1 run: its target is peak memory) and TRL (3 runs), 3 steps each; targets: step time <= 0.6x TRL's, lean peak
 #      GPU memory <= TRL's
-#   2. rollout: benchmarks/run_gpu_rollout.sh when it exists (the hf engine's fast generation, bench_rollout cuda)
+#   2. rollout: bench_rollout --device cuda at the 0.5B shape: the hf engine eager, compiled (rollout.hf_compile)
+#      and plain generate
 #   3. kernels: the fused-linear and log-prob sweeps (block sizes, warps, chunk tokens, the forward split into its
 #      parts), then bench_logprobs and bench_fused_linear with the defaults (targets: log-prob forward >= 60% of copy
 #      bandwidth; fused linear full >= 1.5x eager), Liger compiled where it compiles (the block names which ran)
@@ -20,7 +21,8 @@
 # call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
-# RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"), OUT (where the log,
+# RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"; "sweeps": the
+# kernel sweeps of step 3 alone), OUT (where the log,
 # the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
 # output), RESULTS.new.md (the blocks this run appended), summary.txt (one line a step), steps.tar.gz (per-step logs).
 set -uo pipefail
@@ -107,21 +109,21 @@ if want 1; then
 fi
 
 # ------------------------------------------------------------------------------------------ 2. rollout
+# the hf engine's eager decode against its static-cache compiled one (rollout.hf_compile) and plain generate
 if want 2; then
-    if [[ -f benchmarks/run_gpu_rollout.sh ]]; then
-        run rollout 60 bash benchmarks/run_gpu_rollout.sh
-    else
-        note "rollout: benchmarks/run_gpu_rollout.sh not in this tree, skipped"
-    fi
+    run rollout 100 python3 benchmarks/bench_rollout.py --device cuda --dtype bfloat16 --shape qwen2-0.5b \
+        --variants grpo_ds,compiled,generate --record
 fi
 
 # ------------------------------------------------------------------------------------------ 3. kernels
-if want 3; then
+if want 3 || want sweeps; then
     # sweeps first: they say which block sizes, warps and chunk sizes to make the defaults
     run sweep_fused_linear 90 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
         --seq-len 1024 --hidden 4096 --vocab 151936 --sweep --record
     run sweep_logprobs 60 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
         --vocab 151936 --sweep --record
+fi
+if want 3; then
     run bench_logprobs 45 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
         --vocab 151936 --op logprobs --mode forward,backward,full --bandwidth --record
     # Liger compiled: its default torch.compile failed on torch 2.11 (2026-11-26, dynamo's "sources must not be
