@@ -21,6 +21,7 @@
 # call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
+# VS_TRL_RUNS (runs per trainer, default 3), VS_TRL_LIMIT_S (default 540),
 # RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"; "sweeps": the
 # kernel sweeps of step 3 alone), OUT (where the log,
 # the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
@@ -104,7 +105,9 @@ EOF
 
 # ------------------------------------------------------------------- 1. grpo_ds vs TRL at the 0.5B shape
 if want 1; then
-    run vs_trl 360 python3 benchmarks/bench_vs_trl.py --device cuda --shape qwen2-0.5b --runs 3 --steps 3 \
+    # one run of each trainer took ~72 s on an H200 (2026-11-27): 3 runs each plus the lean run need ~8.5 minutes
+    run vs_trl "${VS_TRL_LIMIT_S:-540}" python3 benchmarks/bench_vs_trl.py --device cuda --shape qwen2-0.5b \
+        --runs "${VS_TRL_RUNS:-3}" --steps 3 \
         --lean both --lean-runs 1 --record
 fi
 
