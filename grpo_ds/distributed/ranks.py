@@ -111,7 +111,7 @@ class Dist:
 
 def device_type() -> str:
     """"cuda" when a GPU is usable and DeepSpeed is not forced onto the CPU, else "cpu"."""
-    if os.environ.get("DS_ACCELERATOR", "") == "cpu" or not torch.cuda.is_available():
+    if launcher.cpu_forced() or not torch.cuda.is_available():
         return "cpu"
     return "cuda"
 
@@ -142,7 +142,7 @@ def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
     (checked before)."""
     kind = device_type()
     if kind == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        launcher.use_cpu_accelerator()
         local_ranks = launcher.local_ranks()
         if local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks sharing cores must not oversubscribe
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
