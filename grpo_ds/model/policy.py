@@ -18,7 +18,6 @@ import contextlib
 import hashlib
 import io
 import itertools
-import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -141,23 +140,12 @@ class Policy:
         return _combine(digests), (state if keep else None)
 
     def save_pretrained(self, folder: Path, state: dict[str, torch.Tensor], tokenizer) -> None:
-        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder: into a temporary folder
-        beside it, then renamed, so that a failed write leaves no partial folder (and an earlier one stays whole
-        until the new one is complete)."""
+        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder into ``folder``: the
+        temporary one of grpo_ds.run.writes.folder_written, which puts it in place once it is complete."""
         module = self.engine.module.get_base_model() if self.lora else self.engine.module
-        tmp = folder.with_name(f".tmp-{folder.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
-                module.save_pretrained(tmp, state_dict=state)
-            tokenizer.save_pretrained(tmp)
-            old = folder.with_name(f".old-{folder.name}")
-            if folder.exists():
-                folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
+            module.save_pretrained(folder, state_dict=state)
+        tokenizer.save_pretrained(folder)
 
     def save_state(self, folder: Path, tag: str) -> None:
         """The engine's sharded state into ``folder/tag`` (collective); a LoRA policy's frozen base is left out: it
