@@ -18,7 +18,6 @@ import contextlib
 import hashlib
 import io
 import itertools
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 
 from grpo_ds.config.deepspeed import one_rank_stage_note
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.distributed import launcher
 from grpo_ds.model import lora, sequence_parallel
 from grpo_ds.model.engine import (
     create_reference_engine,
@@ -71,17 +71,15 @@ class Policy:
         policy = Policy(engine, use_lora, reference, fused_lm_head_problem(engine.module), packing)
         if announce:
             if stage_note := one_rank_stage_note(recipe, ds_config):
-                print(f"note: {stage_note}", file=sys.stderr, flush=True)
+                launcher.say(f"note: {stage_note}")
             if shared_bytes:
-                print(f"note: {shared_master_note(shared_bytes)}", file=sys.stderr, flush=True)
+                launcher.say(f"note: {shared_master_note(shared_bytes)}")
             if use_lora:
-                print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
+                launcher.say(lora.summary(engine.module, recipe.model.lora_rank))
             if recipe.kernels.fused_lm_head and policy.fused_lm_head_problem:
-                print(f"note: kernels.fused_lm_head: {policy.fused_lm_head_problem}; computing full logits",
-                      file=sys.stderr, flush=True)
+                launcher.say(f"note: kernels.fused_lm_head: {policy.fused_lm_head_problem}; computing full logits")
             if packing:
-                print(f"note: train.packing: {packing}; padding each micro-batch instead", file=sys.stderr,
-                      flush=True)
+                launcher.say(f"note: train.packing: {packing}; padding each micro-batch instead")
         return policy
 
     @property
