@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def launched() -> bool:
@@ -49,6 +51,28 @@ def use_cpu_accelerator() -> None:
     """Tell DeepSpeed to use its CPU accelerator (DS_ACCELERATOR=cpu) unless the user chose one. DeepSpeed picks its
     accelerator once, when first imported, and without a GPU says so on stdout unless told: call this before."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@contextmanager
+def as_launched(rank: int, world_size: int, local_rank: int) -> Iterator[None]:
+    """For the duration, this process's environment holds the launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK, and
+    MASTER_ADDR / MASTER_PORT where unset), as a library that expects to have been launched reads them (vLLM's
+    external launcher); afterwards each is as it was, so that a plain process does not look ``launched()``."""
+    wanted = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank)}
+    if "MASTER_ADDR" not in os.environ:
+        wanted["MASTER_ADDR"] = "127.0.0.1"
+    if "MASTER_PORT" not in os.environ:
+        wanted["MASTER_PORT"] = str(free_port())
+    before = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def say(message: str) -> None:
