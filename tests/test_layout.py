@@ -265,3 +265,21 @@ def test_folders_are_renamed_into_place_in_one_place():
                 what = "os.rename" if called.endswith(".rename") else called
                 assert what in allowed.get(name, ()), (
                     f"{where}:{node.lineno} calls {called}: write the folder with grpo_ds.run.writes.folder_written")
+
+
+# print() is the command lines' own output (their report, table or written path, on stdout); a message for the user
+# goes through grpo_ds.distributed.launcher.say (stderr, rank 0 only). The sandbox runner is another process that
+# must not import grpo_ds: its stderr is what it tells the parent.
+PRINTS = {"grpo_ds.check", "grpo_ds.export", "grpo_ds.plot", "grpo_ds.config.reference"}
+PRINTS_TO_STDERR = {"grpo_ds.distributed.launcher", "grpo_ds.rewards.sandbox_runner"}
+
+
+def test_messages_go_through_say_and_only_the_command_lines_print():
+    for name, where, tree in _package_modules():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"):
+                continue
+            to = next((_dotted(k.value) for k in node.keywords if k.arg == "file"), "sys.stdout")
+            allowed = PRINTS_TO_STDERR if to == "sys.stderr" else PRINTS
+            assert name in allowed, (f"{where}:{node.lineno} prints to {to}: a message for the user goes through "
+                                     "grpo_ds.distributed.launcher.say (rank 0, stderr)")
