@@ -16,8 +16,7 @@ newest complete one, and ``.tmp-*`` folders are unfinished writes, never read. T
    downloaded), loads the state dict strictly (a tied ``lm_head.weight`` may be absent), casts it to
    ``--dtype`` (default: the recipe's ``model.dtype``);
 5. writes ``config.json`` + ``model.safetensors``, the tokenizer and ``generation_config.json`` into a
-   temporary folder beside ``--out`` and renames it into place (grpo_ds.run.writes.folder_written), so ``--out``
-   never holds half an export.
+   temporary folder beside ``--out`` and renames it into place, so ``--out`` never holds half an export.
 
 A LoRA run (``model.lora_rank``) checkpoints its adapters only. Its export rebuilds the base model from
 ``model.path`` (builtin:tiny from ``run.seed``), puts the adapters on it with peft, and writes either the adapter
