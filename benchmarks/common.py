@@ -44,12 +44,13 @@ from pathlib import Path
 import torch
 
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
+from grpo_ds.config import dtypes
 from grpo_ds.config.software import resolve_backend, triton_problem
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 MODES: tuple[str, ...] = ("forward", "backward", "full")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in dtypes.DTYPES}  # grpo_ds.config.dtypes names them
 MIB = 2**20
 
 RESULTS_HEADER = """# Benchmark results

@@ -35,9 +35,7 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +45,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from grpo_ds.config import software
+from grpo_ds.config.dtypes import DTYPES
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.recipe import ModelConfig
+from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
 from grpo_ds.model import lora
@@ -58,7 +58,6 @@ from grpo_ds.run import writes
 from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
 from grpo_ds.run.folder import check_output_folder
 
-DTYPES = ("float32", "bfloat16", "float16")
 _MP_RANK = re.compile(r"mp_rank_(\d+)")  # a tensor-parallel rank's files in a DeepSpeed checkpoint
 TOKENIZER_BYTES = 16 << 20  # free space asked for the tokenizer and config files beside the weights
 
@@ -203,26 +202,19 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
 def _write(out: Path, model, tokenizer, generation_config, weight_bytes: int) -> None:
     """Write the folder beside ``out`` and rename it into place. Too little free space for the weights is refused
     before writing; a failed write (full disk, read-only, quota) is one UserError, with nothing left behind."""
-    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
         writes.check_space("export", out.parent, int(weight_bytes * (1 + writes.SPACE_MARGIN)) + TOKENIZER_BYTES,
                          f"the model ({writes.gib(weight_bytes)} of weights)", "free space and run the export again")
-        with writes.writing(tmp):
+        with writes.folder_written(out) as tmp, writes.writing(tmp):  # an existing out: empty, or --overwrite
             with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
                 model.save_pretrained(tmp)  # a peft model writes its adapters only
             tokenizer.save_pretrained(tmp)
             if generation_config is not None:
                 generation_config.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)  # empty, or --overwrite was given (checked above)
-        tmp.rename(out)
     except OSError as err:
         raise UserError("export", f"cannot write {err.filename or out}: {writes.describe(err)}",
                         f"nothing was written to {out}; {writes.remedy(err)} and run the export again") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _model_config(run: Path) -> tuple[ModelConfig, int]:
@@ -318,7 +310,7 @@ def _join_tensor_parallel(name: str, slices: list[torch.Tensor], full: torch.Siz
 
 def _zero_consolidate(folder: Path, frozen_excluded: bool, shown: Path | None = None) -> dict[str, torch.Tensor]:
     if device_type() == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, hence imported here
+        launcher.use_cpu_accelerator()  # read when deepspeed is first imported, hence imported here
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # It prints its progress (and tqdm bars) for a standalone script; the export prints its own summary.

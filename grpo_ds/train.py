@@ -207,8 +207,8 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     with checkpoint.run_file_writes(dist, run_dir, "end of the run"):  # a failed write: one error on every rank
         _append_json(rank_log, final)
         if save:
-            with writes.writing(run_dir / "final_model"):
-                policy.save_pretrained(run_dir / "final_model", state, tokenizer)
+            with writes.writing(run_dir / "final_model"), writes.folder_written(run_dir / "final_model") as folder:
+                policy.save_pretrained(folder, state, tokenizer)
         if dist.is_main:
             run_folder.mark_complete(run_dir, recipe.train.steps, digest)
     logger.close()

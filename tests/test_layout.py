@@ -228,3 +228,67 @@ def test_one_free_port_helper_and_one_atomic_write():
         if where != Path("grpo_ds/run/writes.py") and path.is_relative_to(PACKAGE):
             replaces = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _dotted(n.func) == "os.replace"]
             assert not replaces, f"{where} replaces a file itself: use grpo_ds.run.writes.write_atomic"
+
+
+def _package_modules():
+    for name, path in MODULES.items():
+        yield name, path.relative_to(PACKAGE.parent), ast.parse(path.read_text())
+
+
+DTYPE_NAMES = {"float32", "bfloat16", "float16"}
+
+
+def test_dtype_names_are_mapped_in_one_place():
+    """A table of dtype names (a dict, tuple, list or set literal naming two or more of them) is written only in
+    grpo_ds.config.dtypes; everything else imports its names."""
+    for name, where, tree in _package_modules():
+        if name == "grpo_ds.config.dtypes":
+            continue
+        for node in ast.walk(tree):
+            items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(
+                node, (ast.Tuple, ast.List, ast.Set)) else []
+            named = {i.value for i in items if isinstance(i, ast.Constant) and i.value in DTYPE_NAMES}
+            assert len(named) < 2, f"{where}:{node.lineno} writes a table of dtype names: use grpo_ds.config.dtypes"
+
+
+def test_the_accelerator_variable_is_read_and_defaulted_in_one_place():
+    """DS_ACCELERATOR (DeepSpeed's accelerator choice) is read and defaulted only by grpo_ds.distributed.launcher
+    (``cpu_forced``, ``use_cpu_accelerator``)."""
+    for name, where, tree in _package_modules():
+        if name != "grpo_ds.distributed.launcher":
+            named = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "DS_ACCELERATOR"]
+            assert not named, f"{where}:{named[0]} uses DS_ACCELERATOR: use grpo_ds.distributed.launcher"
+
+
+def test_folders_are_renamed_into_place_in_one_place():
+    """A folder written under a temporary name is fsynced and renamed into place by grpo_ds.run.writes
+    (``folder_written``, ``publish_folder``): nothing else renames. The one exception, grpo_ds.run.lock, renames a
+    stale lock file away to take it over (a rename succeeds once: that is its lock, not a write)."""
+    allowed = {"grpo_ds.run.writes": {"os.rename", "os.replace"}, "grpo_ds.run.lock": {"os.rename"}}
+    for name, where, tree in _package_modules():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            called = _dotted(node.func)
+            if called.endswith(".rename") and not called.startswith("os.") or called in ("os.rename", "os.replace"):
+                what = "os.rename" if called.endswith(".rename") else called
+                assert what in allowed.get(name, ()), (
+                    f"{where}:{node.lineno} calls {called}: write the folder with grpo_ds.run.writes.folder_written")
+
+
+# print() is the command lines' own output (their report, table or written path, on stdout); a message for the user
+# goes through grpo_ds.distributed.launcher.say (stderr, rank 0 only). The sandbox runner is another process that
+# must not import grpo_ds: its stderr is what it tells the parent.
+PRINTS = {"grpo_ds.check", "grpo_ds.export", "grpo_ds.plot", "grpo_ds.config.reference"}
+PRINTS_TO_STDERR = {"grpo_ds.distributed.launcher", "grpo_ds.rewards.sandbox_runner"}
+
+
+def test_messages_go_through_say_and_only_the_command_lines_print():
+    for name, where, tree in _package_modules():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"):
+                continue
+            to = next((_dotted(k.value) for k in node.keywords if k.arg == "file"), "sys.stdout")
+            allowed = PRINTS_TO_STDERR if to == "sys.stderr" else PRINTS
+            assert name in allowed, (f"{where}:{node.lineno} prints to {to}: a message for the user goes through "
+                                     "grpo_ds.distributed.launcher.say (rank 0, stderr)")

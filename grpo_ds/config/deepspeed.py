@@ -41,6 +41,7 @@ from typing import Any
 
 from grpo_ds.config.deepspeed_check import check_deepspeed_config, check_shapes, choose_accelerator, scheduler_class
 from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
+from grpo_ds.config.dtypes import DEEPSPEED_SECTIONS
 from grpo_ds.config.parse import check_finite, printable, read_json_object
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.errors import UserError
@@ -113,8 +114,8 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, device_type: str =
     for key, (value, origin) in derived.items():
         _fill(out, key.split("."), value, origin, where)
     dtype = recipe.model.dtype
-    for section, wanted in (("bf16", dtype == "bfloat16"), ("fp16", dtype == "float16")):
-        _fill(out, [section, "enabled"], wanted, f"model.dtype {dtype!r}", where)
+    for name, section in DEEPSPEED_SECTIONS.items():
+        _fill(out, [section, "enabled"], dtype == name, f"model.dtype {dtype!r}", where)
     _resolve_lean_bf16(out, recipe, where)
     _resolve_optimizer(out, recipe, device_type, where)
     _resolve_scheduler(out, recipe, where)

@@ -16,14 +16,13 @@ import copy
 import inspect
 import json
 import logging
-import os
 from typing import Any
 
+from grpo_ds.config.dtypes import DEEPSPEED_SECTIONS, canonical
+from grpo_ds.distributed import launcher
 from grpo_ds.errors import UserError, first_line, suggest
 
 _STAGES = (0, 1, 2, 3)
-_PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-                 "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 _DOCS = "see https://www.deepspeed.ai/docs/config-json/"
 
 
@@ -84,19 +83,17 @@ def check_precision_supported(cfg: dict, device_type: str) -> None:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    for section, supported, dtype in (("fp16", accelerator.is_fp16_supported, "float16"),
-                                      ("bf16", accelerator.is_bf16_supported, "bfloat16")):
-        if (cfg.get(section) or {}).get("enabled") is True and not supported():
+    for dtype, section in DEEPSPEED_SECTIONS.items():
+        if (cfg.get(section) or {}).get("enabled") is True and not getattr(accelerator, f"is_{section}_supported")():
             raise UserError("model.dtype", f'"{dtype}" is not supported by DeepSpeed on this {device_type} '
                             f"accelerator ({accelerator.device_name()})",
                             'use "float32"' + ('' if section == "bf16" else ' or "bfloat16"'))
 
 
 def choose_accelerator(device_type: str) -> None:
-    """DeepSpeed picks its accelerator when first imported, and without a GPU it says so on stdout unless told (as
-    grpo_ds.distributed.ranks tells it)."""
+    """DeepSpeed picks its accelerator when first imported: on a CPU, its CPU one (grpo_ds.distributed.launcher)."""
     if device_type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        launcher.use_cpu_accelerator()
 
 
 def _deepspeed_validation(cfg: dict, where: str) -> None:
@@ -168,7 +165,7 @@ def _check_param_dtype(cfg: dict, where: str, model_dtype: str) -> None:
     requested = (cfg.get("data_types") or {}).get("param_dtype") if isinstance(cfg.get("data_types"), dict) else None
     if requested is None:
         return
-    dtype = _PARAM_DTYPES.get(str(requested).lower())
+    dtype = canonical(requested)
     if dtype is None:
         raise UserError(f"{where}: data_types.param_dtype", f"{json.dumps(requested)} is not a dtype DeepSpeed knows",
                         f'leave it out (model.dtype sets the precision), or "{model_dtype}"')

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_ds.algo.names import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, SCALES
+from grpo_ds.config.dtypes import DTYPES
 from grpo_ds.config.reward_specs import ON_ERROR_CHOICES
 
 _MISSING = object()
@@ -47,7 +48,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = opt("builtin:tiny", '"builtin:tiny" (random tiny model, no download) or a local HF model folder')
-    dtype: str = opt("float32", "Training dtype of the policy", choices=("float32", "bfloat16", "float16"))
+    dtype: str = opt("float32", "Training dtype of the policy", choices=DTYPES)
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory")
     trust_remote_code: bool = opt(False, "Allow a local model folder to run its own modelling code")
     tiny_hidden_size: int = opt(64, "builtin:tiny only: hidden size", low=8)
@@ -128,7 +129,7 @@ class RolloutConfig:
     vllm_enforce_eager: bool = opt(False, "vllm: run the model eagerly, without CUDA graphs or torch.compile: "
                                    "start-up in seconds instead of ~30 s of compiling, slower generation")
     vllm_dtype: str | None = opt(None, "vllm: dtype of vLLM's weights and activations (null = model.dtype)",
-                                 choices=("bfloat16", "float16", "float32"))
+                                 choices=DTYPES)
 
 
 @dataclass(frozen=True)

@@ -39,17 +39,18 @@ class Dist:
         return self.rank == 0
 
     @property
-    def group_size(self) -> int:
-        """Ranks that hold the same samples: a tensor- or sequence-parallel group."""
+    def ranks_per_shard(self) -> int:
+        """Ranks that hold the same shard of the samples: a tensor- or sequence-parallel group (not the recipe's
+        rollout.group_size, the completions per prompt)."""
         return self.tp_size * self.sp_size
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.group_size
+        return self.world_size // self.ranks_per_shard
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.group_size
+        return self.rank // self.ranks_per_shard
 
     @property
     def sp_rank(self) -> int:
@@ -57,7 +58,7 @@ class Dist:
 
     def dp_parts(self, parts: list) -> list:
         """One entry per data-parallel rank of a list with one entry per rank (each group's first rank's)."""
-        return parts[::self.group_size]
+        return parts[::self.ranks_per_shard]
 
     # Collectives for the driver's small objects; no-ops at world size 1. Kernels never communicate.
     def broadcast(self, obj: Any) -> Any:
@@ -111,7 +112,7 @@ class Dist:
 
 def device_type() -> str:
     """"cuda" when a GPU is usable and DeepSpeed is not forced onto the CPU, else "cpu"."""
-    if os.environ.get("DS_ACCELERATOR", "") == "cpu" or not torch.cuda.is_available():
+    if launcher.cpu_forced() or not torch.cuda.is_available():
         return "cpu"
     return "cuda"
 
@@ -142,7 +143,7 @@ def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
     (checked before)."""
     kind = device_type()
     if kind == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        launcher.use_cpu_accelerator()
         local_ranks = launcher.local_ranks()
         if local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks sharing cores must not oversubscribe
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))

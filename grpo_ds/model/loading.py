@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_ds.config.deepspeed_keys import zero_stage
+from grpo_ds.config.dtypes import DTYPES
 from grpo_ds.config.parse import printable, read_json_object
 from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.errors import UserError, first_line
@@ -35,14 +36,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 # Config keys that bound the sequence length, as vLLM reads them (the smallest present wins).
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
                  "max_seq_length", "seq_len", "n_ctx")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """Map a recipe dtype name ("float32", "bfloat16", "float16") to the torch dtype."""
-    if name not in _DTYPES:
-        raise UserError("model.dtype", f"{name!r} is not one of {', '.join(map(repr, _DTYPES))}", "pick one of them")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise UserError("model.dtype", f"{name!r} is not one of {', '.join(map(repr, DTYPES))}", "pick one of them")
+    return getattr(torch, name)
 
 
 def check_model_path(model_cfg: ModelConfig) -> None:

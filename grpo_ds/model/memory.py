@@ -56,13 +56,13 @@ import torch
 
 from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
+from grpo_ds.config.dtypes import BYTES
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.kernels import chunk_bytes_per_token, logprob_chunk_tokens
 from grpo_ds.model import lora
 from grpo_ds.model.engine import no_second_fp32_copy
 
 GIB = 2**30
-_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 # DeepSpeed's defaults for the keys the estimate reads (deepspeed/runtime/zero/config.py)
 _REDUCE_BUCKET, _PREFETCH_BUCKET, _MAX_LIVE = 500_000_000, 50_000_000, 1_000_000_000
 
@@ -141,7 +141,7 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
     generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share; ``backend``: the
     resolved kernels backend (it sizes the log-prob chunks)."""
-    w = _WIDTH[recipe.model.dtype]
+    w = BYTES[recipe.model.dtype]
     zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
     tp = recipe.train.tensor_parallel_size
     dp = world_size // tp

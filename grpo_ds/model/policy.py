@@ -18,8 +18,6 @@ import contextlib
 import hashlib
 import io
 import itertools
-import shutil
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ import torch
 
 from grpo_ds.config.deepspeed import one_rank_stage_note
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.distributed import launcher
 from grpo_ds.model import lora, sequence_parallel
 from grpo_ds.model.engine import (
     create_reference_engine,
@@ -72,17 +71,15 @@ class Policy:
         policy = Policy(engine, use_lora, reference, fused_lm_head_problem(engine.module), packing)
         if announce:
             if stage_note := one_rank_stage_note(recipe, ds_config):
-                print(f"note: {stage_note}", file=sys.stderr, flush=True)
+                launcher.say(f"note: {stage_note}")
             if shared_bytes:
-                print(f"note: {shared_master_note(shared_bytes)}", file=sys.stderr, flush=True)
+                launcher.say(f"note: {shared_master_note(shared_bytes)}")
             if use_lora:
-                print(lora.summary(engine.module, recipe.model.lora_rank), file=sys.stderr, flush=True)
+                launcher.say(lora.summary(engine.module, recipe.model.lora_rank))
             if recipe.kernels.fused_lm_head and policy.fused_lm_head_problem:
-                print(f"note: kernels.fused_lm_head: {policy.fused_lm_head_problem}; computing full logits",
-                      file=sys.stderr, flush=True)
+                launcher.say(f"note: kernels.fused_lm_head: {policy.fused_lm_head_problem}; computing full logits")
             if packing:
-                print(f"note: train.packing: {packing}; padding each micro-batch instead", file=sys.stderr,
-                      flush=True)
+                launcher.say(f"note: train.packing: {packing}; padding each micro-batch instead")
         return policy
 
     @property
@@ -141,23 +138,12 @@ class Policy:
         return _combine(digests), (state if keep else None)
 
     def save_pretrained(self, folder: Path, state: dict[str, torch.Tensor], tokenizer) -> None:
-        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder: into a temporary folder
-        beside it, then renamed, so that a failed write leaves no partial folder (and an earlier one stays whole
-        until the new one is complete)."""
+        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder into ``folder``: the
+        temporary one of grpo_ds.run.writes.folder_written, which puts it in place once it is complete."""
         module = self.engine.module.get_base_model() if self.lora else self.engine.module
-        tmp = folder.with_name(f".tmp-{folder.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
-                module.save_pretrained(tmp, state_dict=state)
-            tokenizer.save_pretrained(tmp)
-            old = folder.with_name(f".old-{folder.name}")
-            if folder.exists():
-                folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
+            module.save_pretrained(folder, state_dict=state)
+        tokenizer.save_pretrained(folder)
 
     def save_state(self, folder: Path, tag: str) -> None:
         """The engine's sharded state into ``folder/tag`` (collective); a LoRA policy's frozen base is left out: it

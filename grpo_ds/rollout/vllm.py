@@ -202,10 +202,6 @@ class VLLMRolloutEngine:
             folder = _save_for_vllm(builtin_model(), tokenizer)
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id,
                                        folder_generation_config(folder, settings.trust_remote_code))
-        # the external launcher reads the launcher's variables; a single process (python -m) has none of them
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK=str(launcher.local_rank()))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(launcher.free_port()))
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
@@ -222,7 +218,10 @@ class VLLMRolloutEngine:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(settings.kv_cache_gib))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free
-        self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank, on_cpu, self.sleeps))
+        # vLLM's external launcher reads the launcher's variables while it builds its engine; a single process
+        # (python -m) has none of them, and keeps none of them after (it would look launched to the launcher's reads)
+        with launcher.as_launched(self.rank, world, launcher.local_rank()):
+            self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank, on_cpu, self.sleeps))
         atexit.register(self.close)  # before the process group goes (atexit runs last-registered first)
         self.reloads = weight_sync_path() == "reload_weights"
         # the reload path rebuilds each layer whole before using it: a LoRA sync then also sends the frozen tensors

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -177,23 +176,16 @@ def _finish(run_dir: Path, tmp: Path, final: Path, trainer_state: dict, keep: in
     """Rank 0: trainer state, manifest, fsync, rename into place, point ``latest`` at it, prune. On a failed write
     the new folder is removed (renamed or not) and ``latest`` no longer names it."""
     root = final.parent
-    renamed = False
     try:
         _write_json(tmp / "trainer_state.json", trainer_state)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        for p in files:
-            writes.fsync_file(p)
         _write_json(tmp / MANIFEST, {"step": trainer_state["step"], "files": {
             str(p.relative_to(tmp)): _sha256(p) for p in files}})
-        for folder in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
-            writes.fsync_dir(folder)
-        if final.exists():  # a checkpoint of this step from a run that crashed before moving on
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        renamed = True
-        writes.fsync_dir(root)
+        # fsynced and renamed into place; a final of this step is one from a run that crashed before moving on
+        writes.publish_folder(tmp, final)
         writes.write_atomic(root / LATEST, final.name + "\n")
     except OSError as err:
+        renamed = not tmp.exists()  # only the rename into place removes it
         shutil.rmtree(tmp, ignore_errors=True)
         if renamed:
             _unpublish(final)
@@ -395,5 +387,4 @@ def _sha256(path: Path) -> str:
 
 def _write_json(path: Path, obj: dict) -> None:
     with writes.writing(path):
-        path.write_text(json.dumps(obj, indent=1) + "\n")
-    writes.fsync_file(path)
+        path.write_text(json.dumps(obj, indent=1) + "\n")  # fsynced with the whole folder (writes.publish_folder)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_ds.config.parse import printable
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.distributed import launcher
 from grpo_ds.errors import UserError
 from grpo_ds.run import universal, writes
 from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, complete_checkpoints, verify, write_error
@@ -138,8 +138,8 @@ def prepare(folder: RunFolder, recipe: Recipe, ds_config: dict, data: dict | Non
 def _write_run_files(folder: RunFolder, recipe: Recipe, ds_config: dict) -> None:
     if folder.fresh and folder.path.exists():
         if (folder.path / "metrics.jsonl").exists() or (folder.path / CHECKPOINTS).exists():
-            print(f"replacing the run folder {folder.path} (run.overwrite is true): {_held(folder.path)} deleted",
-                  file=sys.stderr, flush=True)
+            launcher.say(f"replacing the run folder {folder.path} (run.overwrite is true): {_held(folder.path)} "
+                         "deleted")
         for child in folder.path.iterdir():  # all of it but the lock this launch holds (grpo_ds.run.lock)
             if child.name == LOCK:
                 continue

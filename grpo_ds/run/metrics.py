@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_ds.config.recipe import LoggingConfig
+from grpo_ds.distributed import launcher
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.run import writes
 
@@ -37,8 +38,8 @@ def wandb_mode(requested: str) -> str:
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
         return requested
-    print("warning: no Weights & Biases credentials (WANDB_API_KEY or ~/.netrc): logging offline to the run "
-          "folder's wandb/ (upload later with `wandb sync`)", file=sys.stderr)
+    launcher.say("warning: no Weights & Biases credentials (WANDB_API_KEY or ~/.netrc): logging offline to the run "
+                 "folder's wandb/ (upload later with `wandb sync`)")
     return "offline"
 
 

@@ -16,7 +16,6 @@ directly and, moments later, again through DeepSpeed's launcher.
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
+from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import Dist
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the same command may be retried"
@@ -63,8 +63,8 @@ class StopRequest:
             self._first_term = self._first_term or now
         if self.signal_name is None:
             self.signal_name = name
-            print(f"received {name}: stopping after this step with a checkpoint (send SIGTERM again to stop at once)",
-                  file=sys.stderr, flush=True)
+            launcher.say(f"received {name}: stopping after this step with a checkpoint (send SIGTERM again to stop "
+                         "at once)")
 
     def agreed(self, dist: Dist) -> str | None:
         """Collective: the signal that stops the run after this step (any rank's), or None to go on."""

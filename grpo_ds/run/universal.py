@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from grpo_ds.config.deepspeed_keys import offloaded
+from grpo_ds.run import writes
 
 UNIVERSAL_TAG = "ds_universal"
 
@@ -72,18 +73,16 @@ def ensure(checkpoint: Path, ds_tag: str) -> Path:
     out = checkpoint / UNIVERSAL_TAG
     if (out / "zero" / "optimizer_state.pt").is_file():
         return out
-    tmp = checkpoint / f".tmp-{UNIVERSAL_TAG}"
-    shutil.rmtree(tmp, ignore_errors=True)
     from deepspeed.checkpoint import ds_to_universal
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
-        ds_to_universal.main(argparse.Namespace(
-            input_folder=str(checkpoint / ds_tag), output_folder=str(tmp), num_extract_workers=1,
-            num_merge_workers=1, keep_temp_folder=False, strict=True,
-            inject_missing_state=True))  # a stage 1-2 checkpoint records no universal_checkpoint_info
-    (checkpoint / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; the tag is always given
-    _normalize(tmp)
-    tmp.rename(out)
+    with writes.folder_written(out) as tmp:  # an interrupted conversion leaves no partial folder
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress bars
+            ds_to_universal.main(argparse.Namespace(
+                input_folder=str(checkpoint / ds_tag), output_folder=str(tmp), num_extract_workers=1,
+                num_merge_workers=1, keep_temp_folder=False, strict=True,
+                inject_missing_state=True))  # a stage 1-2 checkpoint records no universal_checkpoint_info
+        (checkpoint / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; the tag is always given
+        _normalize(tmp)
     return out
 
 

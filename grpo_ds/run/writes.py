@@ -10,6 +10,10 @@ original error is not a disk problem and is raised as it was.
 ``write_atomic`` replaces a small file (a run file, the ``latest`` pointer) so that a crash leaves the old or the new
 content, never a mix: write a temporary file beside it, fsync it, rename it over the target, fsync the folder.
 
+``folder_written`` and ``publish_folder`` do the same for a folder (a checkpoint, the final model, an export, a
+universal checkpoint): it is written under a temporary name beside its final one, its files and folders are fsynced,
+and it is renamed into place, so that a crash leaves no partial folder under the final name.
+
 ``check_space`` refuses, before anything is written, a write whose expected size exceeds the free space.
 ``agree`` makes every rank raise the same error when a write failed on any of them, so that no rank is left
 waiting in a collective for one that stopped.
@@ -29,6 +33,7 @@ import torch
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError
 
+TMP_PREFIX = ".tmp-"  # a folder being written; never a finished one (a crash may leave it: its writer removes it)
 # Free space asked beyond a write's expected size: a checkpoint's trainer state grows with the metric history,
 # and file systems round files up to whole blocks.
 SPACE_MARGIN = 0.05
@@ -116,6 +121,51 @@ def write_atomic(path: Path, text: str) -> None:
     with writing(path):
         os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder``, then every folder (the deepest first, ``folder`` last), to the disk."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fsync_file(path)
+    for path in sorted({p.parent for p in folder.rglob("*")} | {folder}, key=lambda p: -len(p.parts)):
+        fsync_dir(path)
+
+
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Put the complete folder ``tmp`` (beside ``final``: a rename stays on one file system) in place as ``final``:
+    fsync its files and folders, rename it, fsync the parent. An existing ``final`` is renamed aside first and
+    removed once the new one is in place (a folder cannot be renamed over a full one); if the rename fails it is
+    put back. A crash at any moment leaves ``tmp`` unfinished, or the old or the new ``final`` whole (the old one
+    under a ``.tmp-`` name only between the two renames). An OSError names the path that failed."""
+    fsync_tree(tmp)
+    aside = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    if final.exists():
+        os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if aside.exists():
+            os.rename(aside, final)
+        raise
+    fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextmanager
+def folder_written(final: Path) -> Iterator[Path]:
+    """An empty temporary folder beside ``final`` to write in; when the block ends it replaces ``final``
+    (``publish_folder``). On any error, in the block or in publishing, the temporary folder is removed and ``final``
+    is left as it was."""
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with writing(tmp):
+            tmp.mkdir(parents=True)
+        yield tmp
+        publish_folder(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def append_line(path: Path, line: str) -> None:

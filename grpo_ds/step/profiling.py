@@ -21,7 +21,6 @@ every phase boundary, into ``profile/rank<r>.memory.csv``. ``logging.profile_tra
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 
 from grpo_ds.config.recipe import LoggingConfig
+from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.step import memory_timeline
 
@@ -112,12 +112,12 @@ def profiled_steps(steps: range, cfg: LoggingConfig, run_dir: Path, dist: Dist) 
 def _say_where(cfg: LoggingConfig, run_dir: Path, which: str) -> None:
     """Rank 0's line per file kind on stderr, with its own peak memory."""
     if cfg.profile_trace:
-        print(f"profile: {which} traced to {trace_path(run_dir, 0).parent}/rank*.pt.trace.json (open in "
-              "ui.perfetto.dev)", file=sys.stderr, flush=True)
+        launcher.say(f"profile: {which} traced to {trace_path(run_dir, 0).parent}/rank*.pt.trace.json (open in "
+                     "ui.perfetto.dev)")
     rows = memory_timeline.read_rows(memory_path(run_dir, 0))
-    print(f"profile: memory of {which} sampled every {cfg.memory_sample_ms} ms to {memory_path(run_dir, 0).parent}/"
-          f"rank*.memory.csv; rank 0's {memory_timeline.summary(rows)} (draw it: python -m grpo_ds.plot {run_dir} "
-          "--memory)", file=sys.stderr, flush=True)
+    launcher.say(f"profile: memory of {which} sampled every {cfg.memory_sample_ms} ms to "
+                 f"{memory_path(run_dir, 0).parent}/rank*.memory.csv; rank 0's {memory_timeline.summary(rows)} (draw "
+                 f"it: python -m grpo_ds.plot {run_dir} --memory)")
 
 
 def _profiler(warmup: int, active: int, path: Path, device: torch.device) -> torch.profiler.profile:

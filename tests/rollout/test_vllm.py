@@ -16,6 +16,7 @@ from grpo_ds import check
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.software import VLLM_SPEC
+from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
@@ -56,6 +57,9 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.loaded = kwargs, [], []
+        # what vLLM's external launcher reads (vllm/v1/executor/uniproc_executor.py ExecutorWithExternalLauncher)
+        self.environ = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
         self.sleeping: set[str] = set()  # the executor's sleeping_tags; mapped = not in it
         self.model = SimpleNamespace(load_weights=lambda weights: self.loaded.extend(
             (n, t.detach().clone()) for n, t in weights))
@@ -119,8 +123,8 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     init_distributed()  # the group of one the driver test joins (it sets LOCAL_RANK, which DeepSpeed reads later)
     monkeypatch.setenv("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # the engine sets them, as vLLM needs
-        monkeypatch.setenv(key, "unset")  # recorded, so whatever the engine writes is undone after the test
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # a plain process (python -m) has none
+        monkeypatch.setenv(key, "unset")  # recorded, so that anything the engine leaves is undone after the test
         monkeypatch.delenv(key)
     FakeLLM.instances.clear()
     return module
@@ -371,6 +375,35 @@ def test_engine_loads_the_exporter_stream_and_keeps_no_copy_of_the_model(fake_vl
     assert llm.calls == [("reset_prefix_cache",)]  # cached KV came from old weights
     # vLLM read model.path itself: the engine built no model and holds none (a 70B policy would be 140 GB per rank)
     assert built == [] and not any(isinstance(v, torch.nn.Module) for v in vars(engine).values())
+
+
+def test_vllm_sees_the_launchers_variables_and_the_process_keeps_none_of_them(fake_vllm):
+    """vLLM's external launcher reads RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT while it builds its engine;
+    a plain process has none of them, and has none after (else it would look launched to grpo_ds's launcher)."""
+    before = dict(os.environ)
+    _engine()
+    seen = FakeLLM.instances[-1].environ
+    assert (seen["RANK"], seen["WORLD_SIZE"], seen["LOCAL_RANK"]) == ("0", "1", "0")
+    assert seen["MASTER_ADDR"] == "127.0.0.1" and seen["MASTER_PORT"].isdigit()
+    assert not launcher.launched()
+    changed = {k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k)}
+    assert changed <= {"VLLM_DIST_IDENT", "VLLM_CPU_KVCACHE_SPACE"}, changed  # vLLM's own, read as it runs
+
+
+def test_the_launchers_variables_are_set_for_the_duration_only(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
+    with launcher.as_launched(2, 4, 1):
+        assert launcher.launched() and (launcher.rank(), launcher.world_size(), launcher.local_rank()) == (2, 4, 1)
+        assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["MASTER_PORT"] == "29500"  # a set one is kept
+    assert not launcher.launched() and "WORLD_SIZE" not in os.environ and "MASTER_ADDR" not in os.environ
+    assert os.environ["LOCAL_RANK"] == "3" and os.environ["MASTER_PORT"] == "29500"
+    with pytest.raises(RuntimeError), launcher.as_launched(0, 1, 0):
+        raise RuntimeError("vLLM failed to start")
+    assert not launcher.launched()
 
 
 def test_sleep_mode_releases_memory_between_generations(fake_vllm):

@@ -77,6 +77,7 @@ def test_one_rank_syncs_without_stale_weights_and_runs_agent_turns(tmp_path):
     out = tmp_path / "check.json"
     run_venv([CHECK, out, "sync", "agent"])
     (report,) = reports(out, 1)
+    assert report["launched"] is False  # vLLM's engine left no launcher variable behind (RANK above all)
     assert_synced(report)
     agent = report["agent"]
     assert agent["gap"] <= GAP, agent  # the model tokens of multi-turn episodes, scored on the whole sequence

@@ -145,14 +145,14 @@ def test_a_failed_final_model_write_leaves_no_partial_folder(tmp_path, monkeypat
     final_model/ nor the temporary folder, and the same command writes it."""
     run_dir = tmp_path / "tiny_cpu"
     with monkeypatch.context() as patch:
-        install(Fault("os.rename", "tiny_cpu/.tmp-final_model", errno.EROFS), patch.setattr)
+        install(Fault("os.rename", f"tiny_cpu/.tmp-final_model-{os.getpid()}", errno.EROFS), patch.setattr)
         with pytest.raises(UserError) as raised:
             grpo_ds.train(TINY, _overrides(tmp_path))
     assert str(raised.value).startswith("end of the run: cannot write ") and "(EROFS)" in str(raised.value)
-    assert not (run_dir / "final_model").exists() and not (run_dir / ".tmp-final_model").exists()
+    assert not (run_dir / "final_model").exists() and not list(run_dir.glob(".tmp-*"))
     capfd.readouterr()
     grpo_ds.train(TINY, _overrides(tmp_path))
-    assert (run_dir / "final_model" / "config.json").is_file() and not (run_dir / ".tmp-final_model").exists()
+    assert (run_dir / "final_model" / "config.json").is_file() and not list(run_dir.glob(".tmp-*"))
 
 
 def test_a_failed_write_while_resuming_is_one_error_and_the_checkpoint_is_untouched(tmp_path, monkeypatch, capfd):
@@ -305,7 +305,7 @@ def test_a_failed_export_write_leaves_nothing_and_is_one_line(trained, tmp_path,
     assert exited.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "Traceback" not in lines[0]
-    written = tmp_path / f".tmp-export-exported-{os.getpid()}"  # the folder renamed into place once complete
+    written = tmp_path / f".tmp-exported-{os.getpid()}"  # the folder renamed into place once complete
     assert lines[0] == (f"error: export: cannot write {written}: {os.strerror(code)} ({errno.errorcode[code]}). "
                         f"nothing was written to {out}; {writes.remedy(OSError(code, ''))} and run the export again.")
     assert os.listdir(tmp_path) == []  # neither the output folder nor the temporary one

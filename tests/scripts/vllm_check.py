@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from grpo_ds.config.deepspeed import resolve_deepspeed_config  # noqa: E402
 from grpo_ds.config.loading import load_recipe  # noqa: E402
+from grpo_ds.distributed import launcher  # noqa: E402
 from grpo_ds.distributed.ranks import init_distributed  # noqa: E402
 from grpo_ds.envs.calculator import CalculatorEnv  # noqa: E402
 from grpo_ds.model.loading import load_model, load_tokenizer  # noqa: E402
@@ -137,6 +138,7 @@ def main() -> None:
     report: dict = {}
     if "sync" in modes or "agent" in modes:
         recipe, dist, tokenizer, rollout, policy = build(overrides)
+        report["launched"] = launcher.launched()  # a plain process is not launched, even after vLLM has started
         if "sync" in modes:
             check_sync(report, policy, rollout, tokenizer)
         if "agent" in modes:
