@@ -77,7 +77,7 @@ def test_lean_bf16_trains_and_the_memory_estimate_holds(tmp_path):
 def _lean_engine():
     """A one-rank engine (stage 1 from ds_configs/zero3.json) over a tiny bf16 model in lean mode, master shared."""
     from grpo_ds.config.deepspeed import resolve_deepspeed_config
-    from grpo_ds.config.recipe import load_recipe
+    from grpo_ds.config.loading import load_recipe
     from grpo_ds.distributed.ranks import init_distributed
     from grpo_ds.model.engine import create_train_engine, share_fp32_master
 

@@ -16,7 +16,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_ds import train as train_module
-from grpo_ds.config.recipe import load_recipe
+from grpo_ds.config.loading import load_recipe
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout.base import SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
