@@ -263,6 +263,11 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
         raise SystemExit(f"{LABELS[trainer]} run {index + 1}: {len(ends)} steps timed and {len(result['reward'])} "
                          f"rewards logged, expected {recipe.train.steps}; see {log}")
     loop_start = result["loop_start"]
+    # as each run ends, so that a benchmark cut off by a time limit still says where its time went
+    print(f"    done in {time.monotonic() - start:.1f} s: start-up {loop_start - start:.1f} s, steps "
+          + ", ".join(f"{d:.2f}" for d in deltas(loop_start, ends)) + " s"
+          + (f", peak GPU {result['peak_gpu_mib']:,.0f} MiB" if result.get("peak_gpu_mib") else ""),
+          file=sys.stderr, flush=True)
     timeline = Path(recipe.run.output_dir) / recipe.run.name / "profile" / "rank0.memory.csv"
     peaks = phase_peaks(timeline) if trainer != "trl" and timeline.is_file() else None
     return Run(trainer, index, recipe.run.seed, startup_s=loop_start - start, loop_s=ends[-1] - loop_start,

@@ -36,6 +36,9 @@ STEPS=${RUN_GPU_STEPS:-1 2 3 4}
 BEGAN=$SECONDS
 exec > >(tee -a "$OUT_DIR/run_gpu.log") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# grpo_ds from this tree: a benchmark script's own folder is on its sys.path, the repository root is not (the
+# 2026-11-27 H200 run's sweeps died on 'No module named grpo_ds' without this)
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 
 results_lines=$(wc -l < benchmarks/RESULTS.md)
 summary=()

@@ -81,6 +81,12 @@ def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def say_on_each_rank(message: str) -> None:
+    """One line on stderr from whichever rank calls it, prefixed with the rank beyond rank 0: for what happens to one
+    rank on its own (a compile that fails on one rank only, say)."""
+    print(message if rank() == 0 else f"rank {rank()}: {message}", file=sys.stderr, flush=True)
+
+
 def free_port() -> int:
     """A TCP port free on this host now (for a process group of one, or a test's launcher)."""
     with socket.socket() as s:

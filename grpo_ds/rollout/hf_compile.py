@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -72,11 +71,6 @@ def compile_wanted(setting: str, device: torch.device | str) -> bool:
 CACHE_KWARG = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
-def _say(message: str) -> None:
-    """One line on stderr from every rank that falls back (each rank compiles, and may fail, on its own)."""
-    print(message if launcher.rank() == 0 else f"rank {launcher.rank()}: {message}", file=sys.stderr, flush=True)
-
-
 class _Call:
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
@@ -95,7 +89,7 @@ class CompiledDecode:
         if self.device.type == "cuda" and self.device.index is None:  # the caller's current device, not the worker's
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = timeout_s
-        self.say = say or _say
+        self.say = say or launcher.say_on_each_rank
         self.poll_s = poll_s
         self.failed: str | None = None
         self.caches: dict[int, StaticCache] = {}  # rows -> the static cache of that batch size, all one length
