@@ -21,7 +21,8 @@
 # call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
-# VS_TRL_RUNS (runs per trainer, default 3), VS_TRL_LIMIT_S (default 540),
+# VS_TRL_RUNS (runs per trainer, default 3), VS_TRL_LIMIT_S (default 540), HF_COMPILE (grpo_ds's
+# rollout.hf_compile in vs-TRL, default on: the candidate default this run measures),
 # RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"; "sweeps": the
 # kernel sweeps of step 3 alone), OUT (where the log,
 # the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
@@ -110,14 +111,15 @@ EOF
 if want 1; then
     # one run of each trainer took ~72 s on an H200 (2026-11-27): 3 runs each plus the lean run need ~8.5 minutes
     run vs_trl "${VS_TRL_LIMIT_S:-540}" python3 benchmarks/bench_vs_trl.py --device cuda --shape qwen2-0.5b \
-        --runs "${VS_TRL_RUNS:-3}" --steps 3 \
+        --runs "${VS_TRL_RUNS:-3}" --steps 3 --set "rollout.hf_compile=${HF_COMPILE:-on}" \
         --lean both --lean-runs 1 --record
 fi
 
 # ------------------------------------------------------------------------------------------ 2. rollout
 # the hf engine's eager decode against its static-cache compiled one (rollout.hf_compile) and plain generate
 if want 2; then
-    run rollout 100 python3 benchmarks/bench_rollout.py --device cuda --dtype bfloat16 --shape qwen2-0.5b \
+    # ~2.5-3 minutes, mostly the compile (none has finished on a GPU yet: 100 s was too short on the H200)
+    run rollout 200 python3 benchmarks/bench_rollout.py --device cuda --dtype bfloat16 --shape qwen2-0.5b \
         --variants grpo_ds,compiled,generate --record
 fi
 
