@@ -83,10 +83,13 @@ class MemoryTimeline:
         self._thread = threading.Thread(target=self._sample_until_stopped, name="grpo-memory-timeline", daemon=True)
         self._t0 = 0.0
 
-    def start(self) -> None:
+    def start(self, step: int) -> None:
+        """Recording from ``step``'s start: its row is the first, written before the sampling thread runs (a sample
+        taken before it would be counted in no step)."""
         global _current
         self._t0 = time.perf_counter()
         _current = self
+        self.begin_step(step)
         self._thread.start()
 
     def stop(self) -> None:
@@ -156,11 +159,11 @@ class MemoryTimeline:
 
 
 @contextlib.contextmanager
-def recording(path: Path, interval_s: float, device: torch.device) -> Iterator[MemoryTimeline]:
-    """A started timeline; on leaving (the range's end, or the loop stopping inside it) it stops and writes
-    ``path``."""
+def recording(path: Path, interval_s: float, device: torch.device, step: int) -> Iterator[MemoryTimeline]:
+    """A timeline started at ``step``'s start; on leaving (the range's end, or the loop stopping inside it) it stops
+    and writes ``path``."""
     timeline = MemoryTimeline(interval_s, device)
-    timeline.start()
+    timeline.start(step)
     try:
         yield timeline
     finally:

@@ -93,10 +93,10 @@ def profiled_steps(steps: range, cfg: LoggingConfig, run_dir: Path, dist: Dist) 
                 recorders.callback(profiler.stop)  # writes the trace (on_trace_ready); runs last
             if step == first:
                 timeline = recorders.enter_context(memory_timeline.recording(
-                    memory_path(run_dir, dist.rank), cfg.memory_sample_ms / 1000, dist.device))
+                    memory_path(run_dir, dist.rank), cfg.memory_sample_ms / 1000, dist.device, step))
                 if cfg.profile_comms:
                     recorders.callback(_CommsLog().finish, comms_path(run_dir, dist.rank))
-            if timeline is not None:
+            elif timeline is not None:
                 timeline.begin_step(step)
             with record_function(f"{LABEL_PREFIX}step {step}") if profiler else contextlib.nullcontext():
                 yield step

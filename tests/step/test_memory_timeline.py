@@ -207,3 +207,16 @@ def test_the_plot_draws_memory_phases_and_steps(tmp_path):
     assert [ax.get_title() for ax in fig.axes] == ["host memory (MiB)", "CUDA memory (MiB)"]
     assert [line.get_label() for line in fig.axes[1].get_lines()][:2] == ["allocated", "reserved"]
     assert plot_memory(tmp_path / "gpu", rank=1) == tmp_path / "gpu" / "memory_rank1.png"
+
+
+def test_every_row_belongs_to_the_step_the_timeline_started_in():
+    """The first step's row is written before the sampling thread runs: a sample taken between the thread's start
+    and the step's row was counted in step 0 (test_a_profiled_run_writes_the_timeline_of_its_phases failed that way
+    now and then on a loaded machine)."""
+    timeline = memory_timeline.MemoryTimeline(1e-5, torch.device("cpu"))
+    timeline.start(7)
+    time.sleep(0.02)
+    timeline.stop()
+    rows = timeline.rows()
+    assert rows[0].event == "step" and {r.step for r in rows} == {7}
+    assert sum(r.event == "sample" for r in rows) >= 2
