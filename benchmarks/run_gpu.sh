@@ -16,8 +16,10 @@
 #      bandwidth; fused linear full >= 1.5x eager), Liger compiled where it compiles (the block names which ran)
 #   4. pytest tests/kernels and every *_gpu.py test
 #
-# All steps want about 14 minutes; the 8-minute budget ends after the first kernel steps. The rest runs in a second
-# call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
+# The steps' limits add up to about 15 minutes, their expected times (H100/H200, from the 2026-11-26 run) to about 11:
+# vs-TRL ~5 min (7 fresh processes of ~40 s, the first one building DeepSpeed's FusedAdam), the sweeps ~1.5, the
+# kernel benchmarks ~2, the tests ~1.5. With the default 8-minute budget the last steps may be skipped; they run in a
+# second call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
 # RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"), OUT (where the log,
