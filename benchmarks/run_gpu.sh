@@ -22,7 +22,8 @@
 # second call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
-# RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"), OUT (where the log,
+# RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_VS_TRL_S (step 1's limit, default 360: raise it when each
+# grpo_ds process compiles its generation first), RUN_GPU_STEPS (which steps, default "1 2 3 4"), OUT (where the log,
 # the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
 # output), RESULTS.new.md (the blocks this run appended), summary.txt (one line a step), steps.tar.gz (per-step logs).
 set -uo pipefail
@@ -104,7 +105,7 @@ EOF
 
 # ------------------------------------------------------------------- 1. grpo_ds vs TRL at the 0.5B shape
 if want 1; then
-    run vs_trl 360 python3 benchmarks/bench_vs_trl.py --device cuda --shape qwen2-0.5b --runs 3 --steps 3 \
+    run vs_trl "${RUN_GPU_VS_TRL_S:-360}" python3 benchmarks/bench_vs_trl.py --device cuda --shape qwen2-0.5b --runs 3 --steps 3 \
         --lean both --lean-runs 1 --record
 fi
 
