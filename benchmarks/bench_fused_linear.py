@@ -194,11 +194,14 @@ class SweepInputs:
 
 
 def _whole_loss(x: SweepInputs, chunk: int, tuning: FusedTuning | None = None, with_grad: bool = True):
+    """Forward + backward; or, ``with_grad`` false, the forward of inputs that need no gradient (autograd flags inputs
+    that require one even under no_grad, and the Triton forward then computes the gradients)."""
+    hidden, weight = (x.hidden, x.weight) if with_grad else (x.hidden.detach(), x.weight.detach())
+
     def fn():
         x.hidden.grad = x.weight.grad = None
-        with torch.set_grad_enabled(with_grad):
-            loss, _ = PolicyLossFromHidden.apply(x.hidden, x.weight, x.targets, x.old, x.ref, x.adv, x.token_weight,
-                                                 x.cfg, x.temperature, chunk, tuning or FusedTuning())
+        loss, _ = PolicyLossFromHidden.apply(hidden, weight, x.targets, x.old, x.ref, x.adv, x.token_weight, x.cfg,
+                                             x.temperature, chunk, tuning or FusedTuning())
         if with_grad:
             loss.backward()
     return fn

@@ -33,6 +33,8 @@ CONFIGS = {  # name -> (world size, overrides)
     "ZeRO-3 + optimizer offload": (1, ["deepspeed=ds_configs/zero3_offload.json"]),
     "ZeRO-3 + tp=2": (2, ["train.tensor_parallel_size=2"]),
     "ZeRO-3 + dp=2 + KL reference": (2, ["algorithm.kl_coef=0.05"]),
+    "one rank bfloat16 (ZeRO-1; fp32 master)": (1, ["model.dtype=bfloat16"]),
+    "one rank bfloat16 lean (ZeRO-1; bf16 master)": (1, ["model.dtype=bfloat16", "train.lean_bf16=true"]),
 }
 
 
@@ -107,7 +109,8 @@ def main() -> None:
     headers = ["configuration", "world size", "measured peak MiB (largest rank)", "at phase", "estimate MiB",
                "estimate / measured - 1", "within 25%"]
     body = markdown_table(headers, rows)
-    notes = ["model: random Qwen2 architecture, hidden 512, 8 layers, vocabulary 32,000, 56 M parameters, float32; "
+    notes = ["model: random Qwen2 architecture, hidden 512, 8 layers, vocabulary 32,000, 56 M parameters, float32 "
+             "unless the configuration says bfloat16; "
              "recipe tiny_cpu.json with " + " ".join(COMMON),
              "measured: RssAnon above the imports, sampled every 5 ms in each rank (benchmarks/memory_probe.py); "
              "estimate: grpo_ds.check's device peak plus its host part, completions at the limit",

@@ -17,8 +17,10 @@
 #      bandwidth; fused linear full >= 1.5x eager), Liger compiled where it compiles (the block names which ran)
 #   4. pytest tests/kernels and every *_gpu.py test
 #
-# All steps want about 14 minutes; the 8-minute budget ends after the first kernel steps. The rest runs in a second
-# call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
+# The steps' limits add up to about 17 minutes. Measured on an H200 on 2026-11-27: vs-TRL's fresh processes took
+# ~72 s each (5 of its 7 runs fitted 360 s; compile and DeepSpeed's FusedAdam build included), and the rollout bench
+# did not finish in 100 s; the sweeps ~1.5 min, the kernel benchmarks ~2 and the tests ~1.5 are estimates. With the default 8-minute budget the last steps may be skipped; they run in a
+# second call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
 # VS_TRL_RUNS (runs per trainer, default 3), VS_TRL_LIMIT_S (default 540), HF_COMPILE (grpo_ds's

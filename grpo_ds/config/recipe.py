@@ -225,9 +225,9 @@ class TrainConfig:
                                   "bench_one_rank_stage.py)")
     lean_bf16: bool = opt(False, "Lean bf16 mode (model.dtype bfloat16 only): keep the master weights, gradients and "
                           "Adam moments in bf16, as TRL does, instead of fp32 master weights and moments (DeepSpeed's "
-                          "bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states): 8 instead of 16 bytes a "
-                          "trained parameter, traded for precision (updates below bf16's resolution of a weight are "
-                          "lost); no offloaded optimizer")
+                          "bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states): 10 instead of 16 "
+                          "bytes a trained parameter (8 at one rank), traded for precision (updates below bf16's "
+                          "resolution of a weight are lost); ZeRO 1-3, no offloaded optimizer")
 
 
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")  # grpo_ds.config.software.resolve_backend resolves "auto"

@@ -149,6 +149,8 @@ def policy_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, inputs: 
     for name, value in zip(LossInputs._fields[1:], inputs[1:], strict=True):
         if value is not None and value.shape != inputs.targets.shape:
             raise ValueError(f"{name} must be (N,) = {tuple(inputs.targets.shape)}, got {tuple(value.shape)}")
+    if not torch.is_grad_enabled():  # no backward can follow: both paths then skip the gradients they would compute
+        hidden, weight = hidden.detach(), weight.detach()  # in the forward (autograd still flags inputs under no_grad)
     if backend == "torch":
         function = chunked.PolicyLossFromHidden
     else:

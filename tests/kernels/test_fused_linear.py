@@ -232,6 +232,25 @@ def test_upstream_gradient_scales(backend):
         assert not torch.allclose(thrice, once)
 
 
+def test_no_grad_computes_no_gradients_in_the_forward(triton_backend, monkeypatch):
+    """The Triton path computes the gradients in its forward, where autograd says the inputs need them, which it
+    still says under no_grad: policy_loss_from_hidden detaches the inputs there, so a forward alone (an evaluation
+    pass) runs one matmul a chunk instead of three."""
+    from grpo_ds.kernels import fused_linear
+
+    calls = []
+    real = fused_linear.accumulate_weight_grad
+    monkeypatch.setattr(fused_linear, "accumulate_weight_grad", lambda *a: calls.append(1) or real(*a))
+    inputs = loss_inputs(hidden_inputs(7, 16, 1000), 1.0, True, True)
+    inputs["hidden"].requires_grad_(True)
+    inputs["weight"].requires_grad_(True)
+    with torch.no_grad():
+        loss_kernel(triton_backend, ALL_TERMS, 1.0, 3)(**inputs)
+    assert calls == []
+    loss_kernel(triton_backend, ALL_TERMS, 1.0, 3)(**inputs)["loss"].backward()
+    assert len(calls) == 3  # 7 tokens in chunks of 3
+
+
 def test_no_grad_still_returns_the_loss(backend):
     # Under no_grad (e.g. an evaluation pass) the loss and statistics are the same; nothing is differentiable.
     inputs = loss_inputs(hidden_inputs(7, 16, 1000), 1.0, True, True)
