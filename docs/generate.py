@@ -244,8 +244,11 @@ def _memory_estimate(block: Block) -> str:
 
 
 def _rollout(block: Block) -> str:
-    shown = [f"{name}: {block.row(variant=variant)['wall vs plain generate']}"
-             for name, variant in (("hf", "grpo_ds"), ("vLLM", "vllm"))
+    def wall(row: dict[str, str]) -> str:  # the column's name until 2026-11-26, and since
+        return row["wall vs plain generate"] if "wall vs plain generate" in row else row["wall vs generate"]
+
+    shown = [f"{name}: {wall(block.row(variant=variant))}"
+             for name, variant in (("hf", "grpo_ds"), ("hf compiled", "compiled"), ("vLLM", "vllm"))
              if any(r.get("variant") == variant for t in block.tables() for r in t)]
     return "wall time vs plain generate: " + ", ".join(shown)
 
