@@ -27,6 +27,7 @@ from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed import launcher
+from grpo_ds.distributed.bridge import Bridge, Stalled
 from grpo_ds.distributed.ranks import Dist, device_type, end_launched_rank, init_distributed
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.model import sequence_parallel
@@ -45,11 +46,11 @@ from grpo_ds.run.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_
 from grpo_ds.run.preflight import Inputs, prepare_inputs
 from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.step.batch import StepBatch
-from grpo_ds.step.collect import collect
 from grpo_ds.step.evaluate import evaluate
 from grpo_ds.step.loss import LossStats
 from grpo_ds.step.plan import plan_recipe_step, token_imbalance
 from grpo_ds.step.profiling import Phase, profiled_steps
+from grpo_ds.step.schedule import Colocated, SplitTrainer, serve_rollouts
 from grpo_ds.step.update import UpdateSettings, importance_metrics, logprob_pass, optimizer_step
 
 
@@ -67,8 +68,16 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     inputs = prepare_inputs(recipe, overrides, launcher.world_size(), device_type())
     recipe = inputs.recipe
 
-    # ---- 2. processes, and the run folder's lock: one launch owns a run folder (a second one stops, writing nothing)
-    dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size)
+    # ---- 2. processes, and the run folder's lock: one launch owns a run folder (a second one stops, writing nothing).
+    # Split placement: the last rollout.ranks ranks only generate (grpo_ds.step.schedule.serve_rollouts)
+    dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size,
+                            inputs.placement.rollout_ranks, recipe.rollout.transfer_timeout_s)
+    if dist.role == "rollout":
+        try:
+            return _generate(inputs, dist, stop)
+        finally:
+            if inputs.reward_pool is not None:
+                inputs.reward_pool.close()
     lock = RunLock(run_folder.folder_path(recipe)) if dist.is_main else None
     dist.decide(_acquire, lock)  # rank 0 takes it; a live holder stops every rank with one line
     try:
@@ -93,20 +102,21 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     run_folder.check_world_size(folder, recipe, inputs.ds_config, dist.world_size)  # a resume on another one
     # rank 0's reward workers start here, loading the functions while the models load (grpo_ds/rewards/pool.py);
     # _run closes them
-    processes = worker_count(recipe.reward.processes)
-    if dist.is_main and processes and recipe.reward.functions:
-        inputs.reward_pool = RewardPool(recipe.reward.functions, processes, recipe.reward.worker_memory_gib)
+    split = inputs.placement.split
+    if dist.is_main and not split:
+        _start_reward_pool(inputs)
 
     # ---- 3. the run folder, models
     dist.decide(run_folder.prepare, folder, recipe, inputs.ds_config, inputs.data_identity)  # rank 0 writes
     logger = _start_logger(recipe, run_dir, dist)  # W&B starts before the models load; a failure stops every rank
     torch.manual_seed(recipe.run.seed)
     # the rollout engine comes before the trainer (vLLM measures the free GPU memory), except one that generates with
-    # the policy's own module (hf / agent where every rank holds it whole: no rollout copy, no weight sync)
+    # the policy's own module (hf / agent where every rank holds it whole: no rollout copy, no weight sync); under
+    # split placement the trainer's ranks hold none
     shared = rollout_shares_policy(recipe, inputs.ds_config)
-    rollout = None if shared else _rollout_engine(recipe, inputs, dist)
+    rollout = None if shared or split else _rollout_engine(recipe, inputs, dist)
     policy = Policy.build(recipe, inputs.ds_config, len(tokenizer), announce=dist.is_main)  # ZeRO-3: partitioned
-    if shared:
+    if shared and not split:
         rollout = _rollout_engine(recipe, inputs, dist, shared_module=policy.engine.module)
     sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
     rank_log = run_dir / "ranks" / f"rank{dist.rank}.jsonl"
@@ -114,13 +124,17 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     bucket_bytes = int(recipe.rollout.weight_sync_bucket_mb * 2**20)
     settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend,
                                           policy.fused_lm_head_allowed, policy.packing_allowed, policy.packs_one_row)
-    first_step = _resume(folder, policy, rollout, sampler, logger, dist, bucket_bytes, rank_log)
+    # the order of each step's phases across ranks (grpo_ds.step.schedule): who generates, and when weights travel
+    schedule = _schedule(inputs, rollout, sampler, dist, bucket_bytes)
+    first_step, resumed_state, data_changed = _resume(folder, policy, sampler, logger, dist, rank_log)
+    schedule.start(first_step - 1, policy, resumed_state, data_changed)
     nonfinite_in_a_row = 0
 
     for step in profiled_steps(range(first_step, recipe.train.steps + 1), recipe.logging, run_dir, dist):
         # ---- rollout and reward (grpo_ds.step.collect): rank 0 picks the prompts, every rank generates a slice,
-        # rank 0 scores them; with dynamic sampling, equal-reward groups are replaced by new prompts
-        data = collect(step, recipe, inputs, rollout, sampler, dist)
+        # rank 0 scores them; with dynamic sampling, equal-reward groups are replaced by new prompts. Under split
+        # placement the rollout ranks did this, and the trainer's rank 0 receives it (grpo_ds.step.schedule)
+        data = schedule.batch(step)
 
         # ---- plan: optimizer steps, per-rank shards, micro-batches (rank 0 decides)
         data.plan = dist.decide(plan_recipe_step, recipe, data.sequence_tokens(), dist.dp_size, step, settings.packed)
@@ -128,7 +142,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
         # ---- old / reference log-probs, each pass with the log-prob phase's own micro size; from here to the end of
         # the update, freed tensors of 1 MiB and more go back to the system (grpo_ds/run/host_allocator.py)
         return_large_frees(True)
-        with Phase("logprob", data.times):
+        with Phase("logprob", data.times, data.spans):
             if data.plan.old_logprob_pass:
                 data.old_logprobs = logprob_pass(policy.engine, data, settings, dist)
             if policy.reference_engine is not None:
@@ -142,7 +156,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
 
         # ---- policy update: one optimizer step per mini-batch
         stats, grad_norms, nonfinite = LossStats(), [], 0
-        with Phase("update", data.times):
+        with Phase("update", data.times, data.spans):
             for minibatch in data.plan.minibatches:
                 step_stats, stepped = optimizer_step(policy.engine, data, minibatch, settings, dist)
                 stats += step_stats
@@ -159,9 +173,9 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
                     _stop_nonfinite(step, nonfinite_in_a_row, run_dir)
         return_large_frees(False)
 
-        # ---- weight sync: ZeRO-3 shards -> full weights (LoRA: merged adapted layers), bucket by bucket
-        with Phase("sync", data.times):
-            _sync_weights(policy, rollout, bucket_bytes)
+        # ---- weight sync: ZeRO-3 shards -> full weights (LoRA: merged adapted layers), bucket by bucket, into the
+        # rank's rollout engine (colocated) or to the rollout ranks that will generate with them (split)
+        schedule.weights_changed(step, policy, data.times, data.spans)
 
         # ---- log
         stats = stats.summed_over_ranks(dist)
@@ -178,31 +192,34 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
             every = recipe.logging.samples_every_steps
             if dist.is_main and every is not None and (step % every == 0 or step == 1):
                 logger.samples(step, _sample_records(inputs, data, recipe.logging.samples_per_log))
-            _append_json(rank_log, {"step": step, "trained_sample_ids": sorted(
+            _append_json(rank_log, {"step": step, "role": schedule.role, "weight_version": data.weight_version,
+                                    "phases": data.spans, "trained_sample_ids": sorted(
                 s for m in data.plan.minibatches for mb in m.micro_batches[dist.dp_rank] for s in mb)})
 
         # ---- checkpoint: atomically, every checkpoint.every_steps and after the last step
         # (never after a non-finite step: its weights may not be good)
         every, saved = recipe.checkpoint.every_steps, None
-        trainer_state = {"sampler": sampler.state_dict(), "history": logger.history, "data": inputs.data_identity}
+        trainer_state = {**schedule.in_flight(), "history": logger.history, "data": inputs.data_identity}
         if every is not None and (step % every == 0 or step == recipe.train.steps) and not nonfinite:
             with Phase("checkpoint"):
                 saved = checkpoint.save(policy, run_dir, step, trainer_state, recipe.checkpoint.keep, dist)
         # ---- preemption: after a SIGTERM / SIGUSR1 on any rank (even one that came during the checkpoint above),
         # every rank stops here, with this step's checkpoint (grpo_ds/run/preemption.py)
-        stop_signal = stop.agreed(dist) if step < recipe.train.steps else None
+        stop_signal = (stop.agreed(dist) or schedule.rollout_stop) if step < recipe.train.steps else None
         if stop_signal:
             if saved is None and not nonfinite:
                 with Phase("checkpoint"):
                     saved = checkpoint.save(policy, run_dir, step, trainer_state, recipe.checkpoint.keep, dist)
             logger.close()
-            raise Preempted(stop_signal, step, recipe.train.steps, saved and str(saved))
+            stopped = Preempted(stop_signal, step, recipe.train.steps, saved and str(saved))
+            schedule.stop(stopped)
+            raise stopped
 
     # ---- the end: the final weights' hash on every rank (and the rollout copy's, which must equal it), the model
     save = dist.is_main and recipe.run.save_final_model
     digest, state = policy.final_weights(bucket_bytes, keep=save)
     final = {"final_weights_sha256": digest}
-    if getattr(rollout, "model", None) is not None and not rollout.shares_policy_weights:
+    if getattr(rollout, "model", None) is not None and not rollout.shares_policy_weights and not split:
         final["rollout_weights_sha256"] = weights_sha256(rollout.model.named_parameters())
     with checkpoint.run_file_writes(dist, run_dir, "end of the run"):  # a failed write: one error on every rank
         _append_json(rank_log, final)
@@ -212,6 +229,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
         if dist.is_main:
             run_folder.mark_complete(run_dir, recipe.train.steps, digest)
     logger.close()
+    schedule.finish(logger.history)  # split: the rollout ranks leave
     dist.barrier()
     if hasattr(rollout, "close"):  # vLLM: its shutdown takes the process group down, so it comes last
         rollout.close()
@@ -249,8 +267,12 @@ def _advantages(recipe: Recipe, inputs: Inputs, data: StepBatch, device: torch.d
 
 
 def _update_metrics(data: StepBatch, stats: LossStats, grad_norms: list[float], nonfinite: int) -> dict:
-    """The step's training metrics from the update's summed LossStats, the plan and the phase times."""
+    """The step's training metrics from the update's summed LossStats, the plan and the phase times (under split
+    placement the step time is the trainer's own, ``wait`` included; the rollout ranks' times are
+    ``rollout_side/time_*_s``)."""
     rollouts, plan, times = data.rollouts, data.plan, data.times
+    side = data.rollout_side or {}
+    generating = side.get("times", times)
     response_lengths = [len(r) for r in rollouts.response_ids]
     sequence_tokens = data.sequence_tokens()
     return dict(
@@ -264,8 +286,11 @@ def _update_metrics(data: StepBatch, stats: LossStats, grad_norms: list[float], 
         padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),
         token_imbalance=max(token_imbalance(m, sequence_tokens) for m in plan.minibatches),
         tokens_per_s=stats.sequence_tokens / times["update"],
-        generated_tokens_per_s=sum(response_lengths) / times["rollout"],
-        time_step_s=sum(times.values()), **{f"time_{k}_s": v for k, v in times.items()})
+        generated_tokens_per_s=sum(response_lengths) / generating["rollout"],
+        time_step_s=sum(times.values()), **{f"time_{k}_s": v for k, v in times.items()},
+        **({f"rollout_side/time_{k}_s": v for k, v in side["times"].items()} if side else {}),
+        **({"placement/trainer_idle_s": times.get("wait", 0.0),
+            "placement/trainer_busy_s": sum(times.values()) - times.get("wait", 0.0)} if side else {}))
 
 
 def _sample_records(inputs: Inputs, data: StepBatch, count: int) -> list[dict]:
@@ -282,13 +307,14 @@ def _stop_nonfinite(step: int, count: int, run_dir: Path) -> None:
                     "lower train.lr, check the rewards and the data, or raise train.max_nonfinite_steps")
 
 
-def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: PromptSampler, logger: MetricsLogger,
-            dist: Dist, bucket_bytes: int, rank_log: Path) -> int:
-    """Restore the newest good checkpoint (or the one checkpoint.resume names); return the first step to run."""
+def _resume(folder: run_folder.RunFolder, policy: Policy, sampler: PromptSampler, logger: MetricsLogger, dist: Dist,
+            rank_log: Path) -> tuple[int, dict | None, bool]:
+    """Restore the newest good checkpoint (or the one checkpoint.resume names); return the first step to run, the
+    checkpoint's trainer state (None: a fresh start) and whether data.train changed since it was written."""
     if folder.checkpoint is not None:
         path = folder.checkpoint
     elif folder.fresh:
-        return 1
+        return 1, None, False
     else:
         path, damaged = checkpoint.choose(folder.path) if dist.is_main else (None, [])
         for message in damaged:
@@ -296,24 +322,55 @@ def _resume(folder: run_folder.RunFolder, policy: Policy, rollout, sampler: Prom
         path = dist.broadcast(path)
     if path is None:  # the run stopped before its first checkpoint: it starts over
         _trim_logs(folder.path, rank_log, 0, dist)
-        return 1
+        return 1, None, False
     resumed = checkpoint.load(policy, path, dist)
-    sampler.load_state_dict(resumed.trainer_state["sampler"], data_changed=folder.data_changed is not None)
+    changed = folder.data_changed is not None
+    sampler.load_state_dict(resumed.trainer_state["sampler"], data_changed=changed)
     if folder.data_changed:
         launcher.say(f"note: data.train changed since the run started ({folder.data_changed}); data.on_change is "
                      '"continue": a new pass over the changed data begins')
     logger.resume(resumed.trainer_state["history"])
     _trim_logs(folder.path, rank_log, resumed.step, dist)
     launcher.say(f"resuming after step {resumed.step} from {path}")
-    _sync_weights(policy, rollout, bucket_bytes)
     dist.barrier()
-    return resumed.step + 1
+    return resumed.step + 1, resumed.trainer_state, changed
 
 
-def _sync_weights(policy: Policy, rollout, bucket_bytes: int) -> None:
-    """The policy's weights into the rollout engine (nothing to send when it generates with the policy's module)."""
-    if not rollout.shares_policy_weights:
-        rollout.update_weights(policy.rollout_weights(bucket_bytes, getattr(rollout, "whole_layers", None)))
+def _generate(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
+    """A rollout rank of a split placement, from start to end: its engine, the reward workers on the first of them,
+    and the rollout side of the schedule (grpo_ds.step.schedule.serve_rollouts). No lock, no run files but its log."""
+    recipe = inputs.recipe
+    if dist.is_main:
+        _start_reward_pool(inputs)
+    torch.manual_seed(recipe.run.seed)
+    engine = _rollout_engine(recipe, inputs, dist)
+    bridge = Bridge(dist.store, 1 + dist.rank, inputs.placement.rollout_ranks + 1, dist.device,
+                    recipe.rollout.transfer_timeout_s)
+    rank_log = run_folder.folder_path(recipe) / "ranks" / f"rank{dist.launch_rank}.jsonl"
+    history = serve_rollouts(recipe, inputs, dist, bridge, engine, stop, rank_log)
+    if hasattr(engine, "close"):
+        engine.close()
+    return history
+
+
+def _schedule(inputs: Inputs, rollout, sampler: PromptSampler, dist: Dist, bucket_bytes: int
+              ) -> Colocated | SplitTrainer:
+    """The trainer's side of the step's phase order: colocated, or split (rank 0 holds the bridge)."""
+    recipe, placement = inputs.recipe, inputs.placement
+    if not placement.split:
+        return Colocated(recipe, inputs, rollout, sampler, dist, bucket_bytes)
+    bridge = Bridge(dist.store, 0, placement.rollout_ranks + 1, dist.device, recipe.rollout.transfer_timeout_s) \
+        if dist.is_main else None
+    return SplitTrainer(recipe, dist, bridge, bucket_bytes)
+
+
+def _start_reward_pool(inputs: Inputs) -> None:
+    """The reward workers (grpo_ds/rewards/pool.py) on the rank that scores: they load the functions while the models
+    load; _run closes them."""
+    r = inputs.recipe.reward
+    processes = worker_count(r.processes)
+    if processes and r.functions:
+        inputs.reward_pool = RewardPool(r.functions, processes, r.worker_memory_gib)
 
 
 def _start_logger(recipe: Recipe, run_dir: Path, dist: Dist) -> MetricsLogger:
@@ -389,6 +446,9 @@ def main(argv: list[str] | None = None) -> None:
     except Preempted as stopped:
         launcher.say(f"preempted: {stopped}")
         code = EXIT_PREEMPTED
+    except Stalled as stalled:  # split placement: the side that waited in vain says which side stalled
+        launcher.say_on_each_rank(f"error: {stalled}")
+        code = 1
     except SystemExit as leaving:  # exit_on_user_error's one-line error
         code = 0 if leaving.code is None else leaving.code if isinstance(leaving.code, int) else 1
     end_launched_rank(code)  # a launched rank leaves here (see there); one process returns or exits as before

@@ -104,6 +104,18 @@ class RolloutConfig:
                                       "without a new token (the first decode step waits for the compile) before "
                                       "the engine gives up and generates eagerly for the rest of the run",
                                       low=0.0, low_open=True)
+    placement: str = opt("colocated", "Where generation runs: colocated (every rank generates its share, then "
+                         "trains) or split (the last rollout.ranks ranks only generate, the others form the ZeRO-3 "
+                         "trainer, and weights travel to them after every step); docs/guides/placement.md",
+                         choices=("colocated", "split"))
+    ranks: int = opt(1, "split: how many ranks (the last ones) only generate; at least 1 and fewer than the world "
+                     "size", low=1)
+    max_staleness: int = opt(0, "split: how many optimizer steps the rollout ranks may run ahead: a sample trained at "
+                             "step k was generated with the weights of step k-1-max_staleness or newer (0 = the two "
+                             "sides take turns, the same samples and losses as colocated)", low=0)
+    transfer_timeout_s: float = opt(600.0, "split: seconds a transfer between the trainer and the rollout ranks (a "
+                                    "batch of samples, the weights) may wait for the other side before the run stops "
+                                    "naming the side that stalled", low=0.0, low_open=True)
     weight_sync_bucket_mb: float = opt(256.0, "Size of each bucket of gathered ZeRO-3 weights sent to the "
                                        "rollout engine", low=0.0, low_open=True)
     env: str | None = opt(None, 'agent: the environment, a built-in ("calculator") or "package.module:Class"')

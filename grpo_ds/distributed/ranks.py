@@ -7,6 +7,7 @@ code path: the variables the `deepspeed` launcher would set are filled in (grpo_
 from __future__ import annotations
 
 import atexit
+import datetime
 import logging
 import os
 import sys
@@ -33,6 +34,9 @@ class Dist:
     device: torch.device
     tp_size: int = 1
     sp_size: int = 1
+    role: str = "colocated"  # "trainer" / "rollout" under split placement: this world is that side's ranks only
+    launch_rank: int | None = None  # split placement: the rank the launcher gave (``rank`` counts within the side)
+    store: Any = None  # split placement: the TCP store the bridge is built on (grpo_ds.distributed.bridge)
 
     @property
     def is_main(self) -> bool:
@@ -137,22 +141,27 @@ def end_launched_rank(code: int) -> None:
     os._exit(code)
 
 
-def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
+def init_distributed(tp_size: int = 1, sp_size: int = 1, rollout_ranks: int = 0, timeout_s: float = 600.0) -> Dist:
     """Join (or, alone, create) the process group; idempotent so a notebook can train twice. ``tp_size`` /
     ``sp_size``: the tensor- / sequence-parallel sizes (train.*_parallel_size), which divide the world size
-    (checked before)."""
+    (checked before). ``rollout_ranks`` K > 0 (split placement, grpo_ds.config.placement): the launch's last K ranks
+    form a world of their own, the others the trainer's (grpo_ds.distributed.bridge says how); ``timeout_s`` bounds
+    the wait for the split launch's store."""
     kind = device_type()
     if kind == "cpu":
         launcher.use_cpu_accelerator()
         local_ranks = launcher.local_ranks()
         if local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks sharing cores must not oversubscribe
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
+    local_rank = launcher.local_rank()
+    device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local_rank)
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    if rollout_ranks:
+        return _init_split(kind, device, tp_size, sp_size, rollout_ranks, timeout_s)
     import deepspeed
 
-    # DeepSpeed calls collectives that torch has renamed; the warning is DeepSpeed's to fix, not the user's.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    deepspeed.utils.logger.setLevel(logging.WARNING)
+    _quiet_deepspeed(deepspeed)
     if not torch.distributed.is_initialized():
         backend = "gloo" if kind == "cpu" else "nccl"
         if launcher.launched():  # started by the `deepspeed` launcher (or torchrun)
@@ -169,8 +178,42 @@ def init_distributed(tp_size: int = 1, sp_size: int = 1) -> Dist:
         # called without an active exception", exit -6 on a rank of a run that had finished, under load).
         atexit.register(_destroy_process_group)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    local_rank = launcher.local_rank()
-    device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", local_rank)
-    if kind == "cuda":
-        torch.cuda.set_device(device)
     return Dist(rank=rank, world_size=world, local_rank=local_rank, device=device, tp_size=tp_size, sp_size=sp_size)
+
+
+def _quiet_deepspeed(deepspeed) -> None:
+    # DeepSpeed calls collectives that torch has renamed; the warning is DeepSpeed's to fix, not the user's.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+
+
+def _init_split(kind: str, device: torch.device, tp_size: int, sp_size: int, rollout_ranks: int,
+                timeout_s: float) -> Dist:
+    """Split placement: the trainer's ranks join DeepSpeed's group of W-K ranks at MASTER_PORT (WORLD_SIZE is set to
+    W-K for what reads it later); the rollout ranks join a group of their own on the store that the trainer's rank 0
+    serves (grpo_ds.distributed.bridge), which carries the bridge too. Launched ranks only (checked before)."""
+    from grpo_ds.distributed import bridge
+
+    launch_rank, world = launcher.rank(), launcher.world_size()
+    trainers = world - rollout_ranks
+    backend = "gloo" if kind == "cpu" else "nccl"
+    if launch_rank < trainers:
+        import deepspeed
+
+        _quiet_deepspeed(deepspeed)
+        store = bridge.open_store(serve=launch_rank == 0, timeout_s=timeout_s) if launch_rank == 0 else None
+        os.environ["WORLD_SIZE"] = str(trainers)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, rank=launch_rank,
+                                   world_size=trainers)
+        role, rank, size = "trainer", launch_rank, trainers
+    else:
+        store = bridge.open_store(serve=False, timeout_s=timeout_s)
+        rank, size = launch_rank - trainers, rollout_ranks
+        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("rollout", store),
+                                             rank=rank, world_size=size,
+                                             timeout=datetime.timedelta(seconds=timeout_s))
+        role, tp_size, sp_size = "rollout", 1, 1
+    atexit.register(_destroy_process_group)
+    return Dist(rank=rank, world_size=size, local_rank=launcher.local_rank(), device=device, tp_size=tp_size,
+                sp_size=sp_size, role=role, launch_rank=launch_rank, store=store)

@@ -18,6 +18,7 @@ from grpo_ds.config import software
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
 from grpo_ds.config.deepspeed_check import check_precision_supported
 from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.placement import Placement, resolve_placement
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.config.software import resolve_backend
 from grpo_ds.envs.loading import load_env_factory
@@ -42,6 +43,7 @@ class Inputs:
     env_factory: Callable[[], Any] | None  # rollout.engine "agent": builds one environment per episode
     eval_prompts: list[PromptRow]  # eval.data's prompts (empty: no evaluation)
     data_identity: dict  # what data.train holds: source, prompts, fingerprint (grpo_ds.run.prompts.data_identity)
+    placement: Placement  # which ranks train and which generate (rollout.placement)
     reward_pool: Any = None  # rank 0's reward worker processes (grpo_ds.rewards.pool), started by the driver
 
 
@@ -54,8 +56,10 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
         recipe = load_recipe(recipe, overrides)
     check_run_folder(recipe.run.output_dir, recipe.run.name)  # a writable folder, or one that can be created
     software.check(recipe)  # installed versions: the minimums, vLLM's range and torch, peft (model.lora_rank)
-    check_vllm_setup(recipe, world_size, device_type, machine)  # rollout.engine "vllm": TP size, GPUs, vLLM
-    ds_config = resolve_deepspeed_config(recipe, world_size, device_type)
+    placement = resolve_placement(recipe, world_size)  # split: the last rollout.ranks ranks only generate
+    generating = placement.rollout_ranks if placement.split else world_size
+    check_vllm_setup(recipe, generating, device_type, machine)  # rollout.engine "vllm": TP size, GPUs, vLLM
+    ds_config = resolve_deepspeed_config(recipe, placement.trainer_ranks, device_type)  # the trainer's world
     if machine:
         check_precision_supported(ds_config, device_type)  # model.dtype float16 on a CPU without fp16 kernels
     backend = _kernels_backend(recipe.kernels.backend, device_type)
@@ -72,7 +76,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     _check_context_length(recipe, prompts, eval_prompts)
     identity = data_identity(recipe.data.train, recipe.source_dir, prompts)
     return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts,
-                  identity)
+                  identity, placement)
 
 
 def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:

@@ -24,6 +24,9 @@ class StepBatch:
     old_logprobs: PerSample | None = None  # None: no old-log-prob pass (old = current, detached)
     ref_logprobs: PerSample | None = None  # None: no reference model
     advantages: list[float] | None = None  # (P*G,) after reward shaping
+    spans: list = field(default_factory=list)  # [phase, start, end] (time.time()) of this rank's phases
+    weight_version: int | None = None  # split placement: the optimizer step whose weights sampled it (0: initial)
+    rollout_side: dict | None = None  # split placement: the rollout ranks' phase times ("rollout", "reward") and spans
 
     def sequence_tokens(self) -> list[int]:
         """Prompt + response tokens of every sample."""

@@ -30,12 +30,12 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     a = recipe.algorithm
     rounds = 1 + (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 0)
-    times = {"rollout": 0.0, "reward": 0.0}
+    times, spans = {"rollout": 0.0, "reward": 0.0}, []
     drawn: list[tuple[list[int], Rollouts, list[float]]] = []  # per round: prompts, samples, rewards
     scored: list[RewardResult] = []
     informative: list[tuple[int, int]] = []  # (round, group) with unequal rewards
     for round_index in range(rounds):
-        with Phase("rollout", times):
+        with Phase("rollout", times, spans):
             prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
             lo, hi = slice_for_rank(P, dist)
             sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature,
@@ -46,7 +46,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
                                     [inputs.prompts[i].columns for i in mine])
             rollouts = Rollouts.concat(dist.dp_parts(dist.all_gather(local)))  # a TP group generated the same
 
-        with Phase("reward", times):
+        with Phase("reward", times, spans):
             result = dist.decide(score_rewards, recipe, inputs, [inputs.prompts[i] for i in prompt_index], rollouts,
                                  G)
         scored.append(result)
@@ -69,7 +69,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     if a.dynamic_sampling:
         metrics.update({"dynamic/rounds": len(drawn), "dynamic/prompts_drawn": P * len(drawn),
                         "dynamic/informative_groups": len(informative), "dynamic/topped_up_groups": len(topped_up)})
-    return StepBatch(samples[0], samples[1], samples[2], metrics, times)
+    return StepBatch(samples[0], samples[1], samples[2], metrics, times, spans=spans)
 
 
 def equal_rewards(group: list[float]) -> bool:

@@ -1,7 +1,8 @@
 """Where a step's time goes: the driver's phases, timed and labelled, and torch.profiler traces of chosen steps.
 
-``Phase(name, times)`` wraps one phase of the loop (rollout, reward, logprob, advantage, update, sync, eval,
-checkpoint): it adds the phase's wall time to ``times[name]`` (the step's ``time_<name>_s`` metric) and
+``Phase(name, times, spans)`` wraps one phase of the loop (rollout, reward, logprob, advantage, update, sync, eval,
+checkpoint, wait): it adds the phase's wall time to ``times[name]`` (the step's ``time_<name>_s`` metric), appends
+``[name, start, end]`` (``time.time()`` seconds) to ``spans`` (each rank's log: the timeline of grpo_ds.plot) and
 labels the block ``grpo/<name>`` with ``torch.profiler.record_function``, so a trace shows every operator,
 collective and kernel under the phase that ran it. With no profiler running the label costs about 10 us.
 
@@ -42,8 +43,8 @@ class Phase:
     it ``grpo/<name>`` in a profiler trace. ``times=None``: label only; ``.seconds`` holds the wall time. While a
     memory timeline records, the phase's start and end are rows of it."""
 
-    def __init__(self, name: str, times: dict[str, float] | None = None) -> None:
-        self.name, self.times, self.seconds = name, times, 0.0
+    def __init__(self, name: str, times: dict[str, float] | None = None, spans: list | None = None) -> None:
+        self.name, self.times, self.spans, self.seconds = name, times, spans, 0.0
         self._label = record_function(LABEL_PREFIX + name)
 
     def __enter__(self) -> Phase:
@@ -51,7 +52,7 @@ class Phase:
         if self._timeline is not None:
             self._timeline.enter(self.name)
         self._label.__enter__()
-        self._start = time.perf_counter()
+        self._start, self._wall = time.perf_counter(), time.time()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -61,6 +62,8 @@ class Phase:
             self._timeline.exit(self.name)
         if self.times is not None:
             self.times[self.name] = self.times.get(self.name, 0.0) + self.seconds
+        if self.spans is not None:  # the rank log's timeline (grpo_ds.plot --timeline)
+            self.spans.append([self.name, round(self._wall, 4), round(self._wall + self.seconds, 4)])
 
 
 def trace_path(run_dir: Path, rank: int) -> Path:

@@ -1,0 +1,280 @@
+"""The order of a step's phases across ranks: who generates, who trains, and when weights travel.
+
+The driver loop (grpo_ds.train) asks its schedule for each step's samples (``batch``) and tells it when the weights
+changed (``weights_changed``); what happens in between depends on the placement (grpo_ds.config.placement):
+
+- ``Colocated``: every rank generates its slice of the step (grpo_ds.step.collect), trains, and writes the new
+  weights into its own rollout engine. Generation and training take turns on the same ranks.
+- ``SplitTrainer`` (the trainer's ranks of a split placement) and ``serve_rollouts`` (the rollout ranks' side of
+  the same schedule): the rollout ranks collect step j's samples with the weights of step ``j-1-S`` or newer
+  (S = rollout.max_staleness) while the trainer trains earlier steps; the trainer's rank 0 receives each batch and
+  gives it to the other trainer ranks, and after its step k sends the rollout ranks the go-ahead for step k+1+S with
+  weights v_k (grpo_ds.distributed.bridge). Both sides run the same sequence of transfers:
+
+      rollout ranks:  go-ahead j (+ weights when newer ones are due) -> collect j -> batch j -> go-ahead j+1 ...
+      trainer:        ... train k -> receive batches up to k+S -> go-ahead k+1+S with weights v_k -> train k+1 ...
+
+  The go-ahead for step j needs the weights of step j-1-S, so the rollout side is never more than S steps ahead,
+  and it waits (nothing is dropped): every prompt is trained once and in the order of S = 0, whatever the timing.
+  At S = 0 the sides take turns and train exactly the samples of a colocated run on the same trainer ranks (a sample
+  is drawn with the step's seed and its place in the batch, whatever generates it). A batch carries the weight version
+  it was sampled with (staleness = k-1-version at step k), the prompt sampler's state after its draws, and the rollout
+  ranks' phase spans and busy / idle seconds. The batches received ahead are the checkpoint's in-flight work
+  (``in_flight``): a resume trains them, then goes on from the sampler state the last one carries, so a run
+  killed and resumed matches the run that was not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.distributed.bridge import Bridge
+from grpo_ds.distributed.ranks import Dist
+from grpo_ds.rollout.base import Rollouts
+from grpo_ds.run.folder import trim_log
+from grpo_ds.run.preemption import Preempted, StopRequest
+from grpo_ds.run.preflight import Inputs
+from grpo_ds.run.prompts import PromptSampler
+from grpo_ds.run.writes import append_line
+from grpo_ds.step.batch import StepBatch
+from grpo_ds.step.collect import collect
+from grpo_ds.step.profiling import Phase
+
+
+def weights_needed(step: int, staleness: int, resumed_after: int) -> int:
+    """The oldest weight version step ``step``'s samples may be generated with (the trainer holds ``resumed_after``'s
+    at the start)."""
+    return max(resumed_after, step - 1 - staleness)
+
+
+# ------------------------------------------------------------------------------------------ colocated
+
+class Colocated:
+    """Every rank generates, then trains: ``batch`` collects the step on the training ranks themselves."""
+
+    role = "colocated"
+    rollout_stop = None  # every rank's own stop request is agreed on by the driver
+
+    def __init__(self, recipe: Recipe, inputs: Inputs, rollout, sampler: PromptSampler, dist: Dist,
+                 bucket_bytes: int) -> None:
+        self.recipe, self.inputs, self.rollout, self.sampler, self.dist = recipe, inputs, rollout, sampler, dist
+        self.bucket_bytes = bucket_bytes
+
+    def start(self, resumed_after: int, policy, trainer_state: dict | None, data_changed: bool = False) -> None:
+        if trainer_state is not None:  # a resume: the rollout engine gets the restored weights
+            sync_weights(policy, self.rollout, self.bucket_bytes)
+
+    def batch(self, step: int) -> StepBatch:
+        return collect(step, self.recipe, self.inputs, self.rollout, self.sampler, self.dist)
+
+    def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:
+        with Phase("sync", times, spans):
+            sync_weights(policy, self.rollout, self.bucket_bytes)
+
+    def in_flight(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def stop(self, stopped: Preempted) -> None:
+        pass
+
+    def finish(self, history: list[dict]) -> None:
+        pass
+
+
+def sync_weights(policy, rollout, bucket_bytes: int) -> None:
+    """The policy's weights into the rank's rollout engine (nothing to send when it generates with the policy's
+    module). Collective over the trainer's ranks (ZeRO-3 gathers)."""
+    if not rollout.shares_policy_weights:
+        rollout.update_weights(policy.rollout_weights(bucket_bytes, getattr(rollout, "whole_layers", None)))
+
+
+# ------------------------------------------------------------------------------------------ split: the trainer
+
+@dataclass
+class Produced:
+    """One step's samples as the rollout ranks send them."""
+
+    step: int
+    version: int  # the weights they were sampled with: those after optimizer step ``version`` (0: the initial ones)
+    batch: StepBatch
+    sampler: dict  # the prompt sampler's state after this step's draws
+    stop: str | None = None  # a stop signal a rollout rank received (grpo_ds.run.preemption)
+    busy_s: float = 0.0  # the rollout ranks' seconds collecting this step
+    idle_s: float = 0.0  # their seconds waiting for the go-ahead (and its weights) before it
+    spans: list = field(default_factory=list)  # the lead rollout rank's [phase, start, end] (time.time())
+
+
+class SplitTrainer:
+    """The trainer's side of split placement; every trainer rank holds one, rank 0 the bridge."""
+
+    role = "trainer"
+
+    def __init__(self, recipe: Recipe, dist: Dist, bridge: Bridge | None, bucket_bytes: int) -> None:
+        self.recipe, self.dist, self.bridge, self.bucket_bytes = recipe, dist, bridge, bucket_bytes
+        self.staleness, self.steps = recipe.rollout.max_staleness, recipe.train.steps
+        self.received: dict[int, Produced] = {}  # rank 0: batches received ahead of training
+        self.whole_layers = None  # the vLLM engine's fused layers (a LoRA sync completes them: Policy.rollout_weights)
+        self.sampler_state: dict | None = None  # the sampler after the last step trained (rank 0)
+        self.rollout_stop: str | None = None  # a stop signal a rollout rank received, as the last batch said
+
+    # ---- the start: where the rollout ranks begin, and the weights they begin with
+    def start(self, resumed_after: int, policy, trainer_state: dict | None, data_changed: bool = False) -> None:
+        """``trainer_state``: the checkpoint's (None: a fresh run). Tells the rollout ranks the first step they
+        generate and the sampler state to draw it with (the in-flight batches come back from the checkpoint, unless
+        it was written under another max_staleness or the data changed: then they are drawn again), and sends the
+        first go-ahead(s) with the weights."""
+        self.resumed_after = resumed_after
+        state, plan = trainer_state or {}, None
+        if self.dist.is_main:
+            layout = self.bridge.recv_object(Bridge.ROLLOUT_LEAD, "the rollout engine's layout")
+            flight = state.get("in_flight") or {}
+            kept = [] if data_changed or flight.get("staleness") != self.staleness else \
+                [_produced(record) for record in flight.get("batches", [])]
+            self.received = {p.step: p for p in kept}
+            self.sampler_state = state.get("sampler")
+            first = resumed_after + 1 + len(kept)
+            self.bridge.broadcast_object({"first": first, "sampler": kept[-1].sampler if kept else self.sampler_state,
+                                          "data_changed": data_changed}, "the start")
+            plan = (layout, first)
+        self.whole_layers, first = self.dist.broadcast(plan)
+        self.next_go, self.last_received, self.sent_version = first, first - 1, None
+        self._go_ahead(resumed_after, policy, {}, [])
+
+    def batch(self, step: int) -> StepBatch:
+        """Step ``step``'s samples on every trainer rank (rank 0 waits for them if they have not come)."""
+        produced, waited = None, time.perf_counter()
+        if self.dist.is_main:
+            while step not in self.received:
+                self._receive()
+            produced = self.received.pop(step)
+            self.sampler_state = produced.sampler
+        produced = self.dist.broadcast(produced)
+        data = produced.batch
+        # the trainer's step time is its own; the rollout ranks' phase times and spans ride along
+        data.rollout_side = {"times": data.times, "spans": produced.spans, "busy_s": produced.busy_s,
+                             "idle_s": produced.idle_s}
+        idle = time.perf_counter() - waited  # this rank waited for the rollout ranks
+        data.times, data.spans = {"wait": idle}, [["wait", round(time.time() - idle, 4), round(time.time(), 4)]]
+        staleness = step - 1 - produced.version
+        data.weight_version = produced.version
+        data.metrics.update({"placement/staleness_mean": float(staleness), "placement/staleness_max": staleness,
+                             "placement/rollout_busy_s": produced.busy_s, "placement/rollout_idle_s": produced.idle_s})
+        self.rollout_stop = produced.stop
+        return data
+
+    def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:
+        """After optimizer step ``step``: the go-ahead for every step whose weights now exist, with them."""
+        self._go_ahead(step, policy, times, spans)
+
+    def _go_ahead(self, trained: int, policy, times: dict, spans: list) -> None:
+        while self.next_go <= self.steps and weights_needed(self.next_go, self.staleness, self.resumed_after) \
+                <= trained:
+            if self.dist.is_main and self.last_received < self.next_go - 1:
+                # the rollout ranks send step next_go-1 before they wait for this go-ahead
+                with Phase("wait", times, spans):
+                    while self.last_received < self.next_go - 1:
+                        self._receive()
+            version = weights_needed(self.next_go, self.staleness, self.resumed_after)
+            send = version != self.sent_version  # the same answer on every trainer rank
+            if self.dist.is_main:
+                self.bridge.broadcast_object({"step": self.next_go, "version": version if send else None},
+                                             "the go-ahead")
+            if send:
+                with Phase("sync", times, spans):
+                    weights = policy.rollout_weights(self.bucket_bytes, self.whole_layers)
+                    if self.dist.is_main:
+                        self.bridge.send_weights(weights, self.bucket_bytes)
+                    else:
+                        for _ in weights:  # the gather is collective: every trainer rank consumes it
+                            pass
+                self.sent_version = version
+            self.next_go += 1
+
+    def _receive(self) -> None:
+        produced = self.bridge.recv_object(Bridge.ROLLOUT_LEAD, "batch of samples")
+        self.received[produced.step] = produced
+        self.last_received = produced.step
+
+    def in_flight(self) -> dict:
+        """The checkpoint's part: the sampler after the last trained step, and the batches received ahead."""
+        if not self.dist.is_main:
+            return {}
+        return {"sampler": self.sampler_state, "in_flight": {
+            "staleness": self.staleness,
+            "batches": [_produced_record(self.received[s]) for s in sorted(self.received)]}}
+
+    def stop(self, stopped: Preempted) -> None:
+        """The run stops early (preemption, ``stopped``): the batch the rollout ranks are making is taken and dropped
+        (a resume draws it again), then they stop with the same exception."""
+        if self.dist.is_main:
+            if self.last_received < self.next_go - 1:
+                self._receive()
+            self.bridge.broadcast_object({"stop": True, "preempted": (stopped.signal_name, stopped.step,
+                                                                      stopped.total_steps, stopped.checkpoint)},
+                                         "the stop")
+
+    def finish(self, history: list[dict]) -> None:
+        """The end of the run: the rollout ranks, done with the last step, get the history and leave."""
+        if self.dist.is_main:
+            self.bridge.broadcast_object({"stop": True, "history": history}, "the end")
+
+
+def _produced_record(p: Produced) -> dict:
+    record = dataclasses.asdict(p)
+    record["batch"] = {"prompt_index": p.batch.prompt_index, "rollouts": dataclasses.asdict(p.batch.rollouts),
+                       "rewards": p.batch.rewards, "metrics": p.batch.metrics, "times": p.batch.times,
+                       "spans": p.batch.spans}
+    return record
+
+
+def _produced(record: dict) -> Produced:
+    b = record["batch"]
+    batch = StepBatch(b["prompt_index"], Rollouts(**b["rollouts"]), b["rewards"], b["metrics"], b["times"],
+                      spans=b["spans"])
+    return Produced(**{**record, "batch": batch})
+
+
+# ------------------------------------------------------------------------------------------ split: the rollout ranks
+
+def serve_rollouts(recipe: Recipe, inputs: Inputs, dist: Dist, bridge: Bridge, engine, stop: StopRequest,
+                   rank_log: Path) -> list[dict]:
+    """The rollout ranks' side of split placement, from the start to the end of the run: wait for the go-ahead of a
+    step (and the weights it brings), collect the step's samples over the rollout ranks (grpo_ds.step.collect), and
+    the first of them sends them to the trainer. Returns the run's metrics history the trainer sends at the end."""
+    lead = dist.is_main
+    if lead:
+        bridge.send_object(getattr(engine, "whole_layers", None), Bridge.TRAINER, "the rollout engine's layout")
+    start = bridge.broadcast_object(None, "the start")  # the trainer has prepared the run folder by now
+    rank_log.parent.mkdir(parents=True, exist_ok=True)
+    trim_log(rank_log, start["first"] - 1)  # what a stopped attempt generated past the checkpoint is drawn again
+    sampler = PromptSampler(len(inputs.prompts), recipe.run.seed, recipe.data.shuffle)
+    if start["sampler"] is not None:
+        sampler.load_state_dict(start["sampler"], data_changed=start["data_changed"])
+    version, sent_idle = None, 0.0
+    while True:
+        waited, wall = time.perf_counter(), time.time()
+        go = bridge.broadcast_object(None, "the go-ahead")
+        if go.get("version") is not None:
+            engine.update_weights(bridge.receive_weights())
+            version = go["version"]
+        idle = time.perf_counter() - waited
+        if go.get("stop"):
+            if go.get("preempted") is not None:  # every rank leaves with the trainer's exit code
+                raise Preempted(*go["preempted"])
+            return go.get("history", [])
+        data = collect(go["step"], recipe, inputs, engine, sampler, dist)
+        phases = [["wait", wall, wall + idle]] + data.spans
+        if lead:
+            produced = Produced(go["step"], version, data, sampler.state_dict(), stop.signal_name,
+                                sum(data.times.values()), idle + sent_idle, phases)
+            with Phase("send") as sending:  # waits while the trainer is busy: idle time, counted with the next step
+                bridge.send_object(produced, Bridge.TRAINER, "batch of samples")
+            sent_idle = sending.seconds
+            phases.append(["send", time.time() - sending.seconds, time.time()])
+        append_line(rank_log, json.dumps({"step": go["step"], "role": "rollout", "weight_version": version,
+                                          "phases": phases}))
