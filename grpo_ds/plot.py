@@ -385,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--timeline", action="store_true", help="draw each rank's phases over wall time "
                         "(RUN_DIR/ranks/rank<r>.jsonl) instead, into RUN_DIR/timeline.png, and print each rank's "
                         "busy and idle seconds")
-    parser.add_argument("--steps", help="with --timeline: the steps FIRST:LAST to draw (default: the last 20)")
+    parser.add_argument("--steps", metavar="FIRST:LAST", help="with --timeline: the steps to draw, both included "
+                        "(default: the last 20)")
     args = parser.parse_args(argv)
     with exit_on_user_error():
         if args.timeline:
