@@ -41,16 +41,17 @@ row besides S = 0) are optional; the command line's --world/--rollout-ranks/--st
    "runs": [{"placement": "colocated" | "split", "world": 2, "rollout_ranks": 0, "staleness": 0, "step_s": 12.3,
              "samples_per_step": 8, "phases": {"rollout": 5.0, "reward": 0.1, "logprob": 1.0, "update": 5.5,
              "sync": 0.4}}, ...]}
-Each run is predicted at its own world, K, S (and samples_per_step when given); the error per row is
-(predicted - measured) / measured of step_s, and the command exits 1 when any is beyond +-15%.
+step_s is the mean of the steady steps (leave out the first ones: warm-up and the pipeline's fill, which the model
+does not see); phases are grpo_ds's phase names (StepBatch.times), for a look at which phase the model misses. Each
+run is predicted at its own W, K, S (and samples_per_step when given); the error per row is (predicted - measured)
+/ measured step_s, and the command exits 1 when any is beyond +-15%.
 
---published: NeMo-RL v0.5's performance summary (DGX-H100, BF16, Megatron-core), GRPO on Llama-3.1-8B-Instruct,
-16 GPUs: on policy (colocated) 92.8 s a step, 1,581 tokens/s/GPU; one step off (8 generation + 8 training GPUs)
-64.8 s, 2,478 tokens/s/GPU. https://docs.nvidia.com/nemo/rl/0.5.0/about/performance-summary.html (the file
-docs/about/performance-summary.md of github.com/NVIDIA-NeMo/RL at r0.5.0); the layout and batch from the recipes
-examples/configs/recipes/llm/performance/grpo-llama3.1-8b-instruct-2n8g.yaml and
-async-grpo-llama3.1-8b-instruct-2n8g.yaml in that repository. Each input is marked measured (with its source) or
-assumed; the published tokens/s/GPU do not follow exactly from their step time (the page averages 5 steps).
+--published: NeMo-RL v0.5's GRPO on Llama-3.1-8B-Instruct, 16 x H100, BF16, Megatron-core: on policy (colocated)
+92.8 s a step, 1,581 tokens/s/GPU; one step off (8 generation + 8 training GPUs) 64.8 s, 2,478 tokens/s/GPU.
+Source: https://docs.nvidia.com/nemo/rl/0.5.0/about/performance-summary.html (docs/about/performance-summary.md of
+github.com/NVIDIA-NeMo/RL at r0.5.0); layout and batch from that repository's recipes
+examples/configs/recipes/llm/performance/{grpo,async-grpo}-llama3.1-8b-instruct-2n8g.yaml. Each input is marked
+measured (with its source) or assumed; no input is fitted to the published step times.
 """
 
 from __future__ import annotations
@@ -91,15 +92,24 @@ def check_inputs(raw: dict) -> dict:
     if missing:
         raise ValueError(f"inputs: {missing[0]!r} is required (see the docstring of {Path(__file__).name})")
     out = {**DEFAULTS, **raw}
-    points = out["t_token"]
-    if not points or any(len(p) != 2 or p[0] <= 0 or p[1] < 0 for p in points) or len({p[0] for p in points}) < len(
-            points):
-        raise ValueError("inputs: t_token must be a non-empty list of [batch > 0, seconds >= 0] points, one a batch")
-    out["t_token"] = sorted((float(b), float(s)) for b, s in points)
-    if out["reward_side"] not in ("rollout", "trainer"):
-        raise ValueError(f"inputs: reward_side {out['reward_side']!r} is not \"rollout\" or \"trainer\"")
     out["mean_new_tokens"] = out["mean_new_tokens"] or out["token_steps"]
     out["split_sync_s"] = out["sync_s"] if out["split_sync_s"] is None else out["split_sync_s"]
+    for key, value in out.items():
+        above_0 = key in ("samples_per_step", "token_steps", "mean_new_tokens", "train_efficiency", "world")
+        if key not in ("t_token", "reward_side") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                      or value < 0 or (above_0 and value == 0)):
+            raise ValueError(f"inputs: {key} is {value!r}; it must be a number {'> 0' if above_0 else '>= 0'}")
+    if out["mean_new_tokens"] > out["token_steps"]:
+        raise ValueError(f"inputs: mean_new_tokens {out['mean_new_tokens']} is more than token_steps")
+    try:
+        points = sorted((float(b), float(s)) for b, s in out["t_token"])
+    except (TypeError, ValueError):
+        points = []
+    if not points or points[0][0] <= 0 or min(s for _, s in points) < 0 or len({b for b, _ in points}) < len(points):
+        raise ValueError("inputs: t_token must be [[batch > 0, seconds >= 0], ...], one point a batch")
+    out["t_token"] = points
+    if out["reward_side"] not in ("rollout", "trainer"):
+        raise ValueError(f"inputs: reward_side {out['reward_side']!r} is not \"rollout\" or \"trainer\"")
     return out
 
 
@@ -131,8 +141,8 @@ def predict(inputs: dict, placement: str, world: int, rollout_ranks: int = 0, st
     inp = check_inputs(inputs)
     trainers = world if placement == "colocated" else world - rollout_ranks
     generators = world if placement == "colocated" else rollout_ranks
-    if placement not in ("colocated", "split") or not 1 <= trainers <= world or generators < 1:
-        raise ValueError(f"no {placement} layout of {world} ranks with {rollout_ranks} rollout ranks")
+    if placement not in ("colocated", "split") or not 1 <= trainers <= world or generators < 1 or staleness < 0:
+        raise ValueError(f"no {placement} layout with W = {world}, K = {rollout_ranks}, S = {staleness}")
     phases = {"rollout": generate_s(inp, generators), "reward": inp["reward_s"],
               "logprob": train_s(inp, trainers, inp["logprob_s_per_sample"]),
               "update": train_s(inp, trainers, inp["train_s_per_sample"])}
@@ -185,11 +195,12 @@ def compare(inputs: dict, measured: dict) -> tuple[str, bool]:
     return table(rows, header), ok
 
 
-# NeMo-RL v0.5, Llama-3.1-8B-Instruct GRPO on 16 x H100 (sources in the module docstring). The derived inputs use
-# 8.03e9 parameters, 989e12 bf16 FLOP/s dense (H100 SXM datasheet) and 1,071 tokens a sample.
+# --published (sources in the module docstring). The derived inputs use Llama-3.1-8B's 8.03e9 parameters, the H100
+# SXM's 989e12 dense bf16 FLOP/s (datasheet) at an assumed MFU, and 1,071 tokens a sample.
 NEMO = "NeMo-RL v0.5 performance summary"
 RECIPE = "NeMo-RL recipe grpo-llama3.1-8b-instruct-2n8g"
-_FLOPS, _PARAMS, _TOKENS, _MFU = 989e12 * 0.40, 8.03e9, 1071, 0.40
+_PARAMS, _TOKENS, _MFU = 8.03e9, 1071, 0.40
+_FLOPS = 989e12 * _MFU
 PUBLISHED_INPUTS = [  # (key, value, provenance, how)
     ("world", 16, f"measured ({NEMO})", "16 GPUs in both rows"),
     ("rollout_ranks", 8, "measured (NeMo-RL recipe async-grpo-llama3.1-8b-instruct-2n8g)",
@@ -227,7 +238,8 @@ def published() -> str:
     lines += [f"split over colocated: predicted {ours[0].step_s / ours[1].step_s:.2f}x, published {speedup:.2f}x. "
               "No input is fitted to the published step times.",
               f"tokens/s/GPU here = samples/s x {_TOKENS:,} tokens / 16 GPUs; the published ones do not follow from "
-              "the page's step times this way (2,048 x 1,019 / 92.8 / 16 = 1,405, not 1,581: it averages 5 steps)."]
+              f"the page's step times this way (2,048 x 1,019 / 92.8 / 16 = {2048 * 1019 / 92.8 / 16:,.0f}, not 1,581: "
+              "the page averages 5 steps)."]
     return "\n".join(lines)
 
 
@@ -261,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows, HEADER))
         return 0
     except (ValueError, KeyError, OSError) as e:
-        print(f"error: simulate_placement: {e}", file=sys.stderr)
+        print(f"error: simulate_placement: {'a run lacks ' if isinstance(e, KeyError) else ''}{e}", file=sys.stderr)
         return 2
 
 

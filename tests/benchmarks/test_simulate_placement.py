@@ -79,6 +79,12 @@ def test_bad_inputs_name_the_key(sim):
         sim.predict({**INPUTS, "sync": 1.0}, "colocated", 2)
     with pytest.raises(ValueError, match="no split layout"):
         sim.predict(INPUTS, "split", 2, rollout_ranks=2)
+    with pytest.raises(ValueError, match="reward_s is -1"):
+        sim.predict({**INPUTS, "reward_s": -1}, "colocated", 2)
+    with pytest.raises(ValueError, match="mean_new_tokens 11 is more than token_steps"):
+        sim.predict({**INPUTS, "mean_new_tokens": 11}, "colocated", 2)
+    with pytest.raises(ValueError, match="one point a batch"):
+        sim.predict({**INPUTS, "t_token": [[4, 0.1], [4, 0.2]]}, "colocated", 2)
 
 
 def _measured(tmp_path, scale: float, with_inputs: bool) -> Path:
