@@ -1,7 +1,9 @@
-"""Training curves from a run folder's metrics.jsonl, drawn into one PNG; or the memory timeline of profiled steps.
+"""Training curves from a run folder's metrics.jsonl, drawn into one PNG; or the memory timeline of profiled steps;
+or each rank's phases over wall time.
 
     python -m grpo_ds.plot RUN_DIR [--out FILE.png] [--smooth N] [--keys k1,k2,...]
     python -m grpo_ds.plot RUN_DIR --memory [--rank R] [--out FILE.png]
+    python -m grpo_ds.plot RUN_DIR --timeline [--steps FIRST:LAST] [--out FILE.png]
 
 One panel per curve: reward (mean with a +-std band, plus ``reward/NAME`` per function), response length, KL,
 entropy, clip fraction, grad norm, loss, per-phase timings (stacked; their sum is ``time_step_s``) and tokens/s.
@@ -11,6 +13,10 @@ lines (a torn last line) are skipped, and when a step appears more than once its
 ``--memory`` draws ``profile/rank<R>.memory.csv`` (grpo_ds.step.memory_timeline, written with
 ``logging.profile_steps``) over seconds: RSS and RssAnon, and CUDA allocated and reserved below them on a GPU, in MiB,
 each phase's runs shaded and named, the steps' starts marked.
+
+``--timeline`` draws ``ranks/rank<r>.jsonl`` (grpo_ds.run.timeline): one lane per rank, each phase a coloured bar
+over wall time, ``wait`` (idle) hatched grey, each step's start marked; the last 20 steps unless ``--steps`` says
+otherwise. Under the picture's path it prints each rank's busy and idle seconds.
 
 matplotlib draws off-screen (a Figure on the Agg canvas; pyplot and its global backend are never touched).
 """
@@ -30,6 +36,7 @@ import numpy as np
 
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.run.metrics import read_metrics
+from grpo_ds.run.timeline import IDLE, Timeline, format_table, parse_steps, read_timeline
 from grpo_ds.step.memory_timeline import MIB, Row, read_rows, spans
 from grpo_ds.step.profiling import memory_path
 
@@ -41,6 +48,10 @@ PANEL_INCHES = (4.8, 3.2)  # width, height of one panel
 TITLE_INCHES = 0.4  # room for the figure title
 DPI = 100
 MEMORY_INCHES = (12.0, 3.6)  # width, height of a memory panel
+TIMELINE_INCHES = (12.0, 0.6, 1.6)  # width, height of one rank's lane, room for the title, axis and legend
+# the loop's phases in its order, each a colour of its own; any other phase gets a light one of tab20's
+PHASE_COLORS = {phase: f"C{i}" for i, phase in enumerate(
+    ("rollout", "reward", "logprob", "advantage", "update", "sync", "eval", "checkpoint", "send", "recv"))}
 
 
 @dataclass(frozen=True)
@@ -187,6 +198,58 @@ def plot_memory(run_dir: str | Path, out: str | Path | None = None, rank: int = 
     return _save(make_memory_figure(run_dir, rank), Path(out) if out is not None else default)
 
 
+def make_timeline_figure(timeline: Timeline, name: str) -> Figure:
+    """The Figure (Agg canvas) of ``timeline``: a lane per rank, rank 0 on top, its phases as bars over seconds since
+    the earliest span drawn; ``name`` heads the title."""
+    figure_class, canvas_class = _matplotlib()
+    from matplotlib import colormaps
+
+    lanes, steps, available = timeline.lanes, timeline.steps, timeline.available
+    fig = figure_class(figsize=(TIMELINE_INCHES[0], TIMELINE_INCHES[1] * len(lanes) + TIMELINE_INCHES[2]), dpi=DPI,
+                       layout="constrained")
+    canvas_class(fig)
+    shown = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    if len(steps) < len(available):
+        last = steps == available[-len(steps):]
+        shown += f" ({'the last ' if last else ''}{len(steps)} of {len(available)}; --steps FIRST:LAST for others)"
+    fig.suptitle(f"{name}: phases per rank over wall time, {shown}")
+    ax = fig.add_subplot()
+    phases = list(dict.fromkeys(s.phase for lane in lanes for s in lane.spans))
+    others = [p for p in phases if p not in PHASE_COLORS and p != IDLE]
+    colors = {**PHASE_COLORS, **{p: colormaps["tab20"](2 * i + 1) for i, p in enumerate(others)}}
+    origin = timeline.origin
+    for y, lane in enumerate(lanes):
+        for phase in phases:
+            bars = [(s.start - origin, s.end - s.start) for s in lane.spans if s.phase == phase]
+            style = dict(facecolor="0.88", edgecolor="0.45", hatch="///", linewidth=0.5) if phase == IDLE else \
+                dict(facecolor=colors[phase], linewidth=0)
+            if bars:
+                ax.broken_barh(bars, (y - 0.4, 0.8), label=phase, **style)
+        starts = {}  # each step's first span on this lane
+        for s in lane.spans:
+            starts.setdefault(s.step, s.start - origin)
+        ax.vlines(list(starts.values()), y - 0.45, y + 0.45, colors="0.5", linestyles=":", linewidth=0.8)
+        for step, x in starts.items():
+            ax.text(x, y - 0.42, f" {step}", fontsize="x-small", color="0.4", va="bottom")
+    handles = {label: h for h, label in zip(*ax.get_legend_handles_labels(), strict=True)}  # one entry a phase
+    order = [p for p in (*PHASE_COLORS, *others, IDLE) if p in handles]
+    fig.legend([handles[p] for p in order], order, loc="outside lower center", ncols=min(len(order), 11),
+               fontsize="small")
+    ax.set_yticks(range(len(lanes)), [f"rank {lane.rank} ({lane.role})" for lane in lanes])
+    ax.set_ylim(len(lanes) - 0.5, -0.5)  # rank 0 on top
+    ax.set_xlabel("seconds since the first span drawn (dotted: a step's first span on that rank)")
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def plot_timeline(run_dir: str | Path, out: str | Path | None = None, steps: tuple[int, int] | None = None) -> Path:
+    """Draw the ranks' phases of steps ``first..last`` (default: the last 20) into ``out`` (default
+    RUN_DIR/timeline.png); return the path written. grpo_ds.run.timeline.read_timeline gives the busy/idle figures."""
+    run_dir = Path(run_dir)
+    figure = make_timeline_figure(read_timeline(run_dir, steps), run_name(run_dir))
+    return _save(figure, Path(out) if out is not None else run_dir / "timeline.png")
+
+
 def _mark_phases_and_steps(ax, rows: list[Row], labelled: bool) -> None:
     """Each phase run shaded in its phase's colour (named in the legend, and on the span where it is wide enough);
     a dotted line where each step starts, named on the top panel."""
@@ -319,8 +382,25 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "(RUN_DIR/profile/rank<R>.memory.csv, from logging.profile_steps) instead, into "
                         "RUN_DIR/memory.png")
     parser.add_argument("--rank", type=int, help="with --memory: whose timeline (default 0)")
+    parser.add_argument("--timeline", action="store_true", help="draw each rank's phases over wall time "
+                        "(RUN_DIR/ranks/rank<r>.jsonl) instead, into RUN_DIR/timeline.png, and print each rank's "
+                        "busy and idle seconds")
+    parser.add_argument("--steps", metavar="FIRST:LAST", help="with --timeline: the steps to draw, both included "
+                        "(default: the last 20)")
     args = parser.parse_args(argv)
     with exit_on_user_error():
+        if args.timeline:
+            if args.memory or args.rank is not None or args.keys is not None or args.smooth != 1:
+                raise UserError("--timeline", "draws the ranks' phases; --memory, --rank, --keys and --smooth are "
+                                "for the other pictures", "leave them out")
+            run_dir = Path(args.run_dir)
+            timeline = read_timeline(run_dir, None if args.steps is None else parse_steps(args.steps))
+            out = Path(args.out) if args.out is not None else run_dir / "timeline.png"
+            print(_save(make_timeline_figure(timeline, run_name(run_dir)), out))
+            print(format_table(timeline))
+            return
+        if args.steps is not None:
+            raise UserError("--steps", "chooses the steps --timeline draws", "add --timeline")
         if args.memory:
             if args.keys is not None or args.smooth != 1:
                 raise UserError("--memory", "draws the memory timeline; --keys and --smooth are for the curves",

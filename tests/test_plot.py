@@ -9,8 +9,22 @@ import numpy as np
 import pytest
 
 from grpo_ds.errors import UserError
-from grpo_ds.plot import PANEL_INCHES, TITLE_INCHES, Panel, main, make_figure, moving_average, panels, plot_run
+from grpo_ds.plot import (
+    PANEL_INCHES,
+    TIMELINE_INCHES,
+    TITLE_INCHES,
+    Panel,
+    main,
+    make_figure,
+    make_timeline_figure,
+    moving_average,
+    panels,
+    plot_run,
+    plot_timeline,
+)
 from grpo_ds.run.metrics import read_metrics
+from grpo_ds.run.timeline import read_timeline
+from tests.run.test_timeline import write_logs
 
 matplotlib_image = pytest.importorskip("matplotlib.image")
 
@@ -99,6 +113,8 @@ def _cli_cases(tmp_path: Path) -> dict:
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "metrics.jsonl").write_text('{"step": 1, "reward_me')  # only a torn line
+    (empty / "ranks").mkdir()
+    (empty / "ranks" / "rank0.jsonl").write_text(json.dumps({"step": 1, "trained_sample_ids": [0, 1]}) + "\n")
     parent = tmp_path / "runs"
     (parent / "mine").mkdir(parents=True)
     (parent / "mine" / "metrics.jsonl").write_text(json.dumps(_record(1)) + "\n")
@@ -117,11 +133,18 @@ def _cli_cases(tmp_path: Path) -> dict:
                         "timeline; --keys and --smooth are for the curves. leave them out."),
         "rank_alone": ([str(parent / "mine"), "--rank", "1"], "error: --rank: chooses whose memory timeline --memory "
                        "draws. add --memory."),
+        "no_ranks": ([str(parent / "mine"), "--timeline"], f"error: {parent / 'mine' / 'ranks'}: not found. a run made "
+                     "by this version of grpo_ds.train writes them (RUN_DIR/ranks/rank<r>.jsonl)."),
+        "no_phases": ([str(empty), "--timeline"], f"error: {empty / 'ranks'}: has no step records with \"phases\""),
+        "steps_form": ([str(empty), "--timeline", "--steps", "4"], "error: --steps: '4' is not FIRST:LAST."),
+        "steps_alone": ([str(empty), "--steps", "1:2"], "error: --steps: chooses the steps --timeline draws."),
+        "timeline_memory": ([str(empty), "--timeline", "--memory"], "error: --timeline: draws the ranks' phases;"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing_folder", "no_metrics", "empty", "unknown_key", "smooth", "out_folder",
-                                  "no_timeline", "memory_keys", "rank_alone"])
+                                  "no_timeline", "memory_keys", "rank_alone", "no_ranks", "no_phases", "steps_form",
+                                  "steps_alone", "timeline_memory"])
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, case):
     argv, start = _cli_cases(tmp_path)[case]
     with pytest.raises(SystemExit) as exit_info:
@@ -150,3 +173,34 @@ def test_module_runs_as_a_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "grpo_ds.plot", str(tmp_path / "nope")], capture_output=True,
                          text=True, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: "), bad.stderr
+
+
+def test_timeline_png_has_a_lane_per_rank(tmp_path, capsys):
+    run = write_logs(tmp_path / "run")
+    out = plot_timeline(run)
+    assert out == run / "timeline.png" and out.read_bytes()[:8] == PNG_MAGIC
+    height, width = matplotlib_image.imread(out).shape[:2]
+    lanes_inches = 3 * TIMELINE_INCHES[1] + TIMELINE_INCHES[2]
+    assert (width, height) == (round(TIMELINE_INCHES[0] * 100), round(lanes_inches * 100))
+    fig = make_timeline_figure(read_timeline(run), "demo")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 (trainer)", "rank 1 (trainer)", "rank 2 (rollout)"]
+    assert fig.get_suptitle() == "demo: phases per rank over wall time, steps 1-2"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["rollout", "reward", "logprob", "update", "sync",
+                                                                  "send", "recv", "wait"]
+    wait = [c for c in ax.collections if c.get_label() == "wait"]
+    assert len(wait) == 3 and all(c.get_hatch() == "///" for c in wait)  # idle stands out: hatched, on every lane
+    assert ax.get_xlim()[0] <= 0 and ax.get_xlim()[1] >= 9.5  # seconds since the earliest span drawn
+
+    main([str(run), "--timeline", "--steps", "2:2", "--out", str(tmp_path / "t.png")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == str(tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 0
+    assert lines[1:] == ["rank  role          busy s    idle s   idle", "   0  trainer        3.500     0.000   0.0%",
+                         "   1  trainer        3.500     0.000   0.0%", "   2  rollout        2.250     1.750  43.8%"]
+
+
+def test_timeline_title_says_when_it_draws_the_last_20(tmp_path):
+    timeline = read_timeline(write_logs(tmp_path / "run", range(1, 26)))
+    fig = make_timeline_figure(timeline, "demo")
+    assert fig.get_suptitle() == ("demo: phases per rank over wall time, steps 6-25 (the last 20 of 25; --steps "
+                                  "FIRST:LAST for others)")
