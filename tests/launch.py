@@ -1,5 +1,6 @@
 """Run commands through the real `deepspeed` launcher on CPU (shared by the distributed tests)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,13 @@ def remove_vllm_shm() -> None:
     them grpo_ds-<id>-...: grpo_ds.rollout.vllm)."""
     for leftover in Path("/dev/shm").glob("grpo_ds-*cpushm*"):
         leftover.unlink(missing_ok=True)
+
+
+# What differs between two runs of the same recipe in a rank's log (ranks/rank<r>.jsonl): the phases' wall-clock spans.
+WALL_CLOCK_KEYS = ("phases",)
+
+
+def rank_log_records(path: Path) -> list[dict]:
+    """A rank's log (ranks/rank<r>.jsonl) without its wall-clock spans: what an identical run writes again."""
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK_KEYS}
+            for line in path.read_text().splitlines()]

@@ -4,8 +4,8 @@ run with one clear line and the last good checkpoint intact."""
 import pytest
 
 import grpo_ds
+import grpo_ds.step.schedule as schedule_module
 import grpo_ds.step.update as update_module
-import grpo_ds.train as train_module
 from grpo_ds.errors import UserError
 from grpo_ds.model.policy import weights_sha256
 from tests.launch import REPO
@@ -38,7 +38,7 @@ def inject(monkeypatch):
     """Make the loss NaN in the given steps (counted by driver step); record the policy's weights' hash at each
     step's weight sync (which runs whether or not the rollout engine shares the policy's module)."""
     state = {"step": 0, "nan_steps": set(), "hashes": []}
-    real_loss, real_sync = update_module.micro_batch_loss, train_module._sync_weights
+    real_loss, real_sync = update_module.micro_batch_loss, schedule_module.sync_weights
 
     def loss(*args, **kwargs):
         value, stats = real_loss(*args, **kwargs)
@@ -48,15 +48,15 @@ def inject(monkeypatch):
         state["hashes"].append(weights_sha256(policy.full_weights(bucket_bytes)))
         real_sync(policy, rollout, bucket_bytes)
 
-    real_collect = train_module.collect
+    real_collect = schedule_module.collect
 
     def collect(step, *args, **kwargs):
         state["step"] = step
         return real_collect(step, *args, **kwargs)
 
     monkeypatch.setattr(update_module, "micro_batch_loss", loss)
-    monkeypatch.setattr(train_module, "_sync_weights", sync)  # the driver's weight sync
-    monkeypatch.setattr(train_module, "collect", collect)
+    monkeypatch.setattr(schedule_module, "sync_weights", sync)  # the colocated schedule's weight sync
+    monkeypatch.setattr(schedule_module, "collect", collect)
     return state
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds.run import checkpoint
-from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
+from tests.launch import REPO, clean_env, free_port, rank_log_records, remove_shm_buffers
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
 STEPS = 12
@@ -152,7 +152,7 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, 
     got = _metrics(run_dir)
     assert got == expected
     for rank in range(world):  # each rank's log holds every step once (trimmed on resume), as uninterrupted
-        logs = [[json.loads(line) for line in (folder / "ranks" / f"rank{rank}.jsonl").read_text().splitlines()]
+        logs = [rank_log_records(folder / "ranks" / f"rank{rank}.jsonl")
                 for folder in (run_dir, tmp_path / "reference" / "tiny_cpu")]
         assert [r.get("step") for r in logs[0]] == [*range(1, STEPS + 1), None]
         assert logs[0] == logs[1]  # the same samples trained at every step, and the same final weights

@@ -1,4 +1,4 @@
-"""The job's ranks: the launcher's variables, DeepSpeed's accelerator choice and rank-0 output (``launcher``, no
-torch), and the process group with this process's place in it and the driver's collectives (``ranks``). Imports no
-other part of grpo_ds.
+"""The job's ranks: the launcher's variables, DeepSpeed's accelerator choice and rank-0 output (``launcher``, no torch),
+the process group with this process's place in it and the driver's collectives (``ranks``), and split placement's
+process group between the trainer and the rollout ranks (``bridge``). Imports no other part of grpo_ds.
 """

@@ -14,7 +14,7 @@ import pytest
 
 from grpo_ds.run import checkpoint
 from grpo_ds.run.preemption import EXIT_PREEMPTED
-from tests.launch import REPO, clean_env
+from tests.launch import REPO, clean_env, rank_log_records
 from tests.test_resume import PORTS, _logged_steps, _metrics
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
@@ -90,7 +90,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_same_command_res
     assert f"resuming after step {stopped}" in resumed.stderr
     assert _metrics(run_dir) == expected
     for rank in range(world):  # the same samples trained at every step and the same final weights
-        logs = [(folder / "ranks" / f"rank{rank}.jsonl").read_text() for folder in (run_dir, reference_dir)]
+        logs = [rank_log_records(folder / "ranks" / f"rank{rank}.jsonl") for folder in (run_dir, reference_dir)]
         assert logs[0] == logs[1]
 
 
