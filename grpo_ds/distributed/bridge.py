@@ -21,11 +21,13 @@ import datetime
 import os
 import pickle
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 STORE_PORT_OFFSET = 1  # the store of a split launch: MASTER_PORT + this, served by the trainer's rank 0
+START_TIMEOUT_S = 1800.0  # the start-up's waits: one side loads a model (vLLM compiles) while the other waits
 
 
 class Stalled(RuntimeError):
@@ -61,18 +63,30 @@ class Bridge:
 
     def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size, self.device, self.timeout_s = rank, size, device, timeout_s
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._group = _process_group(store, "bridge", rank, size, device, timeout_s)
+        self._group = _process_group(store, "bridge", rank, size, device, max(timeout_s, START_TIMEOUT_S))
+        self._starting = False
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """The start-up's transfers wait up to START_TIMEOUT_S (a model loading on the other side), not
+        rollout.transfer_timeout_s."""
+        self._starting = True
+        try:
+            yield
+        finally:
+            self._starting = False
 
     # ---- waiting, with the side named
     def _wait(self, work, what: str, peer: str) -> None:
+        limit = START_TIMEOUT_S if self._starting else self.timeout_s
         try:
-            work.wait(self._timeout)
+            work.wait(datetime.timedelta(seconds=limit))
         except RuntimeError as err:
             text = str(err).lower()
             if "timed out" in text or "timeout" in text:
-                raise Stalled(f"the {peer} stalled: no {what} within rollout.transfer_timeout_s = "
-                              f"{self.timeout_s:g} s") from None
+                within = f"the start-up's {limit:g} s" if self._starting else \
+                    f"rollout.transfer_timeout_s = {limit:g} s"
+                raise Stalled(f"the {peer} stalled: no {what} within {within}") from None
             raise Stalled(f"the {peer} went away while this side waited for {what} ({str(err).splitlines()[0]})"
                           ) from None
 

@@ -131,7 +131,8 @@ class SplitTrainer:
         self.resumed_after = resumed_after
         state, plan = trainer_state or {}, None
         if self.dist.is_main:
-            layout = self.bridge.recv_object(Bridge.ROLLOUT_LEAD, "the rollout engine's layout")
+            with self.bridge.starting():  # the rollout ranks may still be loading their engine
+                layout = self.bridge.recv_object(Bridge.ROLLOUT_LEAD, "the rollout engine's layout")
             flight = state.get("in_flight") or {}
             kept = [] if data_changed or flight.get("staleness") != self.staleness else \
                 [_produced(record) for record in flight.get("batches", [])]
@@ -247,9 +248,10 @@ def serve_rollouts(recipe: Recipe, inputs: Inputs, dist: Dist, bridge: Bridge, e
     step (and the weights it brings), collect the step's samples over the rollout ranks (grpo_ds.step.collect), and
     the first of them sends them to the trainer. Returns the run's metrics history the trainer sends at the end."""
     lead = dist.is_main
-    if lead:
-        bridge.send_object(getattr(engine, "whole_layers", None), Bridge.TRAINER, "the rollout engine's layout")
-    start = bridge.broadcast_object(None, "the start")  # the trainer has prepared the run folder by now
+    with bridge.starting():  # the trainer may still be loading its model, or a checkpoint
+        if lead:
+            bridge.send_object(getattr(engine, "whole_layers", None), Bridge.TRAINER, "the rollout engine's layout")
+        start = bridge.broadcast_object(None, "the start")  # the trainer has prepared the run folder by now
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     trim_log(rank_log, start["first"] - 1)  # what a stopped attempt generated past the checkpoint is drawn again
     sampler = PromptSampler(len(inputs.prompts), recipe.run.seed, recipe.data.shuffle)

@@ -8,6 +8,7 @@ and one optimizer step. The per-token weights of the loss are built here, on the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -151,16 +152,23 @@ def _token_terms(data: StepBatch, mb: MicroBatch, advantage: torch.Tensor, weigh
 
 
 def importance_metrics(rollouts: Rollouts, old_logprobs: PerSample, cap: float) -> dict:
-    """Mean truncated importance weight over the trained tokens, and the fraction the cap truncated."""
+    """The truncated importance weights over the trained tokens (mean, min, max), the fraction the cap truncated, and
+    the largest gap between the trainer's and the sampler's log-probs of a token (0 where the sampler held exactly the
+    trainer's weights and computes the same way: the hf engine at float32, colocated or split at staleness 0)."""
     old, sampler = [], []
     for i in range(len(rollouts)):
         keep = torch.tensor(rollouts.token_loss_mask(i), dtype=torch.bool)
         old.append(old_logprobs[i][keep])
         sampler.append(torch.tensor(rollouts.sampler_logprobs[i], dtype=torch.float32)[keep])
     old_t, sampler_t = torch.cat(old), torch.cat(sampler)
+    if old_t.numel() == 0:  # no trained token (every response empty or masked)
+        return {k: math.nan for k in ("is_weight_mean", "is_weight_min", "is_weight_max", "is_truncated_frac",
+                                      "sampler_logprob_gap_max")}
     weights = truncated_importance_weights(old_t, sampler_t, cap)
-    return {"is_weight_mean": weights.mean().item(),
-            "is_truncated_frac": ((old_t - sampler_t).exp() > cap).float().mean().item()}
+    return {"is_weight_mean": weights.mean().item(), "is_weight_min": weights.min().item(),
+            "is_weight_max": weights.max().item(),
+            "is_truncated_frac": ((old_t - sampler_t).exp() > cap).float().mean().item(),
+            "sampler_logprob_gap_max": (old_t - sampler_t).abs().max().item()}
 
 
 def trained_tokens(rollouts: Rollouts, sample: int, settings: UpdateSettings) -> int:

@@ -1,0 +1,241 @@
+"""Split placement through the real `deepspeed` launcher (grpo_ds/step/schedule.py, grpo_ds/distributed/bridge.py):
+2 trainer ranks + 1 rollout rank (hf engine) on the CPU.
+
+- exact at staleness 0: the same samples, losses and final weights as the colocated run on the 2 trainer ranks, and
+  the rollout rank samples with exactly the trainer's weights after every step (the broadcast is tested against stale
+  weights: a skipped or partial transfer makes the sampler's log-probs differ from the trainer's);
+- staleness 1: every sample one step old after the first, importance weights exactly 1 at the first (on-policy)
+  step, the rollout rank's weight versions as the schedule says;
+- faults: a SIGKILLed rollout rank ends the job within seconds and the same command resumes to the uninterrupted
+  run's metrics and weights (the in-flight batch comes from the checkpoint); a SIGTERM to the rollout rank stops every
+  rank after a step with a checkpoint (exit 75), and the same command resumes exactly; a stalled rollout side ends the
+  job with one line naming it.
+The staleness-1 run is the reference of both fault tests (module-scoped).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from grpo_ds.run import checkpoint
+from grpo_ds.run.preemption import EXIT_PREEMPTED
+from tests.launch import REPO, clean_env, free_port, rank_log_records, remove_shm_buffers
+
+pytestmark = pytest.mark.slow
+
+TINY = str(REPO / "recipes" / "tiny_cpu.json")
+SHAPE = ["rollout.prompts_per_step=4", "rollout.group_size=8", "train.micro_batch_samples_per_gpu=16",
+         "train.logprob_micro_batch_samples_per_gpu=16", "algorithm.rollout_is_cap=2.0", "logging.progress_bar=false",
+         'reward.functions=[{"name": "split_rewards:parity"}]']
+# rewards with signal from the first step on (a random tiny model rarely answers right), importable by every rank
+REWARDS = """import time
+
+
+def parity(*, completions, **kwargs):
+    return [float(ord(c[0]) % 2) if c else 0.0 for c in completions]
+
+
+def slow(*, completions, **kwargs):
+    time.sleep(8)
+    return [0.0] * len(completions)
+"""
+
+SPLIT = ['rollout.placement="split"', "rollout.ranks=1"]
+# what differs between two runs of the same recipe: wall-clock times
+VOLATILE = ("time_", "tokens_per_s", "generated_tokens_per_s", "peak_memory_gib", "placement/rollout_busy_s",
+            "placement/rollout_idle_s", "placement/trainer_busy_s", "placement/trainer_idle_s", "rollout_side/time_")
+STALENESS_STEPS = 6
+GAP = 1e-5  # float32 on both sides: the sampler's log-probs and the trainer's agree to ~5e-7 (measured)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reward_module(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rewards")
+    (folder / "split_rewards.py").write_text(REWARDS)
+    ENV["PYTHONPATH"] = f"{folder}:{REPO}"
+
+
+ENV = clean_env()
+
+
+def _command(ranks: int, out: Path, *extra: str) -> tuple[list[str], int]:
+    port = free_port()
+    launcher = Path(sys.executable).parent / "deepspeed"
+    return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(ranks), "--master_port", str(port),
+            "--module", "grpo_ds.train", TINY, f"run.output_dir={out}", *SHAPE, *extra], port
+
+
+def _run(ranks: int, out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd, port = _command(ranks, out, *extra)
+    try:
+        return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    finally:
+        remove_shm_buffers(port)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc.stderr
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _steady(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def _trainer_log(run_dir: Path, rank: int) -> list[dict]:
+    """A trainer rank's log as both placements write it: no role, weight version or wall clock, and no hash of a
+    rollout copy (a colocated rank holds one; a split trainer rank does not)."""
+    return [{k: v for k, v in r.items() if k not in ("role", "weight_version", "rollout_weights_sha256")}
+            for r in rank_log_records(run_dir / "ranks" / f"rank{rank}.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def staleness_one(tmp_path_factory) -> Path:
+    """The uninterrupted staleness-1 run, checkpointing every 2 steps: the fault tests' reference."""
+    out = tmp_path_factory.mktemp("s1")
+    _ok(_run(3, out, *SPLIT, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}",
+             "checkpoint.every_steps=2"))
+    return out / "tiny_cpu"
+
+
+def test_split_at_staleness_zero_equals_colocated_and_samples_with_the_trainers_weights(tmp_path):
+    _ok(_run(2, tmp_path / "colocated", "train.steps=4"))
+    split_err = _ok(_run(3, tmp_path / "split", *SPLIT, "train.steps=4"))
+    colocated, split = tmp_path / "colocated" / "tiny_cpu", tmp_path / "split" / "tiny_cpu"
+    got, expected = _metrics(split), _metrics(colocated)
+    assert sum(m["grad_norm"] > 0 for m in expected) >= 2, expected  # the weights move: equality means something
+    assert [{k: v for k, v in m.items() if not k.startswith("placement/")} for m in _steady(got)] == \
+        _steady(expected)
+    for rank in (0, 1):  # the same samples trained on each trainer rank, and the same final weights
+        assert _trainer_log(split, rank) == _trainer_log(colocated, rank)
+    # the rollout rank sampled every step with the weights the trainer held: the log-probs it sampled with are the
+    # trainer's to float rounding (the sampling forward and the packed training forward round differently, ~5e-7),
+    # so every importance weight is 1 to within that; a transfer skipped once leaves a gap of ~1e-3 (the note of
+    # issue 35 shows this test failing that way)
+    assert max(m["sampler_logprob_gap_max"] for m in got) <= GAP, [m["sampler_logprob_gap_max"] for m in got]
+    assert all(1 - GAP <= m["is_weight_min"] <= m["is_weight_max"] <= 1 + GAP for m in got)
+    assert [m["placement/staleness_max"] for m in got] == [0, 0, 0, 0]
+    rollout_log = rank_log_records(split / "ranks" / "rank2.jsonl")
+    assert [(r["step"], r["role"], r["weight_version"]) for r in rollout_log] == \
+        [(k, "rollout", k - 1) for k in range(1, 5)]
+    assert "error" not in split_err.lower()
+
+
+def test_staleness_one_trains_one_step_old_samples(staleness_one):
+    got = _metrics(staleness_one)
+    assert [m["placement/staleness_max"] for m in got] == [0] + [1] * (STALENESS_STEPS - 1)
+    assert got[0]["sampler_logprob_gap_max"] <= GAP  # step 1 is on-policy
+    assert all(m["sampler_logprob_gap_max"] > 100 * GAP for m in got[1:])  # later steps are not: the correction acts
+    versions = [(r["step"], r["weight_version"]) for r in rank_log_records(staleness_one / "ranks" / "rank2.jsonl")]
+    assert versions == [(k, max(0, k - 2)) for k in range(1, STALENESS_STEPS + 1)]
+    for rank in (0, 1):
+        log = rank_log_records(staleness_one / "ranks" / f"rank{rank}.jsonl")
+        assert [r.get("weight_version") for r in log[:-1]] == [max(0, k - 2) for k in range(1, STALENESS_STEPS + 1)]
+
+
+def _rank_process(runner: subprocess.Popen, local_rank: int, limit_s: float = 120) -> psutil.Process:
+    """The rank with ``--local_rank=N`` among the launcher's descendants."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        for child in psutil.Process(runner.pid).children(recursive=True):
+            try:
+                if f"--local_rank={local_rank}" in child.cmdline() and "grpo_ds.train" in child.cmdline():
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {local_rank}")
+
+
+def _logged_steps(run_dir: Path) -> int:
+    try:
+        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_for(condition, proc: subprocess.Popen, limit_s: float = 300) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert proc.poll() is None, f"the run ended first:\n{proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _same_as_reference(run_dir: Path, reference: Path) -> None:
+    assert _steady(_metrics(run_dir)) == _steady(_metrics(reference))
+    for rank in (0, 1):  # the same samples on each trainer rank at every step, and the same final weights
+        assert rank_log_records(run_dir / "ranks" / f"rank{rank}.jsonl") == \
+            rank_log_records(reference / "ranks" / f"rank{rank}.jsonl")
+
+
+def test_a_killed_rollout_rank_ends_the_job_and_the_same_command_resumes_exactly(tmp_path, staleness_one):
+    cmd, port = _command(3, tmp_path, *SPLIT, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}",
+                         "checkpoint.every_steps=2")
+    run_dir = tmp_path / "tiny_cpu"
+    try:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        rollout_rank = _rank_process(proc, 2)
+        _wait_for(lambda: _logged_steps(run_dir) >= 3, proc)  # past the step-2 checkpoint, which holds batch 3
+        rollout_rank.kill()
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        remove_shm_buffers(port)
+    assert proc.returncode != 0
+    assert took < 15, f"the job took {took:.1f} s to end after its rollout rank died"
+    assert _logged_steps(run_dir) < STALENESS_STEPS, "the run had finished before the kill"
+    resumed = _ok(_run(3, tmp_path, *SPLIT, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}",
+                       "checkpoint.every_steps=2"))
+    assert "resuming after step" in resumed
+    _same_as_reference(run_dir, staleness_one)
+
+
+def test_a_sigterm_on_the_rollout_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path,
+                                                                                            staleness_one):
+    extra = [*SPLIT, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}", "checkpoint.every_steps=2"]
+    cmd, port = _command(3, tmp_path, *extra)
+    run_dir = tmp_path / "tiny_cpu"
+    try:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        rollout_rank = _rank_process(proc, 2)
+        _wait_for(lambda: _logged_steps(run_dir) >= 1, proc)
+        rollout_rank.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        remove_shm_buffers(port)
+    stopped = _logged_steps(run_dir)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert f"preempted: stopped by SIGTERM after step {stopped} of {STALENESS_STEPS}" in err, err[-3000:]
+    assert 1 <= stopped < STALENESS_STEPS
+    assert checkpoint.latest_name(run_dir) == checkpoint.checkpoint_name(stopped)
+    resumed = _ok(_run(3, tmp_path, *extra))
+    assert f"resuming after step {stopped}" in resumed
+    _same_as_reference(run_dir, staleness_one)
+
+
+def test_a_stalled_rollout_side_ends_the_job_with_one_line_naming_it(tmp_path):
+    """A reward function that takes 8 s where the trainer waits 2 s for a batch: the rollout side stalled."""
+    started = time.monotonic()
+    proc = _run(3, tmp_path, *SPLIT, "train.steps=3", "rollout.transfer_timeout_s=2", "reward.timeout_s=60",
+                'reward.functions=[{"name": "split_rewards:slow"}]', timeout=300)
+    assert time.monotonic() - started < 120
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: the rollout ranks stalled: no batch of samples within rollout.transfer_timeout_s = 2 s"], \
+        proc.stderr[-3000:]
