@@ -237,7 +237,7 @@ def _produced(record: dict) -> Produced:
     b = record["batch"]
     batch = StepBatch(b["prompt_index"], Rollouts(**b["rollouts"]), b["rewards"], b["metrics"], b["times"],
                       spans=b["spans"])
-    return Produced(**{**record, "batch": batch})
+    return Produced(**{**record, "batch": batch, "stop": None})  # the stop it carried was this attempt's, not the next
 
 
 # ------------------------------------------------------------------------------------------ split: the rollout ranks
