@@ -107,20 +107,51 @@ def metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not (k.startswith("time_") or "per_s" in k or "memory" in k)} for r in rows]
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """The documented command, `deepspeed --num_gpus 2 --module grpo_ds.train recipes/tiny_vllm_cpu.json` (two
+    engines), shortened: once, for the driver test and the split placement's comparison."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    launch_venv(2, ["--module", "grpo_ds.train", RECIPE, f"run.output_dir={out}", *SHORT])
+    return out / "tiny_vllm_cpu"
+
+
 @pytest.mark.parametrize("recipe, extra", [
-    ("tiny_vllm_cpu", []),
+    ("tiny_vllm_cpu", None),
     ("multiturn_tiny_cpu", ["rollout.agent_backend=vllm", "model.tiny_num_heads=2", "data.max_prompt_tokens=30",
                             "rollout.vllm_gpu_memory_utilization=0.1", "rollout.vllm_kv_cache_gib=1",
                             "rollout.vllm_enforce_eager=true", "algorithm.rollout_is_cap=2.0"]),
 ], ids=["single_turn", "agent"])
-def test_the_driver_trains_with_vllm_on_two_ranks(tmp_path, recipe, extra):
-    """The documented command, `deepspeed --num_gpus 2 --module grpo_ds.train recipes/tiny_vllm_cpu.json` (two
-    engines), shortened; and multi-turn episodes whose turns vLLM samples, the same way."""
-    launch_venv(2, ["--module", "grpo_ds.train", REPO / "recipes" / f"{recipe}.json", f"run.output_dir={tmp_path}",
-                    *SHORT, *extra])
-    rows = metrics(tmp_path / recipe)
+def test_the_driver_trains_with_vllm_on_two_ranks(tmp_path, request, recipe, extra):
+    """The documented command (the shared two-rank run); and multi-turn episodes whose turns vLLM samples, the same
+    way."""
+    if extra is None:
+        run_dir = request.getfixturevalue("two_ranks")
+    else:
+        launch_venv(2, ["--module", "grpo_ds.train", REPO / "recipes" / f"{recipe}.json", f"run.output_dir={tmp_path}",
+                        *SHORT, *extra])
+        run_dir = tmp_path / recipe
+    rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["response_len_mean"] > 0 for r in rows)
+
+
+def test_split_placement_at_staleness_zero_equals_the_colocated_run(tmp_path, two_ranks):
+    """2 trainer ranks + 2 rollout ranks (one vLLM engine each, so that each engine receives the requests a colocated
+    rank's did) at staleness 0: the same metrics, samples and final weights as the colocated two-rank run, and the
+    sampler's log-probs within GAP of the trainer's at every step (the weights arrived)."""
+    launch_venv(4, ["--module", "grpo_ds.train", RECIPE, f"run.output_dir={tmp_path}", *SHORT,
+                    'rollout.placement="split"', "rollout.ranks=2"])
+    split = tmp_path / "tiny_vllm_cpu"
+    got = metrics(split)
+    assert [{k: v for k, v in r.items() if not k.startswith(("placement/", "rollout_side/"))} for r in got] == \
+        metrics(two_ranks)
+    assert all(r["sampler_logprob_gap_max"] <= GAP and r["placement/staleness_max"] == 0 for r in got)
+    for rank in (0, 1):
+        logs = [[{k: v for k, v in r.items() if k not in ("phases", "role", "weight_version", "rollout_weights_sha256")}
+                 for r in map(json.loads, (folder / "ranks" / f"rank{rank}.jsonl").read_text().splitlines())]
+                for folder in (split, two_ranks)]
+        assert logs[0] == logs[1]
 
 
 @pytest.fixture(scope="module")
