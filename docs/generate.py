@@ -3,6 +3,7 @@
     python docs/generate.py                  # the reference pages, the benchmarks pages and the pictures
     python docs/generate.py --transcripts    # also run the commands the docs show and record their consoles (minutes)
     python docs/generate.py --pictures       # also run the tiny recipe again for the data of its pictures
+    python docs/generate.py --placement      # also run the 3-rank split placement again for its timeline's data
     python docs/generate.py --check [--transcripts]   # exit 1 naming each page or picture not fresh
 
 Generated, never edited by hand:
@@ -11,9 +12,11 @@ Generated, never edited by hand:
 - docs/benchmarks.md: a summary of benchmarks/RESULTS.md (whose blocks the benchmark scripts append), one row per
   question from its latest block, and the pictures; docs/benchmarks-archive.md: every block;
 - docs/img/*.png: matplotlib pictures (``PICTURES``): grpo_ds's and TRL's reward from RESULTS.md, the tiny recipe's
-  curves and memory timeline drawn by grpo_ds.plot from a run's files kept in docs/img/tiny_cpu/, and the parts of the
-  package from the import rules of tests/test_layout.py. Each PNG carries the sha256 of what it is drawn from, so the
-  check tells new data from another matplotlib (whose pixels it cannot compare, and says so);
+  curves and memory timeline drawn by grpo_ds.plot from a run's files kept in docs/img/tiny_cpu/, the parts of the
+  package from the import rules of tests/test_layout.py, and the phases of a 3-rank split placement run (2 trainer
+  ranks, 1 rollout rank, staleness 1) drawn by grpo_ds.plot --timeline's function from its rank logs kept in
+  docs/img/placement/. Each PNG carries the sha256 of what it is drawn from, so the check tells new data from another
+  matplotlib (whose pixels it cannot compare, and says so);
 - docs/transcripts/*.txt: the consoles of real runs of the commands shown in the docs, run from a scratch folder
   that holds the repository's recipes/ and ds_configs/ (so the commands are the ones a user types at the repository
   root). Timings, versions and the step at which a signal landed differ from run to run: the check compares the
@@ -592,6 +595,16 @@ TINY_OVERRIDES = ("logging.profile_steps=[2,4]", "logging.profile_trace=false", 
 TINY_FILES = ("metrics.jsonl", "recipe.json", "profile/rank0.memory.csv")
 
 
+PLACEMENT_DATA = IMG / "placement"  # the rank logs of a split placement run that its timeline is drawn from
+PLACEMENT_RANKS = 3  # launched through the deepspeed launcher: ranks 0-1 train, rank 2 generates
+PLACEMENT_OVERRIDES = ("run.name=placement", "train.steps=10", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                       "rollout.max_new_tokens=16",
+                       "train.micro_batch_samples_per_gpu=8", "train.logprob_micro_batch_samples_per_gpu=8",
+                       'rollout.placement="split"', "rollout.ranks=1", "rollout.max_staleness=1",
+                       "algorithm.rollout_is_cap=2", "logging.progress_bar=false")
+PLACEMENT_FILES = ("recipe.json", *(f"ranks/rank{r}.jsonl" for r in range(PLACEMENT_RANKS)))
+
+
 def _figure_class():
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -634,6 +647,13 @@ def draw_tiny_memory() -> Figure:
     from grpo_ds.plot import make_memory_figure
 
     return make_memory_figure(TINY_DATA)
+
+
+def draw_placement_timeline() -> Figure:
+    from grpo_ds.plot import make_timeline_figure, run_name
+    from grpo_ds.run.timeline import read_timeline
+
+    return make_timeline_figure(read_timeline(PLACEMENT_DATA), run_name(PLACEMENT_DATA))
 
 
 @functools.cache
@@ -743,6 +763,10 @@ def _tiny_sources() -> bytes:
     return b"".join((TINY_DATA / name).read_bytes() for name in TINY_FILES)
 
 
+def _placement_sources() -> bytes:
+    return b"".join((PLACEMENT_DATA / name).read_bytes() for name in PLACEMENT_FILES)
+
+
 def _architecture_sources() -> bytes:
     rules = _layout_rules()
     return repr((architecture_edges(), rules.NEVER_IMPORT, rules.TOP_LEVEL)).encode()
@@ -754,6 +778,7 @@ PICTURES: dict[str, Picture] = {
     "tiny_cpu_curves.png": Picture(draw_tiny_curves, _tiny_sources),
     "tiny_cpu_memory.png": Picture(draw_tiny_memory, _tiny_sources),
     "architecture.png": Picture(draw_architecture, _architecture_sources),
+    "placement_timeline.png": Picture(draw_placement_timeline, _placement_sources),
 }
 
 
@@ -792,8 +817,13 @@ def stale_pictures() -> tuple[list[str], list[str]]:
     found, unchecked = [], []
     if problem := tiny_data_problem():
         found.append(f"img/tiny_cpu/ ({problem})")
+    if problem := placement_data_problem():
+        found.append(f"img/placement/ ({problem})")
     for name, picture in PICTURES.items():
         path = IMG / name
+        if any(f.startswith(f"img/{folder}/ (missing") for f in found for folder in ("tiny_cpu", "placement")) \
+                and picture.sources in (_tiny_sources, _placement_sources):
+            continue  # its data is missing (said above): nothing to hash
         if not path.is_file():
             found.append(f"img/{name} (missing)")
             continue
@@ -844,6 +874,60 @@ def tiny_run() -> None:
         shutil.copyfile(run / name, TINY_DATA / name)
 
 
+def placement_data_problem() -> str | None:
+    """Why docs/img/placement/ is not a split placement run of today's tiny recipe (PLACEMENT_OVERRIDES), or None: its
+    recipe.json must be what the recipe resolves to now, and its rank logs a complete run of it: every step on every
+    rank, ranks 0-1 the trainer and the last one the rollout rank, each step's samples generated with weights at most
+    rollout.max_staleness steps older than the schedule's newest (grpo_ds.step.schedule), and the same final weights
+    on both trainer ranks. Its timings are that run's own (wall time), so nothing else is compared."""
+    from grpo_ds import load_recipe
+
+    missing = [name for name in PLACEMENT_FILES if not (PLACEMENT_DATA / name).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    with contextlib.chdir(REPO):
+        now = load_recipe(TINY, list(PLACEMENT_OVERRIDES))
+    if json.loads((PLACEMENT_DATA / "recipe.json").read_text()) != now.to_dict():
+        return "its recipe.json is not today's recipes/tiny_cpu.json with the placement overrides"
+    trainers, steps, staleness = PLACEMENT_RANKS - now.rollout.ranks, now.train.steps, now.rollout.max_staleness
+    digests = set()
+    for rank in range(PLACEMENT_RANKS):
+        records = [json.loads(line) for line in (PLACEMENT_DATA / f"ranks/rank{rank}.jsonl").read_text().splitlines()
+                   if line.strip()]
+        role = "trainer" if rank < trainers else "rollout"
+        by_step = {r["step"]: r for r in records if "step" in r}
+        if sorted(by_step) != list(range(1, steps + 1)) or any(r.get("role") != role or not r.get("phases")
+                                                                for r in by_step.values()):
+            return f"ranks/rank{rank}.jsonl is not {steps} steps of a {role} rank with their phases"
+        late = [k for k, r in by_step.items() if r.get("weight_version") is None or
+                not max(0, k - 1 - staleness) <= r["weight_version"] <= k - 1]
+        if late:
+            return f"ranks/rank{rank}.jsonl: steps {late} were generated with weights out of the staleness bound"
+        if role == "trainer":
+            digests |= {r["final_weights_sha256"] for r in records if "final_weights_sha256" in r}
+    if len(digests) != 1:
+        return "its trainer ranks do not end with one final weights hash"
+    return None
+
+
+def placement_run() -> None:
+    """The split placement run (PLACEMENT_OVERRIDES) through the deepspeed launcher on PLACEMENT_RANKS CPU ranks; its
+    recipe.json and rank logs go to docs/img/placement/."""
+    import socket
+
+    cwd = _scratch()
+    with socket.socket() as probe:  # a free port; the split launch's store takes the next one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _run(["-m", "deepspeed.launcher.runner", "--num_gpus", str(PLACEMENT_RANKS), "--master_port", str(port),
+          "--module", "grpo_ds.train", TINY, *PLACEMENT_OVERRIDES], cwd, expect=0)
+    run = cwd / "runs" / "placement"
+    shutil.rmtree(PLACEMENT_DATA, ignore_errors=True)
+    for name in PLACEMENT_FILES:
+        (PLACEMENT_DATA / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run / name, PLACEMENT_DATA / name)
+
+
 # ------------------------------------------------------------------------------------------------------- main
 
 def stale(transcripts: bool) -> list[str]:
@@ -863,6 +947,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transcripts", action="store_true", help="also run the commands the docs show (minutes)")
     parser.add_argument("--pictures", action="store_true", help="also run the tiny recipe again for the data its "
                         "pictures are drawn from, docs/img/tiny_cpu/ (a minute or two)")
+    parser.add_argument("--placement", action="store_true", help="also run the 3-rank split placement (deepspeed "
+                        "launcher, CPU) again for the data its timeline is drawn from, docs/img/placement/ (a minute)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale page")
     args = parser.parse_args(argv)
     if args.check:
@@ -871,12 +957,16 @@ def main(argv: list[str] | None = None) -> None:
         if found := stale(args.transcripts):
             raise SystemExit(f"stale generated docs: {', '.join(found)}; run: python docs/generate.py"
                              + (" --transcripts" if args.transcripts else "")
-                             + (" --pictures" if any(f.startswith("img/tiny_cpu/") for f in found) else ""))
+                             + (" --pictures" if any(f.startswith("img/tiny_cpu/") for f in found) else "")
+                             + (" --placement" if any(f.startswith("img/placement/") for f in found) else ""))
         print("generated docs are fresh")
         return
     if args.pictures:
         tiny_run()
         print("wrote docs/img/tiny_cpu/", file=sys.stderr)
+    if args.placement:
+        placement_run()
+        print("wrote docs/img/placement/", file=sys.stderr)
     for name, make in PAGES.items():
         (DOCS / name).write_text(make())
     for row in summary(blocks(RESULTS.read_text())[1])[0]:

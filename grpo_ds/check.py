@@ -3,7 +3,9 @@
     python -m grpo_ds.check RECIPE.json --world-size 8 [section.key=value ...]
 
 The validation is grpo_ds.run.preflight.prepare_inputs, the same one ``grpo_ds.train`` runs first; this module is the
-report only.
+report only. Under split placement (rollout.placement "split", grpo_ds.config.placement) the batch algebra, the
+shards and the memory estimate are the trainer's ranks' (W - rollout.ranks), and one more line estimates a rollout
+rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from grpo_ds.config.deepspeed import (
     rollout_shares_policy,
 )
 from grpo_ds.config.deepspeed_keys import zero_stage
+from grpo_ds.config.placement import Placement
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error
@@ -76,7 +79,10 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     lengths = simulated_lengths(inputs, lengths_mode)
     t = r.train
     tp, sp = t.tensor_parallel_size, t.sequence_parallel_size
-    dp = world_size // tp // sp
+    placement = inputs.placement
+    trainers = placement.trainer_ranks  # the world the batch algebra and DeepSpeed see (all ranks when colocated)
+    ranks = f"trainer ranks {trainers}" if placement.split else f"world size {world_size}"
+    dp = trainers // tp // sp
     plan = plan_recipe_step(r, lengths, dp, step=1)
     ds = inputs.ds_config
     _, ds_where = load_deepspeed_json(r)
@@ -88,7 +94,8 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     lp_rule = cap if t.max_tokens_per_micro_batch else f"{t.logprob_micro_batch_samples_per_gpu} samples"
     lines = [
         f"recipe is valid for world size {world_size}",
-        f"parallel layout: world size {world_size} = data parallel {dp} x tensor parallel {tp} x sequence parallel {sp}"
+        f"placement: {placement.describe()}",
+        f"parallel layout: {ranks} = data parallel {dp} x tensor parallel {tp} x sequence parallel {sp}"
         + (f" (ranks {tp * sp}d .. {tp * sp}d+{tp * sp - 1} form group d and run the same samples)" if tp * sp > 1
            else ""),
         "",
@@ -129,7 +136,7 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
               f"step boundary, so padding and dynamic batches need no change here)",
               f"  train_batch_size                {ds['train_batch_size']} = {ds['train_micro_batch_size_per_gpu']}"
               f" x {ds['gradient_accumulation_steps']} x "
-              + (f"data-parallel size {dp}" if sp > 1 else f"world size {world_size}") if "train_batch_size" in ds else
+              + (f"data-parallel size {dp}" if sp > 1 else ranks) if "train_batch_size" in ds else
               "  train_batch_size                left out (AutoTP under ZeRO-3: DeepSpeed checks it against two sizes)",
               f"  zero stage                      {zero_stage(ds)}"
               + (f" ({stage_note})" if (stage_note := one_rank_stage_note(r, ds)) else ""), "",
@@ -137,16 +144,12 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
               + ("full logits, " if not r.kernels.fused_lm_head else "fused lm_head (no full logits), " if tp == 1
                  else "full logits (tensor parallelism splits the lm_head), ")
               + _chunk_text(r, inputs.kernels_backend, shape.vocab),
-              f"rollout: {r.rollout.engine} engine, " + (
-                  "generating with the policy's own module (every rank holds it whole: no copy, no weight sync)"
-                  if rollout_shares_policy(r, ds) else "its own weights from model.path, synced after every "
-                  f"optimizer step{_vllm_sync()}" if r.uses_vllm else "generating with an unsharded copy of the "
-                  "policy, synced after every optimizer step")]
-    est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib, inputs.kernels_backend)
+              _rollout_line(r, ds, placement)]
+    est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib, inputs.kernels_backend, placement)
     trained = f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) \
         else ""
-    lines += ["", f"memory estimate per rank ({shape.params / 1e6:.2f} M parameters{trained}, {r.model.dtype}; "
-                  "grpo_ds/model/memory.py says how each line is counted)"]
+    lines += ["", f"memory estimate per {'trainer ' if placement.split else ''}rank ({shape.params / 1e6:.2f} M "
+                  f"parameters{trained}, {r.model.dtype}; grpo_ds/model/memory.py says how each line is counted)"]
     lines += [f"  {name:<52} {value / GIB:8.3f} GiB" for name, value in est.device.items()]
     lines += [f"  {name + ' (offloaded to host)':<52} {value / GIB:8.3f} GiB" for name, value in est.host.items()]
     lines += [f"  + {name:<50} {value / GIB:8.3f} GiB" for name, value in est.phases.items()]
@@ -154,9 +157,43 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     if est.host:
         lines.append(f"  {'host memory (offload)':<52} {sum(est.host.values()) / GIB:8.3f} GiB")
     if gpu_memory_gib is not None:
-        lines += _fit(inputs, world_size, lengths, est, gpu_memory_gib)
+        lines += _fit(inputs, lengths, est, gpu_memory_gib)
+    if placement.split:
+        lines.append(_rollout_rank_line(r, shape, placement, lengths, gpu_memory_gib))
     lines.append(f"dataset: {len(inputs.prompts)} prompts ({inputs.skipped_rows} bad rows skipped)")
     return "\n".join(lines)
+
+
+def _rollout_line(r: Recipe, ds: dict, placement: Placement) -> str:
+    """Where generation runs and how its weights come."""
+    if placement.split:
+        k = placement.rollout_ranks
+        where = f"rollout: {r.rollout.engine} engine on the {k} rollout rank{'s' if k > 1 else ''}, "
+        if r.uses_vllm:
+            tp = r.rollout.vllm_tensor_parallel_size
+            return where + (f"{k // tp} vLLM engine{'s' if k // tp > 1 else ''} of tensor parallel {tp}, their own "
+                            "weights from model.path, updated from the trainer over the bridge "
+                            f"(grpo_ds.distributed.bridge) after every optimizer step{_vllm_sync()}")
+        return where + (f"{'each ' if k > 1 else ''}with a plain copy of the policy, updated from the trainer over "
+                        "the bridge (grpo_ds.distributed.bridge) after every optimizer step")
+    return f"rollout: {r.rollout.engine} engine, " + (
+        "generating with the policy's own module (every rank holds it whole: no copy, no weight sync)"
+        if rollout_shares_policy(r, ds) else "its own weights from model.path, synced after every "
+        f"optimizer step{_vllm_sync()}" if r.uses_vllm else "generating with an unsharded copy of the "
+        "policy, synced after every optimizer step")
+
+
+def _rollout_rank_line(r: Recipe, shape: memory.ModelShape, placement: Placement, lengths: list[int],
+                       gpu_memory_gib: float | None) -> str:
+    """Split placement: one line for a rollout rank's memory (grpo_ds.model.memory.rollout_rank)."""
+    sequences = _prompts_per_generate_call(r, placement.rollout_ranks, rollout_side=True) * r.rollout.group_size
+    parts = memory.rollout_rank(r, shape, max(lengths), sequences, gpu_memory_gib)
+    if parts is None:
+        return (f"memory of a rollout rank: vLLM's share, rollout.vllm_gpu_memory_utilization "
+                f"{r.rollout.vllm_gpu_memory_utilization:g} of its GPU (--gpu-memory-gib sizes it)")
+    text = " + ".join(f"{name} {value / GIB:.3f} GiB" for name, value in parts.items())
+    total = f" = {sum(parts.values()) / GIB:.3f} GiB" if len(parts) > 1 else ""
+    return f"memory of a rollout rank: {text}{total}"
 
 
 def _vllm_sync() -> str:
@@ -172,9 +209,13 @@ def _vllm_sync() -> str:
 
 
 def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_size: int, lengths: list[int],
-                    gpu_memory_gib: float | None = None, backend: str = "torch") -> memory.MemoryEstimate:
-    """The estimate for the recipe's first planned step over ``lengths``; ``backend``: the resolved kernels
-    backend."""
+                    gpu_memory_gib: float | None = None, backend: str = "torch",
+                    placement: Placement | None = None) -> memory.MemoryEstimate:
+    """The estimate of a rank that trains, for the recipe's first planned step over ``lengths``; ``backend``: the
+    resolved kernels backend; ``placement``: split counts the trainer's ranks, which hold no rollout engine."""
+    split = placement is not None and placement.split
+    if split:
+        world_size = placement.trainer_ranks
     dp = world_size // r.train.tensor_parallel_size
     plan = plan_recipe_step(r, lengths, dp, step=1)
     micro = [mb for m in plan.minibatches for rank in m.micro_batches for mb in rank if mb]
@@ -186,7 +227,7 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
                            for mb in micro)
     generation = _prompts_per_generate_call(r, world_size) * r.rollout.group_size
     return memory.estimate(r, shape, ds_config, world_size, model_tokens, max(lengths), generation, gpu_memory_gib,
-                           backend)
+                           backend, rollout=not split)
 
 
 def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:
@@ -200,15 +241,14 @@ def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:
             f"budget, kernels.logprob_chunk_mib, at {vocab:,} vocabulary entries)")
 
 
-def _prompts_per_generate_call(r: Recipe, world_size: int) -> int:
-    """Prompts in a rank's largest generate call: its share of the step's prompts (over the data-parallel ranks),
-    at most rollout.generation_batch_prompts."""
-    dp = world_size // r.train.tensor_parallel_size
+def _prompts_per_generate_call(r: Recipe, world_size: int, rollout_side: bool = False) -> int:
+    """Prompts in a rank's largest generate call: its share of the step's prompts (over the data-parallel ranks; a
+    split placement's rollout ranks, ``rollout_side``, each take a share), at most rollout.generation_batch_prompts."""
+    dp = world_size if rollout_side else world_size // r.train.tensor_parallel_size
     return min(r.rollout.generation_batch_prompts, -(-r.rollout.prompts_per_step // dp))
 
 
-def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float
-         ) -> list[str]:
+def _fit(inputs: Inputs, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float) -> list[str]:
     """Whether the peak fits ``gpu_memory_gib``; if not, the changes that would make it fit, tried in the order of
     the Ultra-Scale Playbook (activation checkpointing, a smaller micro-batch with more accumulation, then fewer
     prompts per generate call for the hf and agent engines, offload, tensor parallelism), each added to the ones
@@ -217,6 +257,8 @@ def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.Memory
     if est.peak <= gpu_memory_gib * GIB:
         return [f"  fits in {gpu_memory_gib:g} GiB ({100 * est.peak / (gpu_memory_gib * GIB):.0f}% of it)"]
     base, shape = inputs.recipe, memory.model_shape(inputs.recipe, len(inputs.tokenizer))
+    placement = inputs.placement
+    world_size = placement.trainer_ranks  # every rank when colocated; split: the trainer's, DeepSpeed's world
 
     def peak(changes: dict) -> float | None:  # the estimate with these changes, None for a layout that cannot be
         r = base
@@ -224,7 +266,7 @@ def _fit(inputs: Inputs, world_size: int, lengths: list[int], est: memory.Memory
             r = apply(r)
         try:
             return estimate_memory(r, shape, resolve_deepspeed_config(r, world_size, device_type()), world_size,
-                                   lengths, gpu_memory_gib, inputs.kernels_backend).peak
+                                   lengths, gpu_memory_gib, inputs.kernels_backend, placement).peak
         except UserError:
             return None
 

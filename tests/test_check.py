@@ -237,3 +237,61 @@ def test_the_dry_run_refuses_an_installed_vllm_outside_the_supported_range(tmp_p
     check.main([str(RECIPE)])  # the hf engine does not care which vLLM is installed
     out = capsys.readouterr().out
     assert "recipe is valid for world size 1" in out and "  vllm          0.16.0" in out.splitlines()
+
+
+# ------------------------------------------------------------------------------------------ split placement
+
+SPLIT = 'rollout.placement="split"'
+
+
+def test_a_layout_split_placement_cannot_run_is_one_line_and_exit_2(tmp_path):
+    """The refusal comes from prepare_inputs (grpo_ds.config.placement), before anything is printed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "grpo_ds.check", str(RECIPE), "--world-size", "1", SPLIT],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        'error: rollout.placement: "split" needs at least 2 ranks (one trains, one generates); this launch has 1. '
+        'launch with deepspeed --num_gpus 2 or more, or use "colocated".']
+
+
+def test_split_placement_counts_the_trainers_ranks(capsys):
+    """3 launched ranks, the last one generating: the plan, DeepSpeed's batch size and the layout are those of 2
+    trainer ranks; the trainer's estimate holds no rollout copy and no generation phase, a rollout rank's line does."""
+    check.main([str(RECIPE), "--world-size", "3", SPLIT, "rollout.max_staleness=1", "algorithm.rollout_is_cap=2"])
+    out = capsys.readouterr().out
+    assert line_of(out, "placement:") == ("placement: split: ranks 0-1 train (ZeRO-3 over 2), ranks 2-2 generate "
+                                          "(1 rank), staleness at most 1")
+    assert "parallel layout: trainer ranks 2 = data parallel 2 x tensor parallel 1 x sequence parallel 1" in out
+    assert [rank[0] for rank in rank_lines(out)] == [0, 1]  # the rollout rank trains nothing
+    assert sum(rank[1] for rank in rank_lines(out)) == 800
+    assert re.search(r"train_batch_size\s+800 = 400 x 1 x trainer ranks 2$", out, re.M)
+    assert "runs (importance weights" in line_of(out, "old-log-prob pass")
+    assert line_of(out, "rollout:").startswith("rollout: hf engine on the 1 rollout rank, with a plain copy")
+    trainer = out.split("memory estimate per trainer rank")[1].split("memory of a rollout rank")[0]
+    assert "rollout copy" not in trainer and "generation" not in trainer and "update micro-batch" in trainer
+    rollout = line_of(out, "memory of a rollout rank:")
+    assert re.fullmatch(r"memory of a rollout rank: copy of the weights ([\d.]+) GiB \+ generation \(KV cache, "
+                        r"scores\) ([\d.]+) GiB = ([\d.]+) GiB", rollout)
+
+
+def test_the_rollout_copy_moves_from_the_trainer_to_the_rollout_rank():
+    """Colocated, every rank holds the unsharded copy (ZeRO-3) and a generation phase; split, the trainer rank holds
+    neither, and the rollout rank's copy is the same bytes, its generate call the whole step's prompts (1 rank)."""
+    from grpo_ds.model import memory
+
+    colocated = prepare_inputs(RECIPE, None, 2, "cpu")
+    split = prepare_inputs(RECIPE, [SPLIT], 3, "cpu")
+    assert split.ds_config["train_batch_size"] == colocated.ds_config["train_batch_size"]  # both train on 2 ranks
+    shape = memory.model_shape(colocated.recipe, len(colocated.tokenizer))
+    lengths = check.simulated_lengths(colocated, "max")
+    both = check.estimate_memory(colocated.recipe, shape, colocated.ds_config, 2, lengths,
+                                 placement=colocated.placement)
+    trainer = check.estimate_memory(split.recipe, shape, split.ds_config, 3, lengths, placement=split.placement)
+    copy = both.device.pop("rollout copy (unsharded)")
+    generation = both.phases.pop("generation (KV cache, scores)")
+    assert trainer.device == both.device and trainer.phases == both.phases  # the rest: the same 2-rank trainer
+    r = split.recipe
+    parts = memory.rollout_rank(r, shape, max(lengths), r.rollout.prompts_per_step * r.rollout.group_size)
+    assert parts["copy of the weights"] == copy
+    assert parts["generation (KV cache, scores)"] * 13 == generation * 25  # all 25 prompts, not a rank's 13 of them

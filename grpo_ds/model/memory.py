@@ -23,6 +23,11 @@ and the moments in bf16, M = 2 bytes instead of 4: 10 bytes per trained paramete
                        it generates, its weights in host memory (P x W / vllm tp) otherwise
     reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters)
 
+Under split placement (rollout.placement "split", grpo_ds.config.placement) a trainer rank holds no rollout engine:
+no rollout copy, no vLLM share and no generation phase (``estimate(..., rollout=False)``), and dp counts the trainer's
+ranks only. A rollout rank holds the engine alone (``rollout_rank``): the hf and agent engines' plain copy (P x W,
+LoRA: the base, the adapters merged in) plus the generation phase, or vLLM's share of its GPU.
+
 Offload moves the master weights and the Adam moments (offload_optimizer), or the weights (offload_param), to
 host memory: they are listed under ``host``. Then the largest phase on top:
 
@@ -135,12 +140,13 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
 
 def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int, update_tokens: int,
              longest_sequence: int, generation_sequences: int, gpu_memory_gib: float | None = None,
-             backend: str = "torch") -> MemoryEstimate:
+             backend: str = "torch", rollout: bool = True) -> MemoryEstimate:
     """Per-rank bytes. ``update_tokens``: the model's tokens (packed: the real ones; padded: samples x longest) of the
     largest update micro-batch;
     ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
     generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share; ``backend``: the
-    resolved kernels backend (it sizes the log-prob chunks)."""
+    resolved kernels backend (it sizes the log-prob chunks); ``rollout``: whether the rank holds the rollout engine
+    (False: a trainer rank of a split placement, whose ``world_size`` is the trainer's ranks)."""
     w = BYTES[recipe.model.dtype]
     zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
     tp = recipe.train.tensor_parallel_size
@@ -168,13 +174,13 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
         est.device["reference model"] = _b(per_rank * w / weights_shard)
     r = recipe.rollout
     vllm_share = _b(r.vllm_gpu_memory_utilization * (gpu_memory_gib or 0) * GIB)  # 0 when the GPU is not known
-    if recipe.uses_vllm and r.vllm_sleep_mode:  # asleep (weights in host memory) except while it generates
+    # (rollout False: split placement's trainer rank, whose rollout ranks hold the engine)
+    if rollout and recipe.uses_vllm and r.vllm_sleep_mode:  # asleep (weights in host memory) except while generating
         est.host["vLLM weights while asleep"] = _b(shape.params * w / r.vllm_tensor_parallel_size)
-    elif recipe.uses_vllm:
+    elif rollout and recipe.uses_vllm:
         est.device["vLLM (gpu_memory_utilization)"] = vllm_share
-    elif not rollout_shares_policy(recipe, ds_config):
-        est.device["rollout copy (unsharded)"] = _b((shape.params - (shape.trainable if lora.enabled(recipe.model)
-                                                                      else 0)) * w)
+    elif rollout and not rollout_shares_policy(recipe, ds_config):
+        est.device["rollout copy (unsharded)"] = _rollout_copy(recipe, shape, w)
     est.device["reduce bucket"] = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)
     gathered = 0
     if stage == 3:
@@ -188,14 +194,36 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     temporaries = (0 if stage == 0 else 2 if w < 4 and stage < 3 else 1) + (0 if adam.get("fused") else 2)
     est.phases[f"optimizer step ({master} temporaries)" if torch_adam else "optimizer step (in place)"] = \
         _b(temporaries * trained * m / opt_shard) if torch_adam else 0
-    if recipe.uses_vllm:
+    if rollout and recipe.uses_vllm:
         if r.vllm_sleep_mode:
             est.phases["generation (vLLM awake: gpu_memory_utilization)"] = vllm_share
-    else:
-        est.phases["generation (KV cache, scores)"] = _b(generation_sequences * (
-            longest_sequence * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w
-            + 2 * shape.vocab * 4))
+    elif rollout:
+        est.phases["generation (KV cache, scores)"] = _generation(shape, w, longest_sequence, generation_sequences)
     return est
+
+
+def rollout_rank(recipe: Recipe, shape: ModelShape, longest_sequence: int, generation_sequences: int,
+                 gpu_memory_gib: float | None = None) -> dict[str, int] | None:
+    """A split placement's rollout rank, in bytes by part: the hf and agent engines' plain copy and one generate call
+    of ``generation_sequences`` sequences; vLLM: its share of the GPU (None when the GPU's memory is not known)."""
+    w = BYTES[recipe.model.dtype]
+    if recipe.uses_vllm:
+        if gpu_memory_gib is None:
+            return None
+        return {"vLLM (gpu_memory_utilization)": _b(recipe.rollout.vllm_gpu_memory_utilization * gpu_memory_gib * GIB)}
+    return {"copy of the weights": _rollout_copy(recipe, shape, w),
+            "generation (KV cache, scores)": _generation(shape, w, longest_sequence, generation_sequences)}
+
+
+def _rollout_copy(recipe: Recipe, shape: ModelShape, w: int) -> int:
+    """The unsharded copy the hf and agent engines generate with (LoRA: the base, the adapters merged in)."""
+    return _b((shape.params - (shape.trainable if lora.enabled(recipe.model) else 0)) * w)
+
+
+def _generation(shape: ModelShape, w: int, longest_sequence: int, sequences: int) -> int:
+    """One generate call's KV cache and two fp32 (batch x vocab) score tensors."""
+    return _b(sequences * (longest_sequence * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w
+                           + 2 * shape.vocab * 4))
 
 
 def master_width(ds_config: dict) -> tuple[int, str]:
