@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import grpo_ds.step.schedule as schedule
 import grpo_ds.step.update  # noqa: F401  (imported before the baseline, like every library the run uses)
 import grpo_ds.train as driver
 from grpo_ds.model.policy import Policy
@@ -64,7 +65,7 @@ def main(out: str, recipe: str, overrides: list[str]) -> None:
     sampler = Sampler()
     time.sleep(0.05)
     baseline = rss_anon_mib()
-    sampler.wrap(driver, "collect", "rollout")
+    sampler.wrap(schedule, "collect", "rollout")  # the colocated schedule collects each step
     sampler.wrap(driver, "logprob_pass", "logprob")
     sampler.wrap(driver, "optimizer_step", "update")
     sampler.wrap(driver, "_rollout_engine", "rollout copy")

@@ -260,7 +260,7 @@ def test_split_placement_counts_the_trainers_ranks(capsys):
     trainer ranks; the trainer's estimate holds no rollout copy and no generation phase, a rollout rank's line does."""
     check.main([str(RECIPE), "--world-size", "3", SPLIT, "rollout.max_staleness=1", "algorithm.rollout_is_cap=2"])
     out = capsys.readouterr().out
-    assert line_of(out, "placement:") == ("placement: split: ranks 0-1 train (ZeRO-3 over 2), ranks 2-2 generate "
+    assert line_of(out, "placement:") == ("placement: split: ranks 0-1 train (ZeRO-3 over 2), rank 2 generates "
                                           "(1 rank), staleness at most 1")
     assert "parallel layout: trainer ranks 2 = data parallel 2 x tensor parallel 1 x sequence parallel 1" in out
     assert [rank[0] for rank in rank_lines(out)] == [0, 1]  # the rollout rank trains nothing

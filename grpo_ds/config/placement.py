@@ -45,8 +45,14 @@ class Placement:
         if not self.split:
             return f"colocated: each of the {self.world_size} ranks generates its share, then trains"
         t, k = self.trainer_ranks, self.rollout_ranks
-        return (f"split: ranks 0-{t - 1} train (ZeRO-3 over {t}), ranks {t}-{self.world_size - 1} generate "
+        train = "train" if t > 1 else "trains"
+        generate = "generate" if k > 1 else "generates"
+        return (f"split: {_ranks(0, t - 1)} {train} (ZeRO-3 over {t}), {_ranks(t, self.world_size - 1)} {generate} "
                 f"({k} rank{'s' if k > 1 else ''}), staleness at most {self.max_staleness}")
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
 def resolve_placement(recipe, world_size: int) -> Placement:

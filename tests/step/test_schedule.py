@@ -48,11 +48,16 @@ def slow(*, completions, **kwargs):
     return [0.0] * len(completions)
 """
 
-SPLIT = ['rollout.placement="split"', "rollout.ranks=1"]
+SPLIT_KEYS = ['rollout.placement="split"', "rollout.ranks=1"]
 # what differs between two runs of the same recipe: wall-clock times
 VOLATILE = ("time_", "tokens_per_s", "generated_tokens_per_s", "peak_memory_gib", "placement/rollout_busy_s",
             "placement/rollout_idle_s", "placement/trainer_busy_s", "placement/trainer_idle_s", "rollout_side/time_")
 STALENESS_STEPS = 6
+# the staleness-1 run also trains LoRA adapters (merged layers travel) with DAPO's dynamic sampling (the rollout
+# ranks draw extra prompts, the sampler state travels with each batch), scored by the reward workers (on by default,
+# on the first rollout rank): what else must keep working under split placement, resumes included
+STALENESS_ONE = [*SPLIT_KEYS, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}", "checkpoint.every_steps=2",
+                 "model.lora_rank=4", "algorithm.dynamic_sampling=true"]
 GAP = 1e-5  # float32 on both sides: the sampler's log-probs and the trainer's agree to ~5e-7 (measured)
 
 
@@ -105,14 +110,13 @@ def _trainer_log(run_dir: Path, rank: int) -> list[dict]:
 def staleness_one(tmp_path_factory) -> Path:
     """The uninterrupted staleness-1 run, checkpointing every 2 steps: the fault tests' reference."""
     out = tmp_path_factory.mktemp("s1")
-    _ok(_run(3, out, *SPLIT, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}",
-             "checkpoint.every_steps=2"))
+    _ok(_run(3, out, *STALENESS_ONE))
     return out / "tiny_cpu"
 
 
 def test_split_at_staleness_zero_equals_colocated_and_samples_with_the_trainers_weights(tmp_path):
     _ok(_run(2, tmp_path / "colocated", "train.steps=4"))
-    split_err = _ok(_run(3, tmp_path / "split", *SPLIT, "train.steps=4"))
+    split_err = _ok(_run(3, tmp_path / "split", *SPLIT_KEYS, "train.steps=4"))
     colocated, split = tmp_path / "colocated" / "tiny_cpu", tmp_path / "split" / "tiny_cpu"
     got, expected = _metrics(split), _metrics(colocated)
     assert sum(m["grad_norm"] > 0 for m in expected) >= 2, expected  # the weights move: equality means something
@@ -140,6 +144,8 @@ def test_staleness_one_trains_one_step_old_samples(staleness_one):
     assert all(m["sampler_logprob_gap_max"] > 100 * GAP for m in got[1:])  # later steps are not: the correction acts
     versions = [(r["step"], r["weight_version"]) for r in rank_log_records(staleness_one / "ranks" / "rank2.jsonl")]
     assert versions == [(k, max(0, k - 2)) for k in range(1, STALENESS_STEPS + 1)]
+    assert all(m["dynamic/rounds"] >= 1 and m["dynamic/prompts_drawn"] >= 4 for m in got)  # DAPO ran
+    assert all(m["grad_norm"] > 0 for m in got)  # the adapters learn at every step
     for rank in (0, 1):
         log = rank_log_records(staleness_one / "ranks" / f"rank{rank}.jsonl")
         assert [r.get("weight_version") for r in log[:-1]] == [max(0, k - 2) for k in range(1, STALENESS_STEPS + 1)]
@@ -182,8 +188,7 @@ def _same_as_reference(run_dir: Path, reference: Path) -> None:
 
 
 def test_a_killed_rollout_rank_ends_the_job_and_the_same_command_resumes_exactly(tmp_path, staleness_one):
-    cmd, port = _command(3, tmp_path, *SPLIT, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}",
-                         "checkpoint.every_steps=2")
+    cmd, port = _command(3, tmp_path, *STALENESS_ONE)
     run_dir = tmp_path / "tiny_cpu"
     try:
         proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -199,15 +204,14 @@ def test_a_killed_rollout_rank_ends_the_job_and_the_same_command_resumes_exactly
     assert proc.returncode != 0
     assert took < 15, f"the job took {took:.1f} s to end after its rollout rank died"
     assert _logged_steps(run_dir) < STALENESS_STEPS, "the run had finished before the kill"
-    resumed = _ok(_run(3, tmp_path, *SPLIT, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}",
-                       "checkpoint.every_steps=2"))
+    resumed = _ok(_run(3, tmp_path, *STALENESS_ONE))
     assert "resuming after step" in resumed
     _same_as_reference(run_dir, staleness_one)
 
 
 def test_a_sigterm_on_the_rollout_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path,
                                                                                             staleness_one):
-    extra = [*SPLIT, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}", "checkpoint.every_steps=2"]
+    extra = STALENESS_ONE
     cmd, port = _command(3, tmp_path, *extra)
     run_dir = tmp_path / "tiny_cpu"
     try:
@@ -232,10 +236,23 @@ def test_a_sigterm_on_the_rollout_rank_stops_every_rank_with_a_checkpoint_and_re
 def test_a_stalled_rollout_side_ends_the_job_with_one_line_naming_it(tmp_path):
     """A reward function that takes 8 s where the trainer waits 2 s for a batch: the rollout side stalled."""
     started = time.monotonic()
-    proc = _run(3, tmp_path, *SPLIT, "train.steps=3", "rollout.transfer_timeout_s=2", "reward.timeout_s=60",
+    proc = _run(3, tmp_path, *SPLIT_KEYS, "train.steps=3", "rollout.transfer_timeout_s=2", "reward.timeout_s=60",
                 'reward.functions=[{"name": "split_rewards:slow"}]', timeout=300)
     assert time.monotonic() - started < 120
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert lines == ["error: the rollout ranks stalled: no batch of samples within rollout.transfer_timeout_s = 2 s"], \
         proc.stderr[-3000:]
+
+
+def test_multi_turn_agent_episodes_run_on_the_rollout_rank(tmp_path):
+    """The agent engine (hf turns, the calculator environment) on a rollout rank of its own, one step ahead."""
+    cmd, port = _command(2, tmp_path, *SPLIT_KEYS, "rollout.max_staleness=1", "train.steps=3")
+    cmd[cmd.index(TINY)] = str(REPO / "recipes" / "multiturn_tiny_cpu.json")
+    try:
+        _ok(subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600))
+    finally:
+        remove_shm_buffers(port)
+    got = _metrics(tmp_path / "multiturn_tiny_cpu")
+    assert [m["placement/staleness_max"] for m in got] == [0, 1, 1]
+    assert all(m["response_len_mean"] > 0 for m in got)
