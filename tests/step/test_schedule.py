@@ -28,6 +28,8 @@ import pytest
 from grpo_ds.run import checkpoint
 from grpo_ds.run.preemption import EXIT_PREEMPTED
 from tests.launch import REPO, clean_env, free_port, rank_log_records, remove_shm_buffers
+from tests.run.test_preemption import _wait_for
+from tests.test_resume import _logged_steps
 
 pytestmark = pytest.mark.slow
 
@@ -163,21 +165,6 @@ def _rank_process(runner: subprocess.Popen, local_rank: int, limit_s: float = 12
                 continue
         time.sleep(0.1)
     raise AssertionError(f"no rank {local_rank}")
-
-
-def _logged_steps(run_dir: Path) -> int:
-    try:
-        return len((run_dir / "metrics.jsonl").read_text().splitlines())
-    except FileNotFoundError:
-        return 0
-
-
-def _wait_for(condition, proc: subprocess.Popen, limit_s: float = 300) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert proc.poll() is None, f"the run ended first:\n{proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def _same_as_reference(run_dir: Path, reference: Path) -> None:
