@@ -134,7 +134,8 @@ def test_short_machine_names(generate):
 
 
 def test_the_pictures_exist_and_the_pages_show_them(generate):
-    pages = (ROOT / "docs" / "benchmarks.md").read_text() + (ROOT / "docs" / "concepts" / "architecture.md").read_text()
+    pages = "".join((ROOT / "docs" / page).read_text() for page in ("benchmarks.md", "concepts/architecture.md",
+                                                                      "guides/placement.md"))
     for name in generate.PICTURES:
         data = (ROOT / "docs" / "img" / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n"), name
