@@ -75,6 +75,10 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     if dist.role == "rollout":
         try:
             return _generate(inputs, dist, stop)
+        except UserError as err:  # e.g. reward.on_error "raise": launcher.say prints on the launch's rank 0 only
+            if dist.is_main:
+                launcher.say_on_each_rank(f"error: {err}")
+            raise
         finally:
             if inputs.reward_pool is not None:
                 inputs.reward_pool.close()
