@@ -167,13 +167,15 @@ def target_notes(runs: list[RunSummary]) -> list[str]:
 
 def model_inputs(runs: list[RunSummary], token_steps: int, mean_new_tokens: float) -> dict:
     """simulate_placement's inputs from the measured phases: the decode cost per token step from the rollout phase at
-    two batch sizes (colocated: N/2 samples a rank, split: N on the rollout rank), the per-sample training costs from
+    two batch sizes (colocated: N/2 samples a rank, split: N on the rollout rank; each placed at the batch a decode
+    step sees on average, x mean_new_tokens / token_steps, where the model reads it), the per-sample training costs from
     the split S=0 trainer (one rank trains all N), the reward and the syncs as measured."""
     colocated, s0 = find(runs, "colocated", 0), find(runs, "split", 0)
     n = s0.samples_per_step
     per_step = lambda r: r.phases["rollout"] / token_steps  # noqa: E731
+    active = mean_new_tokens / token_steps  # the model reads t_token at the batch a decode step sees on average
     return {"samples_per_step": n, "token_steps": token_steps, "mean_new_tokens": mean_new_tokens,
-            "t_token": [[math.ceil(n / 2), per_step(colocated)], [n, per_step(s0)]],
+            "t_token": [[math.ceil(n / 2) * active, per_step(colocated)], [n * active, per_step(s0)]],
             "train_s_per_sample": s0.phases["update"] / n, "logprob_s_per_sample": s0.phases["logprob"] / n,
             "train_efficiency": (s0.phases["update"] + s0.phases["logprob"])
             / (2 * (colocated.phases["update"] + colocated.phases["logprob"])),
@@ -238,7 +240,7 @@ def bench(args: argparse.Namespace) -> None:
             print(f"  {name} ({args.steps} steps) ...", file=sys.stderr, flush=True)
             metrics = launch(Path(tmp), name, [*overrides, *extra], args.port + i)
             runs.append(summarize(metrics, placement, k, s, n, args.skip))
-            new_tokens += [m["response_len_mean"] for m in steady(metrics, args.skip)]
+            new_tokens += [m.get("response_len_mean", token_steps) for m in steady(metrics, args.skip)]
         inputs = model_inputs(runs, token_steps, min(statistics.fmean(new_tokens), token_steps))
         measured = measured_file(runs, inputs, machine("cpu"), commit())
         path = Path(args.measured_out or Path(tmp) / "measured.json")
