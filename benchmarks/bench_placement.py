@@ -47,8 +47,8 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 RECIPE = "recipes/tiny_vllm_cpu.json"
 LAUNCHER = REPO / ".venv-vllm" / "bin" / "deepspeed"
-# 25 prompts x 64 = 1,600 samples a step. At the recipe's 2 new tokens one core generates a step in about half the
-# time another trains on it; 4 new tokens double the generation's decode steps and bring it level.
+# 25 prompts x 64 = 1,600 samples a step. At the recipe's 2 new tokens one core generated a step in about half the
+# time another trained on it (a trial split S=1 run); 4 new tokens double the decode steps to bring the sides level.
 SHAPE = ["rollout.max_new_tokens=4"]
 SPLIT = ['rollout.placement="split"', "rollout.ranks=1"]
 LAYOUTS = (("colocated", 0, 0, []),
@@ -255,9 +255,11 @@ def bench(args: argparse.Namespace) -> None:
     shape = ", ".join(overrides[:-len(args.overrides)] if args.overrides else overrides)
     notes = [f"{RECIPE} with {', '.join([*SHAPE, *args.overrides])}: {n} samples a step; 2 ranks pinned one core "
              "each (deepspeed --bind_cores_to_rank), vLLM's CPU build; each layout a fresh launch, one after the other",
-             f"the shape: at the recipe's 2 new tokens one core generated a step in about half the time the other "
-             f"trained on it; {token_steps} new tokens bring the two sides level (busy s columns: trainer = logprob "
-             "+ update + sync, rollout = generate + reward)",
+             f"the shape, how chosen: a trial split S=1 run at the recipe's 2 new tokens left the rollout rank idle "
+             f"about half of each step (generation about half the training's time on one core each); {token_steps} "
+             "new tokens double the decode steps to bring the sides level; the busy s columns show the balance "
+             "reached (trainer: logprob + update + sync and its waits excluded; rollout: generate + reward + "
+             "sends)",
              f"steady state: the first {args.skip} of {args.steps} steps dropped (start-up, the pipeline's fill); "
              "step s: median time_step_s (the trainer's wall step, its wait included); idle: idle s / wall s summed "
              "over the steady steps; colocated: the ranks idle as trainer while they generate and score, as engine "
