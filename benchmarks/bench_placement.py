@@ -32,6 +32,7 @@ last-10 mean reward (target >= 0.9) and the largest staleness seen (target <= 1)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -79,6 +80,7 @@ class RunSummary:
     rollout_idle: float
     phases: dict  # median seconds per phase: rollout, reward, logprob, update, sync (what the run records)
     staleness_max: int
+    wall_step_s: float | None = None  # rank 0's step end to step end (wall_per_step)
 
     @property
     def samples_per_s(self) -> float:
@@ -117,7 +119,9 @@ def summarize(metrics: list[dict], placement: str, rollout_ranks: int, staleness
     else:
         trainer_busy, rollout_busy = mean("placement/trainer_busy_s"), mean("placement/rollout_busy_s")
         trainer_idle = sum(m["placement/trainer_idle_s"] for m in steps) / wall
-        rollout_idle = sum(m["placement/rollout_idle_s"] for m in steps) / wall
+        # the rollout rank's own time (its steps are its generate calls, not aligned with the trainer's steps)
+        rollout_idle = sum(m["placement/rollout_idle_s"] for m in steps) / sum(
+            m["placement/rollout_busy_s"] + m["placement/rollout_idle_s"] for m in steps)
         phases = {"rollout": _median(steps, "rollout_side/time_rollout_s"),
                   "reward": _median(steps, "rollout_side/time_reward_s")}
     phases.update(logprob=_median(steps, "time_logprob_s"), update=_median(steps, "time_update_s"),
@@ -126,6 +130,16 @@ def summarize(metrics: list[dict], placement: str, rollout_ranks: int, staleness
                       statistics.median(m["time_step_s"] for m in steps), wall / len(steps), samples_per_step,
                       trainer_busy, rollout_busy, trainer_idle, rollout_idle, phases,
                       max(int(m.get("placement/staleness_max", 0)) for m in steps))
+
+
+def wall_per_step(rank_log: list[dict], skip: int) -> float | None:
+    """Wall seconds a steady step on a rank's log (ranks/rank<r>.jsonl), step end to step end: time_step_s leaves
+    out what a rank does between steps (metrics, logging); None when the log has too few steps with spans."""
+    ends = {r["step"]: max(p[2] for p in r["phases"]) for r in rank_log if r.get("step") and r.get("phases")}
+    kept = sorted(k for k in ends if k >= skip)
+    if len(kept) < 2:
+        return None
+    return (ends[kept[-1]] - ends[kept[0]]) / (kept[-1] - kept[0])
 
 
 def find(runs: list[RunSummary], placement: str, staleness: int) -> RunSummary:
@@ -143,10 +157,10 @@ def table(runs: list[RunSummary]) -> str:
     from common import fmt, markdown_table
 
     headers = ["placement", "K", "S", "step s (median)", "samples/s", "trainer idle", "rollout idle",
-               "trainer busy s", "rollout busy s", "steady steps"]
+               "trainer busy s", "rollout busy s", "wall s a step (rank 0)", "steady steps"]
     rows = [[r.placement, str(r.rollout_ranks), str(r.staleness), fmt(r.step_s, 3), fmt(r.samples_per_s, 0),
              f"{r.trainer_idle:.1%}", f"{r.rollout_idle:.1%}", fmt(r.trainer_busy_s, 3), fmt(r.rollout_busy_s, 3),
-             str(r.steps)] for r in runs]
+             fmt(r.wall_step_s, 3), str(r.steps)] for r in runs]
     return markdown_table(headers, rows)
 
 
@@ -239,7 +253,9 @@ def bench(args: argparse.Namespace) -> None:
             name = placement if placement == "colocated" else f"split_k{k}_s{s}"
             print(f"  {name} ({args.steps} steps) ...", file=sys.stderr, flush=True)
             metrics = launch(Path(tmp), name, [*overrides, *extra], args.port + i)
-            runs.append(summarize(metrics, placement, k, s, n, args.skip))
+            summary = summarize(metrics, placement, k, s, n, args.skip)
+            rank0 = read_metrics(Path(tmp) / name / "ranks" / "rank0.jsonl")
+            runs.append(dataclasses.replace(summary, wall_step_s=wall_per_step(rank0, args.skip)))
             new_tokens += [m.get("response_len_mean", token_steps) for m in steady(metrics, args.skip)]
         inputs = model_inputs(runs, token_steps, min(statistics.fmean(new_tokens), token_steps))
         measured = measured_file(runs, inputs, machine("cpu"), commit())
@@ -262,8 +278,10 @@ def bench(args: argparse.Namespace) -> None:
              "sends)",
              f"steady state: the first {args.skip} of {args.steps} steps dropped (start-up, the pipeline's fill); "
              "step s: median time_step_s (the trainer's wall step, its wait included); idle: idle s / wall s summed "
-             "over the steady steps; colocated: the ranks idle as trainer while they generate and score, as engine "
-             "while they train and sync",
+             "over the steady steps (split rollout: over the rollout rank's own busy + idle s, its steps being its "
+             "generate calls); colocated: the ranks idle as trainer while they generate and score, as engine while "
+             "they train and sync; wall s a step: rank 0's step end to step end, what it does between steps "
+             "(metrics, logging) included",
              *target_notes(runs),
              f"placement model: inputs derived from the colocated and split S=0 runs' median phases (t_token at "
              f"{math.ceil(n / 2)} and {n} samples a rank from their rollout phase / {token_steps} token steps; "

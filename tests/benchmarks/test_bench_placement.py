@@ -98,6 +98,16 @@ def test_the_table_reads_step_samples_and_idle_from_the_steady_steps(bench, tmp_
     assert "| split     | 1 | 1 | 1.650           | 5         | 0.0%         | 39.4%" in table
 
 
+def test_the_wall_step_is_rank_0s_step_end_to_step_end_from_the_cut_on(bench):
+    """Steps end at 10, 20 (slow start-up), 21.5, 23, 24.5: from step 2 on, 1.5 s a step, the gaps between the
+    steps' spans (metrics, logging) counted; records without a step or spans are skipped."""
+    ends = {1: 10.0, 2: 20.0, 3: 21.5, 4: 23.0, 5: 24.5}
+    log = [{"step": k, "phases": [["wait", e - 1.2, e - 1.0], ["update", e - 1.0, e]]} for k, e in ends.items()]
+    log.append({"step": None, "phases": []})
+    assert bench.wall_per_step(log, 2) == pytest.approx(1.5)
+    assert bench.wall_per_step(log, 5) is None
+
+
 def test_the_targets(bench, tmp_path):
     ratio, idle, ratio_ok, idle_ok = bench.targets(_runs(bench, tmp_path))
     assert ratio == pytest.approx(1.65 / 2.65) and ratio_ok and idle == 0.0 and idle_ok
