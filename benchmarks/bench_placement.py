@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -212,6 +213,9 @@ def launcher_command(port: int) -> list[str]:
     if not LAUNCHER.exists():
         raise SystemExit(f"{LAUNCHER.relative_to(REPO)} is missing: ln -s /work/main/.venv-vllm .venv-vllm "
                          "(the vLLM CPU build's environment)")
+    if shutil.which("numactl") is None:
+        raise SystemExit("numactl is missing: deepspeed's --bind_cores_to_rank pins each rank with it "
+                         "(apt-get install numactl)")
     return [str(LAUNCHER), "--num_gpus", "2", "--bind_cores_to_rank", "--master_port", str(port), "--module",
             "grpo_ds.train"]
 
