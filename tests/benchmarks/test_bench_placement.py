@@ -117,6 +117,13 @@ def test_the_targets(bench, tmp_path):
     notes = bench.target_notes(_runs(bench, tmp_path, s1_trainer_idle=0.5))
     assert notes[0].endswith("target (split S=1 step <= 0.65 x split S=0's): met")
     assert notes[1] == "trainer idle at S=1: 30.3%; target (trainer idle at S=1 <= 15%): NOT met"
+    assert notes[2] == ("colocated beside them: step 1.450 s; split S=0 / colocated step 1.828, split S=1 / "
+                        "colocated step 1.138")
+    assert len(notes) == 3  # no wall s a step from rank logs here
+    walls = [bench.dataclasses.replace(r, wall_step_s=r.mean_step_s + 0.1) for r in _runs(bench, tmp_path)]
+    assert bench.target_notes(walls)[3] == ("by rank 0's wall s a step instead of time_step_s: split S=1 / split "
+                                            "S=0 0.636; wall s a step minus the mean time_step_s (what rank 0 does "
+                                            "between steps): colocated 0.100 s, S=0 0.100 s, S=1 0.100 s")
 
 
 def test_the_measured_file_is_the_models_format_and_the_derived_inputs_reproduce_the_runs(bench, sim, tmp_path):
