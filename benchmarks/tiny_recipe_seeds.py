@@ -25,8 +25,35 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 TARGET = 0.9
 
 
+HEADERS = ["seed", "steps", "reward, last 10 steps", "training s", "wall s", "entropy (last step)",
+           "no_signal_frac, last 10"]
+
+
+def run_seed(command: list[str], recipe: str, seed: int, out: str, overrides: list[str],
+             env: dict[str, str] | None = None) -> tuple[list[dict], float]:
+    """``command recipe run.seed=S ...`` in a fresh process (``command`` launches ``grpo_ds.train``: this Python or
+    a deepspeed launcher), its run named seed<S> under ``out``; the run's metrics (one dict a step) and wall s."""
+    began = time.monotonic()
+    subprocess.run([*command, recipe, f"run.seed={seed}", f"run.output_dir={out}", f"run.name=seed{seed}",
+                    "logging.progress_bar=false", *overrides], cwd=REPO, check=True, stdout=subprocess.DEVNULL,
+                   env=env)
+    wall = time.monotonic() - began
+    return [json.loads(line) for line in (Path(out) / f"seed{seed}" / "metrics.jsonl").open()], wall
+
+
+def seed_row(seed: int, metrics: list[dict], wall: float) -> tuple[list[str], float, float]:
+    """A HEADERS row, the last-10 mean reward and the training s (the sum of the steps' time_step_s)."""
+    from common import fmt
+
+    final = statistics.fmean(m["reward_mean"] for m in metrics[-10:])
+    train = sum(m["time_step_s"] for m in metrics)
+    row = [str(seed), str(len(metrics)), fmt(final, 3), fmt(train, 1), fmt(wall, 1), fmt(metrics[-1]["entropy"], 3),
+           fmt(statistics.fmean(m["no_signal_frac"] for m in metrics[-10:]), 2)]
+    return row, final, train
+
+
 def main() -> None:
-    from common import fmt, markdown_table, report, verdict
+    from common import markdown_table, report, verdict
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/tiny_cpu.json")
@@ -40,23 +67,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tiny_seeds_") as tmp:
         for seed in seeds:
             print(f"  seed {seed} ...", file=sys.stderr, flush=True)
-            began = time.monotonic()
-            subprocess.run([sys.executable, "-m", "grpo_ds.train", args.recipe, f"run.seed={seed}",
-                            f"run.output_dir={tmp}", f"run.name=seed{seed}", "logging.progress_bar=false",
-                            *args.overrides], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-            wall = time.monotonic() - began
-            metrics = [json.loads(line) for line in (Path(tmp) / f"seed{seed}" / "metrics.jsonl").open()]
-            final = statistics.fmean(m["reward_mean"] for m in metrics[-10:])
-            train = sum(m["time_step_s"] for m in metrics)
+            metrics, wall = run_seed([sys.executable, "-m", "grpo_ds.train"], args.recipe, seed, tmp, args.overrides)
+            row, final, train = seed_row(seed, metrics, wall)
+            rows.append(row)
             finals.append(final)
             trains.append(train)
-            rows.append([str(seed), str(len(metrics)), fmt(final, 3), fmt(train, 1), fmt(wall, 1),
-                         fmt(metrics[-1]["entropy"], 3),
-                         fmt(statistics.fmean(m["no_signal_frac"] for m in metrics[-10:]), 2)])
 
-    headers = ["seed", "steps", "reward, last 10 steps", "training s", "wall s", "entropy (last step)",
-               "no_signal_frac, last 10"]
-    body = markdown_table(headers, rows)
+    body = markdown_table(HEADERS, rows)
     notes = [f"`python -m grpo_ds.train {args.recipe} run.seed=S` per seed, one after the other"
              + (f", overrides {' '.join(args.overrides)}" if args.overrides else ""),
              "training s: the sum of the steps' time_step_s; wall s: the whole command, start-up included",

@@ -275,6 +275,13 @@ def _seeds(block: Block) -> str:
     return f"last-10 reward {min(rewards):.3f}-{max(rewards):.3f} over {len(rows)} seeds, <= {seconds:.1f} s training"
 
 
+def _placement(block: Block) -> str:
+    step = lambda **where: block.row(**where)["step s (median)"]  # noqa: E731
+    s1 = block.row(placement="split", S="1")
+    return (f"step s: split S=1 {s1['step s (median)']}, split S=0 {step(placement='split', S='0')}, colocated "
+            f"{step(placement='colocated')}; trainer idle at S=1 {s1['trainer idle']}")
+
+
 def _first_note(prefix: str) -> Callable[[Block], str]:
     """The line that starts with ``prefix``, its targets and verdicts left to the target column."""
     def figure(block: Block) -> str:
@@ -325,7 +332,9 @@ QUESTIONS = (
     Question("Large models: estimated fit in 8 x 80 GiB", _heading(r"^Large-model memory estimates"),
              lambda block: f"{sum(r['in 80 GiB'] == 'yes' for r in block.tables()[0])} of "
                            f"{len(block.tables()[0])} layouts fit (estimates, not measured)"),
-    Question("Placement (rollout and training on separate GPUs)", _heading(r"(?i)placement"), _not_measured),
+    Question("Placement: colocated vs split S=0 vs S=1 (CPU, real vLLM)",
+             _heading(r"^bench_placement: colocated vs split"), _placement),
+    Question("Split placement learns (tiny_vllm_cpu.json, S=1)", _heading(r"^bench_placement: learns"), _seeds),
     Question("Reward models", _heading(r"(?i)reward.model"), _not_measured),
 )
 

@@ -61,7 +61,7 @@ def test_the_summary_shows_the_latest_block_per_question_and_its_verdicts(genera
 
 def test_questions_without_a_block_say_not_measured_yet(generate):
     rows, _, _ = _rows(generate, NEW)
-    for title in ("Placement (rollout and training on separate GPUs)", "Reward models",
+    for title in ("Placement: colocated vs split S=0 vs S=1 (CPU, real vLLM)", "Reward models",
                   "Speed and memory vs TRL, GPU, 0.5 B"):
         assert rows[title].block is None and rows[title].figure == "not measured yet"
     table = generate.summary_table(list(rows.values()))
