@@ -174,20 +174,29 @@ def _same_as_reference(run_dir: Path, reference: Path) -> None:
             rank_log_records(reference / "ranks" / f"rank{rank}.jsonl")
 
 
-def test_a_killed_rollout_rank_ends_the_job_and_the_same_command_resumes_exactly(tmp_path, staleness_one):
-    cmd, port = _command(3, tmp_path, *STALENESS_ONE)
-    run_dir = tmp_path / "tiny_cpu"
+def _signal_rollout_rank(out: Path, after_steps: int, signum: int) -> tuple[subprocess.Popen, str, float]:
+    """The staleness-1 run in ``out``; ``signum`` to its rollout rank once ``after_steps`` steps are logged. Returns
+    the launch (ended), its stderr and the seconds it took to end after the signal."""
+    cmd, port = _command(3, out, *STALENESS_ONE)
+    run_dir = out / "tiny_cpu"
     try:
         proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         rollout_rank = _rank_process(proc, 2)
-        _wait_for(lambda: _logged_steps(run_dir) >= 3, proc)  # past the step-2 checkpoint, which holds batch 3
-        rollout_rank.kill()
-        killed = time.monotonic()
+        _wait_for(lambda: _logged_steps(run_dir) >= after_steps, proc)
+        rollout_rank.send_signal(signum)
+        signalled = time.monotonic()
         _, err = proc.communicate(timeout=120)
-        took = time.monotonic() - killed
+        took = time.monotonic() - signalled
     finally:
         remove_shm_buffers(port)
+    return proc, err, took
+
+
+def test_a_killed_rollout_rank_ends_the_job_and_the_same_command_resumes_exactly(tmp_path, staleness_one):
+    run_dir = tmp_path / "tiny_cpu"
+    # past the step-2 checkpoint, which holds batch 3
+    proc, _, took = _signal_rollout_rank(tmp_path, 3, signal.SIGKILL)
     assert proc.returncode != 0
     assert took < 15, f"the job took {took:.1f} s to end after its rollout rank died"
     assert _logged_steps(run_dir) < STALENESS_STEPS, "the run had finished before the kill"
@@ -199,17 +208,8 @@ def test_a_killed_rollout_rank_ends_the_job_and_the_same_command_resumes_exactly
 def test_a_sigterm_on_the_rollout_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path,
                                                                                             staleness_one):
     extra = STALENESS_ONE
-    cmd, port = _command(3, tmp_path, *extra)
     run_dir = tmp_path / "tiny_cpu"
-    try:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        rollout_rank = _rank_process(proc, 2)
-        _wait_for(lambda: _logged_steps(run_dir) >= 1, proc)
-        rollout_rank.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        remove_shm_buffers(port)
+    proc, err, _ = _signal_rollout_rank(tmp_path, 1, signal.SIGTERM)
     stopped = _logged_steps(run_dir)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert f"preempted: stopped by SIGTERM after step {stopped} of {STALENESS_STEPS}" in err, err[-3000:]
