@@ -73,22 +73,25 @@ def assert_synced(report: dict) -> None:
     assert sync["unsynced_gap"] > 100 * GAP, sync  # the comparison sees an update that was not synced
 
 
-def test_one_rank_syncs_without_stale_weights_and_runs_agent_turns(tmp_path):
-    out = tmp_path / "check.json"
-    run_venv([CHECK, out, "sync", "agent"])
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    """One process checks all three (one vLLM start instead of two): the weight sync, agent turns and LoRA's sync."""
+    out = tmp_path_factory.mktemp("one_rank") / "check.json"
+    run_venv([CHECK, out, "sync", "agent", "lora"])
     (report,) = reports(out, 1)
-    assert report["launched"] is False  # vLLM's engine left no launcher variable behind (RANK above all)
-    assert_synced(report)
-    agent = report["agent"]
+    return report
+
+
+def test_one_rank_syncs_without_stale_weights_and_runs_agent_turns(one_rank):
+    assert one_rank["launched"] is False  # vLLM's engine left no launcher variable behind (RANK above all)
+    assert_synced(one_rank)
+    agent = one_rank["agent"]
     assert agent["gap"] <= GAP, agent  # the model tokens of multi-turn episodes, scored on the whole sequence
     assert agent["observation_tokens"] > 0 and agent["model_turns"] > agent["samples"], agent
 
 
-def test_lora_syncs_the_merged_adapted_layers_and_what_completes_vllms_fused_layers(tmp_path):
-    out = tmp_path / "check.json"
-    run_venv([CHECK, out, "lora"])
-    (report,) = reports(out, 1)
-    lora = report["lora"]
+def test_lora_syncs_the_merged_adapted_layers_and_what_completes_vllms_fused_layers(one_rank):
+    lora = one_rank["lora"]
     assert max(lora["fixed_gap"]) <= GAP, lora
     assert lora["whole_layers"]["qkv_proj"] == ["q_proj", "k_proj", "v_proj"], lora
 
@@ -162,22 +165,33 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     return metrics(whole / "tiny_vllm_cpu")
 
 
-@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
-def test_a_stopped_vllm_run_resumes_exactly(tmp_path, uninterrupted, stop):
-    """SIGKILL (a lost node) or SIGTERM (preemption: the step ends, a checkpoint, exit 75) once step 3 is logged; the
-    same command continues from the newest checkpoint, and its metrics equal an uninterrupted run's."""
+def _stop_once_logged(cmd: list[str], folder: Path, steps: int, stop: signal.Signals) -> int:
+    """Start the run, send `stop` to its process group once `steps` steps are logged; its exit code."""
+    err = folder.parent / f"stderr-{stop.name}.txt"
+    with err.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=venv_env(), stdout=subprocess.DEVNULL, stderr=sink,
+                                start_new_session=True)
+        deadline = time.monotonic() + 600
+        log = folder / "metrics.jsonl"
+        while not (log.exists() and len(log.read_text().splitlines()) >= steps):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"the run did not log step {steps}:\n{err.read_text()[-3000:]}"
+            time.sleep(0.02)
+        os.killpg(proc.pid, stop)
+        return proc.wait(timeout=120)
+
+
+def test_a_stopped_vllm_run_resumes_exactly(tmp_path, uninterrupted):
+    """SIGTERM (preemption: the step ends, a checkpoint, exit 75) once step 2 is logged; the same command continues
+    from the newest checkpoint, and is SIGKILLed (a lost node) one step later; the same command continues again. The
+    metrics at the end equal an uninterrupted run's (one run covers both stops: each vLLM start costs ~20 s)."""
     cmd = [str(VENV_PYTHON), "-m", "grpo_ds.train", str(RECIPE), f"run.output_dir={tmp_path}", *SHORT]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=venv_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    log = tmp_path / "tiny_vllm_cpu" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step 3"
-        time.sleep(0.02)
-    os.killpg(proc.pid, stop)
-    code = proc.wait(timeout=120)
-    assert code == (75 if stop == signal.SIGTERM else -signal.SIGKILL)
-    assert len(metrics(tmp_path / "tiny_vllm_cpu")) < 6  # it was stopped before the end
+    folder = tmp_path / "tiny_vllm_cpu"
+    assert _stop_once_logged(cmd, folder, 2, signal.SIGTERM) == 75
+    stopped_at = len(metrics(folder))
+    assert stopped_at < 5  # it stopped after the step it was in, before the end
+    assert _stop_once_logged(cmd, folder, stopped_at + 1, signal.SIGKILL) == -signal.SIGKILL
+    assert len(metrics(folder)) < 6  # killed before the end
     out = run_venv(["-m", "grpo_ds.train", RECIPE, f"run.output_dir={tmp_path}", *SHORT])
     assert re.search(r"resuming after step [2-5] ", out), out[-3000:]
-    assert metrics(tmp_path / "tiny_vllm_cpu") == uninterrupted
+    assert metrics(folder) == uninterrupted
