@@ -148,7 +148,8 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, 
         if attempt < len(plan):
             kind = plan[attempt]
             if kind == "in_step":
-                target = _logged_steps(run_dir) + rng.randint(1, 3)
+                # past the step-2 checkpoint: the next run resumes from a checkpoint, not from the start
+                target = max(_logged_steps(run_dir), 2) + rng.randint(1, 3)
                 delay = rng.uniform(0.0, 0.05)
                 started = [None]
 
@@ -170,6 +171,7 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, 
                 continue
         _, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, err[-4000:]
+        assert "resuming after step" in err, err[-4000:]  # the finishing run continued a checkpoint
         break
     assert kills["in_step"] >= 1 and kills["in_checkpoint_write"] >= 1, kills
     got = _metrics(run_dir)
