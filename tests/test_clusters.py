@@ -18,6 +18,8 @@ import psutil
 import pytest
 
 from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
+from tests.test_resume import STEPS, reference_run
+from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
 pytestmark = pytest.mark.slow
 
@@ -93,26 +95,21 @@ def rank_process(proc: subprocess.Popen) -> psutil.Process:
 def two_nodes(tmp_path_factory) -> list[dict]:
     """12 steps on two nodes of one rank each, start to end."""
     out = tmp_path_factory.mktemp("two_nodes")
-    procs, port = start_nodes(out, "train.steps=12")
+    procs, port = start_nodes(out, f"train.steps={STEPS}")
     for code, err in finish(procs, port):
         assert code == 0, err[-4000:]
     return metrics(out / "tiny_cpu")
 
 
-def test_two_nodes_train_as_one_node_with_two_ranks(tmp_path, two_nodes):
-    port = free_port()
-    try:
-        done = subprocess.run([launcher(), "--num_gpus", "2", "--master_port", str(port), "--module", "grpo_ds.train",
-                               TINY, f"run.output_dir={tmp_path}", *ARGS, "train.steps=12"], cwd=REPO,
-                              env=clean_env(), capture_output=True, text=True, timeout=600)
-    finally:
-        remove_shm_buffers(port)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert metrics(tmp_path / "tiny_cpu") == two_nodes
+def test_two_nodes_train_as_one_node_with_two_ranks(tmp_path_factory, two_nodes):
+    # One node with two ranks: test_resume's uninterrupted 12-step run of the same recipe through `deepspeed
+    # --num_gpus 2` (shared with the tests that resume it; it checkpoints every 2 steps, which changes no step)
+    one_node = reference_run(tmp_path_factory, 2)
+    assert metrics(one_node / "tiny_cpu") == two_nodes
 
 
 def test_a_sigusr1_to_one_rank_stops_both_nodes_with_a_checkpoint_and_they_resume_exactly(tmp_path, two_nodes):
-    procs, port = start_nodes(tmp_path, "train.steps=12")
+    procs, port = start_nodes(tmp_path, f"train.steps={STEPS}")
     log = tmp_path / "tiny_cpu" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 300
@@ -125,9 +122,9 @@ def test_a_sigusr1_to_one_rank_stops_both_nodes_with_a_checkpoint_and_they_resum
     stopped = len(log.read_text().splitlines())
     for code, err in results:
         assert code == EXIT_PREEMPTED, err[-3000:]  # each node's launcher returns its rank's code
-    assert f"preempted: stopped by SIGUSR1 after step {stopped} of 12" in results[0][1]
+    assert f"preempted: stopped by SIGUSR1 after step {stopped} of {STEPS}" in results[0][1]
     assert (tmp_path / "tiny_cpu" / "checkpoints" / f"step_{stopped:08d}").is_dir()
-    procs, port = start_nodes(tmp_path, "train.steps=12")  # the same commands again
+    procs, port = start_nodes(tmp_path, f"train.steps={STEPS}")  # the same commands again
     for code, err in finish(procs, port):
         assert code == 0, err[-3000:]
     assert metrics(tmp_path / "tiny_cpu") == two_nodes

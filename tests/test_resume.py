@@ -60,6 +60,29 @@ def cpu_adam_built():
     assert built.returncode == 0, built.stderr[-4000:]
 
 
+_REFERENCES: dict[tuple[int, str | None], Path] = {}  # (world, deepspeed) -> its output folder, for the session
+
+
+def reference_run(factory: pytest.TempPathFactory, world: int, deepspeed: str | None = None) -> Path:
+    """One uninterrupted STEPS-step run of the tiny recipe (ARGS) per world size and DeepSpeed config, made the first
+    time a test asks and read by every test after (SIGKILL, preemption, world-size move, refusals): each launch costs
+    10-20 s, and the same command gives the same run. Returns its run.output_dir (the run folder is tiny_cpu in it;
+    with a DeepSpeed config, the offload records are in its "offload"). Tests only read it, or launch commands that
+    are refused before they write anything."""
+    key = (world, deepspeed)
+    if key not in _REFERENCES:
+        out = factory.mktemp(f"reference-{world}-{Path(deepspeed or 'default').stem}")
+        env = clean_env()
+        if deepspeed is not None:
+            env[OFFLOAD_RECORD] = str(out / "offload")
+        done = subprocess.run(_command(world, out, deepspeed), cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert len(_metrics(out / "tiny_cpu")) == STEPS
+        _REFERENCES[key] = out
+    return _REFERENCES[key]
+
+
 def _command(world: int, out: Path, deepspeed: str | None = None) -> list[str]:
     """The tiny run; with a DeepSpeed config, through this file's recording entry point (see OFFLOAD)."""
     module, extra = ("grpo_ds.train", []) if deepspeed is None else ("tests.test_resume", [f"deepspeed={deepspeed}"])
@@ -100,32 +123,33 @@ def _kill_when(proc: subprocess.Popen, condition, limit_s: float = 300) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "deepspeed"), [
     (1, None), (2, None),
-    (1, "ds_configs/zero3_offload_optimizer.json"),
-    (1, "ds_configs/zero3_offload.json"), (2, "ds_configs/zero3_offload.json")])
-def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, request, world, deepspeed):
+    # Offloaded optimizer state on one rank; offloaded parameters and optimizer state partitioned over two ranks
+    # (what offload adds to a resume; one rank of full offload adds no case to these two).
+    (1, "ds_configs/zero3_offload_optimizer.json"), (2, "ds_configs/zero3_offload.json")])
+def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, tmp_path_factory, request, world,
+                                                                      deepspeed):
     env = clean_env()
     if deepspeed is not None:
         request.getfixturevalue("cpu_adam_built")
         env[OFFLOAD_RECORD] = str(tmp_path / "offload")
-    reference = subprocess.run(_command(world, tmp_path / "reference", deepspeed), cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=900)
-    assert reference.returncode == 0, reference.stderr[-4000:]
-    expected = _metrics(tmp_path / "reference" / "tiny_cpu")
-    assert len(expected) == STEPS
+    reference = reference_run(tmp_path_factory, world, deepspeed)
+    expected = _metrics(reference / "tiny_cpu")
 
     run_dir = tmp_path / "crashy" / "tiny_cpu"
     rng = random.Random(world)
     kills = {"in_step": 0, "in_checkpoint_write": 0}
-    # Kill plan: inside a step (after a random number of logged steps, plus a random delay), inside a
-    # checkpoint write (the moment a .tmp- folder appears), and once more inside a step.
-    plan = ["in_step", "in_checkpoint_write", "in_step"]
+    # Kill plan: inside a step (after a random number of logged steps, plus a random delay), then, in the run that
+    # resumed from that, inside a checkpoint write (the moment a .tmp- folder appears); the run after resumes past
+    # the torn write from a run that had itself resumed.
+    plan = ["in_step", "in_checkpoint_write"]
     for attempt in range(12):
         proc = subprocess.Popen(_command(world, tmp_path / "crashy", deepspeed), cwd=REPO, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         if attempt < len(plan):
             kind = plan[attempt]
             if kind == "in_step":
-                target = _logged_steps(run_dir) + rng.randint(1, 3)
+                # past the step-2 checkpoint: the next run resumes from a checkpoint, not from the start
+                target = max(_logged_steps(run_dir), 2) + rng.randint(1, 3)
                 delay = rng.uniform(0.0, 0.05)
                 started = [None]
 
@@ -147,17 +171,19 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, 
                 continue
         _, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, err[-4000:]
+        assert "resuming after step" in err, err[-4000:]  # the finishing run continued a checkpoint
         break
     assert kills["in_step"] >= 1 and kills["in_checkpoint_write"] >= 1, kills
     got = _metrics(run_dir)
     assert got == expected
     for rank in range(world):  # each rank's log holds every step once (trimmed on resume), as uninterrupted
         logs = [rank_log_records(folder / "ranks" / f"rank{rank}.jsonl")
-                for folder in (run_dir, tmp_path / "reference" / "tiny_cpu")]
+                for folder in (run_dir, reference / "tiny_cpu")]
         assert [r.get("step") for r in logs[0]] == [*range(1, STEPS + 1), None]
         assert logs[0] == logs[1]  # the same samples trained at every step, and the same final weights
     if deepspeed is not None:  # every process that built its policy (reference, killed and resumed) offloaded
-        records = [json.loads(p.read_text()) for p in sorted((tmp_path / "offload").glob("*.json"))]
+        records = [json.loads(p.read_text()) for folder in (reference, tmp_path)
+                   for p in sorted((folder / "offload").glob("*.json"))]
         # at least the reference's and the finishing run's, plus each killed attempt that got that far
         assert sorted({r.pop("rank") for r in records}) == list(range(world)) and len(records) >= 2 * world, records
         assert all(r == OFFLOAD[deepspeed] for r in records), records
@@ -200,10 +226,10 @@ def test_verify_names_an_altered_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_another_recipes_run_folder_is_refused(tmp_path):
-    out = tmp_path / "runs"
-    base = [sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS, "train.steps=1"]
-    assert subprocess.run(base, cwd=REPO, env=clean_env(), capture_output=True, timeout=900).returncode == 0
+def test_another_recipes_run_folder_is_refused(tmp_path_factory):
+    out = reference_run(tmp_path_factory, 1)  # refused before anything is written: the shared run is not touched
+    before = {p: p.read_bytes() for p in (out / "tiny_cpu").rglob("*") if p.is_file()}
+    base = [sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={out}", *ARGS]
     other = subprocess.run([*base, "train.lr=0.5"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                            timeout=900)
     assert other.returncode == 2
@@ -212,6 +238,7 @@ def test_another_recipes_run_folder_is_refused(tmp_path):
     never = subprocess.run([*base, "checkpoint.resume=never"], cwd=REPO, env=clean_env(), capture_output=True,
                            text=True, timeout=900)
     assert never.returncode == 2 and "already holds a run" in never.stderr
+    assert {p: p.read_bytes() for p in (out / "tiny_cpu").rglob("*") if p.is_file()} == before
 
 
 def _train_recording_offload(folder: Path) -> None:
@@ -276,12 +303,11 @@ def _train(world: int, out: Path, steps: int) -> str:
 
 
 @pytest.mark.slow
-def test_a_run_resumes_on_another_world_size_as_if_it_had_run_there(tmp_path):
+def test_a_run_resumes_on_another_world_size_as_if_it_had_run_there(tmp_path, tmp_path_factory):
     """Samples do not depend on the rank layout and the numbers are exact across it, so one uninterrupted run on one
     rank is the reference for a run that moves 2 -> 1 -> 2 ranks (ZeRO-3 on two, stage 1 on one) through DeepSpeed's
     universal checkpoints: every step, before and after each move, equals it."""
-    _train(1, tmp_path / "reference", STEPS)
-    expected = _metrics(tmp_path / "reference" / "tiny_cpu")
+    expected = _metrics(reference_run(tmp_path_factory, 1) / "tiny_cpu")
     moved = tmp_path / "moved"
     legs = [(2, STEPS // 3), (1, 2 * STEPS // 3), (2, STEPS)]
     _train(legs[0][0], moved, legs[0][1])
@@ -294,16 +320,16 @@ def test_a_run_resumes_on_another_world_size_as_if_it_had_run_there(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_layout_that_cannot_move_says_so_before_anything_loads(tmp_path, cpu_adam_built):
+def test_a_layout_that_cannot_move_says_so_before_anything_loads(tmp_path_factory, cpu_adam_built):
     """ZeRO offload (like tensor and sequence parallelism) changes what a partition is: resuming such a run on another
     world size is one line, exit 2, before any model loads."""
-    offload = ["deepspeed=ds_configs/zero3_offload.json"]
-    done = subprocess.run([*_command(2, tmp_path), "train.steps=2", *offload], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    moved = subprocess.run([*_command(1, tmp_path), "train.steps=4", *offload], cwd=REPO, env=clean_env(),
-                           capture_output=True, text=True, timeout=900)
+    offload = "ds_configs/zero3_offload.json"
+    out = reference_run(tmp_path_factory, 2, offload)  # refused before anything is written: not touched
+    before = {p: p.read_bytes() for p in (out / "tiny_cpu").rglob("*") if p.is_file()}
+    moved = subprocess.run([*_command(1, out), f"train.steps={STEPS + 2}", f"deepspeed={offload}"], cwd=REPO,
+                           env=clean_env(), capture_output=True, text=True, timeout=900)
     assert moved.returncode == 2, moved.stderr[-3000:]
     errors = [line for line in moved.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: world size: the run in")
     assert "was checkpointed at world size 2 and resumes at 1, which ZeRO offload optimizer to cpu" in errors[0]
+    assert {p: p.read_bytes() for p in (out / "tiny_cpu").rglob("*") if p.is_file()} == before

@@ -147,7 +147,7 @@ def test_a_second_launch_is_refused_and_the_first_run_ends_intact(tmp_path):
 @pytest.mark.slow
 def test_a_killed_runs_lock_does_not_block_the_next_launch(tmp_path):
     cmd = [sys.executable, "-m", "grpo_ds.train", str(REPO / "recipes" / "tiny_cpu.json"), f"run.output_dir={tmp_path}",
-           "train.steps=30", "checkpoint.every_steps=5", "logging.progress_bar=false"]
+           "train.steps=10", "checkpoint.every_steps=5", "logging.progress_bar=false"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = tmp_path / "tiny_cpu" / "metrics.jsonl"
     deadline = time.monotonic() + 300

@@ -15,7 +15,7 @@ import pytest
 from grpo_ds.run import checkpoint
 from grpo_ds.run.preemption import EXIT_PREEMPTED
 from tests.launch import REPO, clean_env, rank_log_records
-from tests.test_resume import PORTS, _logged_steps, _metrics
+from tests.test_resume import PORTS, _logged_steps, _metrics, reference_run
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -58,12 +58,11 @@ def _launch_process(runner: subprocess.Popen) -> psutil.Process:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_same_command_resumes_exactly(tmp_path, world):
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_same_command_resumes_exactly(tmp_path,
+                                                                                             tmp_path_factory, world):
     extra = ["checkpoint.every_steps=50"]  # the only checkpoint before the end is the one the signal asks for
-    reference = subprocess.run(_command(world, tmp_path / "reference", *extra), cwd=REPO, env=clean_env(),
-                               capture_output=True, text=True, timeout=900)
-    assert reference.returncode == 0, reference.stderr[-4000:]
-    reference_dir = tmp_path / "reference" / "tiny_cpu"
+    # The uninterrupted run: test_resume's of the same recipe (it checkpoints every 2 steps, which changes no step)
+    reference_dir = reference_run(tmp_path_factory, world) / "tiny_cpu"
     expected = _metrics(reference_dir)
 
     run_dir = tmp_path / "preempted" / "tiny_cpu"
