@@ -2,14 +2,15 @@
 
     python tests/scripts/cli_forks.py JOBS_JSON
 
-JOBS_JSON: {"out": folder, "commands": [{"argv": [module, arg, ...], "cwd": folder}, ...]}. Every command runs in a
-child forked from this process after it imported torch, transformers, DeepSpeed and grpo_ds's libraries (~8-10 s of
-CPU a fresh `python -m grpo_ds.train` pays each time), never the command-line module itself: the child runs MODULE as
-`__main__` (runpy, as `python -m` does) in its cwd, with its own file descriptors 1 and 2 sent to OUT/<i>.stdout and
-OUT/<i>.stderr, and exits with the code the command line gives (an uncaught exception: its traceback and 1, as Python
-does). A child is a process of its own: nothing one command does is seen by the next. Two children run at a time.
-OUT/<i>.code holds each exit code (negative: killed by that signal). Used by tests/test_cli_errors.py and
-tests/test_check.py through run_forked().
+JOBS_JSON: {"out": folder, "parallel": n, "commands": [{"argv": [module, arg, ...], "cwd": folder}, ...]}.
+Every command runs in a child forked from this process after it imported torch, transformers, DeepSpeed and
+grpo_ds's libraries (~8-10 s of CPU a fresh `python -m grpo_ds.train` pays each time), never the command-line module
+itself: the child runs MODULE as `__main__` (runpy, as `python -m` does) in its cwd, with its own file descriptors 1
+and 2 sent to OUT/<i>.stdout and OUT/<i>.stderr, and exits with the code the command line gives (an uncaught
+exception: its traceback and 1, as Python does). A child is a process of its own: nothing one command does is seen by
+the next. `parallel` children run at a time (1: one after the other, each seeing what the one before wrote).
+OUT/<i>.code holds each exit code (negative: killed by that signal). Used by tests/test_cli_errors.py,
+tests/test_check.py and tests/test_export.py through run_forked().
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ class Finished:
     stderr: str
 
 
-def run_forked(commands: list[tuple[list[str], Path]], env: dict, jobs_dir: Path, timeout: int = 600
-               ) -> list[Finished]:
-    """Run each (argv after `python -m`, working directory) as a fork of one preloaded process; the results in order."""
+def run_forked(commands: list[tuple[list[str], Path]], env: dict, jobs_dir: Path, timeout: int = 600,
+               parallel: int = 2) -> list[Finished]:
+    """Run each (argv after `python -m`, working directory) as a fork of one preloaded process, `parallel` at a time;
+    the results in order."""
     jobs_dir.mkdir(parents=True, exist_ok=True)
     jobs = jobs_dir / "jobs.json"
-    jobs.write_text(json.dumps({"out": str(jobs_dir), "commands": [{"argv": argv, "cwd": str(cwd)}
+    jobs.write_text(json.dumps({"out": str(jobs_dir), "parallel": parallel, "commands": [{"argv": argv, "cwd": str(cwd)}
                                                                    for argv, cwd in commands]}))
     proc = subprocess.run([sys.executable, __file__, str(jobs)], env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -96,7 +98,7 @@ def main(jobs_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     for i, command in enumerate(jobs["commands"]):
-        if len(running) == 2:
+        if len(running) == jobs["parallel"]:
             reap()
         pid = os.fork()
         if pid == 0:
