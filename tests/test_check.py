@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from grpo_ds import check
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.software import VLLM_SPEC
 from grpo_ds.run.preflight import prepare_inputs
+from tests.scripts.cli_forks import Finished, run_forked
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny_cpu.json"
@@ -41,18 +41,16 @@ def line_of(text: str, label: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+def outputs(tmp_path_factory) -> dict[str, Finished]:
+    """Each of RUNS as `python -m grpo_ds.check` in an empty folder, forked from one process that imported the libraries
+    (tests/scripts/cli_forks.py); test_a_layout_split_placement_cannot_run_is_one_line_and_exit_2 starts a plain one."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-
-    def run(name: str) -> subprocess.CompletedProcess:
-        workdir = tmp_path_factory.mktemp(name)
-        proc = subprocess.run([sys.executable, "-m", "grpo_ds.check", str(RECIPE), *RUNS[name]], cwd=workdir,
-                              env=env, capture_output=True, text=True, timeout=180)
-        proc.workdir_files = sorted(workdir.iterdir())  # the dry run writes nothing
-        return proc
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(RUNS, pool.map(run, RUNS), strict=True))
+    workdirs = {name: tmp_path_factory.mktemp(name) for name in RUNS}
+    finished = run_forked([(["grpo_ds.check", str(RECIPE), *RUNS[name]], workdirs[name]) for name in RUNS], env,
+                          tmp_path_factory.mktemp("forks"), timeout=300)
+    for name, proc in zip(RUNS, finished, strict=True):
+        proc.workdir_files = sorted(workdirs[name].iterdir())  # the dry run writes nothing
+    return dict(zip(RUNS, finished, strict=True))
 
 
 @pytest.mark.slow

@@ -2,18 +2,22 @@
 exit code 2, no traceback, nothing written (docs/operations/faults.md).
 
 Each case runs `python -m grpo_ds.train` (or `grpo_ds.check`) in its own empty working directory with
-run.output_dir pointing inside it. The processes import torch, so they run two at a time, once per module.
+run.output_dir pointing inside it, once per module. A fresh process pays ~8-10 s of CPU importing torch and
+transformers, so all but REAL_PROCESSES run as forks of one process that has imported them (tests/scripts/cli_forks.py:
+each fork a process of its own, with its own stdout, stderr and exit code, running the module as `python -m` does);
+REAL_PROCESSES, one per command line, start from nothing (what the libraries' imports print counts there too).
 """
 
 import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.scripts.cli_forks import run_forked
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "tiny_cpu.json")
@@ -109,24 +113,31 @@ def _env() -> dict:
     return env
 
 
-def _run(workdir: Path, case: Case) -> Result:
+# these cases run as plain `python -m` processes, the others as forks of a preloaded one
+REAL_PROCESSES = ("unknown_key", "check_bad_override")
+
+
+def _prepare(workdir: Path, case: Case) -> tuple[list[str], set]:
+    """The case's working directory with its files; its argv (after `python -m`) and the files there before."""
     workdir.mkdir()
     for name, text in (case.files or {}).items():
         (workdir / name).write_text(text)
-    before = {p.relative_to(workdir) for p in workdir.rglob("*")}
-    argv = [a.replace("{dir}", str(workdir)) for a in case.argv]
-    proc = subprocess.run([sys.executable, "-m", *argv], cwd=workdir, env=_env(), capture_output=True, text=True,
-                          timeout=180)
-    after = {p.relative_to(workdir) for p in workdir.rglob("*")}
-    return Result(proc.returncode, proc.stderr, proc.stdout, workdir, before, after)
+    return [a.replace("{dir}", str(workdir)) for a in case.argv], {p.relative_to(workdir) for p in workdir.rglob("*")}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, Result]:
     base = tmp_path_factory.mktemp("cli_errors")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(_run, base / name, case) for name, case in CASES.items()}
-        return {name: f.result() for name, f in futures.items()}
+    prepared = {name: _prepare(base / name, case) for name, case in CASES.items()}
+    forked = [name for name in CASES if name not in REAL_PROCESSES]
+    finished = dict(zip(forked, run_forked([(prepared[name][0], base / name) for name in forked], _env(),
+                                           base / "_forks"), strict=True))
+    for name in REAL_PROCESSES:
+        finished[name] = subprocess.run([sys.executable, "-m", *prepared[name][0]], cwd=base / name, env=_env(),
+                                        capture_output=True, text=True, timeout=180)
+    return {name: Result(finished[name].returncode, finished[name].stderr, finished[name].stdout, base / name,
+                         prepared[name][1], {p.relative_to(base / name) for p in (base / name).rglob("*")})
+            for name in CASES}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from grpo_ds.errors import UserError
 from grpo_ds.export import export, export_checkpoint, list_checkpoints, main, select_checkpoint, verify_checkpoint
 from tests.launch import REPO, clean_env, deepspeed_launch
+from tests.scripts.cli_forks import run_forked
 from tests.scripts.export_make_ckpt import HF_GENERATION, TEXTS
 
 SCRIPT = str(REPO / "tests" / "scripts" / "export_make_ckpt.py")
@@ -164,12 +165,12 @@ def test_command_line_summary_and_overwrite(made, tmp_path):
     out = tmp_path / "model"
     out.mkdir()
     (out / "old.txt").write_text("x")
-    cmd = [sys.executable, "-m", "grpo_ds.export", str(run), "--out", str(out), "--step", "1"]
-    refused = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    cmd = ["grpo_ds.export", str(run), "--out", str(out), "--step", "1"]
+    # one after the other, each a process of its own forked from one that imported the libraries (cli_forks.py)
+    refused, done = run_forked([(cmd, REPO), ([*cmd, "--overwrite"], REPO)], clean_env(), tmp_path / "forks",
+                               timeout=300, parallel=1)
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr == f"error: --out: {out} exists and is not empty. give a new folder, or pass --overwrite.\n"
-    done = subprocess.run([*cmd, "--overwrite"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[:2] == [
         f"checkpoint: {run}/checkpoints/step_00000001 (step 1, verified against manifest.json)",

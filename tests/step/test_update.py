@@ -23,33 +23,47 @@ from tests.scripts.one_step import VOCAB
 SCRIPT = str(REPO / "tests" / "scripts" / "one_step.py")
 
 
+# world size 1's configs: every loss_agg mode in every layout, one micro-batch each
+LAYOUTS = [{"packing": packing, "attn": attn} for packing in (True, False) for attn in ("sdpa", "eager")]
+SINGLE = [{"loss_agg": mode, "micro": 9, "max_tokens": None, **layout} for mode in LOSS_AGG_MODES for layout in LAYOUTS]
+# world size 2, data parallel: uneven shards, several micro-batches, padding, a token cap
+SPLIT = [{"loss_agg": mode, "micro": micro, "max_tokens": cap, **layout}
+         for mode in LOSS_AGG_MODES for micro, cap in ((2, None), (2, 40)) for layout in LAYOUTS[:2]]
+SPLIT += [{"loss_agg": mode, "micro": 2, "max_tokens": None, **LAYOUTS[3]} for mode in LOSS_AGG_MODES]
+# The same step through full logits (logits kernels + masked policy loss) and, when Triton is installed,
+# through the Triton kernels (the interpreter on CPU) with the lm_head weight a partitioned ZeRO-3 parameter.
+SPLIT += [{"loss_agg": "seq-mean-token-mean", "micro": 2, "max_tokens": None, "fused_lm_head": False}]
+if importlib.util.find_spec("triton") is not None:
+    SPLIT += [{"loss_agg": "seq-mean-token-mean", "micro": 2, "max_tokens": 40, "backend": "triton"},
+              {"loss_agg": "token-mean", "micro": 2, "max_tokens": None, "backend": "triton", "fused_lm_head": False}]
+# world size 2, tensor and sequence parallel (compared with world size 1's seq-mean-token-mean packed sdpa step)
+TP_SP_BASE = {"loss_agg": "seq-mean-token-mean", "max_tokens": None}
+TWO = [{**TP_SP_BASE, "micro": 2, "tp": 2, "stage": 1}, {**TP_SP_BASE, "micro": 2, "tp": 2, "stage": 3},
+       {**TP_SP_BASE, "micro": 2, "sp": 2}, {**TP_SP_BASE, "micro": 3, "sp": 2, "fused_lm_head": False}]
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory) -> dict[str, list[dict]]:
+    """One launch per world size, shared by the two layout tests: world size 1 runs SINGLE, world size 2 runs SPLIT
+    then TWO (one process takes each config in turn, each with engines of its own). {"w1": [...], "w2": [...]}."""
+    root = tmp_path_factory.mktemp("one_step")
+    for name in ("w1", "w2"):
+        (root / name).mkdir()
+    deepspeed_launch(1, [SCRIPT, str(root / "w1"), json.dumps(SINGLE)])
+    deepspeed_launch(2, [SCRIPT, str(root / "w2"), json.dumps(SPLIT + TWO)])
+    return {"w1": [torch.load(root / "w1" / f"{i}.pt") for i in range(len(SINGLE))],
+            "w2": [torch.load(root / "w2" / f"{i}.pt") for i in range(len(SPLIT + TWO))]}
+
+
 @pytest.mark.slow
-def test_one_optimizer_step_is_independent_of_the_parallel_layout(tmp_path):
+def test_one_optimizer_step_is_independent_of_the_parallel_layout(steps):
     """Every loss_agg mode, packed and padded micro-batches, sdpa and eager attention: the log-probs before the step and
     the weights after it equal world size 1's packed sdpa run with one micro-batch."""
-    layouts = [{"packing": packing, "attn": attn} for packing in (True, False) for attn in ("sdpa", "eager")]
-    single = [{"loss_agg": mode, "micro": 9, "max_tokens": None, **layout}
-              for mode in LOSS_AGG_MODES for layout in layouts]
-    split = [{"loss_agg": mode, "micro": micro, "max_tokens": cap, **layout}
-             for mode in LOSS_AGG_MODES for micro, cap in ((2, None), (2, 40)) for layout in layouts[:2]]
-    split += [{"loss_agg": mode, "micro": 2, "max_tokens": None, **layouts[3]} for mode in LOSS_AGG_MODES]
-    # The same step through full logits (logits kernels + masked policy loss) and, when Triton is installed,
-    # through the Triton kernels (the interpreter on CPU) with the lm_head weight a partitioned ZeRO-3 parameter.
-    split += [{"loss_agg": "seq-mean-token-mean", "micro": 2, "max_tokens": None, "fused_lm_head": False}]
-    if importlib.util.find_spec("triton") is not None:
-        split += [{"loss_agg": "seq-mean-token-mean", "micro": 2, "max_tokens": 40, "backend": "triton"},
-                  {"loss_agg": "token-mean", "micro": 2, "max_tokens": None, "backend": "triton",
-                   "fused_lm_head": False}]
-    (tmp_path / "w1").mkdir()
-    (tmp_path / "w2").mkdir()
-    deepspeed_launch(1, [SCRIPT, str(tmp_path / "w1"), json.dumps(single)])
-    deepspeed_launch(2, [SCRIPT, str(tmp_path / "w2"), json.dumps(split)])
-
     initial = dict(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0).named_parameters())
-    runs = [torch.load(tmp_path / "w1" / f"{i}.pt") for i in range(len(single))]
-    baselines = runs[::len(layouts)]  # per mode: packed, sdpa
-    results = [(cfg, run) for cfg, run in zip(single, runs, strict=True)]
-    results += [(cfg, torch.load(tmp_path / "w2" / f"{i}.pt")) for i, cfg in enumerate(split)]
+    runs = steps["w1"]
+    baselines = runs[::len(LAYOUTS)]  # per mode: packed, sdpa
+    results = [(cfg, run) for cfg, run in zip(SINGLE, runs, strict=True)]
+    results += list(zip(SPLIT, steps["w2"][:len(SPLIT)], strict=True))
     for cfg, result in results:
         base = baselines[LOSS_AGG_MODES.index(cfg["loss_agg"])]
         assert len(base["micro_batches"][0]) == 1  # world 1: one micro-batch
@@ -72,23 +86,20 @@ def test_one_optimizer_step_is_independent_of_the_parallel_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_and_sequence_parallel_steps_equal_world_size_1(tmp_path):
+def test_tensor_and_sequence_parallel_steps_equal_world_size_1(steps, tmp_path):
     """AutoTP: one optimizer step at tp=2 (ZeRO-1 and ZeRO-3) and at tp=2 x dp=2 (ZeRO-3, uneven shards and a padding
     micro-batch) gives the weights of world size 1, gathered over ZeRO and the tensor-parallel group to full shapes.
     Ulysses: at sp=2 (ZeRO-3; the fused lm_head and full logits) every sequence is split over the two ranks, and the
     log-probs before the step and the weights after it are world size 1's."""
-    base = {"loss_agg": "seq-mean-token-mean", "max_tokens": None}
-    for name in ("w1", "two", "tp2dp2"):
-        (tmp_path / name).mkdir()
-    deepspeed_launch(1, [SCRIPT, str(tmp_path / "w1"), json.dumps([{**base, "micro": 9}])])
-    two = [{**base, "micro": 2, "tp": 2, "stage": 1}, {**base, "micro": 2, "tp": 2, "stage": 3},
-           {**base, "micro": 2, "sp": 2}, {**base, "micro": 3, "sp": 2, "fused_lm_head": False}]
-    deepspeed_launch(2, [SCRIPT, str(tmp_path / "two"), json.dumps(two)])
-    deepspeed_launch(4, [SCRIPT, str(tmp_path / "tp2dp2"), json.dumps([{**base, "micro": 2, "tp": 2, "stage": 3}])])
-    baseline = torch.load(tmp_path / "w1" / "0.pt")
+    (tmp_path / "tp2dp2").mkdir()
+    deepspeed_launch(4, [SCRIPT, str(tmp_path / "tp2dp2"),
+                         json.dumps([{**TP_SP_BASE, "micro": 2, "tp": 2, "stage": 3}])])
+    # world size 1's run of this config (packed, sdpa, one micro-batch of 9)
+    baseline = steps["w1"][SINGLE.index({**TP_SP_BASE, "micro": 9, **LAYOUTS[0]})]
     initial = dict(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0).named_parameters())
     assert max((baseline["params"][n] - p.detach()).abs().max().item() for n, p in initial.items()) > 1e-3  # moved
-    results = [torch.load(tmp_path / "two" / f"{i}.pt") for i in range(len(two))]
+    results = steps["w2"][len(SPLIT):]
+    assert len(results) == len(TWO)
     results.append(torch.load(tmp_path / "tp2dp2" / "0.pt"))
     assert len(results[-1]["micro_batches"]) == 2 and results[-1]["padding"] == 1  # dp = 2: two shards, one padded
     for result in results:
