@@ -68,7 +68,7 @@ from grpo_ds.config.loading import load_recipe
 from grpo_ds.model.loading import load_model
 from grpo_ds.model.tiny import build_tiny_tokenizer
 
-recipe_path, out, *overrides = sys.argv[1:]
+recipe_path, out, *overrides = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # the launcher's
 engines, real = [], policy_module.create_train_engine
 policy_module.create_train_engine = lambda model, config, *args: engines.append(real(model, config, *args)) or \\
     engines[-1]
