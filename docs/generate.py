@@ -509,13 +509,22 @@ def console(raw: str) -> str:
     return "\n".join(lines).strip("\n") + "\n"
 
 
-def _run(args: list[str], cwd: Path, expect: int | None = None) -> str:
+def run_raw(args: list[str], cwd: Path) -> tuple[int, str]:
+    """``python ARGS`` run from ``cwd``: its exit code and its raw stdout and stderr, interleaved."""
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=900)  # bytes: text mode would turn the bar's \r into \n
-    out = proc.stdout.decode(errors="replace")
-    if expect is not None and proc.returncode != expect:
-        raise SystemExit(f"{' '.join(args)} exited {proc.returncode}, not {expect}:\n{out[-3000:]}")
+    return proc.returncode, proc.stdout.decode(errors="replace")
+
+
+def transcript(args: list[str], returncode: int, out: str, expect: int | None = None) -> str:
+    """The transcript of a ``run_raw(args, ...)``: the command as typed, then its console."""
+    if expect is not None and returncode != expect:
+        raise SystemExit(f"{' '.join(args)} exited {returncode}, not {expect}:\n{out[-3000:]}")
     return f"$ {' '.join(_shown(a) for a in ['python', *args])}\n" + console(out)
+
+
+def _run(args: list[str], cwd: Path, expect: int | None = None) -> str:
+    return transcript(args, *run_raw(args, cwd), expect=expect)
 
 
 def _shown(arg: str) -> str:
@@ -529,8 +538,11 @@ MISMATCH = 'deepspeed={"gradient_accumulation_steps": 4, "zero_optimization": {"
 PREEMPTED_STEPS = "train.steps=60"
 
 
+TRAIN_TINY = ["-m", "grpo_ds.train", TINY]  # the README's run (tests/shared_runs.py runs it once for two tests)
+
+
 def transcript_train_tiny(cwd: Path) -> str:
-    return _run(["-m", "grpo_ds.train", TINY], cwd, expect=0)
+    return _run(TRAIN_TINY, cwd, expect=0)
 
 
 def transcript_check_tiny(cwd: Path) -> str:

@@ -11,6 +11,7 @@ import torch
 import grpo_ds
 import grpo_ds.train as train_module
 from tests.launch import REPO, clean_env, deepspeed_launch
+from tests.shared_runs import tiny_recipe_run
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
 
@@ -91,26 +92,28 @@ def test_first_steps_are_pinned(tmp_path, reward_module, backend, fused_lm_head)
 
 
 @pytest.mark.slow
-def test_tiny_recipe_learns_from_the_command_line(tmp_path):
-    """The README's run: reward rises from ~0 to >= 0.9 (mean of the last 10 steps), on console and on disk."""
-    proc = subprocess.run([sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}"],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads(line) for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+def test_tiny_recipe_learns_from_the_command_line():
+    """The README's run: reward rises from ~0 to >= 0.9 (mean of the last 10 steps), on console and on disk. The run
+    is shared with the docs' transcript test (tests/shared_runs.py): `python -m grpo_ds.train recipes/tiny_cpu.json`
+    from a folder holding recipes/ and ds_configs/, stdout and stderr read interleaved, as a terminal shows them."""
+    run = tiny_recipe_run()
+    output, run_dir = run.output, run.cwd / "runs" / "tiny_cpu"
+    assert run.returncode == 0, output[-4000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, 261))
     first = sum(m["reward_mean"] for m in lines[:10]) / 10
     last = sum(m["reward_mean"] for m in lines[-10:]) / 10
     assert first < 0.1
     assert last >= 0.9, f"reward of the last 10 steps {last:.3f}"
-    assert "step  260 reward_mean=" in proc.stdout + proc.stderr  # the console line of the last step
+    assert "step  260 reward_mean=" in output  # the console line of the last step
     # a log, not a terminal: the periodic step lines and no progress-bar frames (`> log 2>&1` stays small)
-    assert "%|" not in proc.stderr and "\r" not in proc.stderr
-    assert len((proc.stdout + proc.stderr).encode()) < 20_000
-    written = json.loads((tmp_path / "tiny_cpu" / "recipe.json").read_text())
+    assert "%|" not in output and "\r" not in output
+    assert len(output.encode()) < 20_000
+    written = json.loads((run_dir / "recipe.json").read_text())
     assert written["rollout"]["group_size"] == 32
-    ds = json.loads((tmp_path / "tiny_cpu" / "deepspeed.json").read_text())
+    ds = json.loads((run_dir / "deepspeed.json").read_text())
     assert ds["train_batch_size"] == 800 and ds["zero_optimization"]["stage"] == 1  # one rank: stage 1
-    assert "ZeRO stage 3 runs as stage 1 on one rank" in proc.stderr
+    assert "ZeRO stage 3 runs as stage 1 on one rank" in output
 
 
 @pytest.mark.slow
@@ -184,22 +187,12 @@ def _rank_logs(run_dir, world):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_different_samples_and_end_identical(tmp_path):
-    deepspeed_launch(2, ["--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}", "train.steps=3",
-                         "logging.progress_bar=false"])
-    logs = _rank_logs(tmp_path / "tiny_cpu", 2)
-    for step in range(3):
-        a, b = (set(logs[r][step]["trained_sample_ids"]) for r in range(2))
-        assert a and b and not a & b  # different samples of the same step
-        assert a | b == set(range(800))  # together: every sample of the step
-    assert logs[0][-1]["final_weights_sha256"] == logs[1][-1]["final_weights_sha256"]
-    # every rank's rollout copy holds exactly the policy's weights after the last sync
-    assert all(log[-1]["rollout_weights_sha256"] == log[-1]["final_weights_sha256"] for log in logs)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("world, prompts, group, micro", [(2, 3, 3, 2), (3, 5, 4, 3)])
-def test_sample_counts_that_do_not_divide_the_world_size(tmp_path, world, prompts, group, micro):
+def test_ranks_train_different_samples_and_end_identical_even_when_counts_do_not_divide(tmp_path, world, prompts,
+                                                                                         group, micro):
+    """Each rank trains its own samples of a step, together every sample once, and all end with the same weights and
+    rollout copies; sample counts that do not divide the world size (9 on 2 ranks, 20 on 3) are padded, not refused.
+    (One launch per world size: the 2-rank case was also a separate launch of the whole tiny recipe's 800 samples.)"""
     deepspeed_launch(world, ["--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}", "train.steps=2",
                              f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
                              f"train.micro_batch_samples_per_gpu={micro}", "logging.progress_bar=false"])
@@ -208,9 +201,13 @@ def test_sample_counts_that_do_not_divide_the_world_size(tmp_path, world, prompt
     assert all(m["padding_micro_batches"] >= 1 for m in metrics)  # uneven shards were padded, not refused
     logs = _rank_logs(tmp_path / "tiny_cpu", world)
     for step in range(2):
+        shards = [set(logs[r][step]["trained_sample_ids"]) for r in range(world)]
+        assert all(shards) and sum(map(len, shards)) == len(set().union(*shards))  # different samples of the step
         trained = [s for r in range(world) for s in logs[r][step]["trained_sample_ids"]]
-        assert sorted(trained) == list(range(prompts * group))
+        assert sorted(trained) == list(range(prompts * group))  # together: every sample of the step, once
     assert len({logs[r][-1]["final_weights_sha256"] for r in range(world)}) == 1
+    # every rank's rollout copy holds exactly the policy's weights after the last sync
+    assert all(log[-1]["rollout_weights_sha256"] == log[-1]["final_weights_sha256"] for log in logs)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,40 +56,47 @@ def _capture_engines(monkeypatch) -> list:
 
 # ------------------------------------------------------------------------------------------ training end to end
 
+# Run on every rank of the 2-rank learning run (deepspeed launches it as a script): the run, then what the engine holds.
+LEARN_ON_RANKS = """
+import json, os, sys
+
+import deepspeed, torch
+
+import grpo_ds.model.policy as policy_module
+import grpo_ds.train as train_module
+from grpo_ds.config.loading import load_recipe
+from grpo_ds.model.loading import load_model
+from grpo_ds.model.tiny import build_tiny_tokenizer
+
+recipe_path, out, *overrides = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # the launcher's
+engines, real = [], policy_module.create_train_engine
+policy_module.create_train_engine = lambda model, config, *args: engines.append(real(model, config, *args)) or \\
+    engines[-1]
+train_module.run(recipe_path, overrides)
+(engine,) = engines
+named = dict(engine.module.named_parameters())
+trainable = sorted(n for n, p in named.items() if p.requires_grad)
+recipe = load_recipe(recipe_path)
+fresh = dict(load_model(recipe.model, len(build_tiny_tokenizer()), recipe.run.seed).named_parameters())
+frozen = [n for n in named if n not in trainable]
+with deepspeed.zero.GatheredParameters(list(named.values())):  # ZeRO-3 on 2 ranks: every weight partitioned
+    changed = [n for n in frozen if not torch.equal(
+        named[n].data, fresh[n.removeprefix("base_model.model.").replace(".base_layer", "")].data)]
+    adapters_moved = max(named[n].data.abs().max().item() for n in trainable if ".lora_B." in n)
+with open(f"{out}.{os.environ['RANK']}", "w") as file:
+    json.dump({"trainable": trainable, "frozen": len(frozen), "fresh": len(fresh), "changed": changed,
+               "adapters_moved": adapters_moved, "stage": engine.zero_optimization_stage()}, file)
+"""
+
+
 @pytest.mark.slow
-def test_lora_recipe_learns_and_leaves_the_base_weights_bit_identical(tmp_path, monkeypatch):
-    import deepspeed
-
-    engines = _capture_engines(monkeypatch)
-    metrics = train_module.run(LORA_TINY, _quiet(tmp_path, **{"checkpoint.every_steps": None}))
-    first, last = _mean([m["reward_mean"] for m in metrics[:10]]), _mean([m["reward_mean"] for m in metrics[-10:]])
-    assert first < 0.1 and last >= 0.4, (first, last)
-
-    (engine,) = engines
-    named = dict(engine.module.named_parameters())
-    trainable = {n for n, p in named.items() if p.requires_grad}
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    # one rank runs ZeRO stage 1 (grpo_ds.config.deepspeed.one_rank_stage); ZeRO-3 names its fp32 partitions differently
-    optimizer = engine.optimizer
-    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
-    in_optimizer = sum(flat.numel() for flat in flats)
-    trained = sum(getattr(named[n], "ds_numel", named[n].numel()) for n in trainable)
-    assert in_optimizer == trained  # fp32 master + Adam: the adapters only
-    recipe = load_recipe(LORA_TINY)
-    fresh = dict(load_model(recipe.model, len(build_tiny_tokenizer()), recipe.run.seed).named_parameters())
-    frozen = [n for n in named if n not in trainable]
-    assert len(frozen) == len(fresh)
-    with deepspeed.zero.GatheredParameters([named[n] for n in frozen]):
-        for name in frozen:
-            base = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            assert torch.equal(named[name].data, fresh[base].data), name  # bit-identical after 400 steps
-        adapters_moved = max(named[n].data.abs().max().item() for n in trainable if ".lora_B." in n)
-    assert adapters_moved > 1e-3  # B starts at zero: the adapters did train
-
-
-@pytest.mark.slow
-def test_lora_recipe_learns_on_two_ranks(tmp_path):
-    deepspeed_launch(2, ["--module", "grpo_ds.train", LORA_TINY, f"run.output_dir={tmp_path}", "train.steps=200",
+def test_lora_recipe_learns_on_two_ranks_and_leaves_the_base_weights_bit_identical(tmp_path):
+    """The LoRA recipe on 2 ranks (ZeRO-3, every weight partitioned), 200 of its 400 steps: the reward rises, only the
+    adapters train (the base weights bit-identical to a fresh load, gathered on each rank), both ranks end with the
+    same weights and rollout copies. (What ZeRO stage 1 on one rank keeps in its optimizer: the lora_run test below.)"""
+    script, out = tmp_path / "learn_on_ranks.py", tmp_path / "engine.json"
+    script.write_text(LEARN_ON_RANKS)
+    deepspeed_launch(2, [str(script), LORA_TINY, str(out), f"run.output_dir={tmp_path}", "train.steps=200",
                          "logging.progress_bar=false", "checkpoint.every_steps=null"], timeout=900)
     metrics = [json.loads(line) for line in (tmp_path / "lora_tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 200
@@ -98,6 +106,13 @@ def test_lora_recipe_learns_on_two_ranks(tmp_path):
              for r in range(2)]
     assert ranks[0]["final_weights_sha256"] == ranks[1]["final_weights_sha256"]
     assert all(r["rollout_weights_sha256"] == r["final_weights_sha256"] for r in ranks)  # rollout copies in sync
+    for rank in range(2):
+        engine = json.loads(Path(f"{out}.{rank}").read_text())
+        assert engine["stage"] == 3
+        assert engine["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in engine["trainable"])
+        assert engine["frozen"] == engine["fresh"]
+        assert engine["changed"] == [], rank  # bit-identical after 200 steps
+        assert engine["adapters_moved"] > 1e-3  # B starts at zero: the adapters did train
 
 
 @pytest.mark.slow
@@ -212,18 +227,49 @@ def test_kl_reference_of_a_lora_run_is_the_policy_with_adapters_disabled(tmp_pat
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A 4-step LoRA run with checkpoints at steps 2 and 4 (and its final merged model)."""
+    """A 4-step LoRA run on one rank with checkpoints at steps 2 and 4 (and its final merged model), and its engine."""
     out = tmp_path_factory.mktemp("lora_run")
-    metrics = train_module.run(LORA_TINY, _quiet(out, **{"train.steps": 4, "checkpoint.every_steps": 2,
-                                                         "checkpoint.keep": 2, "train.lr": 0.05}))
-    return out / "lora_tiny_cpu", metrics
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        engines = _capture_engines(monkeypatch)
+        metrics = train_module.run(LORA_TINY, _quiet(out, **{"train.steps": 4, "checkpoint.every_steps": 2,
+                                                             "checkpoint.keep": 2, "train.lr": 0.05}))
+    (engine,) = engines
+    return out / "lora_tiny_cpu", metrics, engine
+
+
+@pytest.mark.slow
+def test_lora_run_on_one_rank_trains_and_keeps_only_the_adapters(lora_run):
+    """One rank runs ZeRO stage 1 (grpo_ds.config.deepspeed.one_rank_stage): its fp32 master weights and Adam moments
+    are the adapters only, and the base weights stay bit-identical to a fresh load while the adapters move."""
+    import deepspeed
+
+    _, _, engine = lora_run
+    named = dict(engine.module.named_parameters())
+    trainable = {n for n, p in named.items() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # ZeRO-3 names its fp32 partitions differently
+    optimizer = engine.optimizer
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
+    in_optimizer = sum(flat.numel() for flat in flats)
+    trained = sum(getattr(named[n], "ds_numel", named[n].numel()) for n in trainable)
+    assert in_optimizer == trained  # fp32 master + Adam: the adapters only
+    recipe = load_recipe(LORA_TINY)
+    fresh = dict(load_model(recipe.model, len(build_tiny_tokenizer()), recipe.run.seed).named_parameters())
+    frozen = [n for n in named if n not in trainable]
+    assert len(frozen) == len(fresh)
+    with deepspeed.zero.GatheredParameters([named[n] for n in frozen]):
+        for name in frozen:
+            base = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            assert torch.equal(named[name].data, fresh[base].data), name  # bit-identical after 4 steps at lr 0.05
+        adapters_moved = max(named[n].data.abs().max().item() for n in trainable if ".lora_B." in n)
+    assert adapters_moved > 1e-3  # B starts at zero: the adapters did train
 
 
 @pytest.mark.slow
 def test_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(lora_run, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    run_dir, metrics = lora_run
+    run_dir, metrics, _ = lora_run
     state = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_00000004"), tag="ds",
                                                      exclude_frozen_parameters=True)
     assert state and all(".lora_A." in n or ".lora_B." in n for n in state)
@@ -250,7 +296,7 @@ def test_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(lora_run, t
 def test_exported_adapters_load_with_peft_and_merged_export_with_transformers(lora_run, tmp_path):
     from peft import PeftModel
 
-    run_dir, _ = lora_run
+    run_dir, _, _ = lora_run
     recipe = load_recipe(LORA_TINY)
     trained = AutoModelForCausalLM.from_pretrained(run_dir / "final_model").eval()  # the synced rollout copy
     ids = _tokens()[:, :6] % len(build_tiny_tokenizer())
