@@ -169,8 +169,14 @@ class SplitTrainer:
         return data
 
     def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:
-        """After optimizer step ``step``: the go-ahead for every step whose weights now exist, with them."""
+        """After optimizer step ``step``: the go-ahead for every step whose weights now exist, with them; and every
+        batch up to step+S received, even where no go-ahead follows (the run's last steps): those were sampled with
+        weights older than step's, which a checkpoint of this step no longer holds, so it must hold the batches."""
         self._go_ahead(step, policy, times, spans)
+        if self.dist.is_main and self.last_received < min(step + self.staleness, self.steps):
+            with Phase("wait", times, spans):
+                while self.last_received < min(step + self.staleness, self.steps):
+                    self._receive()
 
     def _go_ahead(self, trained: int, policy, times: dict, spans: list) -> None:
         while self.next_go <= self.steps and weights_needed(self.next_go, self.staleness, self.resumed_after) \
