@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds.config.recipe import iter_fields
+from tests.shared_runs import docs_generate as _generate
 from tests.shared_runs import tiny_recipe_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,13 +35,6 @@ def _docs_tool(module: str):
             pytest.fail(f"CI=true and {module} is missing ({error}): CI must build the docs; "
                         "install the docs tools: pip install -e \".[test]\" (it pulls the docs extra)")
         pytest.skip(f"{module} is not installed: pip install -e \".[docs]\"")
-
-
-def _generate():
-    spec = importlib.util.spec_from_file_location("docs_generate", ROOT / "docs" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _schema_keys() -> list[str]:
