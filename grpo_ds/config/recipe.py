@@ -149,6 +149,9 @@ class RolloutConfig:
 class RewardConfig:
     functions: list = opt([{"name": "exact_match", "weight": 1.0}],
                           'Reward functions: [{"name": builtin or "package.module:function", "weight": float}]')
+    models: list = opt([], 'Learned reward models: [{"path": a local HF sequence-classification folder with one '
+                       'label, "weight": float, ...}], scored on every trainer rank (see reward.models[] below and '
+                       'docs/guides/reward-models.md)')
     on_error: str = opt("zero", "A function that raises, times out or returns a bad value: score 0 and count "
                         "it, or stop the run", choices=ON_ERROR_CHOICES)
     timeout_s: float = opt(30.0, "Seconds one reward function call (one chunk) may take; past it, the call fails "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from grpo_ds.config.reward_specs import parse_reward_specs
+from grpo_ds.config.reward_specs import parse_reward_model_specs, parse_reward_specs
 from grpo_ds.errors import UserError
 
 if TYPE_CHECKING:
@@ -81,7 +81,9 @@ def validate(recipe: Recipe) -> None:
     if a.advantage == "dr_grpo" and a.scale_rewards not in (None, "none"):
         raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
-    _validate_reward_specs(recipe.reward.functions, scored_by_env=recipe.rollout.engine == "agent")
+    _validate_reward_specs(recipe.reward.functions, scored_by_env=recipe.rollout.engine == "agent"
+                           or bool(recipe.reward.models))
+    parse_reward_model_specs(recipe.reward.models)  # keys, types, ranges; the folders are checked before loading
 
 
 def _validate_sequence_parallel(recipe: Recipe) -> None:
