@@ -113,12 +113,30 @@ def _launcher(tmp_path, port, *extra):
             "logging.progress_bar=false", *extra]
 
 
+GATED_REWARD = """
+import time
+from pathlib import Path
+
+
+def exact_match_once_released(*, completions, answer, **kwargs):
+    while Path(__file__).with_name("hold").exists():  # the first launch holds its lock, mid-step, until released
+        time.sleep(0.05)
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
 @pytest.mark.slow
 def test_a_second_launch_is_refused_and_the_first_run_ends_intact(tmp_path):
     """Two launches of the same command: the second (one process) stops with one line naming the first (two ranks
-    through the launcher) and exit 2, and the first finishes with exactly its steps."""
+    through the launcher) and exit 2, and the first finishes with exactly its steps. The first run's reward waits
+    while a file exists, so it is mid-run (step 1, lock held) for as long as the second launch takes."""
+    (tmp_path / "gated_reward.py").write_text(GATED_REWARD)
+    (tmp_path / "hold").touch()
+    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    gated = ['reward.functions=[{"name": "gated_reward:exact_match_once_released"}]', "reward.timeout_s=600",
+             "train.steps=3"]
     port = free_port()
-    first = subprocess.Popen(_launcher(tmp_path, port, "train.steps=40"), cwd=REPO, env=clean_env(),
+    first = subprocess.Popen(_launcher(tmp_path, port, *gated), cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lock = tmp_path / "tiny_cpu" / LOCK
@@ -127,20 +145,23 @@ def test_a_second_launch_is_refused_and_the_first_run_ends_intact(tmp_path):
             assert first.poll() is None and time.monotonic() < deadline, "the first launch ended before its lock"
             time.sleep(0.1)
         second = subprocess.run([sys.executable, "-m", "grpo_ds.train", str(REPO / "recipes" / "tiny_cpu.json"),
-                                 f"run.output_dir={tmp_path}", "train.steps=40"], cwd=REPO, env=clean_env(),
+                                 f"run.output_dir={tmp_path}", *gated], cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=300)
         holder = read_holder(lock)
+        assert first.poll() is None  # still mid-run: the refusal came from its lock, not from a finished folder
+        (tmp_path / "hold").unlink()
         assert second.returncode == 2, second.stderr[-3000:]
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
         assert errors == [line for line in second.stderr.splitlines() if "error" in line.lower()] and len(errors) == 1
         assert f"host {holder.host}, pid {holder.pid}, started {holder.started}" in errors[0]
         out, _ = first.communicate(timeout=600)
     finally:
+        (tmp_path / "hold").unlink(missing_ok=True)
         first.kill()
         remove_shm_buffers(port)
     assert first.returncode == 0, out[-3000:]
     steps = [json.loads(line)["step"] for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 41))
+    assert steps == [1, 2, 3]
     assert not lock.exists()  # released at the end
 
 
