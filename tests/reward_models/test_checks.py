@@ -12,32 +12,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import LlamaForCausalLM
 
 from grpo_ds.errors import UserError
-from grpo_ds.model.tiny import build_tiny_tokenizer
 from grpo_ds.reward_models.checks import check_reward_models
 from grpo_ds.run.preflight import prepare_inputs
+from tests.reward_models.builders import CONTEXT, write_reward_model
 from tests.scripts.cli_forks import run_forked
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny_cpu.json"
-CONTEXT = 128  # max_position_embeddings of the models built here
-
-
-def _config(**changes) -> LlamaConfig:
-    values = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-              "num_attention_heads": 4, "max_position_embeddings": CONTEXT, "num_labels": 1, "pad_token_id": 0}
-    return LlamaConfig(**{**values, **changes})
-
-
-def write_reward_model(folder: Path, model_cls=LlamaForSequenceClassification, tokenizer=True, **config) -> Path:
-    """A reward model folder: config.json and weights of a tiny Llama (a one-label classifier unless told), and the
-    builtin character tokenizer (103 tokens, pad <pad>, a chat template)."""
-    model_cls(_config(**config)).save_pretrained(folder)
-    if tokenizer:
-        build_tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
