@@ -5,7 +5,7 @@
 The validation is grpo_ds.run.preflight.prepare_inputs, the same one ``grpo_ds.train`` runs first; this module is the
 report only. Under split placement (rollout.placement "split", grpo_ds.config.placement) the batch algebra, the
 shards and the memory estimate are the trainer's ranks' (W - rollout.ranks), and one more line estimates a rollout
-rank.
+rank. Each reward model (reward.models) is counted in the estimate and listed with its parameters and its share.
 """
 
 from __future__ import annotations
