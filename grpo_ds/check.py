@@ -5,7 +5,7 @@
 The validation is grpo_ds.run.preflight.prepare_inputs, the same one ``grpo_ds.train`` runs first; this module is the
 report only. Under split placement (rollout.placement "split", grpo_ds.config.placement) the batch algebra, the
 shards and the memory estimate are the trainer's ranks' (W - rollout.ranks), and one more line estimates a rollout
-rank.
+rank. Each reward model (reward.models) is counted in the estimate and listed with its parameters and its share.
 """
 
 from __future__ import annotations
@@ -145,7 +145,9 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
                  else "full logits (tensor parallelism splits the lm_head), ")
               + _chunk_text(r, inputs.kernels_backend, shape.vocab),
               _rollout_line(r, ds, placement)]
-    est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib, inputs.kernels_backend, placement)
+    reward_models = tuple(memory.reward_model_shape(spec) for spec in inputs.reward_models)
+    est = estimate_memory(r, shape, ds, world_size, lengths, gpu_memory_gib, inputs.kernels_backend, placement,
+                          reward_models)
     trained = f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) \
         else ""
     lines += ["", f"memory estimate per {'trainer ' if placement.split else ''}rank ({shape.params / 1e6:.2f} M "
@@ -157,11 +159,29 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
     if est.host:
         lines.append(f"  {'host memory (offload)':<52} {sum(est.host.values()) / GIB:8.3f} GiB")
     if gpu_memory_gib is not None:
-        lines += _fit(inputs, lengths, est, gpu_memory_gib)
+        lines += _fit(inputs, lengths, est, gpu_memory_gib, reward_models)
     if placement.split:
         lines.append(_rollout_rank_line(r, shape, placement, lengths, gpu_memory_gib))
+    lines += _reward_model_lines(inputs, reward_models, est)
     lines.append(f"dataset: {len(inputs.prompts)} prompts ({inputs.skipped_rows} bad rows skipped)")
     return "\n".join(lines)
+
+
+def _reward_model_lines(inputs: Inputs, shapes: tuple[memory.RewardModelShape, ...],
+                        est: memory.MemoryEstimate) -> list[str]:
+    """One line per reward model: its name, folder, parameters, dtype and its share of the memory estimate."""
+    if not shapes:
+        return []
+    dtype = memory.reward_model_dtype(inputs.recipe)
+    lines = [f"reward models (on every {'trainer ' if inputs.placement.split else ''}rank, like the reference model: "
+             f"model.dtype, partitioned under ZeRO-3, no optimizer)"]
+    for spec, rm in zip(inputs.reward_models, shapes, strict=True):
+        line = memory.reward_model_line(rm.name)
+        where = (f"{est.host[line] / 2**20:.2f} MiB per rank in host memory (offload; on the device only while it "
+                 "scores)" if rm.offload else f"{est.device[line] / 2**20:.2f} MiB per rank, "
+                 f"{100 * est.device[line] / est.peak:.1f}% of the peak")
+        lines.append(f"  {rm.name}: {spec.path}, {rm.params:,} parameters, {dtype}, {where}")
+    return lines
 
 
 def _rollout_line(r: Recipe, ds: dict, placement: Placement) -> str:
@@ -210,9 +230,11 @@ def _vllm_sync() -> str:
 
 def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_size: int, lengths: list[int],
                     gpu_memory_gib: float | None = None, backend: str = "torch",
-                    placement: Placement | None = None) -> memory.MemoryEstimate:
+                    placement: Placement | None = None,
+                    reward_models: tuple[memory.RewardModelShape, ...] = ()) -> memory.MemoryEstimate:
     """The estimate of a rank that trains, for the recipe's first planned step over ``lengths``; ``backend``: the
-    resolved kernels backend; ``placement``: split counts the trainer's ranks, which hold no rollout engine."""
+    resolved kernels backend; ``placement``: split counts the trainer's ranks, which hold no rollout engine;
+    ``reward_models``: the reward models every rank that trains holds."""
     split = placement is not None and placement.split
     if split:
         world_size = placement.trainer_ranks
@@ -227,7 +249,7 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
                            for mb in micro)
     generation = _prompts_per_generate_call(r, world_size) * r.rollout.group_size
     return memory.estimate(r, shape, ds_config, world_size, model_tokens, max(lengths), generation, gpu_memory_gib,
-                           backend, rollout=not split)
+                           backend, rollout=not split, reward_models=reward_models)
 
 
 def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:
@@ -248,7 +270,8 @@ def _prompts_per_generate_call(r: Recipe, world_size: int, rollout_side: bool = 
     return min(r.rollout.generation_batch_prompts, -(-r.rollout.prompts_per_step // dp))
 
 
-def _fit(inputs: Inputs, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float) -> list[str]:
+def _fit(inputs: Inputs, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float,
+         reward_models: tuple[memory.RewardModelShape, ...] = ()) -> list[str]:
     """Whether the peak fits ``gpu_memory_gib``; if not, the changes that would make it fit, tried in the order of
     the Ultra-Scale Playbook (activation checkpointing, a smaller micro-batch with more accumulation, then fewer
     prompts per generate call for the hf and agent engines, offload, tensor parallelism), each added to the ones
@@ -266,7 +289,7 @@ def _fit(inputs: Inputs, lengths: list[int], est: memory.MemoryEstimate, gpu_mem
             r = apply(r)
         try:
             return estimate_memory(r, shape, resolve_deepspeed_config(r, world_size, device_type()), world_size,
-                                   lengths, gpu_memory_gib, inputs.kernels_backend, placement).peak
+                                   lengths, gpu_memory_gib, inputs.kernels_backend, placement, reward_models).peak
         except UserError:
             return None
 

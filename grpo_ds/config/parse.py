@@ -1,5 +1,5 @@
 """JSON objects into the recipe's frozen dataclasses (grpo_ds.config.recipe declares them): files, ``section.key=value``
-overrides, and the per-field type, choice and range checks that every field's declaration (``recipe.opt``) drives.
+overrides, and the per-field type, choice and range checks that every field's declaration (``options.opt``) drives.
 """
 
 from __future__ import annotations
@@ -144,18 +144,22 @@ def _build_section(section: str, cls: type, raw: dict) -> Any:
         if name not in known:
             raise UserError(f"{section}.{printable(name)}", "unknown key", suggest(name, known))
         f = known[name]
-        kwargs[name] = _check_field(f"{section}.{name}", value, f, cls)
+        kwargs[name] = check_field(f"{section}.{name}", value, f, cls)
     return cls(**kwargs)
 
 
-def _check_field(where: str, value: Any, f: dataclasses.Field, owner: type) -> Any:
-    """Check one value against its declared type, choices and range; return it (ints widened to float)."""
+def check_field(where: str, value: Any, f: dataclasses.Field, owner: type) -> Any:
+    """Check one value against its declared type, choices and range (``opt``, grpo_ds.config.options); return it
+    (ints widened to float). ``owner``: the dataclass declaring ``f`` (a recipe section, a list entry's spec)."""
     hint = typing.get_type_hints(owner)[f.name]
     args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
     nullable = type(None) in args
     base = next(a for a in args if a is not type(None))
     meta = f.metadata
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory() \
+        if f.default_factory is not dataclasses.MISSING else None
+    if meta.get("example") is not None:  # what a message suggests where the default cannot (required, or null)
+        default = meta["example"]
     if value is None:
         if nullable:
             return None

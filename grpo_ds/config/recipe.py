@@ -1,7 +1,7 @@
 """The recipe's schema: frozen dataclasses, one field per key.
 
 Every default lives here and nowhere else. Each field declares its documentation, and where it
-applies its allowed choices and numeric range, in ``field(metadata=...)``; validation, ``grpo_ds.check``
+applies its allowed choices and numeric range, with ``opt`` (grpo_ds.config.options); validation, ``grpo_ds.check``
 and the docs' key reference (docs/reference/recipe.md, generated) all read that one declaration.
 
 The schema knows nothing of loading or of its cross-key rules: grpo_ds.config.loading.load_recipe reads a recipe
@@ -12,28 +12,14 @@ The DeepSpeed side (``train_batch_size`` and friends) is resolved in ``grpo_ds.c
 from __future__ import annotations
 
 import dataclasses
-import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_ds.algo.names import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, SCALES
 from grpo_ds.config.dtypes import DTYPES
+from grpo_ds.config.options import opt
 from grpo_ds.config.reward_specs import ON_ERROR_CHOICES
-
-_MISSING = object()
-
-
-def opt(default: Any, doc: str, *, choices: tuple | None = None, low: float | None = None,
-        high: float | None = None, low_open: bool = False) -> Any:
-    """Declare a recipe field: its default, a one-line doc, and optionally allowed choices or a range.
-
-    ``low``/``high`` bound numbers inclusively; ``low_open`` makes the lower bound exclusive.
-    """
-    meta = {"doc": doc, "choices": choices, "low": low, "high": high, "low_open": low_open}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,12 @@ loads a model: grpo_ds.rewards.loading resolves the names later, and grpo_ds.rew
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 import json
+from dataclasses import dataclass, fields
 from typing import Any
 
-from grpo_ds.config.parse import check_finite
+from grpo_ds.config.options import REQUIRED, opt
+from grpo_ds.config.parse import check_field, check_finite, printable
 from grpo_ds.errors import UserError, json_type_name, suggest
 
 ON_ERROR_CHOICES = ("zero", "fail")  # reward.on_error: score a failed sample 0 and count it, or stop the run
@@ -52,54 +53,55 @@ OVERFLOW_CHOICES = ("truncate_left", "error")  # a reward model's input longer t
 @dataclass(frozen=True)
 class RewardModelSpec:
     """One checked entry of the recipe's ``reward.models``: a sequence-classification model with one label. Its score
-    of a sample is ``(logit - mean) / std``, and the step's reward adds ``weight`` times it."""
+    of a sample is ``(logit - mean) / std``, and the step's reward adds ``weight`` times it. Each field's declaration
+    is the entry key's whole definition: its check (``parse_reward_model_specs``) and its page in the recipe
+    reference (grpo_ds.config.reference) read it."""
 
-    path: str  # a local HF folder (config, weights, tokenizer)
-    name: str  # for its metrics (reward/NAME); default: the folder's name
-    weight: float = DEFAULT_WEIGHT
-    chat_template: bool = True  # render prompt + completion with the model's chat template (else: the plain text)
-    max_length: int | None = None  # tokens of one scored text (null: the model's max_position_embeddings)
-    overflow: str = "truncate_left"  # past max_length: keep the last max_length tokens (counted), or stop the run
-    mean: float = 0.0
-    std: float = 1.0
-    offload: bool = False  # its weights leave the accelerator between steps
+    path: str = opt(REQUIRED, "A local Hugging Face folder (relative to the working directory, as model.path) "
+                    "holding a sequence-classification model with one label (config.json, the weights) and its "
+                    "tokenizer", example="models/my_rm")
+    name: str | None = opt(None, "The name of its metrics (reward/NAME); distinct from the other reward models' "
+                           "(null = the folder's name)", example="helpfulness")
+    weight: float = opt(DEFAULT_WEIGHT, "Its score's weight in the step's reward, a weighted sum over the functions "
+                        "and the models (negative: a penalty)")
+    chat_template: bool = opt(True, "Render prompt + completion as a user and an assistant message with the reward "
+                              "model's own chat template (false = the plain text prompt + completion)")
+    max_length: int | None = opt(None, "Most tokens of one scored text, in the reward model's tokenizer (null = its "
+                                 "max_position_embeddings; at most that)", low=2, example=1024)
+    overflow: str = opt("truncate_left", "A text longer than max_length: keep its last max_length tokens (counted in "
+                        "the metrics), or stop the run", choices=OVERFLOW_CHOICES)
+    mean: float = opt(0.0, "Affine normalisation: score = (logit - mean) / std; the logit's offset (0 = none)")
+    std: float = opt(1.0, "Affine normalisation: score = (logit - mean) / std; the logit's scale (1 = none)", low=0.0,
+                     low_open=True)
+    offload: bool = opt(False, "Its weights leave the accelerator between steps (back only while it scores)")
 
-
-_MODEL_KEYS = tuple(f.name for f in fields(RewardModelSpec))
+    def __post_init__(self):
+        if self.name is None:  # the folder's name; the spec always holds a name
+            object.__setattr__(self, "name", self.path.strip().rstrip("/").split("/")[-1])
 
 
 def parse_reward_model_specs(specs: list) -> list[RewardModelSpec]:
-    """Check ``[{"path": ..., ...}, ...]`` (keys, types, ranges) and apply the defaults. Reads no file."""
-    return [_parse_model(f"reward.models[{i}]", spec) for i, spec in enumerate(specs)]
+    """Check ``[{"path": ..., ...}, ...]`` (keys, types, ranges and choices, as each field declares them; distinct
+    names) and apply the defaults. Reads no file: grpo_ds.reward_models.checks checks the folders."""
+    parsed = [_parse_model(f"reward.models[{i}]", spec) for i, spec in enumerate(specs)]
+    names = [spec.name for spec in parsed]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise UserError(f"reward.models[{i}].name", f"{json.dumps(name)} is the name of reward.models"
+                            f"[{names.index(name)}] too (each model's metrics are logged under its name)",
+                            'give each a distinct "name"')
+    return parsed
 
 
 def _parse_model(where: str, spec: Any) -> RewardModelSpec:
     if not isinstance(spec, dict) or not isinstance(spec.get("path"), str) or not spec["path"].strip():
         raise UserError(where, "must be an object with a string path", '{"path": "models/my_rm", "weight": 1.0}')
-    unknown = sorted(set(spec) - set(_MODEL_KEYS))
+    declared = {f.name: f for f in fields(RewardModelSpec)}
+    unknown = sorted(set(spec) - set(declared))
     if unknown:
-        raise UserError(f"{where}.{unknown[0]}", "unknown key", suggest(unknown[0], _MODEL_KEYS))
-    check_finite(where, spec)
-    values = {"path": spec["path"].strip(), "name": spec.get("name", spec["path"].strip().rstrip("/").split("/")[-1])}
-    for key, kind, example in (("name", str, '"helpfulness"'), ("weight", float, "1.0"), ("chat_template", bool, "true"),
-                               ("max_length", int, "1024"), ("overflow", str, '"truncate_left"'),
-                               ("mean", float, "0.0"), ("std", float, "1.0"), ("offload", bool, "false")):
-        value = spec.get(key, values.get(key, getattr(RewardModelSpec, key, None)))
-        if key == "max_length" and value is None:
-            continue
-        ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool) \
-            if kind is not float else isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok:
-            raise UserError(f"{where}.{key}", f"expected {json_type_name(kind())}, got {json_type_name(value)}",
-                            f"e.g. {example}")
-        values[key] = float(value) if kind is float else value
-    if not values["name"].strip():
-        raise UserError(f"{where}.name", "is empty", "give the name its metrics are logged under")
-    if values.get("max_length") is not None and values["max_length"] < 2:
-        raise UserError(f"{where}.max_length", f"{values['max_length']} is too small", "use at least 2, or null")
-    if values.get("overflow", "truncate_left") not in OVERFLOW_CHOICES:
-        raise UserError(f"{where}.overflow", f"{json.dumps(values['overflow'])} is not one of "
-                        f"{', '.join(map(json.dumps, OVERFLOW_CHOICES))}", '"truncate_left" or "error"')
-    if values.get("std", 1.0) <= 0:
-        raise UserError(f"{where}.std", f"{values['std']:g} is not positive", "a std > 0 (1.0 = no scaling)")
+        raise UserError(f"{where}.{printable(unknown[0])}", "unknown key", suggest(unknown[0], declared))
+    values = {key: check_field(f"{where}.{key}", value, declared[key], RewardModelSpec) for key, value in spec.items()}
+    values["path"] = values["path"].strip()
+    if values.get("name") is not None and not values["name"].strip():
+        raise UserError(f"{where}.name", "is empty", "give the name its metrics are logged under, or null")
     return RewardModelSpec(**values)

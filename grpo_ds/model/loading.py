@@ -31,7 +31,7 @@ from grpo_ds.model.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_toke
 BUILTIN_TINY = "builtin:tiny"
 # Any one of these makes a folder worth handing to AutoTokenizer. Without them transformers 5 does not fail: it
 # silently builds an empty tokenizer of the model type's class (1 token), so we check first.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                     "spiece.model")
 # Config keys that bound the sequence length, as vLLM reads them (the smallest present wins).
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
@@ -93,9 +93,9 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     check_model_path(model_cfg)
     if model_cfg.path == BUILTIN_TINY:
         return build_tiny_tokenizer()
-    if not any((Path(model_cfg.path) / name).is_file() for name in _TOKENIZER_FILES):
+    if not any((Path(model_cfg.path) / name).is_file() for name in TOKENIZER_FILES):
         raise UserError("model.path",
-                        f"{model_cfg.path} has no tokenizer files (none of {', '.join(_TOKENIZER_FILES)})",
+                        f"{model_cfg.path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})",
                         "save the tokenizer into the model folder (tokenizer.save_pretrained(folder))")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code,

@@ -16,6 +16,11 @@ and the moments in bf16, M = 2 bytes instead of 4: 10 bytes per trained paramete
     gradients          T x W / grad shard       grad shard = dp x tp from ZeRO-2 on
     Adam moments       T x 2M / opt shard
     reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
+    reward model       R x W / shard            each of reward.models (R of its parameters, from its config.json
+                                                on the meta device: ``reward_model_shape``), loaded like the
+                                                reference (model.dtype, no optimizer, no gradients); its
+                                                ``offload``: in host memory, and back on the device only in the
+                                                scoring phase below (all of them at once: an upper bound)
     rollout copy       P x W                    the hf and agent engines' unsharded copy (none where they generate
                                                 with the policy's own module:
                                                 grpo_ds.config.deepspeed.rollout_shares_policy)
@@ -46,6 +51,8 @@ host memory: they are listed under ``host``. Then the largest phase on top:
                     by -9% and +4% in lean bf16 mode; float32 weights hold one); two more (the square root and
                     the denominator) unless AdamW is fused, as grpo_ds.config.deepspeed makes it on the CPU;
                     DeepSpeed's fused and CPU Adam work in place (counted as 0)
+    reward scoring  the weights of the offloaded reward models, back on the device (like the reference's
+                    log-prob pass, the scoring forward's own activations are not counted: no gradients are kept)
     generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position) and two
                     fp32 (batch x vocab) score tensors
 
@@ -63,6 +70,7 @@ from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
 from grpo_ds.config.dtypes import BYTES
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.kernels import chunk_bytes_per_token, logprob_chunk_tokens
 from grpo_ds.model import lora
 from grpo_ds.model.engine import no_second_fp32_copy
@@ -86,6 +94,15 @@ class ModelShape:
     heads: int
     kv_heads: int
     vocab: int
+
+
+@dataclass(frozen=True)
+class RewardModelShape:
+    """What the estimate needs to know of a reward model (reward.models): frozen, no optimizer, no gradients."""
+
+    name: str  # its metrics' name, and its lines' in the estimate (``reward_model_line``)
+    params: int  # every parameter, the score head included
+    offload: bool  # its weights in host memory between steps
 
 
 @dataclass
@@ -138,15 +155,38 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
                       getattr(config, "num_key_value_heads", None) or heads, config.vocab_size)
 
 
+def reward_model_shape(spec: RewardModelSpec) -> RewardModelShape:
+    """A reward model's parameters from its config.json, the model built on the meta device (no weights, no
+    memory); the folder was checked before (grpo_ds.reward_models.checks)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    return RewardModelShape(spec.name, sum(p.numel() for p in model.parameters()), spec.offload)
+
+
+def reward_model_dtype(recipe: Recipe) -> str:
+    """The dtype a reward model is loaded and counted in: the policy's, as the reference model's."""
+    return recipe.model.dtype
+
+
+def reward_model_line(name: str) -> str:
+    """The estimate's line of one reward model (``device``, or ``host`` where it is offloaded)."""
+    return f"reward model {name}"
+
+
 def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int, update_tokens: int,
              longest_sequence: int, generation_sequences: int, gpu_memory_gib: float | None = None,
-             backend: str = "torch", rollout: bool = True) -> MemoryEstimate:
+             backend: str = "torch", rollout: bool = True,
+             reward_models: tuple[RewardModelShape, ...] = ()) -> MemoryEstimate:
     """Per-rank bytes. ``update_tokens``: the model's tokens (packed: the real ones; padded: samples x longest) of the
     largest update micro-batch;
     ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
     generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share; ``backend``: the
     resolved kernels backend (it sizes the log-prob chunks); ``rollout``: whether the rank holds the rollout engine
-    (False: a trainer rank of a split placement, whose ``world_size`` is the trainer's ranks)."""
+    (False: a trainer rank of a split placement, whose ``world_size`` is the trainer's ranks); ``reward_models``:
+    the shapes of reward.models, scored on every rank that trains."""
     w = BYTES[recipe.model.dtype]
     zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
     tp = recipe.train.tensor_parallel_size
@@ -172,6 +212,14 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     est.device["gradients"] = _b(trained * w / grad_shard)
     if recipe.algorithm.kl_coef > 0 and not lora.enabled(recipe.model):
         est.device["reference model"] = _b(per_rank * w / weights_shard)
+    scoring = 0  # the offloaded reward models' weights, back on the device while they score
+    rm_width = BYTES[reward_model_dtype(recipe)]
+    for rm in reward_models:  # partitioned like the reference model under ZeRO-3, whole otherwise
+        weights = _b(rm.params * rm_width / weights_shard)
+        (est.host if rm.offload else est.device)[reward_model_line(rm.name)] = weights
+        scoring += weights if rm.offload else 0
+    if scoring:
+        est.phases["reward scoring (offloaded weights on the device)"] = scoring
     r = recipe.rollout
     vllm_share = _b(r.vllm_gpu_memory_utilization * (gpu_memory_gib or 0) * GIB)  # 0 when the GPU is not known
     # (rollout False: split placement's trainer rank, whose rollout ranks hold the engine)

@@ -1,9 +1,9 @@
 """Validation before load: every user input is checked before any model is loaded or any file is written.
 
 ``prepare_inputs`` is the first thing ``grpo_ds.train`` (and the dry run ``grpo_ds.check``) does: the recipe and
-its overrides, the DeepSpeed file, the model path and tokenizer, the reward functions, the agent environment,
-the logging extras and the dataset rows. What it returns (``Inputs``) is everything the run needs besides the
-model. A problem is one ``UserError`` line.
+its overrides, the DeepSpeed file, the model path and tokenizer, the reward functions, the reward models' folders
+(grpo_ds.reward_models.checks), the agent environment, the logging extras and the dataset rows. What it returns
+(``Inputs``) is everything the run needs besides the model. A problem is one ``UserError`` line.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from grpo_ds.config.deepspeed_check import check_precision_supported
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.placement import Placement, resolve_placement
 from grpo_ds.config.recipe import Recipe
+from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.config.software import resolve_backend
 from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
 from grpo_ds.model.loading import BUILTIN_TINY, context_length, load_tokenizer
+from grpo_ds.reward_models.checks import check_reward_models
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm_checks import check_vllm_setup
 from grpo_ds.run.folder import check_run_folder
@@ -45,6 +47,7 @@ class Inputs:
     data_identity: dict  # what data.train holds: source, prompts, fingerprint (grpo_ds.run.prompts.data_identity)
     placement: Placement  # which ranks train and which generate (rollout.placement)
     reward_pool: Any = None  # rank 0's reward worker processes (grpo_ds.rewards.pool), started by the driver
+    reward_models: list[RewardModelSpec] = dataclasses.field(default_factory=list)  # reward.models, folders checked
 
 
 def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
@@ -66,6 +69,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
     _check_tensor_parallel(recipe)
     reward_functions = load_reward_functions(recipe.reward.functions)
+    reward_models = check_reward_models(recipe.reward.models)  # their folders, heads, tokenizers and lengths
     check_logging_extras(recipe.logging)
     env_factory = load_env_factory(recipe.rollout.env, recipe.rollout.env_options) \
         if recipe.rollout.engine == "agent" else None
@@ -76,7 +80,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     _check_context_length(recipe, prompts, eval_prompts)
     identity = data_identity(recipe.data.train, recipe.source_dir, prompts)
     return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts,
-                  identity, placement)
+                  identity, placement, reward_models=reward_models)
 
 
 def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:

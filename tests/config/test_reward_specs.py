@@ -1,0 +1,112 @@
+"""The entries of reward.models (grpo_ds.config.reward_specs.RewardModelSpec): each key's check as its declaration
+says, the defaults, and the recipe reference documenting every entry key from that same declaration. No folder is
+read here (tests/reward_models/test_checks.py checks the folders)."""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.reference import definitions
+from grpo_ds.config.reward_specs import RewardModelSpec, parse_reward_model_specs
+from grpo_ds.errors import UserError
+
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "recipe.md"
+
+
+def test_defaults_and_the_name_from_the_folder():
+    (spec,) = parse_reward_model_specs([{"path": " models/helpful_rm/ "}])
+    assert spec == RewardModelSpec(path="models/helpful_rm/", name="helpful_rm", weight=1.0, chat_template=True,
+                                   max_length=None, overflow="truncate_left", mean=0.0, std=1.0, offload=False)
+    assert RewardModelSpec(path="a/b").name == "b"  # built in code too, the name is never missing
+
+
+def test_every_key_given():
+    entry = {"path": "rm", "name": "safety", "weight": -2, "chat_template": False, "max_length": 64,
+             "overflow": "error", "mean": 0.5, "std": 2, "offload": True}
+    (spec,) = parse_reward_model_specs([entry])
+    assert dataclasses.asdict(spec) == {**entry, "weight": -2.0, "std": 2.0}
+    assert isinstance(spec.weight, float) and isinstance(spec.std, float)  # integers widened, as recipe numbers are
+
+
+def test_a_recipe_with_models_and_no_functions_loads():
+    recipe = load_recipe({}, ["reward.functions=[]", 'reward.models=[{"path": "rm", "weight": 0.5}]'])
+    assert parse_reward_model_specs(recipe.reward.models)[0].weight == 0.5
+
+
+@pytest.mark.parametrize(("entry", "where", "what"), [
+    ("rm", "reward.models[0]", "must be an object with a string path"),
+    ({"weight": 1.0}, "reward.models[0]", "must be an object with a string path"),
+    ({"path": "  "}, "reward.models[0]", "must be an object with a string path"),
+    ({"path": "rm", "wieght": 1}, "reward.models[0].wieght", "unknown key"),
+    ({"path": "rm", "name": 3}, "reward.models[0].name", "expected a string, got an integer 3"),
+    ({"path": "rm", "name": " "}, "reward.models[0].name", "is empty"),
+    ({"path": "rm", "weight": "1"}, "reward.models[0].weight", 'expected a number, got a string "1"'),
+    ({"path": "rm", "weight": float("inf")}, "reward.models[0].weight", "Infinity is not a finite number"),
+    ({"path": "rm", "chat_template": 1}, "reward.models[0].chat_template", "expected a boolean, got an integer 1"),
+    ({"path": "rm", "max_length": 1}, "reward.models[0].max_length", "1 is out of range: must be >= 2"),
+    ({"path": "rm", "max_length": 8.5}, "reward.models[0].max_length", "expected an integer, got a number 8.5"),
+    ({"path": "rm", "overflow": "truncate"}, "reward.models[0].overflow", "'truncate' is not one of"),
+    ({"path": "rm", "mean": None}, "reward.models[0].mean", "must not be null"),
+    ({"path": "rm", "std": 0}, "reward.models[0].std", "0.0 is out of range: must be > 0"),
+    ({"path": "rm", "std": -1.0}, "reward.models[0].std", "is out of range: must be > 0"),
+    ({"path": "rm", "offload": "yes"}, "reward.models[0].offload", 'expected a boolean, got a string "yes"'),
+])
+def test_each_bad_entry_is_one_error_at_its_key(entry, where, what):
+    with pytest.raises(UserError) as info:
+        parse_reward_model_specs([entry])
+    assert info.value.where == where
+    assert what in info.value.what
+    assert info.value.fix  # every message says what to do
+
+
+def test_the_index_of_the_bad_entry_is_named_and_the_fix_suggests_a_value():
+    with pytest.raises(UserError) as info:
+        parse_reward_model_specs([{"path": "a"}, {"path": "b", "max_length": "long"}])
+    assert (info.value.where, info.value.fix) == ("reward.models[1].max_length", "e.g. 1024")
+    with pytest.raises(UserError) as info:
+        parse_reward_model_specs([{"path": "a", "overflow": "truncate_lft"}])
+    assert "truncate_left" in info.value.fix
+
+
+def test_two_models_with_one_name_are_refused():
+    with pytest.raises(UserError) as info:
+        parse_reward_model_specs([{"path": "x/rm"}, {"path": "y/rm"}])  # both default to the folder's name
+    assert info.value.where == "reward.models[1].name" and "reward.models[0]" in info.value.what
+    assert [s.name for s in parse_reward_model_specs([{"path": "x/rm"}, {"path": "y/rm", "name": "rm2"}])] == \
+        ["rm", "rm2"]
+
+
+def test_a_bad_entry_stops_the_recipe_load():
+    with pytest.raises(UserError) as info:
+        load_recipe({}, ['reward.models=[{"path": "rm", "std": 0}]'])
+    assert info.value.where == "reward.models[0].std"
+
+
+# --------------------------------------------------------------------------------------------- the reference
+
+def _entry_definitions(text: str) -> dict[str, tuple[str, str]]:
+    """`reward.models[].key` -> (its meaning, its facts line) from the reference's definitions."""
+    found = re.findall(r"^`reward\.models\[\]\.(\w+)`\n:   (.+)\n\n    (.+)$", text, flags=re.MULTILINE)
+    return {key: (meaning, facts) for key, meaning, facts in found}
+
+
+def test_the_reference_documents_every_entry_key_with_its_type_default_and_range():
+    page = REFERENCE.read_text(encoding="utf-8")
+    assert definitions() in page  # the page is the generator's text (tests/test_docs.py checks it whole)
+    documented = _entry_definitions(page)
+    assert list(documented) == [f.name for f in dataclasses.fields(RewardModelSpec)]
+    for f in dataclasses.fields(RewardModelSpec):
+        meaning, facts = documented[f.name]
+        assert meaning == f.metadata["doc"]
+    assert documented["path"][1] == "string · required"
+    assert documented["name"][1] == "string or null · default `null`"
+    assert documented["max_length"][1] == "int or null · default `null` · >= 2"
+    assert documented["overflow"][1] == 'string · default `"truncate_left"` · one of `"truncate_left"`, `"error"`'
+    assert documented["std"][1] == "float · default `1.0` · > 0"
+    assert documented["offload"][1] == f"bool · default `{json.dumps(RewardModelSpec.offload)}`"
+    # after the reward section's own keys, before the next section
+    assert page.index("`reward.models`\n") < page.index("### `reward.models[]`") < page.index("## `algorithm`")
