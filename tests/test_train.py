@@ -117,12 +117,14 @@ def test_tiny_recipe_learns_from_the_command_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "steps"), [("dapo_tiny_cpu", 300), ("multiturn_tiny_cpu", 250)])
+@pytest.mark.parametrize(("recipe", "steps"), [("dapo_tiny_cpu", 180), ("multiturn_tiny_cpu", 170)])
 def test_algorithm_recipes_learn_from_the_command_line(tmp_path, recipe, steps):
     """The DAPO and multi-turn recipes (docs/guides/recipes.md): reward rises from ~0 to >= 0.5 (mean of the last 10
-    steps)."""
+    steps), in their first ``steps`` steps (of 300 and 250; a constant learning rate, so the same steps as the whole
+    run's). Measured with seeds 0, 1, 2 on 2026-11-27, last-10 means: DAPO at 180 steps 0.68, 0.82, 0.86 (0.91, 0.98,
+    0.92 at 300); multi-turn at 170 steps 0.79, 0.81, 0.77 (1.04, 1.00, 1.01 at 250)."""
     proc = subprocess.run([sys.executable, "-m", "grpo_ds.train", str(REPO / "recipes" / f"{recipe}.json"),
-                           f"run.output_dir={tmp_path}", "logging.progress_bar=false"],
+                           f"run.output_dir={tmp_path}", "logging.progress_bar=false", f"train.steps={steps}"],
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(line) for line in (tmp_path / recipe / "metrics.jsonl").read_text().splitlines()]

@@ -91,15 +91,16 @@ with open(f"{out}.{os.environ['RANK']}", "w") as file:
 
 @pytest.mark.slow
 def test_lora_recipe_learns_on_two_ranks_and_leaves_the_base_weights_bit_identical(tmp_path):
-    """The LoRA recipe on 2 ranks (ZeRO-3, every weight partitioned), 200 of its 400 steps: the reward rises, only the
+    """The LoRA recipe on 2 ranks (ZeRO-3, every weight partitioned), 140 of its 400 steps: the reward rises (last-10
+    mean 0.35 at step 140 with seed 0, 0.62 at 200; measured 2026-11-27), only the
     adapters train (the base weights bit-identical to a fresh load, gathered on each rank), both ranks end with the
     same weights and rollout copies. (What ZeRO stage 1 on one rank keeps in its optimizer: the lora_run test below.)"""
     script, out = tmp_path / "learn_on_ranks.py", tmp_path / "engine.json"
     script.write_text(LEARN_ON_RANKS)
-    deepspeed_launch(2, [str(script), LORA_TINY, str(out), f"run.output_dir={tmp_path}", "train.steps=200",
+    deepspeed_launch(2, [str(script), LORA_TINY, str(out), f"run.output_dir={tmp_path}", "train.steps=140",
                          "logging.progress_bar=false", "checkpoint.every_steps=null"], timeout=900)
     metrics = [json.loads(line) for line in (tmp_path / "lora_tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 200
+    assert len(metrics) == 140
     first, last = _mean([m["reward_mean"] for m in metrics[:10]]), _mean([m["reward_mean"] for m in metrics[-10:]])
     assert first < 0.1 and last >= first + 0.2, (first, last)
     ranks = [json.loads((tmp_path / "lora_tiny_cpu" / "ranks" / f"rank{r}.jsonl").read_text().splitlines()[-1])
@@ -111,7 +112,7 @@ def test_lora_recipe_learns_on_two_ranks_and_leaves_the_base_weights_bit_identic
         assert engine["stage"] == 3
         assert engine["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in engine["trainable"])
         assert engine["frozen"] == engine["fresh"]
-        assert engine["changed"] == [], rank  # bit-identical after 200 steps
+        assert engine["changed"] == [], rank  # bit-identical after 140 steps
         assert engine["adapters_moved"] > 1e-3  # B starts at zero: the adapters did train
 
 
