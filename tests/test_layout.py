@@ -15,7 +15,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "grpo_ds"
 MAX_LINES = 500
-PARTS = ("config", "distributed", "model", "step", "run", "algo", "kernels", "rewards", "envs", "rollout")
+PARTS = ("config", "distributed", "model", "step", "run", "algo", "kernels", "rewards", "envs", "rollout",
+         "reward_models")
 ENTRY_POINTS = ("train", "check", "export", "plot")  # python -m grpo_ds.<name>
 TOP_LEVEL = (*ENTRY_POINTS, "errors", "__init__")
 

@@ -118,8 +118,8 @@ class RewardModels:
         """Load each model (partitioned under ZeRO-3: ``zero.Init`` through transformers' DeepSpeed integration, as
         grpo_ds.model.loading loads the policy) with its tokenizer, and wrap it in an engine with no optimizer.
         ``micro_tokens``: the token budget of one micro-batch (real tokens packed, rows x longest padded);
-        ``packing``: pack where the model allows it. Collective. The folders are assumed checked
-        (grpo_ds.reward_models.checks)."""
+        ``packing``: pack where the model allows it. Collective. The folders are checked before (the reward
+        models' pre-load checks), so a failure to load here is reported in one line but not explained."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         models = []

@@ -36,6 +36,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
+from grpo_ds.distributed import launcher
+
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, END, UNK, PAD)  # ids 0..6, in this order (builtin:tiny: pad is 0)
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--digit", default="7", choices=list(string.digits), help="the rewarded digit (default 7)")
     args = parser.parse_args(argv)
     folder = write_digit_reward_model(args.folder, args.digit)
-    print(f"wrote a reward model that rewards the digit {args.digit} to {folder}")
+    launcher.say(f"wrote a reward model that rewards the digit {args.digit} to {folder}")
 
 
 if __name__ == "__main__":
