@@ -135,6 +135,11 @@ class RewardModels:
                                 "the folder needs config.json, the weights and the tokenizer files") from None
             if tokenizer.pad_token_id is None:  # only pads the rows of a padded micro-batch: any token does
                 tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+                if announce:
+                    launcher.say(f"note: reward model {spec.name!r}: its tokenizer has no pad token; padding with "
+                                 f"{tokenizer.pad_token!r} (never scored: each sequence is read at its last token)")
+            if module.config.pad_token_id is None:  # its pooling (unused here) refuses rows > 1 without one
+                module.config.pad_token_id = tokenizer.pad_token_id
             engine = create_reference_engine(module, cfg)
             window = getattr(engine.module.config, "max_position_embeddings", None)
             head = next((getattr(engine.module, n) for n in _HEADS if isinstance(getattr(engine.module, n, None),

@@ -13,7 +13,12 @@ from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
 from grpo_ds.model.tiny import build_tiny_tokenizer
 from grpo_ds.reward_models.scorer import RewardModels, layout_problem
-from grpo_ds.reward_models.tiny import write_tiny_reward_model
+from grpo_ds.reward_models.tiny import (
+    build_reward_tokenizer,
+    build_tiny_reward_model,
+    write_reward_model,
+    write_tiny_reward_model,
+)
 from tests.launch import REPO, deepspeed_launch
 from tests.scripts.reward_model_scores import MICRO_TOKENS, SAMPLES, SHORT, VARIANTS, ds_config, score_variants, specs
 
@@ -113,6 +118,22 @@ def test_a_reward_model_with_its_own_vocabulary_scores_a_policys_completions(fol
         passed_through = torch.tensor([model(input_ids=torch.tensor([policy(p + c)["input_ids"]])).logits[0, 0].item()
                                        for p, c in SAMPLES])
     assert (passed_through - expected).abs().max() > 100 * TOLERANCE
+
+
+def test_a_model_and_tokenizer_without_a_pad_token_score_in_padded_rows(tmp_path):
+    """The rows of a padded micro-batch need some pad id (the model's own pooling, unused here, refuses more than one
+    row without one): the scorer sets one, and the scores are still the plain forward's."""
+    tokenizer = build_reward_tokenizer()
+    tokenizer.pad_token = None
+    model = build_tiny_reward_model(tokenizer, seed=1)
+    model.config.pad_token_id = None
+    folder = str(write_reward_model(tmp_path / "no_pad", model, tokenizer))
+    assert AutoTokenizer.from_pretrained(folder).pad_token is None
+    spec = RewardModelSpec(path=folder, name="no_pad", chat_template=False)
+    dist = init_distributed()
+    models = RewardModels.build([spec], ds_config(1, False), dist, MICRO_TOKENS, packing=False)
+    got = torch.tensor(models.score([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist).scores["no_pad"])
+    assert (got - torch.tensor(reference(folder, spec))).abs().max() <= TOLERANCE
 
 
 def test_overflow_error_stops_scoring_with_one_line(folder):
