@@ -122,6 +122,10 @@ class RewardModels:
         models' pre-load checks), so a failure to load here is reported in one line but not explained."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        names = [spec.name for spec in specs]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise UserError("reward.models", f"two models are named {twice[0]!r} (their scores and metrics are keyed "
+                            "by name)", "give each a distinct name")
         models = []
         for spec in specs:
             cfg = reward_model_ds_config(ds_config, spec.offload, dist.device.type)
@@ -163,6 +167,7 @@ class RewardModels:
             try:
                 ids, truncated = render(m.spec, m.tokenizer, prompts[lo:hi], completions[lo:hi], m.max_length,
                                         first_sample=lo)
+                ids = [seq or [m.pad_id] for seq in ids]  # an empty text (no template, no BOS) reads as one pad
                 plan = self._plan(ids, m.packing_problem is None)
                 rendered.append((ids, plan))
                 status.append((None, truncated, len(plan)))

@@ -154,3 +154,9 @@ def test_layout_problem_refuses_tensor_parallelism_only():
     assert layout_problem(load_recipe({"train": {"tensor_parallel_size": 2}})) is None  # no reward model
     problem = layout_problem(load_recipe({"reward": {"models": model}, "train": {"tensor_parallel_size": 2}}))
     assert problem and "\n" not in problem and "tensor_parallel_size" in problem
+
+
+def test_two_models_of_one_name_are_refused_before_loading(folder):
+    spec = RewardModelSpec(path=folder, name="same")
+    with pytest.raises(UserError, match="two models are named 'same'"):
+        RewardModels.build([spec, spec], ds_config(1, False), init_distributed(), MICRO_TOKENS)
