@@ -1,5 +1,8 @@
-"""Learned reward models (recipe key ``reward.models``): sequence-classification models with one label, scored on
-every trainer rank like the reference model. Their folders checked before anything loads (``checks``), each prompt +
-completion rendered as text and re-tokenized with the reward model's own tokenizer (``render``), the models loaded
-partitioned and scored in token micro-batches (``scorer``), and tiny reward models built in code (``tiny``).
+"""Learned reward models: sequence-classification models with one label that score a prompt and its completion.
+
+``render`` turns each prompt + completion into the reward model's own tokens (its chat template, its tokenizer: the
+policy's token ids never reach it), ``scorer`` loads the models like the reference model (partitioned under ZeRO-3,
+no optimizer) and scores every rank's share of a step's samples in token micro-batches, gathered on every rank,
+``checks`` checks their folders before anything loads, and ``tiny`` builds small reward models and tokenizers in code
+(a random one, and a hand-set one whose score rises with the share of one digit) for tests and CPU recipes.
 """
