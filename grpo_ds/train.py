@@ -33,6 +33,7 @@ from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.model import sequence_parallel
 from grpo_ds.model.loading import load_model
 from grpo_ds.model.policy import Policy, weights_sha256
+from grpo_ds.reward_models.scorer import RewardModels
 from grpo_ds.rewards.pool import RewardPool, worker_count
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
@@ -122,6 +123,9 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     policy = Policy.build(recipe, inputs.ds_config, len(tokenizer), announce=dist.is_main)  # ZeRO-3: partitioned
     if shared and not split:
         rollout = _rollout_engine(recipe, inputs, dist, shared_module=policy.engine.module)
+    # learned reward models: frozen, partitioned like the reference model, on every trainer rank (grpo_ds.reward_models)
+    reward_models = RewardModels.build(inputs.reward_models, inputs.ds_config, dist, _reward_model_tokens(inputs),
+                                       recipe.train.packing, announce=dist.is_main) if inputs.reward_models else None
     sampler = PromptSampler(len(prompts), recipe.run.seed, recipe.data.shuffle)
     rank_log = run_dir / "ranks" / f"rank{dist.rank}.jsonl"
     rank_log.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +133,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     settings = UpdateSettings.from_recipe(recipe, tokenizer.pad_token_id, inputs.kernels_backend,
                                           policy.fused_lm_head_allowed, policy.packing_allowed, policy.packs_one_row)
     # the order of each step's phases across ranks (grpo_ds.step.schedule): who generates, and when weights travel
-    schedule = _schedule(inputs, rollout, sampler, dist, bucket_bytes)
+    schedule = _schedule(inputs, rollout, sampler, dist, bucket_bytes, reward_models)
     first_step, resumed_state, data_changed = _resume(folder, policy, sampler, logger, dist, rank_log)
     schedule.start(first_step - 1, policy, resumed_state, data_changed)
     nonfinite_in_a_row = 0
@@ -189,7 +193,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
                        peak_memory_gib=peak_memory_gib(dist.device))
         if inputs.eval_prompts and (step % recipe.eval.every_steps == 0 or step == recipe.train.steps):
             with Phase("eval") as phase:
-                metrics.update(evaluate(step, recipe, inputs, inputs.eval_prompts, rollout, dist))
+                metrics.update(evaluate(step, recipe, inputs, inputs.eval_prompts, rollout, dist, reward_models))
             metrics["time_eval_s"] = phase.seconds
         with checkpoint.run_file_writes(dist, run_dir, f"step {step}"):  # a failed write: one error on every rank
             logger.log(metrics)
@@ -357,15 +361,23 @@ def _generate(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     return history
 
 
-def _schedule(inputs: Inputs, rollout, sampler: PromptSampler, dist: Dist, bucket_bytes: int
-              ) -> Colocated | SplitTrainer:
+def _schedule(inputs: Inputs, rollout, sampler: PromptSampler, dist: Dist, bucket_bytes: int,
+              reward_models: RewardModels | None) -> Colocated | SplitTrainer:
     """The trainer's side of the step's phase order: colocated, or split (rank 0 holds the bridge)."""
     recipe, placement = inputs.recipe, inputs.placement
     if not placement.split:
-        return Colocated(recipe, inputs, rollout, sampler, dist, bucket_bytes)
+        return Colocated(recipe, inputs, rollout, sampler, dist, bucket_bytes, reward_models)
     bridge = Bridge(dist.store, 0, placement.rollout_ranks + 1, dist.device, recipe.rollout.transfer_timeout_s) \
         if dist.is_main else None
-    return SplitTrainer(recipe, dist, bridge, bucket_bytes)
+    return SplitTrainer(recipe, inputs, dist, bridge, bucket_bytes, reward_models)
+
+
+def _reward_model_tokens(inputs: Inputs) -> int:
+    """The token budget of one reward-model micro-batch: the planner's (train.max_tokens_per_micro_batch), else the
+    log-prob phase's samples per micro-batch times the longest prompt + response."""
+    t = inputs.recipe.train
+    longest = max(len(p.prompt_ids) for p in inputs.prompts) + inputs.recipe.max_response_tokens
+    return t.max_tokens_per_micro_batch or t.logprob_micro_batch_samples_per_gpu * longest
 
 
 def _start_reward_pool(inputs: Inputs) -> None:

@@ -85,6 +85,10 @@ def resolve_placement(recipe, world_size: int) -> Placement:
         raise UserError("rollout.max_staleness", f"{r.max_staleness} trains on samples from older weights, which "
                         "needs the importance-sampling correction between sampler and trainer",
                         "set algorithm.rollout_is_cap (e.g. 2.0), or rollout.max_staleness to 0")
+    if recipe.reward.models and recipe.algorithm.dynamic_sampling:
+        raise UserError("algorithm.dynamic_sampling", "chooses groups by their rewards on the rollout ranks, and "
+                        'under rollout.placement "split" the reward models score on the trainer ranks, after that',
+                        'use "colocated", or turn dynamic sampling off')
     if recipe.eval.data is not None:
         raise UserError("eval.data", 'evaluation does not run under rollout.placement "split" yet (the trainer '
                         "ranks hold no rollout engine)", 'evaluate the saved model separately, or use "colocated"')

@@ -83,7 +83,7 @@ def validate(recipe: Recipe) -> None:
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
     _validate_reward_specs(recipe.reward.functions, scored_by_env=recipe.rollout.engine == "agent"
                            or bool(recipe.reward.models))
-    parse_reward_model_specs(recipe.reward.models)  # keys, types, ranges; the folders are checked before loading
+    _validate_reward_model_names(recipe.reward.functions, recipe.reward.models)
 
 
 def _validate_sequence_parallel(recipe: Recipe) -> None:
@@ -177,3 +177,14 @@ def _validate_reward_specs(functions: list, scored_by_env: bool) -> None:
     if not functions and not scored_by_env:
         raise UserError("reward.functions", "is empty", 'add one, e.g. [{"name": "exact_match", "weight": 1.0}]')
     parse_reward_specs(functions)  # each entry's keys, types and default weight, as loading reads them
+
+
+def _validate_reward_model_names(functions: list, models: list) -> None:
+    """Each reward model's entry (keys, types, ranges; its folder is checked before loading, by
+    grpo_ds.reward_models.checks), and a name of its own: its metrics (reward/NAME) must not mix with another's."""
+    taken = {spec.name for spec in parse_reward_specs(functions)}
+    for i, spec in enumerate(parse_reward_model_specs(models)):
+        if spec.name in taken:
+            raise UserError(f"reward.models[{i}].name", f'"{spec.name}" is already the name of a reward function or '
+                            "model (its metrics reward/NAME would mix)", 'give it another "name"')
+        taken.add(spec.name)

@@ -161,7 +161,6 @@ class RewardModels:
     def score(self, prompts: list[str], completions: list[str], dist: Dist) -> Scored:
         """Every model's normalised score of every sample (``prompts[i] + completions[i]``), on every rank."""
         lo, hi = slice_for_rank(len(prompts), dist)
-        start = time.perf_counter()
         rendered, status = [], []
         for m in self.models:
             try:
@@ -189,10 +188,9 @@ class RewardModels:
         scores = {m.spec.name: [s for part, _ in parts for s in part[m.spec.name]] for m in self.models}
         metrics: dict[str, float] = {}
         dp_status = dist.dp_parts(everyone)
-        for index, m in enumerate(self.models):
-            metrics[f"reward_model/{m.spec.name}/truncated"] = float(sum(ranks[index][1] for ranks in dp_status))
-            metrics[f"reward_model/{m.spec.name}/seconds"] = max(s[m.spec.name] for _, s in parts)
-        metrics["time/reward_models"] = time.perf_counter() - start
+        for index, m in enumerate(self.models):  # (the whole scoring's time is the driver's time_reward_model_s)
+            metrics[f"reward_truncated/{m.spec.name}"] = sum(ranks[index][1] for ranks in dp_status)
+            metrics[f"reward_seconds/{m.spec.name}"] = max(s[m.spec.name] for _, s in parts)
         return Scored(scores, metrics)
 
     def _plan(self, ids: list[list[int]], packed: bool) -> list[tuple[int, ...]]:

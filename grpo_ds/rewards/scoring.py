@@ -158,6 +158,20 @@ def score(
     return result
 
 
+def add_model_scores(result: RewardResult, models: list[tuple[str, float, list[float]]]) -> RewardResult:
+    """The reward models' scores (grpo_ds.reward_models, already normalised), as (name, weight, score per sample),
+    join the functions': ``total[i] += weight * score[i]``, and ``per_function[name]`` holds the unweighted score, so
+    the metrics treat a model like a function (a model neither fails nor returns None: no errors, no nones)."""
+    total = list(result.total)
+    per_function, errors, nones = dict(result.per_function), dict(result.errors), dict(result.nones)
+    for name, weight, scores in models:
+        if len(scores) != len(total):
+            raise ValueError(f"reward model {name!r} scored {len(scores)} samples of {len(total)}")
+        per_function[name], errors[name], nones[name] = list(scores), 0, 0
+        total = [t + weight * s for t, s in zip(total, scores, strict=True)]
+    return RewardResult(total=total, per_function=per_function, errors=errors, nones=nones)
+
+
 def _in_process(jobs: dict[tuple[int, int], tuple[Any, dict[str, Any]]], keys: list[str], timeout_s: float
                 ) -> dict[tuple[int, int], Any]:
     """Each (function, chunk) call's value or Failed, run in this process: the sync ones one after another in a

@@ -14,25 +14,35 @@ the trained groups whose rewards are all equal (with dynamic sampling: the toppe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rewards import RewardResult, score
+from grpo_ds.rewards.scoring import add_model_scores
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
 from grpo_ds.run.preflight import Inputs
 from grpo_ds.run.prompts import PromptRow, PromptSampler
 from grpo_ds.step.batch import StepBatch
 from grpo_ds.step.profiling import Phase
 
+if TYPE_CHECKING:  # grpo_ds.reward_models.scorer imports this package
+    from grpo_ds.reward_models.scorer import RewardModels
+
 
 def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sampler: PromptSampler,
-            dist: Dist) -> StepBatch:
-    """The step's samples and rewards (plus the collection's metrics, and its "rollout" and "reward" times)."""
+            dist: Dist, reward_models: RewardModels | None = None) -> StepBatch:
+    """The step's samples and rewards (plus the collection's metrics, and its "rollout", "reward_model" and "reward"
+    times). ``reward_models``: the recipe's learned reward models, held by every rank that calls this (colocated
+    placement); None where none are held (no reward.models, or the rollout ranks of a split placement, whose trainer
+    adds the models' scores: ``add_model_rewards``)."""
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     a = recipe.algorithm
     rounds = 1 + (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 0)
     times, spans = {"rollout": 0.0, "reward": 0.0}, []
     drawn: list[tuple[list[int], Rollouts, list[float]]] = []  # per round: prompts, samples, rewards
     scored: list[RewardResult] = []
+    model_metrics: dict = {}  # the reward models' (truncated inputs, seconds), summed over rounds
     informative: list[tuple[int, int]] = []  # (round, group) with unequal rewards
     for round_index in range(rounds):
         with Phase("rollout", times, spans):
@@ -46,9 +56,10 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
                                     [inputs.prompts[i].columns for i in mine])
             rollouts = Rollouts.concat(dist.dp_parts(dist.all_gather(local)))  # a TP group generated the same
 
+        rows = [inputs.prompts[i] for i in prompt_index]
+        models = score_models(reward_models, inputs, rows, rollouts, G, times, spans, model_metrics, dist)
         with Phase("reward", times, spans):
-            result = dist.decide(score_rewards, recipe, inputs, [inputs.prompts[i] for i in prompt_index], rollouts,
-                                 G)
+            result = dist.decide(score_rewards, recipe, inputs, rows, rollouts, G, models)
         scored.append(result)
         rewards = _with_env_rewards(result.total, rollouts)
         drawn.append((prompt_index, rollouts, rewards))
@@ -65,6 +76,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
         chosen, topped_up = [(0, g) for g in range(P)], []
     samples = _select(drawn, chosen, G)
     metrics = _reward_metrics(scored, [r for _, _, rewards in drawn for r in rewards], drawn)
+    metrics.update(model_metrics)
     metrics["no_signal_frac"] = no_signal_fraction(samples[2], G)
     if a.dynamic_sampling:
         metrics.update({"dynamic/rounds": len(drawn), "dynamic/prompts_drawn": P * len(drawn),
@@ -83,23 +95,45 @@ def no_signal_fraction(rewards: list[float], group_size: int) -> float:
     return sum(equal_rewards(g) for g in groups) / len(groups)
 
 
-def score_rewards(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int
-                  ) -> RewardResult:
-    """Rank 0: the reward functions' scores of ``group_size`` answers to each of ``prompts``."""
+def score_rewards(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int,
+                  models: list[tuple[str, float, list[float]]] | None = None) -> RewardResult:
+    """Rank 0: the reward functions' scores of ``group_size`` answers to each of ``prompts``, plus the reward models'
+    (``models``: (name, weight, scores), from ``score_models``)."""
     rows = [p for p in prompts for _ in range(group_size)]
     columns = {k: [r.columns.get(k) for r in rows] for k in rows[0].columns}
     columns["answer"] = [r.columns.get(recipe.data.answer_key) for r in rows]  # what exact_match reads
-    return score(inputs.reward_functions, prompts=[r.prompt_text for r in rows],
-                 completions=inputs.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True),
-                 completion_ids=rollouts.response_ids, columns=columns, on_error=recipe.reward.on_error,
-                 timeout_s=recipe.reward.timeout_s, chunk_samples=recipe.reward.chunk_samples, group_size=group_size,
-                 pool=inputs.reward_pool)
+    result = score(inputs.reward_functions, prompts=[r.prompt_text for r in rows],
+                   completions=completion_texts(inputs, rollouts), completion_ids=rollouts.response_ids,
+                   columns=columns, on_error=recipe.reward.on_error, timeout_s=recipe.reward.timeout_s,
+                   chunk_samples=recipe.reward.chunk_samples, group_size=group_size, pool=inputs.reward_pool)
+    return add_model_scores(result, models) if models else result
 
 
-def score_samples(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int
-                  ) -> list[float]:
-    """Rank 0: each answer's total reward (reward functions plus environment rewards)."""
-    return _with_env_rewards(score_rewards(recipe, inputs, prompts, rollouts, group_size).total, rollouts)
+def completion_texts(inputs: Inputs, rollouts: Rollouts) -> list[str]:
+    """Each sample's generated text (special tokens skipped): what reward functions and reward models read."""
+    return inputs.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+
+
+def score_models(reward_models: RewardModels | None, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts,
+                 group_size: int, times: dict, spans: list, metrics: dict, dist: Dist
+                 ) -> list[tuple[str, float, list[float]]] | None:
+    """Every rank: each reward model's score of every sample, as (name, weight, scores), and its metrics added into
+    ``metrics``. The models read the prompt and completion as text (re-tokenized with their own tokenizers: policy
+    token ids never reach them); each rank scores its share and every rank gets all scores (grpo_ds.reward_models)."""
+    if reward_models is None:
+        return None
+    with Phase("reward_model", times, spans):
+        texts = [p.prompt_text for p in prompts for _ in range(group_size)]
+        scored = reward_models.score(texts, completion_texts(inputs, rollouts), dist)
+    for key, value in scored.metrics.items():  # summed over a step's rounds (dynamic sampling)
+        metrics[key] = metrics.get(key, 0.0) + value
+    return [(m.spec.name, m.spec.weight, scored.scores[m.spec.name]) for m in reward_models.models]
+
+
+def score_samples(recipe: Recipe, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts, group_size: int,
+                  models: list[tuple[str, float, list[float]]] | None = None) -> list[float]:
+    """Rank 0: each answer's total reward (reward functions and models, plus environment rewards)."""
+    return _with_env_rewards(score_rewards(recipe, inputs, prompts, rollouts, group_size, models).total, rollouts)
 
 
 def _with_env_rewards(total: list[float], rollouts: Rollouts) -> list[float]:
@@ -120,11 +154,31 @@ def _select(drawn: list[tuple[list[int], Rollouts, list[float]]], chosen: list[t
     return prompt_index, Rollouts.concat(parts), rewards
 
 
-def _reward_metrics(scored: list[RewardResult], rewards: list[float], drawn) -> dict:
+def add_model_rewards(data: StepBatch, reward_models: RewardModels, recipe: Recipe, inputs: Inputs, dist: Dist
+                      ) -> None:
+    """Split placement, every trainer rank: the reward models' scores join the rewards the rollout ranks sent (the
+    functions' and the environment's), and the reward metrics are made again from the sum. (Dynamic sampling, which
+    chooses groups by their rewards on the rollout ranks, is refused with reward models there.)"""
+    rows = [inputs.prompts[i] for i in data.prompt_index]
+    models = score_models(reward_models, inputs, rows, data.rollouts, recipe.rollout.group_size, data.times,
+                          data.spans, data.metrics, dist)
+    data.rewards = [r + sum(weight * scores[i] for _, weight, scores in models) for i, r in enumerate(data.rewards)]
+    data.metrics.update(_mean_std(data.rewards), no_signal_frac=no_signal_fraction(data.rewards,
+                                                                                   recipe.rollout.group_size))
+    for name, _, scores in models:
+        data.metrics.update({f"reward/{name}": sum(scores) / len(scores), f"reward_errors/{name}": 0,
+                             f"reward_none/{name}": 0})
+
+
+def _mean_std(rewards: list[float]) -> dict:
     n = len(rewards)
     mean = sum(rewards) / n
-    out = {"reward_mean": mean,
-           "reward_std": (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 if n > 1 else 0.0}
+    return {"reward_mean": mean,
+            "reward_std": (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 if n > 1 else 0.0}
+
+
+def _reward_metrics(scored: list[RewardResult], rewards: list[float], drawn) -> dict:
+    out = _mean_std(rewards)
     for name in scored[0].per_function:
         values = [v for result in scored for v in result.per_function[name]]
         out[f"reward/{name}"] = sum(values) / len(values)

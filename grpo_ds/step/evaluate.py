@@ -2,10 +2,10 @@
 
 Every ``eval.every_steps`` steps (and after the last one) each prompt of ``eval.data`` is answered once
 greedily and ``eval.samples_per_prompt`` (n) times by sampling at ``eval.temperature``, by the rollout engine
-(the current policy). The recipe's reward functions (plus environment rewards) score every answer; an answer
-is correct when its total reward is at least ``eval.correct_at``. With c correct answers out of n, pass@k is
-estimated without bias as 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, "Evaluating Large Language Models
-Trained on Code", arXiv:2107.03374), averaged over prompts. Each rank answers a slice of the prompts; rank 0
+(the current policy). The recipe's reward functions and reward models (plus environment rewards) score every
+answer; an answer is correct when its total reward is at least ``eval.correct_at``. With c correct answers out of
+n, pass@k is estimated without bias as 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, "Evaluating Large Language
+Models Trained on Code", arXiv:2107.03374), averaged over prompts. Each rank answers a slice of the prompts; rank 0
 scores. Metrics: eval/greedy_accuracy, eval/greedy_reward_mean, eval/reward_mean, eval/pass@k.
 """
 
@@ -17,7 +17,7 @@ from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
 from grpo_ds.run.prompts import PromptRow
-from grpo_ds.step.collect import score_samples, slice_for_rank
+from grpo_ds.step.collect import score_models, score_samples, slice_for_rank
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,15 +29,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate(step: int, recipe: Recipe, inputs, prompts: list[PromptRow], engine: RolloutEngine, dist: Dist
-             ) -> dict:
-    """Eval metrics of the current policy (every rank returns the same dict)."""
+def evaluate(step: int, recipe: Recipe, inputs, prompts: list[PromptRow], engine: RolloutEngine, dist: Dist,
+             reward_models=None) -> dict:
+    """Eval metrics of the current policy (every rank returns the same dict). ``reward_models``: the recipe's, held by
+    every rank (grpo_ds.reward_models), or None."""
     e = recipe.eval
     n = e.samples_per_prompt
     greedy = _answers(recipe, prompts, engine, dist, 1, 0.0, seed=step)
     sampled = _answers(recipe, prompts, engine, dist, n, e.temperature, seed=step)
-    greedy_rewards = dist.decide(score_samples, recipe, inputs, prompts, greedy, 1)
-    rewards = dist.decide(score_samples, recipe, inputs, prompts, sampled, n)
+    unused: dict = {}  # the models' scoring time is the eval phase's; their metrics describe the training batch
+    greedy_models = score_models(reward_models, inputs, prompts, greedy, 1, unused, [], unused, dist)
+    sampled_models = score_models(reward_models, inputs, prompts, sampled, n, unused, [], unused, dist)
+    greedy_rewards = dist.decide(score_samples, recipe, inputs, prompts, greedy, 1, greedy_models)
+    rewards = dist.decide(score_samples, recipe, inputs, prompts, sampled, n, sampled_models)
     out = {"eval/greedy_accuracy": sum(r >= e.correct_at for r in greedy_rewards) / len(prompts),
            "eval/greedy_reward_mean": sum(greedy_rewards) / len(prompts),
            "eval/reward_mean": sum(rewards) / len(rewards)}

@@ -31,6 +31,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.bridge import Bridge
@@ -42,8 +43,11 @@ from grpo_ds.run.preflight import Inputs
 from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.run.writes import append_line
 from grpo_ds.step.batch import StepBatch
-from grpo_ds.step.collect import collect
+from grpo_ds.step.collect import add_model_rewards, collect
 from grpo_ds.step.profiling import Phase
+
+if TYPE_CHECKING:  # grpo_ds.reward_models.scorer imports this package
+    from grpo_ds.reward_models.scorer import RewardModels
 
 
 def weights_needed(step: int, staleness: int, resumed_after: int) -> int:
@@ -61,16 +65,16 @@ class Colocated:
     rollout_stop = None  # every rank's own stop request is agreed on by the driver
 
     def __init__(self, recipe: Recipe, inputs: Inputs, rollout, sampler: PromptSampler, dist: Dist,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, reward_models: RewardModels | None = None) -> None:
         self.recipe, self.inputs, self.rollout, self.sampler, self.dist = recipe, inputs, rollout, sampler, dist
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.reward_models = bucket_bytes, reward_models
 
     def start(self, resumed_after: int, policy, trainer_state: dict | None, data_changed: bool = False) -> None:
         if trainer_state is not None:  # a resume: the rollout engine gets the restored weights
             sync_weights(policy, self.rollout, self.bucket_bytes)
 
     def batch(self, step: int) -> StepBatch:
-        return collect(step, self.recipe, self.inputs, self.rollout, self.sampler, self.dist)
+        return collect(step, self.recipe, self.inputs, self.rollout, self.sampler, self.dist, self.reward_models)
 
     def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:
         with Phase("sync", times, spans):
@@ -114,8 +118,10 @@ class SplitTrainer:
 
     role = "trainer"
 
-    def __init__(self, recipe: Recipe, dist: Dist, bridge: Bridge | None, bucket_bytes: int) -> None:
-        self.recipe, self.dist, self.bridge, self.bucket_bytes = recipe, dist, bridge, bucket_bytes
+    def __init__(self, recipe: Recipe, inputs: Inputs, dist: Dist, bridge: Bridge | None, bucket_bytes: int,
+                 reward_models: RewardModels | None = None) -> None:
+        self.recipe, self.inputs, self.dist, self.bridge = recipe, inputs, dist, bridge
+        self.bucket_bytes, self.reward_models = bucket_bytes, reward_models
         self.staleness, self.steps = recipe.rollout.max_staleness, recipe.train.steps
         self.received: dict[int, Produced] = {}  # rank 0: batches received ahead of training
         self.whole_layers = None  # the vLLM engine's fused layers (a LoRA sync completes them: Policy.rollout_weights)
@@ -166,6 +172,8 @@ class SplitTrainer:
         data.metrics.update({"placement/staleness_mean": float(staleness), "placement/staleness_max": staleness,
                              "placement/rollout_busy_s": produced.busy_s, "placement/rollout_idle_s": produced.idle_s})
         self.rollout_stop = produced.stop
+        if self.reward_models is not None:  # scored here, on the trainer ranks, which hold the models
+            add_model_rewards(data, self.reward_models, self.recipe, self.inputs, self.dist)
         return data
 
     def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:

@@ -65,8 +65,8 @@ def check_variants(result: dict, folder: str, variants) -> None:
         for name, values in expected.items():
             worst = (torch.tensor(got["scores"][name]) - torch.tensor(values)).abs().max().item()
             assert worst <= TOLERANCE, f"{variant} {name}: {worst:.2e}"
-        assert got["metrics"]["reward_model/short/truncated"] == truncated
-        assert got["metrics"]["reward_model/chat/truncated"] == 0
+        assert got["metrics"]["reward_truncated/short"] == truncated
+        assert got["metrics"]["reward_truncated/chat"] == 0
 
 
 def test_world_size_1_zero3_every_variant_equals_transformers(folder):
