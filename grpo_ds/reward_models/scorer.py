@@ -31,7 +31,6 @@ module moves to the CPU after scoring and back before. On a CPU machine both run
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +99,7 @@ class _Model:
 @dataclass(frozen=True)
 class Scored:
     """One step's reward-model scores: ``scores[name][i]`` for every sample i of the batch (normalised), on every
-    rank, and the step's metrics (per model: truncated inputs over the batch, seconds of the slowest rank)."""
+    rank, and the step's metrics (per model: its inputs truncated over the batch)."""
 
     scores: dict[str, list[float]]
     metrics: dict[str, float] = field(default_factory=dict)
@@ -178,19 +177,15 @@ class RewardModels:
             if errors := [err for err, _, _ in per_model if err is not None]:
                 raise errors[0]
         mine: dict[str, list[float]] = {}
-        seconds: dict[str, float] = {}
         for index, (m, (ids, plan)) in enumerate(zip(self.models, rendered, strict=True)):
-            began = time.perf_counter()
             rounds = max(ranks[index][2] for ranks in everyone)
             mine[m.spec.name] = self._forwards(m, ids, plan, rounds)
-            seconds[m.spec.name] = time.perf_counter() - began
-        parts = dist.dp_parts(dist.all_gather((mine, seconds)))
-        scores = {m.spec.name: [s for part, _ in parts for s in part[m.spec.name]] for m in self.models}
+        parts = dist.dp_parts(dist.all_gather(mine))
+        scores = {m.spec.name: [s for part in parts for s in part[m.spec.name]] for m in self.models}
         metrics: dict[str, float] = {}
         dp_status = dist.dp_parts(everyone)
-        for index, m in enumerate(self.models):  # (the whole scoring's time is the driver's time_reward_model_s)
+        for index, m in enumerate(self.models):  # (the scoring's time is the driver's time_reward_model_s)
             metrics[f"reward_truncated/{m.spec.name}"] = sum(ranks[index][1] for ranks in dp_status)
-            metrics[f"reward_seconds/{m.spec.name}"] = max(s[m.spec.name] for _, s in parts)
         return Scored(scores, metrics)
 
     def _plan(self, ids: list[list[int]], packed: bool) -> list[tuple[int, ...]]:

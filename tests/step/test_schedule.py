@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from grpo_ds.run import checkpoint
+from grpo_ds.reward_models.tiny import write_digit_reward_model
 from grpo_ds.run.preemption import EXIT_PREEMPTED
 from tests.launch import REPO, clean_env, free_port, rank_log_records, remove_shm_buffers
 from tests.run.test_preemption import _wait_for
@@ -117,11 +118,18 @@ def staleness_one(tmp_path_factory) -> Path:
 
 
 def test_split_at_staleness_zero_equals_colocated_and_samples_with_the_trainers_weights(tmp_path):
-    _ok(_run(2, tmp_path / "colocated", "train.steps=4"))
-    split_err = _ok(_run(3, tmp_path / "split", *SPLIT_KEYS, "train.steps=4"))
+    """Both runs are also scored by a reward model (grpo_ds.reward_models) beside the function: colocated, every rank
+    scores its share; split, the trainer ranks score each batch after it arrives, and the rollout rank holds none."""
+    model = write_digit_reward_model(tmp_path / "digit7")
+    with_model = f'reward.models=[{{"path": "{model}", "name": "digit7", "weight": 4.0}}]'
+    _ok(_run(2, tmp_path / "colocated", "train.steps=4", with_model))
+    split_err = _ok(_run(3, tmp_path / "split", *SPLIT_KEYS, "train.steps=4", with_model))
     colocated, split = tmp_path / "colocated" / "tiny_cpu", tmp_path / "split" / "tiny_cpu"
     got, expected = _metrics(split), _metrics(colocated)
     assert sum(m["grad_norm"] > 0 for m in expected) >= 2, expected  # the weights move: equality means something
+    assert all(m["reward/digit7"] > 0 and m["reward_mean"] == pytest.approx(
+        m["reward/split_rewards:parity"] + 4.0 * m["reward/digit7"], abs=1e-9) for m in got)
+    assert all(m["time_reward_model_s"] > 0 for m in got)  # the trainer's own phase
     assert [{k: v for k, v in m.items() if not k.startswith("placement/")} for m in _steady(got)] == \
         _steady(expected)
     for rank in (0, 1):  # the same samples trained on each trainer rank, and the same final weights
@@ -136,6 +144,7 @@ def test_split_at_staleness_zero_equals_colocated_and_samples_with_the_trainers_
     rollout_log = rank_log_records(split / "ranks" / "rank2.jsonl")
     assert [(r["step"], r["role"], r["weight_version"]) for r in rollout_log] == \
         [(k, "rollout", k - 1) for k in range(1, 5)]
+    assert all(phase[0] != "reward_model" for r in rollout_log for phase in r.get("phases", []))  # not here
     assert "error" not in split_err.lower()
 
 
