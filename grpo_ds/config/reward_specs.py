@@ -1,6 +1,7 @@
 """The recipe's ``reward`` entries as values: each function spec's keys, types and default weight, each reward model
 spec's keys, types and defaults, and the choices of ``reward.on_error``. Nothing here imports a reward function or
-loads a model: grpo_ds.rewards.loading resolves the names later, and grpo_ds.reward_models checks the folders.
+loads a model: grpo_ds.rewards.loading resolves the names later, and grpo_ds.model.reward_model_checks checks the
+folders.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class RewardModelSpec:
 
 def parse_reward_model_specs(specs: list) -> list[RewardModelSpec]:
     """Check ``[{"path": ..., ...}, ...]`` (keys, types, ranges and choices, as each field declares them; distinct
-    names) and apply the defaults. Reads no file: grpo_ds.reward_models.checks checks the folders."""
+    names) and apply the defaults. Reads no file: grpo_ds.model.reward_model_checks checks the folders."""
     parsed = [_parse_model(f"reward.models[{i}]", spec) for i, spec in enumerate(specs)]
     names = [spec.name for spec in parsed]
     for i, name in enumerate(names):

@@ -55,6 +55,11 @@ def validate(recipe: Recipe) -> None:
         raise UserError("train.tensor_parallel_size", f"{tp} with model.lora_rank: AutoTP would split the layers "
                         "peft wraps, and adapters on split layers cannot be merged for the rollout engine",
                         "train LoRA with tensor_parallel_size 1 (ZeRO-3 already partitions the base)")
+    if tp > 1 and recipe.reward.models:
+        raise UserError("train.tensor_parallel_size", f"{tp} with reward.models: a reward model does not follow the "
+                        "policy's tensor-parallel layout (AutoTP) yet; it would need the policy's tensor-parallel "
+                        "groups", "train with tensor_parallel_size 1 (ZeRO-3 partitions the reward model too), or "
+                        "score with reward.functions")
     _validate_sequence_parallel(recipe)
     if tp > 1 and m.path == "builtin:tiny" and m.tiny_num_heads % tp:
         raise UserError("train.tensor_parallel_size", f"{tp} does not divide model.tiny_num_heads "
@@ -180,11 +185,10 @@ def _validate_reward_specs(functions: list, scored_by_env: bool) -> None:
 
 
 def _validate_reward_model_names(functions: list, models: list) -> None:
-    """Each reward model's entry (keys, types, ranges; its folder is checked before loading, by
-    grpo_ds.reward_models.checks), and a name of its own: its metrics (reward/NAME) must not mix with another's."""
-    taken = {spec.name for spec in parse_reward_specs(functions)}
+    """Each reward model's entry (keys, types, ranges, distinct names; its folder is checked before loading, by
+    grpo_ds.model.reward_model_checks), and a name no reward function has: their metrics (reward/NAME) must not mix."""
+    functions = {spec.name for spec in parse_reward_specs(functions)}
     for i, spec in enumerate(parse_reward_model_specs(models)):
-        if spec.name in taken:
-            raise UserError(f"reward.models[{i}].name", f'"{spec.name}" is already the name of a reward function or '
-                            "model (its metrics reward/NAME would mix)", 'give it another "name"')
-        taken.add(spec.name)
+        if spec.name in functions:
+            raise UserError(f"reward.models[{i}].name", f'"{spec.name}" is the name of a reward function too (their '
+                            "metrics reward/NAME would mix)", 'give the model another "name"')

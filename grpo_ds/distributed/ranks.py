@@ -64,6 +64,13 @@ class Dist:
         """One entry per data-parallel rank of a list with one entry per rank (each group's first rank's)."""
         return parts[::self.ranks_per_shard]
 
+    def dp_slice(self, count: int) -> tuple[int, int]:
+        """This rank's contiguous, near-equal slice [lo, hi) of ``count`` items, by its data-parallel rank (the ranks
+        of a tensor- or sequence-parallel group get the same slice)."""
+        base, extra = divmod(count, self.dp_size)
+        lo = self.dp_rank * base + min(self.dp_rank, extra)
+        return lo, lo + base + (self.dp_rank < extra)
+
     # Collectives for the driver's small objects; no-ops at world size 1. Kernels never communicate.
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

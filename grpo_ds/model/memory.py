@@ -157,7 +157,7 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
 
 def reward_model_shape(spec: RewardModelSpec) -> RewardModelShape:
     """A reward model's parameters from its config.json, the model built on the meta device (no weights, no
-    memory); the folder was checked before (grpo_ds.reward_models.checks)."""
+    memory); the folder was checked before (grpo_ds.model.reward_model_checks)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(spec.path, local_files_only=True)

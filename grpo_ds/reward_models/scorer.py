@@ -2,7 +2,7 @@
 
 One step, per reward model (every rank runs the same code):
 
-    rank r's contiguous share of the samples (grpo_ds.step.collect.slice_for_rank over the data-parallel ranks)
+    rank r's contiguous share of the samples (Dist.dp_slice: by data-parallel rank)
       -> rendered as text and tokenized by the model's own tokenizer (grpo_ds.reward_models.render)
       -> token micro-batches (grpo_ds.step.plan.pack_micro_batches, budget ``micro_tokens``): one packed row with
          position ids restarting per sequence where the model allows it, else right-padded rows with a mask
@@ -45,21 +45,9 @@ from grpo_ds.errors import UserError, first_line
 from grpo_ds.model.engine import create_reference_engine
 from grpo_ds.model.loading import _partitioned_loading
 from grpo_ds.reward_models.render import render
-from grpo_ds.step.collect import slice_for_rank
 from grpo_ds.step.plan import pack_micro_batches
 
 _HEADS = ("score", "classifier")  # where sequence classifiers keep their head (Llama, Qwen2, Mistral...: score)
-
-
-def layout_problem(recipe) -> str | None:
-    """Why the recipe's reward models cannot run in its parallel layout (one line), or None. Under sequence
-    parallelism every rank of a group scores the group's samples whole (the reward model is not split along the
-    sequence); tensor parallelism (AutoTP) is not followed: its reward model would need the policy's TP groups."""
-    if recipe.reward.models and recipe.train.tensor_parallel_size > 1:
-        return (f"reward.models: a reward model cannot follow train.tensor_parallel_size="
-                f"{recipe.train.tensor_parallel_size} (AutoTP); train with tensor_parallel_size 1, or score with "
-                "reward.functions")
-    return None
 
 
 def reward_model_ds_config(ds_config: dict, offload: bool, device_type: str = "cpu") -> dict:
@@ -121,10 +109,6 @@ class RewardModels:
         models' pre-load checks), so a failure to load here is reported in one line but not explained."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        names = [spec.name for spec in specs]
-        if twice := sorted({n for n in names if names.count(n) > 1}):
-            raise UserError("reward.models", f"two models are named {twice[0]!r} (their scores and metrics are keyed "
-                            "by name)", "give each a distinct name")
         models = []
         for spec in specs:
             cfg = reward_model_ds_config(ds_config, spec.offload, dist.device.type)
@@ -159,7 +143,7 @@ class RewardModels:
 
     def score(self, prompts: list[str], completions: list[str], dist: Dist) -> Scored:
         """Every model's normalised score of every sample (``prompts[i] + completions[i]``), on every rank."""
-        lo, hi = slice_for_rank(len(prompts), dist)
+        lo, hi = dist.dp_slice(len(prompts))
         rendered, status = [], []
         for m in self.models:
             try:

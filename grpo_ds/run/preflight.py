@@ -2,7 +2,7 @@
 
 ``prepare_inputs`` is the first thing ``grpo_ds.train`` (and the dry run ``grpo_ds.check``) does: the recipe and
 its overrides, the DeepSpeed file, the model path and tokenizer, the reward functions, the reward models' folders
-(grpo_ds.reward_models.checks), the agent environment, the logging extras and the dataset rows. What it returns
+(grpo_ds.model.reward_model_checks), the agent environment, the logging extras and the dataset rows. What it returns
 (``Inputs``) is everything the run needs besides the model. A problem is one ``UserError`` line.
 """
 
@@ -25,7 +25,7 @@ from grpo_ds.config.software import resolve_backend
 from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
 from grpo_ds.model.loading import BUILTIN_TINY, context_length, load_tokenizer
-from grpo_ds.reward_models.checks import check_reward_models
+from grpo_ds.model.reward_model_checks import check_reward_models
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm_checks import check_vllm_setup
 from grpo_ds.run.folder import check_run_folder

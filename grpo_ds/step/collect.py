@@ -14,8 +14,6 @@ the trained groups whose rewards are all equal (with dynamic sampling: the toppe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rewards import RewardResult, score
@@ -26,16 +24,14 @@ from grpo_ds.run.prompts import PromptRow, PromptSampler
 from grpo_ds.step.batch import StepBatch
 from grpo_ds.step.profiling import Phase
 
-if TYPE_CHECKING:  # grpo_ds.reward_models.scorer imports this package
-    from grpo_ds.reward_models.scorer import RewardModels
-
 
 def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sampler: PromptSampler,
-            dist: Dist, reward_models: RewardModels | None = None) -> StepBatch:
+            dist: Dist, reward_models=None) -> StepBatch:
     """The step's samples and rewards (plus the collection's metrics, and its "rollout", "reward_model" and "reward"
-    times). ``reward_models``: the recipe's learned reward models, held by every rank that calls this (colocated
-    placement); None where none are held (no reward.models, or the rollout ranks of a split placement, whose trainer
-    adds the models' scores: ``add_model_rewards``)."""
+    times). ``reward_models``: the recipe's learned reward models (a grpo_ds.reward_models.scorer.RewardModels, passed
+    in: this part does not import that one, which plans its micro-batches with grpo_ds.step.plan), held by every rank
+    that calls this (colocated placement); None where none are held (no reward.models, or the rollout ranks of a split
+    placement, whose trainer adds the models' scores: ``add_model_rewards``)."""
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     a = recipe.algorithm
     rounds = 1 + (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 0)
@@ -47,7 +43,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     for round_index in range(rounds):
         with Phase("rollout", times, spans):
             prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
-            lo, hi = slice_for_rank(P, dist)
+            lo, hi = dist.dp_slice(P)
             sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature,
                                       recipe.rollout.top_p, recipe.rollout.top_k, seed=recipe.run.seed * 1_000_003
                                       + step * 1_009 + round_index * 100_003, first_prompt=lo)
@@ -114,7 +110,7 @@ def completion_texts(inputs: Inputs, rollouts: Rollouts) -> list[str]:
     return inputs.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
 
 
-def score_models(reward_models: RewardModels | None, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts,
+def score_models(reward_models, inputs: Inputs, prompts: list[PromptRow], rollouts: Rollouts,
                  group_size: int, times: dict, spans: list, metrics: dict, dist: Dist
                  ) -> list[tuple[str, float, list[float]]] | None:
     """Every rank: each reward model's score of every sample, as (name, weight, scores), and its metrics added into
@@ -154,7 +150,7 @@ def _select(drawn: list[tuple[list[int], Rollouts, list[float]]], chosen: list[t
     return prompt_index, Rollouts.concat(parts), rewards
 
 
-def add_model_rewards(data: StepBatch, reward_models: RewardModels, recipe: Recipe, inputs: Inputs, dist: Dist
+def add_model_rewards(data: StepBatch, reward_models, recipe: Recipe, inputs: Inputs, dist: Dist
                       ) -> None:
     """Split placement, every trainer rank: the reward models' scores join the rewards the rollout ranks sent (the
     functions' and the environment's), and the reward metrics are made again from the sum. (Dynamic sampling, which
@@ -188,11 +184,3 @@ def _reward_metrics(scored: list[RewardResult], rewards: list[float], drawn) -> 
     if env:
         out["reward/env"] = sum(env) / len(env)
     return out
-
-
-def slice_for_rank(count: int, dist: Dist) -> tuple[int, int]:
-    """Contiguous, near-equal slice of `count` items for this rank's data-parallel group (the ranks of a
-    tensor-parallel group get the same slice)."""
-    base, extra = divmod(count, dist.dp_size)
-    lo = dist.dp_rank * base + min(dist.dp_rank, extra)
-    return lo, lo + base + (dist.dp_rank < extra)

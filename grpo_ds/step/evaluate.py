@@ -17,7 +17,7 @@ from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
 from grpo_ds.run.prompts import PromptRow
-from grpo_ds.step.collect import score_models, score_samples, slice_for_rank
+from grpo_ds.step.collect import score_models, score_samples
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -53,7 +53,7 @@ def evaluate(step: int, recipe: Recipe, inputs, prompts: list[PromptRow], engine
 
 def _answers(recipe: Recipe, prompts: list[PromptRow], engine: RolloutEngine, dist: Dist, group_size: int,
              temperature: float, seed: int) -> Rollouts:
-    lo, hi = slice_for_rank(len(prompts), dist)
+    lo, hi = dist.dp_slice(len(prompts))
     sampling = SamplingParams(recipe.rollout.max_new_tokens, temperature, recipe.rollout.top_p, recipe.rollout.top_k,
                               seed=recipe.run.seed * 7_777 + seed * 31, first_prompt=lo)
     mine = prompts[lo:hi]

@@ -31,7 +31,6 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.bridge import Bridge
@@ -45,9 +44,6 @@ from grpo_ds.run.writes import append_line
 from grpo_ds.step.batch import StepBatch
 from grpo_ds.step.collect import add_model_rewards, collect
 from grpo_ds.step.profiling import Phase
-
-if TYPE_CHECKING:  # grpo_ds.reward_models.scorer imports this package
-    from grpo_ds.reward_models.scorer import RewardModels
 
 
 def weights_needed(step: int, staleness: int, resumed_after: int) -> int:
@@ -65,7 +61,7 @@ class Colocated:
     rollout_stop = None  # every rank's own stop request is agreed on by the driver
 
     def __init__(self, recipe: Recipe, inputs: Inputs, rollout, sampler: PromptSampler, dist: Dist,
-                 bucket_bytes: int, reward_models: RewardModels | None = None) -> None:
+                 bucket_bytes: int, reward_models=None) -> None:
         self.recipe, self.inputs, self.rollout, self.sampler, self.dist = recipe, inputs, rollout, sampler, dist
         self.bucket_bytes, self.reward_models = bucket_bytes, reward_models
 
@@ -119,7 +115,7 @@ class SplitTrainer:
     role = "trainer"
 
     def __init__(self, recipe: Recipe, inputs: Inputs, dist: Dist, bridge: Bridge | None, bucket_bytes: int,
-                 reward_models: RewardModels | None = None) -> None:
+                 reward_models=None) -> None:
         self.recipe, self.inputs, self.dist, self.bridge = recipe, inputs, dist, bridge
         self.bucket_bytes, self.reward_models = bucket_bytes, reward_models
         self.staleness, self.steps = recipe.rollout.max_staleness, recipe.train.steps

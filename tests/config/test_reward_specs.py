@@ -1,6 +1,6 @@
 """The entries of reward.models (grpo_ds.config.reward_specs.RewardModelSpec): each key's check as its declaration
 says, the defaults, and the recipe reference documenting every entry key from that same declaration. No folder is
-read here (tests/reward_models/test_checks.py checks the folders)."""
+read here (tests/model/test_reward_model_checks.py checks the folders)."""
 
 import dataclasses
 import json
@@ -110,3 +110,12 @@ def test_the_reference_documents_every_entry_key_with_its_type_default_and_range
     assert documented["offload"][1] == f"bool · default `{json.dumps(RewardModelSpec.offload)}`"
     # after the reward section's own keys, before the next section
     assert page.index("`reward.models`\n") < page.index("### `reward.models[]`") < page.index("## `algorithm`")
+
+
+def test_a_model_named_like_a_reward_function_is_refused():
+    from grpo_ds.config.loading import load_recipe
+
+    with pytest.raises(UserError) as err:
+        load_recipe({"reward": {"functions": [{"name": "format"}], "models": [{"path": "m/format"}]}})
+    assert str(err.value).startswith('reward.models[0].name: "format" is the name of a reward function too')
+    load_recipe({"reward": {"functions": [{"name": "format"}], "models": [{"path": "m/format", "name": "rm"}]}})

@@ -12,7 +12,7 @@ from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.distributed.ranks import init_distributed
 from grpo_ds.errors import UserError
 from grpo_ds.model.tiny import build_tiny_tokenizer
-from grpo_ds.reward_models.scorer import RewardModels, layout_problem
+from grpo_ds.reward_models.scorer import RewardModels
 from grpo_ds.reward_models.tiny import (
     build_reward_tokenizer,
     build_tiny_reward_model,
@@ -146,17 +146,12 @@ def test_overflow_error_stops_scoring_with_one_line(folder):
     assert "max_length 24" in str(err.value) and "truncate_left" in str(err.value)
 
 
-def test_layout_problem_refuses_tensor_parallelism_only():
+def test_tensor_parallelism_is_refused_in_one_line_when_the_recipe_loads():
     from grpo_ds.config.loading import load_recipe
 
     model = [{"path": "some/folder"}]
-    assert layout_problem(load_recipe({"reward": {"models": model}})) is None
-    assert layout_problem(load_recipe({"train": {"tensor_parallel_size": 2}})) is None  # no reward model
-    problem = layout_problem(load_recipe({"reward": {"models": model}, "train": {"tensor_parallel_size": 2}}))
-    assert problem and "\n" not in problem and "tensor_parallel_size" in problem
-
-
-def test_two_models_of_one_name_are_refused_before_loading(folder):
-    spec = RewardModelSpec(path=folder, name="same")
-    with pytest.raises(UserError, match="two models are named 'same'"):
-        RewardModels.build([spec, spec], ds_config(1, False), init_distributed(), MICRO_TOKENS)
+    load_recipe({"reward": {"models": model}})  # no tensor parallelism: fine
+    load_recipe({"train": {"tensor_parallel_size": 2}})  # no reward model: fine
+    with pytest.raises(UserError) as err:
+        load_recipe({"reward": {"models": model}, "train": {"tensor_parallel_size": 2}})
+    assert str(err.value).startswith("train.tensor_parallel_size: 2 with reward.models:") and "\n" not in str(err.value)

@@ -25,8 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from grpo_ds.run import checkpoint
 from grpo_ds.reward_models.tiny import write_digit_reward_model
+from grpo_ds.run import checkpoint
 from grpo_ds.run.preemption import EXIT_PREEMPTED
 from tests.launch import REPO, clean_env, free_port, rank_log_records, remove_shm_buffers
 from tests.run.test_preemption import _wait_for

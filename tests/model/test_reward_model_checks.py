@@ -1,5 +1,5 @@
-"""Bad reward models are refused before anything loads (grpo_ds.reward_models.checks), each with one line naming the
-entry's key: a missing folder, a folder without config.json, a model without a sequence-classification head or with
+"""Bad reward models are refused before anything loads (grpo_ds.model.reward_model_checks), each with one line naming
+the entry's key: a missing folder, a folder without config.json, a model without a sequence-classification head or with
 more than one label, a length setting the model cannot take, and a tokenizer that is missing, has no pad token, has
 more tokens than the model, or has no chat template where one is asked for. Model folders are built from configs in
 tmp_path (random weights, the builtin tokenizer built in code); nothing is downloaded. One case goes through the real
@@ -15,7 +15,7 @@ import pytest
 from transformers import LlamaForCausalLM
 
 from grpo_ds.errors import UserError
-from grpo_ds.reward_models.checks import check_reward_models
+from grpo_ds.model.reward_model_checks import check_reward_models
 from grpo_ds.run.preflight import prepare_inputs
 from tests.reward_models.builders import CONTEXT, write_reward_model
 from tests.scripts.cli_forks import run_forked
