@@ -262,9 +262,11 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
             if templated:
                 prompts = [[{"role": "user", "content": p}] for p in prompts]
                 completions = [[{"role": "assistant", "content": c}] for c in completions]
-                memory["tokens"].extend(len(reward_tokenizers[0].apply_chat_template(p + c, tokenize=True,
-                                                                                      return_dict=False))
-                                        for p, c in zip(prompts, completions, strict=True))
+                texts = [reward_tokenizers[0].apply_chat_template(p + c, tokenize=False)
+                         for p, c in zip(prompts, completions, strict=True)]
+                memory.setdefault("example", texts[0])
+                memory["tokens"].extend(len(ids) for ids in reward_tokenizers[0](texts, add_special_tokens=False)
+                                        ["input_ids"])
             start = time.perf_counter()
             with RssSampler() as rss:
                 out = calculate(inputs, prompts, completions, completion_ids_list)
