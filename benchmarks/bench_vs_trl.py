@@ -724,8 +724,9 @@ def reward_model_notes(runs: dict[str, list[Run]], rm_model: str) -> list[str]:
     notes = [rm_model]
     trl_tokens = [x for r in runs["trl"] for x in (r.rm_memory or {}).get("tokens", [])]
     if trl_tokens:
+        example = next((r.rm_memory["example"] for r in runs["trl"] if (r.rm_memory or {}).get("example")), "")
         notes.append(f"reward model input (TRL's texts, its tokenizer): {statistics.fmean(trl_tokens):.1f} tokens per "
-                     f"sample on average, {max(trl_tokens)} at most")
+                     f"sample on average, {max(trl_tokens)} at most; the first text: `{json.dumps(example)}`")
     for key, rs in runs.items():
         rise, peak = reward_model_rise(rs)
         seconds = statistics.median(x for r in rs for x in r.phases["reward_model"][1:])
