@@ -45,6 +45,20 @@ precision) as a third trainer, run beside the default grpo_ds and TRL in the sam
 replaces the default grpo_ds). On CUDA the issue-38 targets are printed: grpo_ds's step time at most 0.6x TRL's, and
 lean grpo_ds's peak GPU memory at most TRL's.
 
+--reward-model (a Qwen2 shape: realistic or qwen2-0.5b; issue 36) makes a learned reward model the only reward, weight
+1: a random sequence classifier of the shape's architecture (the same hidden size, layers, heads, MLP and RoPE; one
+label, pad_token_id set; a LlamaForSequenceClassification with Qwen2's biases, see build_reward_model_folder for
+why not Qwen2ForSequenceClassification) with its own tokenizer, grpo_ds.reward_models.tiny.build_reward_tokenizer
+(character-level, 105 tokens, its own specials and chat template: no token has the policy's id). Its embedding keeps
+the policy's 151,936 rows, so it has the policy's parameter count and memory, though only the tokenizer's 105 rows are
+ever read.
+It is saved once to a temporary folder next to the policy's; grpo_ds reads it through reward.models (chat_template
+true), TRL through reward_funcs (the model object) and reward_processing_classes (its tokenizer). The table gains the
+reward model's share of each trainer's step time and of its peak memory, and the issue-36 targets are printed:
+grpo_ds at most 0.6x TRL's peak memory and at most 0.8x its step time.
+
+    python benchmarks/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python --shape realistic --reward-model --record
+
 --record appends the table, the matched and unmatched settings, and the per-phase times to benchmarks/RESULTS.md.
 """
 
@@ -80,6 +94,10 @@ LABELS = {"grpo_ds": "grpo_ds", "grpo_ds_lean": "grpo_ds lean bf16", "trl": "TRL
 LEAN = {"train.lean_bf16": True}  # what the grpo_ds_lean variant adds to the recipe
 # issue 38's targets on CUDA: step time against TRL's (the default variant), peak GPU memory against TRL's (lean)
 TIME_TARGET, LEAN_MEMORY_TARGET = 0.6, 1.0
+# issue 36's targets with a reward model (--reward-model), on any device: grpo_ds's peak memory and step time against
+# TRL's
+RM_MEMORY_TARGET, RM_TIME_TARGET = 0.6, 0.8
+RM_NAME = "rm"  # the reward model's name in grpo_ds (its metrics: reward/rm)
 
 # What every benchmark run turns off in the grpo_ds recipe: TRL does none of it either (save_strategy "no", no
 # progress bar, no completions table).
@@ -178,6 +196,7 @@ class Run:
     versions: dict[str, str]
     threads: int
     memory_peaks: list | None = None  # grpo_ds: grpo_ds.step.memory_timeline.phase_peaks of its profiled steps
+    rm_memory: dict | None = None  # TRL with a reward model: RSS (MiB) at the start, peak and rise of each scoring
 
 
 # ------------------------------------------------------------------------------------------------ recipes
@@ -191,7 +210,11 @@ def bench_recipe(args: argparse.Namespace, seed: int, workdir: Path, trainer: st
     shape = SHAPES[args.shape]
     if shape.recipe is None:
         return load_recipe(REPO / "recipes" / "tiny_cpu.json", overrides)
-    return load_recipe({**shape.recipe, "model": {**shape.recipe["model"], "path": str(workdir / "model")}}, overrides)
+    recipe = {**shape.recipe, "model": {**shape.recipe["model"], "path": str(workdir / "model")}}
+    if args.reward_model:  # the reward model is the only reward, weight 1
+        recipe["reward"] = {"functions": [], "models": [{"path": str(workdir / "reward_model"), "name": RM_NAME,
+                                                         "weight": 1.0, "chat_template": True}]}
+    return load_recipe(recipe, overrides)
 
 
 def build_qwen2_folder(folder: Path, shape: Shape, seed: int) -> int:
@@ -205,6 +228,48 @@ def build_qwen2_folder(folder: Path, shape: Shape, seed: int) -> int:
     model.save_pretrained(folder)
     build_tiny_tokenizer().save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
+
+
+def build_reward_model_folder(folder: Path, shape: Shape, seed: int) -> int:
+    """Save a random sequence classifier (one label) of the shape's Qwen2 architecture with the reward tokenizer of
+    grpo_ds.reward_models.tiny (another vocabulary than the policy's, a chat template of its own); return its number
+    of parameters. Seeded apart from the policy (seed + 10,000).
+
+    The model is a LlamaForSequenceClassification with Qwen2's dimensions, RoPE theta and q/k/v biases (Llama's
+    attention_bias adds one to o_proj too: hidden_size numbers per layer), not a Qwen2ForSequenceClassification:
+    transformers 5.24's AutoTokenizer loads the tokenizer of any folder whose config.json says qwen2 as a
+    Qwen2Tokenizer (qwen2 is in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), whose byte-level pre-tokenizer and NFC
+    normaliser replace the character tokenizer's: its newlines vanish, so both trainers would read other texts than
+    the chat template writes. The embedding keeps the policy's vocabulary size (the tokenizer names its first rows
+    only), so the reward model has the policy's size."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from grpo_ds.reward_models.tiny import build_reward_tokenizer
+
+    tokenizer, m = build_reward_tokenizer(), shape.model
+    config = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                         intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_hidden_layers"],
+                         num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_key_value_heads"],
+                         max_position_embeddings=m["max_position_embeddings"], rope_theta=m["rope_theta"],
+                         rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed + 10_000)
+    model = LlamaForSequenceClassification(config).to(shape.dtype)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def reward_model_description(shape: Shape, parameters: int) -> str:
+    from grpo_ds.reward_models.tiny import build_reward_tokenizer
+
+    m = shape.model
+    return (f"reward model: random sequence classifier of the policy's Qwen2 shape, {parameters / 1e6:,.0f} M (hidden "
+            f"{m['hidden_size']}, {m['num_hidden_layers']} layers, one label; LlamaForSequenceClassification with "
+            "Qwen2's q/k/v biases plus an o_proj bias, as transformers loads a qwen2 folder's tokenizer as "
+            f"Qwen2Tokenizer), character tokenizer of {len(build_reward_tokenizer())} tokens with its own chat "
+            f"template (embedding of {m['vocab_size']:,} rows, as the policy's; only the first ones are named)")
 
 
 def model_description(shape: Shape, parameters: int) -> str:
@@ -270,12 +335,14 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
           file=sys.stderr, flush=True)
     timeline = Path(recipe.run.output_dir) / recipe.run.name / "profile" / "rank0.memory.csv"
     peaks = phase_peaks(timeline) if trainer != "trl" and timeline.is_file() else None
+    if recipe.reward.models and trainer != "trl" and not any(p.phase == "reward_model" for p in peaks or ()):
+        raise SystemExit(f"{LABELS[trainer]} run {index + 1}: no reward_model phase in its memory timeline {timeline}")
     return Run(trainer, index, recipe.run.seed, startup_s=loop_start - start, loop_s=ends[-1] - loop_start,
                step_s=deltas(loop_start, ends), cpu_step_s=deltas(result["cpu_loop_start"], result["cpu_step_end"]),
                reward=result["reward"],
                response_len=result["response_len"], phases=result["phases"], peak_rss_mib=result["peak_rss_mib"],
                peak_gpu_mib=result.get("peak_gpu_mib"), versions=result["versions"], threads=result["threads"],
-               memory_peaks=peaks)
+               memory_peaks=peaks, rm_memory=result.get("reward_model_memory") or None)
 
 
 def deltas(start: float, ends: list[float]) -> list[float]:
@@ -372,8 +439,11 @@ def matched_lines(recipe: Recipe, trl_kwargs: dict, model: str) -> list[str]:
                                      + ("run.seed" if m.path == "builtin:tiny" else "--seed, saved once") +
                                      "; the same object for both (grpo_ds.model.loading.load_model / load_tokenizer)"),
         ("task / reward", f"{recipe.data.train} (the same rows), reward {[f['name'] for f in recipe.reward.functions]}"
-                          f" weights {trl_kwargs['reward_weights']} (grpo_ds.rewards.builtin functions passed to "
-                          "TRL as reward_funcs)"),
+                          + (f" + reward models {[m['name'] for m in recipe.reward.models]}" if recipe.reward.models
+                             else "") +
+                          f" weights {trl_kwargs['reward_weights']} (grpo_ds.rewards.builtin functions"
+                          + (" and the reward models" if recipe.reward.models else "") +
+                          " passed to TRL as reward_funcs)"),
         ("group size", f"rollout.group_size {r.group_size} = num_generations {trl_kwargs['num_generations']}"),
         ("prompts per step", f"rollout.prompts_per_step {r.prompts_per_step} = generation batch "
                              f"{trl_kwargs['per_device_train_batch_size'] * trl_kwargs['steps_per_generation']} "
@@ -441,6 +511,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lean-runs", type=int, default=None,
                         help="with --lean both: runs of the lean variant, in the first rounds (default: --runs; 1 "
                              "is enough for its peak memory)")
+    parser.add_argument("--reward-model", action="store_true",
+                        help="a random reward model of the shape's architecture with a tokenizer of its own is the "
+                             "only reward (Qwen2 shapes: realistic, qwen2-0.5b; issue 36)")
     parser.add_argument("--record", action="store_true", help="append the results to benchmarks/RESULTS.md")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -456,6 +529,9 @@ def parse_args() -> argparse.Namespace:
     if args.lean != "off" and dtype != "bfloat16":
         raise SystemExit(f"--lean {args.lean}: lean bf16 mode needs model.dtype bfloat16 (--shape {args.shape} trains "
                          f"in {dtype}); use --shape qwen2-0.5b, or --set model.dtype=bfloat16")
+    if args.reward_model and shape.model is None:
+        raise SystemExit(f"--reward-model: --shape {args.shape} has no Qwen2 architecture to build the reward model "
+                         "from; use --shape realistic (or qwen2-0.5b)")
     if args.threads is None:
         args.threads = shape.threads if args.device == "cpu" else 0
     if args.steps < 2 or args.runs < 1:
@@ -464,14 +540,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def measure(args: argparse.Namespace) -> tuple[Recipe, dict[str, list[Run]], str, float]:
-    """Every run, alternating trainers; returns the recipe (first seed), the runs, the model's name, minutes."""
+def measure(args: argparse.Namespace) -> tuple[Recipe, dict[str, list[Run]], str, str, float]:
+    """Every run, alternating trainers; returns the recipe (first seed), the runs, the model's name, the reward
+    model's ("" without --reward-model), minutes."""
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         workdir = Path(tmp)
         shape = SHAPES[args.shape]
         parameters = build_qwen2_folder(workdir / "model", shape, args.seed) if shape.model else 0
         model = model_description(shape, parameters)
+        rm_model = reward_model_description(shape, build_reward_model_folder(workdir / "reward_model", shape, args.seed)
+                                            ) if args.reward_model else ""
         runs: dict[str, list[Run]] = {t: [] for t in args.trainers}
         for i in range(args.runs):  # A B A B ... (A B C A B C ... with --lean both)
             for trainer in args.trainers:
@@ -481,13 +560,13 @@ def measure(args: argparse.Namespace) -> tuple[Recipe, dict[str, list[Run]], str
                 python = args.trl_python if trainer == "trl" else sys.executable
                 runs[trainer].append(run_one(trainer, python, recipe, i, args, workdir))
         recipe = bench_recipe(args, args.seed, workdir)
-    return recipe, runs, model, (time.monotonic() - began) / 60
+    return recipe, runs, model, rm_model, (time.monotonic() - began) / 60
 
 
 def main() -> None:
     args = parse_args()
     check_trl(args.trl_python)
-    recipe, runs, model, minutes = measure(args)
+    recipe, runs, model, rm_model, minutes = measure(args)
     cuda = args.device == "cuda"
     per_step = recipe.samples_per_step
     points = [int(p) for p in args.reward_at.split(",")] if args.reward_at else \
@@ -496,6 +575,10 @@ def main() -> None:
                "peak RSS MiB" + (" (GPU)" if cuda else ""), *[f"reward @ {n:,}" for n in points], "final reward",
                "completion tokens"]
     rows = [summary_row(t, runs[t], per_step, points, args.window, cuda) for t in args.trainers]
+    if args.reward_model:
+        headers += ["reward model ms/step (share of step)", "reward model RSS rise MiB (share of peak RSS)"]
+        for row, trainer in zip(rows, args.trainers, strict=True):
+            row += reward_model_cells(runs[trainer])
 
     main_key = args.trainers[0]
     g, t = runs[main_key], runs["trl"]
@@ -525,6 +608,15 @@ def main() -> None:
             targets.append(f"target (issue 38): grpo_ds lean bf16 peak GPU memory <= TRL's: {ratio:.2f}x "
                            f"({fmt(peak(runs['grpo_ds_lean']), 0)} vs {fmt(t_mem, 0)} MiB), "
                            f"{verdict(ratio <= LEAN_MEMORY_TARGET)}")
+    if args.reward_model:  # issue 36's targets, on any device
+        for key in variants:
+            mem_ratio, time_ratio = peak(runs[key]) / t_mem, step_s(runs[key]) / t_step
+            # one "target (...): a met, b NOT met" list, as docs/generate.py reads verdicts (no ", " or "; " in an item)
+            targets.append(f"target (issue 36, reward model): {LABELS[key]} peak memory {mem_ratio:.2f}x TRL's "
+                           f"(at most {RM_MEMORY_TARGET}x: {fmt(peak(runs[key]), 0)} vs {fmt(t_mem, 0)} MiB) "
+                           f"{verdict(mem_ratio <= RM_MEMORY_TARGET)}, {LABELS[key]} step time {time_ratio:.2f}x "
+                           f"TRL's (at most {RM_TIME_TARGET}x: {fmt(step_s(runs[key]), 3)} vs {fmt(t_step, 3)} s) "
+                           f"{verdict(time_ratio <= RM_TIME_TARGET)}")
     notes = [
         "grpo_ds: DeepSpeed at world size 1 (one process, as `python -m grpo_ds.train`: ZeRO stage 1 from "
         "ds_configs/zero3.json, its fp32 master "
@@ -552,18 +644,95 @@ def main() -> None:
         *targets,
         reward_line,
         *phase_lines(runs),
+        *(reward_model_notes(runs, rm_model) if args.reward_model else []),
         *[f"matched: {line}" for line in matched_lines(recipe, trl_config(recipe, "-", args.device), model)],
+        *([f"matched: {line}" for line in RM_MATCHED] if args.reward_model else []),
+        *([f"not matched: {line}" for line in RM_UNMATCHED] if args.reward_model else []),
         *[f"not matched: {line}" for line in UNMATCHED
           if not (line.startswith("bf16") and args.lean == "on")],
         *(["not matched, except by grpo_ds lean bf16: bf16 (CUDA) above; lean keeps bf16 master weights and AdamW "
            "moments as TRL does, in DeepSpeed's flat partition"] if args.lean == "both" else []),
     ]
     r = recipe.rollout
-    shape = (f"{model}, {recipe.data.train}, {r.prompts_per_step} prompts x {r.group_size} completions of <= "
+    with_rm = (f"with a reward model (a sequence classifier of the same shape, its own tokenizer of "
+               f"{rm_model.split('character tokenizer of ')[1].split(' ')[0]} tokens), ") if rm_model else ""
+    shape = (f"{model}, {with_rm}{recipe.data.train}, {r.prompts_per_step} "
+             f"prompts x {r.group_size} completions of <= "
              f"{r.max_new_tokens} tokens, {args.steps} steps ({per_step * args.steps:,} samples) per run, "
              f"{args.device}")
     report("bench_vs_trl", shape, args.device, markdown_table(headers, rows)
            + "".join(memory_block(runs[k], LABELS[k]) for k in variants), notes, args.record)
+
+
+# With --reward-model: how each trainer feeds the reward model.
+RM_MATCHED = [
+    "reward model: the same saved folder (weights and tokenizer, both loaded with transformers' Auto classes) for "
+    "both, in the policy's dtype, weight 1.0, "
+    "the only reward; grpo_ds: reward.models [{path, name 'rm', chat_template true}] (grpo_ds.reward_models: loaded "
+    "on the rank like the reference model, no optimizer); TRL: reward_funcs [the model object, "
+    "AutoModelForSequenceClassification num_labels 1, as TRL loads a path] and reward_processing_classes [its "
+    "tokenizer]",
+    "reward model input: both decode the completion with the policy's tokenizer and render the plain-text prompt "
+    "and the completion as [user: prompt, assistant: completion] with the reward model's own chat template, then "
+    "tokenize that text with the reward model's tokenizer (no special tokens added: the template writes <s>); no "
+    "policy token id reaches it. TRL applies a reward model's chat template only to conversational prompts, so the "
+    "runner hands TRL's _calculate_rewards the prompt and completion as those two messages (the benchmark's prompts "
+    "are plain text for both policies); the rest is TRL's own code",
+    "reward model output: the logit of the one label at the last token of each text, unnormalised (grpo_ds mean 0, "
+    "std 1)",
+]
+RM_UNMATCHED = [
+    "reward model batching: grpo_ds packs the step's texts into token micro-batches (the planner's budget, "
+    "train.logprob_micro_batch_samples_per_gpu x the longest prompt + response) with position ids restarting per "
+    "text, where the model scores packed texts as alone (checked at load); TRL right-pads the whole batch of "
+    "P x G texts and runs one forward, under inference_mode",
+    "reward model time: grpo_ds's time_reward_model_s covers rendering, tokenizing, scoring and gathering (its "
+    "'reward_model' phase); TRL's is the wall time of _calculate_rewards (the same work, one batch)",
+    "reward model memory: grpo_ds's rise is its memory timeline's reward_model phase (steps 2 on, RSS sampled every "
+    "10 ms and at the phase's bounds), the run with the highest peak; TRL's is sampled by a thread in the runner "
+    "every 5 ms (and at the start and end) around _calculate_rewards, the largest rise of steps 2 on; both RSS",
+    "reward model texts: the policy is a random model over 151,936 token ids of which its character tokenizer "
+    "names 103, so a completion decodes to a few characters: the reward model reads short texts (TRL's mean is in "
+    "the notes above), and its vocabulary of 105 tokens means the embedding's 151,936 rows are mostly never read",
+]
+
+
+def reward_model_cells(runs: list[Run]) -> list[str]:
+    """The reward model's median time per step (share of the median step) and its largest RSS rise (share of the
+    peak RSS), steps 2 on."""
+    seconds = statistics.median(x for r in runs for x in r.phases["reward_model"][1:])
+    step = statistics.median(x for r in runs for x in r.step_s[1:])
+    rise, peak = reward_model_rise(runs)
+    return [f"{fmt(seconds * 1e3, 1)} ({seconds / step:.0%})", f"{fmt(rise, 0)} ({rise / peak:.0%})"]
+
+
+def reward_model_rise(runs: list[Run]) -> tuple[float, float]:
+    """(the reward model's largest RSS rise, MiB, and the peak RSS of that run): grpo_ds from its memory timeline's
+    reward_model phase, TRL from the runner's samples around _calculate_rewards."""
+    found = []
+    for r in runs:
+        if r.memory_peaks:
+            phase = next(p for p in r.memory_peaks if p.phase == "reward_model")
+            found.append((phase.rss_rise / 2**20, r.peak_rss_mib))
+        elif r.rm_memory:
+            rises = r.rm_memory["rise_mib"][1:] or r.rm_memory["rise_mib"]
+            found.append((max(rises), r.peak_rss_mib))
+    return max(found)
+
+
+def reward_model_notes(runs: dict[str, list[Run]], rm_model: str) -> list[str]:
+    notes = [rm_model]
+    trl_tokens = [x for r in runs["trl"] for x in (r.rm_memory or {}).get("tokens", [])]
+    if trl_tokens:
+        example = next((r.rm_memory["example"] for r in runs["trl"] if (r.rm_memory or {}).get("example")), "")
+        notes.append(f"reward model input (TRL's texts, its tokenizer): {statistics.fmean(trl_tokens):.1f} tokens per "
+                     f"sample on average, {max(trl_tokens)} at most; the first text: `{json.dumps(example)}`")
+    for key, rs in runs.items():
+        rise, peak = reward_model_rise(rs)
+        seconds = statistics.median(x for r in rs for x in r.phases["reward_model"][1:])
+        notes.append(f"{LABELS[key]} reward model: {fmt(seconds * 1e3, 1)} ms per step (median, steps 2 on), RSS "
+                     f"rise {fmt(rise, 0)} MiB over a peak of {fmt(peak, 0)} MiB")
+    return notes
 
 
 def memory_block(runs: list[Run], label: str = "grpo_ds") -> str:

@@ -82,7 +82,8 @@ def run_grpo_ds(recipe: dict) -> dict:
 
     driver.MetricsLogger = StampedLogger
     history = driver.run(recipe)
-    phases = ("rollout", "reward", "logprob", "update", "sync")
+    phases = [p for p in ("rollout", "reward_model", "reward", "logprob", "update", "sync")
+              if f"time_{p}_s" in history[0]]  # reward_model: with reward.models only
     return {**stamps, "reward": [m["reward_mean"] for m in history],
             "response_len": [m["response_len_mean"] for m in history],
             "phases": {p: [m[f"time_{p}_s"] for m in history] for p in phases},
@@ -127,7 +128,8 @@ def trl_config(recipe: Recipe, output_dir: str, device: str) -> dict:
         # algorithm
         beta=a.kl_coef, epsilon=a.clip_low, epsilon_high=a.clip_high, loss_type=LOSS_TYPES[a.loss_agg],
         scale_rewards=scale, mask_truncated_completions=a.mask_truncated,
-        reward_weights=[float(spec.get("weight", 1.0)) for spec in recipe.reward.functions],
+        reward_weights=[float(spec.get("weight", 1.0)) for spec in recipe.reward.functions]
+        + [float(spec.get("weight", 1.0)) for spec in recipe.reward.models],  # reward_funcs: functions, then models
         # optimizer: AdamW, constant learning rate after warm-up, global gradient-norm clipping
         learning_rate=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
         adam_epsilon=1e-8, optim="adamw_torch_fused" if device == "cuda" else "adamw_torch",
@@ -141,8 +143,57 @@ def trl_config(recipe: Recipe, output_dir: str, device: str) -> dict:
     )
 
 
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024  # kB -> MiB
+
+
+class RssSampler:
+    """The highest resident memory (VmRSS) of this process while the block runs, sampled every 5 ms by a thread, and
+    at its start and end; ``rise``: that peak above the RSS at its start (what the block added on top)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._sample, daemon=True)
+        self.start = self.peak = 0.0
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_mib())
+
+    def __enter__(self) -> RssSampler:
+        self.start = self.peak = rss_mib()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_mib())
+
+    @property
+    def rise(self) -> float:
+        return self.peak - self.start
+
+
+def trl_reward_models(recipe: Recipe) -> tuple[list, list]:
+    """Each of the recipe's reward models (reward.models) as TRL takes it: the model object (loaded as TRL loads a
+    reward_funcs path, AutoModelForSequenceClassification with num_labels 1, in the policy's dtype as grpo_ds loads
+    it) and its own tokenizer (reward_processing_classes)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    models, tokenizers = [], []
+    for spec in recipe.reward.models:
+        dtype = getattr(torch, recipe.model.dtype)
+        models.append(AutoModelForSequenceClassification.from_pretrained(spec["path"], num_labels=1, dtype=dtype))
+        tokenizers.append(AutoTokenizer.from_pretrained(spec["path"]))
+    return models, tokenizers
+
+
 def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
-    """TRL's GRPOTrainer on the same model, tokenizer, prompts and reward functions as grpo_ds."""
+    """TRL's GRPOTrainer on the same model, tokenizer, prompts and reward functions (and reward models) as grpo_ds."""
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -173,8 +224,11 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
             stamp(stamps, "step_end")
 
     config = GRPOConfig(**trl_config(recipe, output_dir, device))
-    trainer = GRPOTrainer(model=model, reward_funcs=[BUILTIN_REWARDS[s["name"]] for s in specs], args=config,
-                          train_dataset=dataset, processing_class=tokenizer, callbacks=[Stamps()])
+    reward_models, reward_tokenizers = trl_reward_models(recipe)
+    trainer = GRPOTrainer(model=model, reward_funcs=[BUILTIN_REWARDS[s["name"]] for s in specs] + reward_models,
+                          args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Stamps()],
+                          reward_processing_classes=[None] * len(specs) + reward_tokenizers if reward_models
+                          else None)
 
     # phase times: generation (transformers generate), and generation + reward + advantages (TRL's
     # _generate_and_score_completions); the rest of a step is the policy update
@@ -190,10 +244,44 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
 
     trainer._generate = timed("rollout", trainer._generate)
     trainer._generate_and_score_completions = timed("rollout_reward", trainer._generate_and_score_completions)
+    memory: dict[str, list[float]] = {}
+    if reward_models:
+        phases["reward_model"], memory = [], {"rise_mib": [], "start_mib": [], "peak_mib": [], "tokens": []}
+        templated = all(spec.get("chat_template", True) for spec in recipe.reward.models)
+        if not templated and any(spec.get("chat_template", True) for spec in recipe.reward.models):
+            raise SystemExit("bench_vs_trl: TRL applies a chat template to every reward model or to none")
+        if templated and specs:  # the functions would get the messages too
+            raise SystemExit("bench_vs_trl: a chat-templated reward model is compared with no reward function beside")
+        calculate = trainer._calculate_rewards
+
+        def calculate_rewards(inputs, prompts, completions, completion_ids_list):
+            """TRL's own reward computation (its tokenization and one forward of the whole batch per model), timed,
+            its RSS sampled; with chat templates the plain-text prompt and completion are handed to it as a user and
+            an assistant message, as grpo_ds renders them: TRL applies a reward model's chat template only to
+            conversational prompts."""
+            if templated:
+                prompts = [[{"role": "user", "content": p}] for p in prompts]
+                completions = [[{"role": "assistant", "content": c}] for c in completions]
+                texts = [reward_tokenizers[0].apply_chat_template(p + c, tokenize=False)
+                         for p, c in zip(prompts, completions, strict=True)]
+                memory.setdefault("example", texts[0])
+                memory["tokens"].extend(len(ids) for ids in reward_tokenizers[0](texts, add_special_tokens=False)
+                                        ["input_ids"])
+            start = time.perf_counter()
+            with RssSampler() as rss:
+                out = calculate(inputs, prompts, completions, completion_ids_list)
+            phases["reward_model"].append(time.perf_counter() - start)
+            memory["rise_mib"].append(rss.rise)
+            memory["start_mib"].append(rss.start)
+            memory["peak_mib"].append(rss.peak)
+            return out
+
+        trainer._calculate_rewards = calculate_rewards
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e]
     return {**stamps, "reward": [e["reward"] for e in logs],
             "response_len": [e.get("completions/mean_length") for e in logs], "phases": phases,
+            "reward_model_memory": memory,
             "versions": versions(("torch", "transformers", "trl", "accelerate", "datasets"))}
 
 

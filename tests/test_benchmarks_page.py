@@ -59,6 +59,29 @@ def test_the_summary_shows_the_latest_block_per_question_and_its_verdicts(genera
     assert not unasked
 
 
+def test_a_reward_model_block_answers_reward_models_only_with_both_issue_36_verdicts(generate):
+    """bench_vs_trl --reward-model's heading also names the 151,936 vocabulary: its row is "Reward models", the
+    realistic row keeps its own block, and the issue-36 list gives one verdict per target."""
+    realistic = _vs_trl("2026-11-02 10:00", "ccccccc", "time per step met, memory met").replace(
+        "builtin:tiny, builtin:arith, 25 prompts x 32 completions",
+        "random Qwen2 43 M (hidden 256, 4 layers, vocabulary 151,936), builtin:arith, 8 prompts x 8 completions")
+    rm = realistic.replace("vocabulary 151,936), builtin:arith", "vocabulary 151,936), with a reward model (a "
+                           "sequence classifier of the same shape, its own tokenizer of 105 tokens), builtin:arith")
+    rm = rm.replace("(2026-11-02 10:00 UTC)", "(2026-11-03 10:00 UTC)").replace(
+        "- target (grpo_ds ahead)", "- target (issue 36, reward model): grpo_ds peak memory 0.59x TRL's (at most "
+        "0.6x: 1,610 vs 2,734 MiB) met, grpo_ds step time 0.85x TRL's (at most 0.8x: 52.764 vs 62.000 s) NOT met\n"
+        "- target (grpo_ds ahead)")
+    rows, unasked, _ = _rows(generate, realistic, rm)
+    assert rows["Reward models"].block.heading.endswith("(2026-11-03 10:00 UTC)")
+    assert rows["Speed and memory vs TRL, CPU, vocabulary 151,936"].block.heading.endswith("(2026-11-02 10:00 UTC)")
+    issue = [(t.what, t.met) for t in rows["Reward models"].targets if t.what.startswith("issue 36")]
+    assert issue == [("issue 36, reward model: grpo_ds peak memory 0.59x TRL's (at most 0.6x: 1,610 vs 2,734 MiB)",
+                      True),
+                     ("issue 36, reward model: grpo_ds step time 0.85x TRL's (at most 0.8x: 52.764 vs 62.000 s)",
+                      False)]
+    assert not unasked
+
+
 def test_questions_without_a_block_say_not_measured_yet(generate):
     rows, _, _ = _rows(generate, NEW)
     for title in ("Placement: colocated vs split S=0 vs S=1 (CPU, real vLLM)", "Reward models",
