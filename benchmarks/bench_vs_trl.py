@@ -52,6 +52,11 @@ why not Qwen2ForSequenceClassification) with its own tokenizer, grpo_ds.reward_m
 (character-level, 105 tokens, its own specials and chat template: no token has the policy's id). Its embedding keeps
 the policy's 151,936 rows, so it has the policy's parameter count and memory, though only the tokenizer's 105 rows are
 ever read.
+The policy's tokenizer then names every one of its 151,936 ids (build_named_tokenizer: the 103 character tokens as
+without --reward-model, and a word of a space and four letters for every other id), so that a completion of 64 random
+tokens decodes to about 320 characters, which the reward model's character tokenizer reads as about 320 tokens (plus
+the chat template and the prompt); prompts tokenize as without it. Without --reward-model the policy keeps the
+character tokenizer alone, whose 103 names leave almost every sampled id without text.
 It is saved once to a temporary folder next to the policy's; grpo_ds reads it through reward.models (chat_template
 true), TRL through reward_funcs (the model object) and reward_processing_classes (its tokenizer). The table gains the
 reward model's share of each trainer's step time and of its peak memory, and the issue-36 targets are printed:
@@ -104,7 +109,8 @@ RM_NAME = "rm"  # the reward model's name in grpo_ds (its metrics: reward/rm)
 QUIET = {"checkpoint.every_steps": None, "run.save_final_model": False, "logging.progress_bar": False,
          "logging.samples_every_steps": None, "logging.every_steps": 10**9, "run.overwrite": True}
 
-# Random Qwen2-architecture models built from a config in code (the builtin character tokenizer beside them): a
+# Random Qwen2-architecture models built from a config in code (the builtin character tokenizer beside them, or with
+# --reward-model build_named_tokenizer): a
 # random model over a 151,936-token vocabulary practically never samples EOS, so every completion is max_new_tokens
 # long. QWEN2_05B is Qwen2.5-0.5B's shape (0.49 B parameters with tied embeddings).
 QWEN2_COMMON = dict(vocab_size=151_936, max_position_embeddings=4_096, rope_theta=1e6, tie_word_embeddings=True,
@@ -197,6 +203,9 @@ class Run:
     threads: int
     memory_peaks: list | None = None  # grpo_ds: grpo_ds.step.memory_timeline.phase_peaks of its profiled steps
     rm_memory: dict | None = None  # TRL with a reward model: RSS (MiB) at the start, peak and rise of each scoring
+    # with a reward model: what it read (the runner's "tokens", "completion_chars", "example"; grpo_ds: "truncated";
+    # TRL: "decoded_as_grpo_ds", "decoded_differently")
+    rm_inputs: dict | None = None
 
 
 # ------------------------------------------------------------------------------------------------ recipes
@@ -217,8 +226,9 @@ def bench_recipe(args: argparse.Namespace, seed: int, workdir: Path, trainer: st
     return load_recipe(recipe, overrides)
 
 
-def build_qwen2_folder(folder: Path, shape: Shape, seed: int) -> int:
-    """Save the shape's random Qwen2 model and the builtin character tokenizer; return the number of parameters."""
+def build_qwen2_folder(folder: Path, shape: Shape, seed: int, named: bool = False) -> int:
+    """Save the shape's random Qwen2 model and the builtin character tokenizer (``named``: build_named_tokenizer over
+    the model's vocabulary, checked as both trainers load it); return the number of parameters."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from grpo_ds.model.tiny import build_tiny_tokenizer
@@ -226,8 +236,73 @@ def build_qwen2_folder(folder: Path, shape: Shape, seed: int) -> int:
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(**shape.model)).to(shape.dtype)
     model.save_pretrained(folder)
-    build_tiny_tokenizer().save_pretrained(folder)
+    (build_named_tokenizer(shape.model["vocab_size"]) if named else build_tiny_tokenizer()).save_pretrained(folder)
+    if named:
+        check_named_tokenizer(folder, shape.model["vocab_size"])
     return sum(p.numel() for p in model.parameters())
+
+
+def id_word(token_id: int) -> str:
+    """build_named_tokenizer's piece for an id past the character tokens: a space and four lowercase letters spelling
+    ``token_id - 103`` in base 26 (103: " aaaa", 104: " aaab", ...; 26^4 = 456,976 words)."""
+    from grpo_ds.model.tiny import CHARS, SPECIAL_TOKENS
+
+    n, letters = token_id - len(SPECIAL_TOKENS + CHARS), []
+    for _ in range(4):
+        n, digit = divmod(n, 26)
+        letters.append(chr(ord("a") + digit))
+    return " " + "".join(reversed(letters))
+
+
+def build_named_tokenizer(vocab_size: int):
+    """builtin:tiny's character tokenizer (grpo_ds.model.tiny: the same 103 tokens with the same ids, specials and
+    chat template) over ``vocab_size`` ids, every id past the characters named by id_word, so that whatever id the
+    random policy samples decodes to visible text (about 5 characters per token, near English text under a BPE
+    tokenizer). Encoding produces characters only: the character pre-tokenizer cuts the text into single characters,
+    and the Qwen2Tokenizer that transformers 5 loads from a qwen2 folder is a BPE with no merges, so it never joins
+    characters into a word: prompts tokenize as with the character tokenizer (check_named_tokenizer checks)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from grpo_ds.model.tiny import CHARS, IM_END, IM_START, PAD, SPECIAL_TOKENS, UNK, build_tiny_tokenizer
+
+    base = build_tiny_tokenizer()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    vocab.update((id_word(i), i) for i in range(len(vocab), vocab_size))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=base.eos_token, unk_token=UNK,
+                                   additional_special_tokens=[IM_START, IM_END], padding_side="left",
+                                   clean_up_tokenization_spaces=False, chat_template=base.chat_template,
+                                   model_max_length=base.model_max_length)
+
+
+def check_named_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Load the saved tokenizer as both trainers do (grpo_ds.model.loading.load_tokenizer) and check that it names all
+    ``vocab_size`` ids, decodes 4,096 seeded random ids (skipping special tokens, as both trainers decode completions)
+    to their pieces, and tokenizes every builtin:arith prompt as the character tokenizer does."""
+    import random
+
+    from grpo_ds.config.recipe import ModelConfig
+    from grpo_ds.model.loading import load_tokenizer
+    from grpo_ds.model.tiny import CHARS, SPECIAL_TOKENS, build_tiny_tokenizer
+    from grpo_ds.run.prompts import arith_rows
+
+    loaded, chars = load_tokenizer(ModelConfig(path=str(folder))), build_tiny_tokenizer()
+    ids = [random.Random(0).randrange(len(SPECIAL_TOKENS), vocab_size) for _ in range(4_096)]
+    expected = "".join(CHARS[i - len(SPECIAL_TOKENS)] if i < len(SPECIAL_TOKENS + CHARS) else id_word(i) for i in ids)
+    prompts = [row["prompt"] for row in arith_rows()]
+    encoded = [t(prompts, add_special_tokens=False)["input_ids"] for t in (loaded, chars)]
+    problems = [what for what, bad in [
+        (f"it names {len(loaded)} ids, not {vocab_size}", len(loaded) != vocab_size),
+        ("random ids decode to other text than their pieces", loaded.decode(ids, skip_special_tokens=True) != expected),
+        ("builtin:arith prompts tokenize otherwise than with the character tokenizer", encoded[0] != encoded[1]),
+    ] if bad]
+    if problems:
+        raise SystemExit(f"bench_vs_trl: the policy's named tokenizer, loaded from {folder} as "
+                         f"{type(loaded).__name__}: {'; '.join(problems)}")
 
 
 def build_reward_model_folder(folder: Path, shape: Shape, seed: int) -> int:
@@ -272,12 +347,12 @@ def reward_model_description(shape: Shape, parameters: int) -> str:
             f"template (embedding of {m['vocab_size']:,} rows, as the policy's; only the first ones are named)")
 
 
-def model_description(shape: Shape, parameters: int) -> str:
+def model_description(shape: Shape, parameters: int, named: bool = False) -> str:
     if shape.model is None:
         return "builtin:tiny"
     m = shape.model
     return (f"random Qwen2 {parameters / 1e6:,.0f} M (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
-            f"vocabulary {m['vocab_size']:,})")
+            f"vocabulary {m['vocab_size']:,}" + (", every id named by its tokenizer" if named else "") + ")")
 
 
 # --------------------------------------------------------------------------------------------------- runs
@@ -342,7 +417,8 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
                reward=result["reward"],
                response_len=result["response_len"], phases=result["phases"], peak_rss_mib=result["peak_rss_mib"],
                peak_gpu_mib=result.get("peak_gpu_mib"), versions=result["versions"], threads=result["threads"],
-               memory_peaks=peaks, rm_memory=result.get("reward_model_memory") or None)
+               memory_peaks=peaks, rm_memory=result.get("reward_model_memory") or None,
+               rm_inputs=result.get("reward_model_inputs") or result.get("reward_model_memory") or None)
 
 
 def deltas(start: float, ends: list[float]) -> list[float]:
@@ -547,8 +623,9 @@ def measure(args: argparse.Namespace) -> tuple[Recipe, dict[str, list[Run]], str
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         workdir = Path(tmp)
         shape = SHAPES[args.shape]
-        parameters = build_qwen2_folder(workdir / "model", shape, args.seed) if shape.model else 0
-        model = model_description(shape, parameters)
+        parameters = build_qwen2_folder(workdir / "model", shape, args.seed, named=args.reward_model) \
+            if shape.model else 0
+        model = model_description(shape, parameters, named=args.reward_model)
         rm_model = reward_model_description(shape, build_reward_model_folder(workdir / "reward_model", shape, args.seed)
                                             ) if args.reward_model else ""
         runs: dict[str, list[Run]] = {t: [] for t in args.trainers}
@@ -691,9 +768,10 @@ RM_UNMATCHED = [
     "reward model memory: grpo_ds's rise is its memory timeline's reward_model phase (steps 2 on, RSS sampled every "
     "10 ms and at the phase's bounds), the run with the highest peak; TRL's is sampled by a thread in the runner "
     "every 5 ms (and at the start and end) around _calculate_rewards, the largest rise of steps 2 on; both RSS",
-    "reward model texts: the policy is a random model over 151,936 token ids of which its character tokenizer "
-    "names 103, so a completion decodes to a few characters: the reward model reads short texts (TRL's mean is in "
-    "the notes above), and its vocabulary of 105 tokens means the embedding's 151,936 rows are mostly never read",
+    "reward model texts: the two trainers sample different ids (see generation), so their texts differ, though "
+    "alike: the policy's tokenizer names every id (a character, or a space and four letters), so each 64-token "
+    "completion decodes to about 320 characters and the reward model reads a few hundred of its tokens (the means "
+    "are in the notes above); its vocabulary of 105 tokens means the embedding's 151,936 rows are mostly never read",
 ]
 
 
@@ -722,11 +800,23 @@ def reward_model_rise(runs: list[Run]) -> tuple[float, float]:
 
 def reward_model_notes(runs: dict[str, list[Run]], rm_model: str) -> list[str]:
     notes = [rm_model]
-    trl_tokens = [x for r in runs["trl"] for x in (r.rm_memory or {}).get("tokens", [])]
-    if trl_tokens:
-        example = next((r.rm_memory["example"] for r in runs["trl"] if (r.rm_memory or {}).get("example")), "")
-        notes.append(f"reward model input (TRL's texts, its tokenizer): {statistics.fmean(trl_tokens):.1f} tokens per "
-                     f"sample on average, {max(trl_tokens)} at most; the first text: `{json.dumps(example)}`")
+    for key, rs in runs.items():  # what each trainer's reward model read, all steps of all runs
+        seen = [r.rm_inputs for r in rs if r.rm_inputs and r.rm_inputs.get("tokens")]
+        if not seen:
+            continue
+        tokens = [x for d in seen for x in d["tokens"]]
+        chars = [x for d in seen for x in d.get("completion_chars", [])]
+        example = next((d["example"] for d in seen if d.get("example")), "")
+        cut = f" ({sum(d['truncated'] for d in seen)} truncated to its max_length)" if "truncated" in seen[0] else ""
+        notes.append(f"reward model input ({LABELS[key]}'s texts, the reward model's tokenizer): "
+                     f"{statistics.fmean(tokens):.1f} tokens per sample on average, {max(tokens)} at most{cut}, over "
+                     f"{len(tokens):,} samples; completions {statistics.fmean(chars):.1f} characters on average; the "
+                     f"first text ({len(example)} characters): `{json.dumps(example[:160])[1:-1]}...`")
+        if "decoded_as_grpo_ds" in seen[0]:
+            same, other = (sum(d[k] for d in seen) for k in ("decoded_as_grpo_ds", "decoded_differently"))
+            notes.append(f"{LABELS[key]}'s completion texts (its batch_decode of the completion ids, special tokens "
+                         f"skipped) are grpo_ds's decoding of the same ids (grpo_ds.step.collect.completion_texts) for "
+                         f"{same:,} of {same + other:,} samples")
     for key, rs in runs.items():
         rise, peak = reward_model_rise(rs)
         seconds = statistics.median(x for r in rs for x in r.phases["reward_model"][1:])

@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -81,13 +82,38 @@ def run_grpo_ds(recipe: dict) -> dict:
             super().log(metrics)
 
     driver.MetricsLogger = StampedLogger
+    rm_inputs = watch_reward_model_inputs() if recipe["reward"]["models"] else {}
     history = driver.run(recipe)
     phases = [p for p in ("rollout", "reward_model", "reward", "logprob", "update", "sync")
               if f"time_{p}_s" in history[0]]  # reward_model: with reward.models only
     return {**stamps, "reward": [m["reward_mean"] for m in history],
             "response_len": [m["response_len_mean"] for m in history],
             "phases": {p: [m[f"time_{p}_s"] for m in history] for p in phases},
+            "reward_model_inputs": rm_inputs,
             "versions": versions(("torch", "transformers", "deepspeed", "grpo_ds"))}
+
+
+def watch_reward_model_inputs() -> dict:
+    """Record what grpo_ds's reward models read, by wrapping the scorer's ``render``: each completion's length in
+    characters, each rendered input's length in the reward model's tokens (after any max_length cap), how many were
+    truncated, and the first text (the chat template's rendering). Returns the dict it fills."""
+    from grpo_ds.reward_models import scorer
+    from grpo_ds.reward_models.render import render_texts
+
+    seen: dict = {"tokens": [], "completion_chars": [], "truncated": 0}
+    render = scorer.render
+
+    def recorded(spec, tokenizer, prompts, completions, *args, **kwargs):
+        ids, truncated = render(spec, tokenizer, prompts, completions, *args, **kwargs)
+        if prompts and "example" not in seen:
+            seen["example"] = render_texts(spec, tokenizer, prompts[:1], completions[:1])[0]
+        seen["tokens"].extend(len(x) for x in ids)
+        seen["completion_chars"].extend(len(c) for c in completions)
+        seen["truncated"] += truncated
+        return ids, truncated
+
+    scorer.render = recorded
+    return seen
 
 
 # ---------------------------------------------------------------------------------------------------- TRL
@@ -202,6 +228,7 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
     from grpo_ds.model.loading import load_model, load_tokenizer
     from grpo_ds.rewards.builtin import BUILTIN_REWARDS
     from grpo_ds.run.prompts import load_rows
+    from grpo_ds.step.collect import completion_texts
 
     recipe = load_recipe(recipe)
     specs = recipe.reward.functions
@@ -246,7 +273,8 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
     trainer._generate_and_score_completions = timed("rollout_reward", trainer._generate_and_score_completions)
     memory: dict[str, list[float]] = {}
     if reward_models:
-        phases["reward_model"], memory = [], {"rise_mib": [], "start_mib": [], "peak_mib": [], "tokens": []}
+        phases["reward_model"], memory = [], {"rise_mib": [], "start_mib": [], "peak_mib": [], "tokens": [],
+                                              "completion_chars": [], "decoded_as_grpo_ds": 0, "decoded_differently": 0}
         templated = all(spec.get("chat_template", True) for spec in recipe.reward.models)
         if not templated and any(spec.get("chat_template", True) for spec in recipe.reward.models):
             raise SystemExit("bench_vs_trl: TRL applies a chat template to every reward model or to none")
@@ -258,7 +286,14 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
             """TRL's own reward computation (its tokenization and one forward of the whole batch per model), timed,
             its RSS sampled; with chat templates the plain-text prompt and completion are handed to it as a user and
             an assistant message, as grpo_ds renders them: TRL applies a reward model's chat template only to
-            conversational prompts."""
+            conversational prompts. Also counts the completions whose text differs from what grpo_ds's own decoding
+            (grpo_ds.step.collect.completion_texts) makes of the same ids."""
+            ours = completion_texts(SimpleNamespace(tokenizer=tokenizer), SimpleNamespace(response_ids=[
+                list(ids) for ids in completion_ids_list]))
+            same = sum(a == b for a, b in zip(ours, completions, strict=True))
+            memory["decoded_as_grpo_ds"] += same
+            memory["decoded_differently"] += len(ours) - same
+            memory["completion_chars"].extend(len(c) for c in completions)
             if templated:
                 prompts = [[{"role": "user", "content": p}] for p in prompts]
                 completions = [[{"role": "assistant", "content": c}] for c in completions]
