@@ -59,7 +59,9 @@ the chat template and the prompt); prompts tokenize as without it. Without --rew
 character tokenizer alone, whose 103 names leave almost every sampled id without text.
 It is saved once to a temporary folder next to the policy's; grpo_ds reads it through reward.models (chat_template
 true), TRL through reward_funcs (the model object) and reward_processing_classes (its tokenizer). The table gains the
-reward model's share of each trainer's step time and of its peak memory, and the issue-36 targets are printed:
+reward model's share of each trainer's step time and of its peak memory; the notes give each trainer's reward-model
+input length (mean and max, its tokens) and first text, and check that TRL's completion texts are grpo_ds's decoding
+of the same ids (grpo_ds.step.collect.completion_texts); the issue-36 targets are printed:
 grpo_ds at most 0.6x TRL's peak memory and at most 0.8x its step time.
 
     python benchmarks/bench_vs_trl.py --trl-python /tmp/trlvenv/bin/python --shape realistic --reward-model --record
@@ -725,8 +727,10 @@ def main() -> None:
         *[f"matched: {line}" for line in matched_lines(recipe, trl_config(recipe, "-", args.device), model)],
         *([f"matched: {line}" for line in RM_MATCHED] if args.reward_model else []),
         *([f"not matched: {line}" for line in RM_UNMATCHED] if args.reward_model else []),
+        *([f"not matched: {rm_advantage_eps_line(t)}"] if args.reward_model else []),
         *[f"not matched: {line}" for line in UNMATCHED
-          if not (line.startswith("bf16") and args.lean == "on")],
+          if not (line.startswith("bf16") and args.lean == "on")
+          and not (line.startswith("advantage eps") and args.reward_model)],
         *(["not matched, except by grpo_ds lean bf16: bf16 (CUDA) above; lean keeps bf16 master weights and AdamW "
            "moments as TRL does, in DeepSpeed's flat partition"] if args.lean == "both" else []),
     ]
@@ -773,6 +777,17 @@ RM_UNMATCHED = [
     "completion decodes to about 320 characters and the reward model reads a few hundred of its tokens (the means "
     "are in the notes above); its vocabulary of 105 tokens means the embedding's 151,936 rows are mostly never read",
 ]
+
+
+def rm_advantage_eps_line(trl_runs: list[Run]) -> str:
+    """UNMATCHED's advantage eps line for a reward model's scores (not 0/1): its effect from the smallest std of a
+    group's scores that TRL's runs met."""
+    stds = [x for r in trl_runs for x in (r.rm_memory or {}).get("group_std_min", [])]
+    smallest = (f"the smallest std of a group's reward-model scores in TRL's steps was {min(stds):.4g}, so this "
+                f"changes advantages by at most {1e-4 / min(stds):.2%}") if stds and min(stds) > 0 else \
+        "TRL's runs recorded no group's std of the scores"
+    return ("advantage eps: (r - mean) / (std + eps) with eps 1e-6 in grpo_ds and 1e-4 in TRL (both the unbiased "
+            f"std); the reward model's scores are not 0/1: {smallest}")
 
 
 def reward_model_cells(runs: list[Run]) -> list[str]:

@@ -6,8 +6,11 @@ SPEC.json holds the resolved grpo_ds recipe (``Recipe.to_dict()``) that both tra
 onto a ``GRPOConfig`` in ``trl_config`` below (the one place the mapping lives; bench_vs_trl.py prints it). OUT.json
 gets per-step rewards and time stamps (``time.monotonic()``, a system-wide clock on Linux, so the parent can
 relate them to the moment it started this process), per-phase times, the peak resident memory (VmHWM) and the
-library versions of this interpreter. The TRL run may use another interpreter than grpo_ds's (a virtualenv with
-trl); it imports grpo_ds only for the model, tokenizer, data and reward code, so both train the same model.
+library versions of this interpreter; with reward models also what they read (each input's length in their tokens,
+each completion's in characters, the first text) and, on TRL's side, whether its completion texts are grpo_ds's
+decoding of the same ids and the smallest std of a group's scores. The TRL run may use another interpreter than
+grpo_ds's (a virtualenv with trl); it imports grpo_ds only for the model, tokenizer, data and reward code, so both
+train the same model.
 
 Stamps are taken at the same point of both loops: ``loop_start`` once the trainer is built (grpo_ds: the metrics
 logger is created after the DeepSpeed engine; TRL: ``on_train_begin``, after the optimizer and accelerate's
@@ -274,7 +277,8 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
     memory: dict[str, list[float]] = {}
     if reward_models:
         phases["reward_model"], memory = [], {"rise_mib": [], "start_mib": [], "peak_mib": [], "tokens": [],
-                                              "completion_chars": [], "decoded_as_grpo_ds": 0, "decoded_differently": 0}
+                                              "completion_chars": [], "decoded_as_grpo_ds": 0, "decoded_differently": 0,
+                                              "group_std_min": []}
         templated = all(spec.get("chat_template", True) for spec in recipe.reward.models)
         if not templated and any(spec.get("chat_template", True) for spec in recipe.reward.models):
             raise SystemExit("bench_vs_trl: TRL applies a chat template to every reward model or to none")
@@ -309,6 +313,9 @@ def run_trl(recipe: dict, output_dir: str, device: str) -> dict:
             memory["rise_mib"].append(rss.rise)
             memory["start_mib"].append(rss.start)
             memory["peak_mib"].append(rss.peak)
+            scores = out[:, len(specs):].float().cpu()  # (P*G, models): the reward models' columns
+            memory["group_std_min"].append(float(scores.view(-1, recipe.rollout.group_size, scores.shape[1])
+                                                 .std(dim=1).min()))  # unbiased, as both trainers' advantages
             return out
 
         trainer._calculate_rewards = calculate_rewards
