@@ -117,7 +117,7 @@ def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int, ds_config: di
     ``ds_config`` the model is born partitioned (see the module docstring). The caller's RNG stream is untouched."""
     check_model_path(model_cfg)
     dtype = torch_dtype(model_cfg.dtype)
-    with torch.random.fork_rng(devices=[]), _partitioned_loading(ds_config) as partitioned:
+    with torch.random.fork_rng(devices=[]), partitioned_loading(ds_config) as partitioned:
         if model_cfg.path == BUILTIN_TINY:
             model = _tiny_partitioned(model_cfg, vocab_size, seed, dtype) if partitioned else \
                 build_tiny_model(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers,
@@ -150,7 +150,7 @@ def is_partitioned(ds_config: dict | None) -> bool:
 
 
 @contextmanager
-def _partitioned_loading(ds_config: dict | None):
+def partitioned_loading(ds_config: dict | None):
     """transformers' DeepSpeed integration alive for the duration (ZeRO-3 only). It is not kept beyond the load:
     while it is alive transformers' ``generate`` syncs every rank at every token (``synced_gpus``), which the
     rollout engines' unsharded copies must not do."""

@@ -43,7 +43,7 @@ from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.model.engine import create_reference_engine
-from grpo_ds.model.loading import _partitioned_loading
+from grpo_ds.model.loading import partitioned_loading
 from grpo_ds.reward_models.render import render
 from grpo_ds.step.plan import pack_micro_batches
 
@@ -114,7 +114,7 @@ class RewardModels:
             cfg = reward_model_ds_config(ds_config, spec.offload, dist.device.type)
             try:
                 tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
-                with torch.random.fork_rng(devices=[]), _partitioned_loading(cfg):
+                with torch.random.fork_rng(devices=[]), partitioned_loading(cfg):
                     module = AutoModelForSequenceClassification.from_pretrained(
                         spec.path, dtype=_dtype(cfg), local_files_only=True)
             except (OSError, ValueError) as err:

@@ -38,7 +38,7 @@ def collect(step: int, recipe: Recipe, inputs: Inputs, engine: RolloutEngine, sa
     times, spans = {"rollout": 0.0, "reward": 0.0}, []
     drawn: list[tuple[list[int], Rollouts, list[float]]] = []  # per round: prompts, samples, rewards
     scored: list[RewardResult] = []
-    model_metrics: dict = {}  # the reward models' (truncated inputs, seconds), summed over rounds
+    model_metrics: dict = {}  # the reward models' (inputs truncated), summed over rounds
     informative: list[tuple[int, int]] = []  # (round, group) with unequal rewards
     for round_index in range(rounds):
         with Phase("rollout", times, spans):
@@ -153,28 +153,23 @@ def _select(drawn: list[tuple[list[int], Rollouts, list[float]]], chosen: list[t
 def add_model_rewards(data: StepBatch, reward_models, recipe: Recipe, inputs: Inputs, dist: Dist
                       ) -> None:
     """Split placement, every trainer rank: the reward models' scores join the rewards the rollout ranks sent (the
-    functions' and the environment's), and the reward metrics are made again from the sum. (Dynamic sampling, which
-    chooses groups by their rewards on the rollout ranks, is refused with reward models there.)"""
+    functions' and the environment's) by the colocated rule (``add_model_scores``), and the reward metrics are made
+    again from the sum. (Dynamic sampling, which chooses groups by their rewards on the rollout ranks, is refused
+    with reward models there.)"""
     rows = [inputs.prompts[i] for i in data.prompt_index]
     models = score_models(reward_models, inputs, rows, data.rollouts, recipe.rollout.group_size, data.times,
                           data.spans, data.metrics, dist)
-    data.rewards = [r + sum(weight * scores[i] for _, weight, scores in models) for i, r in enumerate(data.rewards)]
-    data.metrics.update(_mean_std(data.rewards), no_signal_frac=no_signal_fraction(data.rewards,
-                                                                                   recipe.rollout.group_size))
-    for name, _, scores in models:
-        data.metrics.update({f"reward/{name}": sum(scores) / len(scores), f"reward_errors/{name}": 0,
-                             f"reward_none/{name}": 0})
-
-
-def _mean_std(rewards: list[float]) -> dict:
-    n = len(rewards)
-    mean = sum(rewards) / n
-    return {"reward_mean": mean,
-            "reward_std": (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 if n > 1 else 0.0}
+    result = add_model_scores(RewardResult(total=data.rewards, per_function={}, errors={}, nones={}), models)
+    data.rewards = result.total
+    data.metrics.update(_reward_metrics([result], result.total, drawn=[]),  # the environment's metric came along
+                        no_signal_frac=no_signal_fraction(result.total, recipe.rollout.group_size))
 
 
 def _reward_metrics(scored: list[RewardResult], rewards: list[float], drawn) -> dict:
-    out = _mean_std(rewards)
+    n = len(rewards)
+    mean = sum(rewards) / n
+    out = {"reward_mean": mean,
+           "reward_std": (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 if n > 1 else 0.0}
     for name in scored[0].per_function:
         values = [v for result in scored for v in result.per_function[name]]
         out[f"reward/{name}"] = sum(values) / len(values)
