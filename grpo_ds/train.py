@@ -43,7 +43,7 @@ from grpo_ds.run import folder as run_folder
 from grpo_ds.run.host_allocator import return_large_frees
 from grpo_ds.run.lock import RunLock
 from grpo_ds.run.metrics import MetricsLogger, peak_memory_gib, read_metrics
-from grpo_ds.run.preemption import EXIT_PREEMPTED, Preempted, StopRequest, stop_on_signals
+from grpo_ds.run.preemption import Preempted, StopRequest, stop_on_signals, stop_word
 from grpo_ds.run.preflight import Inputs, prepare_inputs
 from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.step.batch import StepBatch
@@ -56,9 +56,23 @@ from grpo_ds.step.update import UpdateSettings, importance_metrics, logprob_pass
 
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None = None) -> list[dict]:
-    """Run a recipe to the end; return one metrics dict per step (on every rank)."""
+    """Run a recipe to the end; return one metrics dict per step (on every rank). A Ctrl-C (SIGINT) stops it after
+    the current step with a checkpoint and reaches the caller as KeyboardInterrupt; SIGTERM or SIGUSR1 as
+    Preempted (grpo_ds/run/preemption.py)."""
     try:
-        with stop_on_signals() as stop:
+        return _stoppable_run(recipe, overrides, leave_process=False)
+    except Preempted as stopped:
+        if stopped.signal_name == "SIGINT":
+            launcher.say(f"{stop_word(stopped.signal_name)}: {stopped}")
+            raise KeyboardInterrupt(str(stopped)) from stopped
+        raise
+
+
+def _stoppable_run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
+                   leave_process: bool) -> list[dict]:
+    """``run`` under the stop signals' handlers; ``leave_process``: the command line's (see StopRequest)."""
+    try:
+        with stop_on_signals(leave_process) as stop:
             return _run(recipe, overrides, stop)
     finally:
         sequence_parallel.restore()  # transformers' attention as it was, for whatever this process runs next
@@ -68,6 +82,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     # ---- 1. validate everything before any model loads or any file is written
     inputs = prepare_inputs(recipe, overrides, launcher.world_size(), device_type())
     recipe = inputs.recipe
+    stop.set_grace(recipe.run.preempt_grace_s)  # a stop signal's deadline (grpo_ds/run/preemption.py)
 
     # ---- 2. processes, and the run folder's lock: one launch owns a run folder (a second one stops, writing nothing).
     # Split placement: the last rollout.ranks ranks only generate (grpo_ds.step.schedule.serve_rollouts)
@@ -99,6 +114,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     # fresh, resume, finished already, or refuse (another recipe's run, or data that changed under a resumed one)
     folder = run_folder.decide(recipe, inputs.data_identity)
     run_dir = folder.path
+    stop.track(run_dir, None)  # what a step abandoned at a stop signal's deadline names
     if folder.completed_steps is not None:
         launcher.say(f"the run in {run_dir} has already finished its {folder.completed_steps} steps: nothing to do "
                      "(raise train.steps to continue it; run.overwrite=true or another run.name starts again)")
@@ -139,6 +155,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     nonfinite_in_a_row = 0
 
     for step in profiled_steps(range(first_step, recipe.train.steps + 1), recipe.logging, run_dir, dist):
+        stop.track(run_dir, step)
         # ---- rollout and reward (grpo_ds.step.collect): rank 0 picks the prompts, every rank generates a slice,
         # rank 0 scores them; with dynamic sampling, equal-reward groups are replaced by new prompts. Under split
         # placement the rollout ranks did this, and the trainer's rank 0 receives it (grpo_ds.step.schedule)
@@ -222,6 +239,7 @@ def _train(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
             stopped = Preempted(stop_signal, step, recipe.train.steps, saved and str(saved))
             schedule.stop(stopped)
             raise stopped
+        stop.track(run_dir, None)
 
     # ---- the end: the final weights' hash on every rank (and the rollout copy's, which must equal it), the model
     save = dist.is_main and recipe.run.save_final_model
@@ -355,6 +373,7 @@ def _generate(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     bridge = Bridge(dist.store, 1 + dist.rank, inputs.placement.rollout_ranks + 1, dist.device,
                     recipe.rollout.transfer_timeout_s)
     rank_log = run_folder.folder_path(recipe) / "ranks" / f"rank{dist.launch_rank}.jsonl"
+    stop.track(run_folder.folder_path(recipe), None)
     history = serve_rollouts(recipe, inputs, dist, bridge, engine, stop, rank_log)
     if hasattr(engine, "close"):
         engine.close()
@@ -455,19 +474,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="section.key=value (value parsed as JSON when it parses)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     args = parser.parse_intermixed_args(argv)
-    code = 0
+    code, stopped = 0, False
     try:
         with exit_on_user_error():
-            run(args.recipe, args.overrides)
-    except Preempted as stopped:
-        launcher.say(f"preempted: {stopped}")
-        code = EXIT_PREEMPTED
+            _stoppable_run(args.recipe, args.overrides, leave_process=True)
+    except Preempted as signalled:  # SIGTERM / SIGUSR1: 75; Ctrl-C: 130 (grpo_ds/run/preemption.py)
+        launcher.say(f"{stop_word(signalled.signal_name)}: {signalled}")
+        code, stopped = signalled.exit_code, True
     except Stalled as stalled:  # split placement: the side that waited in vain says which side stalled
         launcher.say_on_each_rank(f"error: {stalled}")
         code = 1
     except SystemExit as leaving:  # exit_on_user_error's one-line error
         code = 0 if leaving.code is None else leaving.code if isinstance(leaving.code, int) else 1
-    end_launched_rank(code)  # a launched rank leaves here (see there); one process returns or exits as before
+    end_launched_rank(code, stopped)  # a launched or stopped rank leaves here (see there); else exits as before
     if code:
         sys.exit(code)
 

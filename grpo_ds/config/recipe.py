@@ -29,6 +29,10 @@ class RunConfig:
     seed: int = opt(0, "Seed for data order, sampling and model init", low=0)
     overwrite: bool = opt(False, "Replace an existing run folder (otherwise a folder holding a run is an error)")
     save_final_model: bool = opt(True, "Save the trained policy and tokenizer as a HF folder <run folder>/final_model")
+    preempt_grace_s: float = opt(25.0, "After a stop signal (SIGTERM, SIGUSR1, Ctrl-C) the run has exited within this "
+                                 "many seconds: it finishes the step and checkpoints if it can, else abandons the step "
+                                 "and resumes from the last checkpoint (SLURM's KillWait and DeepSpeed's launcher wait "
+                                 "30 s before they kill)", low=2.0)
 
 
 @dataclass(frozen=True)

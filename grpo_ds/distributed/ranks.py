@@ -133,14 +133,16 @@ def _destroy_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def end_launched_rank(code: int) -> None:
+def end_launched_rank(code: int, stopped: bool = False) -> None:
     """End a rank started by the ``deepspeed`` launcher (RANK is set) with ``code`` once its work is done: flush,
     take the process group down, and leave through os._exit, before the interpreter's and the C++ libraries'
     teardown. A finished rank of a 2-rank CPU run sometimes died there with "terminate called without an active
     exception" (exit -6: a communication thread still joinable when its owner was destroyed), which the launcher
     reports as a failed run, even with the group destroyed first. Elsewhere (one process, a notebook) nothing
-    happens here. Everything grpo_ds writes is closed before this (metrics, checkpoints, W&B)."""
-    if not launcher.launched():
+    happens here, unless the process was ``stopped`` by a signal: it must be gone within run.preempt_grace_s, which
+    the interpreter's teardown (seconds on a busy machine) could outlast. Everything grpo_ds writes is closed before
+    this (metrics, checkpoints, W&B)."""
+    if not launcher.launched() and not stopped:
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import resource
+import signal
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
@@ -55,8 +56,18 @@ def _die_with_the_trainer() -> None:
         pass
 
 
+def _outlast_stop_signals() -> None:
+    """A stop signal is the trainer's to act on, not this worker's: DeepSpeed's launcher sends SIGTERM to every
+    process under a rank, and a worker that died of it mid-call would fail that call, and the step would go on with
+    the failure's score. The trainer kills its workers itself when it stops (grpo_ds/run/preemption.py). A handler
+    that does nothing, not SIG_IGN: what the user's code starts gets the default actions back when it execs."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+
+
 def serve(inbox: Connection, outbox: Connection) -> None:
     _die_with_the_trainer()
+    _outlast_stop_signals()
     try:
         functions = _load(inbox.recv())
     except BaseException as err:  # noqa: BLE001 - a UserError, or the user's module failing in this process

@@ -33,7 +33,7 @@ from grpo_ds.run.lock import LOCK
 from grpo_ds.run.prompts import data_changes
 
 # Keys that may change between the attempts of one run (extending it, checkpointing or logging differently).
-_MAY_DIFFER = ("run.overwrite", "train.steps", "checkpoint.", "logging.", "data.on_change")
+_MAY_DIFFER = ("run.overwrite", "run.preempt_grace_s", "train.steps", "checkpoint.", "logging.", "data.on_change")
 DATA = "data.json"  # what the run trains on (grpo_ds.run.prompts.data_identity), rewritten by every launch
 COMPLETE = "complete.json"  # written when a run finishes: {"steps": N, "final_weights_sha256": ...}
 

@@ -2,6 +2,7 @@
 checkpoint and exit code 75, within the launcher's 30 s grace; the same command resumes with the metrics of an
 uninterrupted run; a signal during a checkpoint write lets the write finish; a second SIGTERM stops at once."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -56,41 +57,182 @@ def _launch_process(runner: subprocess.Popen) -> psutil.Process:
     raise AssertionError("no deepspeed.launcher.launch process")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_same_command_resumes_exactly(tmp_path,
-                                                                                             tmp_path_factory, world):
-    extra = ["checkpoint.every_steps=50"]  # the only checkpoint before the end is the one the signal asks for
-    # The uninterrupted run: test_resume's of the same recipe (it checkpoints every 2 steps, which changes no step)
-    reference_dir = reference_run(tmp_path_factory, world) / "tiny_cpu"
-    expected = _metrics(reference_dir)
+# exact_match, except that while the file HANG_FLAG names exists, one call removes it, starts a helper program,
+# writes "<its pid> <the helper's pid>" to HANG_FLAG.hanging and hangs: a step that cannot end within the grace.
+HANG_MODULE = """
+import os, subprocess, time
+from grpo_ds.rewards.builtin import exact_match as _exact_match
 
-    run_dir = tmp_path / "preempted" / "tiny_cpu"
-    command = _command(world, tmp_path / "preempted", *extra)
-    proc = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    target = psutil.Process(proc.pid) if world == 1 else _launch_process(proc)
-    _wait_for(lambda: _logged_steps(run_dir) >= 3, proc)
-    target.send_signal(signal.SIGTERM)  # one process: the run itself; two ranks: the launcher, as a scheduler would
+def exact_match(**kwargs):
+    flag = os.environ["HANG_FLAG"]
+    if os.path.exists(flag):
+        os.remove(flag)
+        helper = subprocess.Popen(["sleep", "600"])
+        with open(flag + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {helper.pid}")
+        os.rename(flag + ".tmp", flag + ".hanging")
+        time.sleep(600)
+    return _exact_match(**kwargs)
+"""
+HANGING = ['reward.functions=[{"name": "hang_reward:exact_match"}]', "reward.timeout_s=600"]
+# run.preempt_grace_s in these tests: long enough for a step and its checkpoint on a busy 2-core machine (the first
+# stops must end normally), short enough that waiting out a hanging step costs little
+TEST_GRACE_S = 15
+
+
+class HangingRun:
+    """The tiny run of ``world`` ranks in ``tmp/run``, its reward able to hang on demand (``hang_next``)."""
+
+    def __init__(self, tmp: Path, world: int) -> None:
+        (tmp / "hang_reward.py").write_text(HANG_MODULE)
+        self.flag, self.run_dir = tmp / "hang", tmp / "run" / "tiny_cpu"
+        self.command = _command(world, tmp / "run", "checkpoint.every_steps=50", *HANGING,
+                                f"run.preempt_grace_s={TEST_GRACE_S}")
+        self.env = {**clean_env(), "HANG_FLAG": str(self.flag), "PYTHONPATH": f"{tmp}{os.pathsep}{REPO}"}
+
+    def start(self) -> subprocess.Popen:
+        """Start it in a session of its own, with SIGINT's default action: a test run from a background job of a
+        non-interactive shell (CI) inherits SIGINT ignored, and the run would keep ignoring it."""
+        return subprocess.Popen(self.command, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def hang_next(self) -> None:
+        self.flag.touch()
+
+    def hanging(self, proc: subprocess.Popen) -> list[int]:
+        """Wait until the reward hangs (the run still going); the pids of the reward worker and its helper."""
+        marker = self.flag.with_name("hang.hanging")
+        _wait_for(marker.exists, proc)
+        pids = [int(p) for p in marker.read_text().split()]
+        marker.unlink()
+        return pids
+
+    def finish(self, stopped: int, reference_dir: Path, world: int) -> None:
+        """The same command again: it resumes after ``stopped`` and ends as the uninterrupted run did."""
+        resumed = subprocess.run(self.command, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=900)
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        assert f"resuming after step {stopped}" in resumed.stderr
+        assert _renamed(_metrics(self.run_dir)) == _metrics(reference_dir)  # every step once, as uninterrupted
+        for rank in range(world):  # the same samples trained at every step and the same final weights
+            logs = [rank_log_records(folder / "ranks" / f"rank{rank}.jsonl")
+                    for folder in (self.run_dir, reference_dir)]
+            assert logs[0] == logs[1]
+
+
+def _renamed(metrics: dict[int, dict]) -> dict[int, dict]:
+    """The hanging reward's metrics under the built-in's name (it returns the same scores)."""
+    return {step: {k.replace("hang_reward:exact_match", "exact_match"): v for k, v in m.items()}
+            for step, m in metrics.items()}
+
+
+def _gone(pids: list[int]) -> bool:
+    def dead(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+    return all(dead(pid) for pid in pids)
+
+
+def _ended(proc: subprocess.Popen, limit_s: float) -> tuple[float, str]:
+    """Seconds until every process holding the run's stderr (its ranks, their reward workers and what those
+    started) has ended, and the stderr; fails past ``limit_s``."""
     signalled = time.monotonic()
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=limit_s + 60)
     took = time.monotonic() - signalled
-    assert took < GRACE_S, f"{took:.1f} s"
-    # A rank exits 75; DeepSpeed's launcher, once it has been signalled itself, exits 1 whatever its ranks return.
-    assert proc.returncode == (EXIT_PREEMPTED if world == 1 else 1), err[-3000:]
-    stopped = _logged_steps(run_dir)
-    assert f"preempted: stopped by SIGTERM after step {stopped} of {STEPS}" in err, err[-3000:]
-    assert 3 <= stopped < STEPS
-    assert checkpoint.latest_name(run_dir) == checkpoint.checkpoint_name(stopped)
-    assert checkpoint.verify(run_dir / checkpoint.CHECKPOINTS / checkpoint.checkpoint_name(stopped)) is None
+    assert took < limit_s, f"{took:.1f} s:\n{err[-3000:]}"
+    return took, err
 
-    resumed = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resuming after step {stopped}" in resumed.stderr
-    assert _metrics(run_dir) == expected
-    for rank in range(world):  # the same samples trained at every step and the same final weights
-        logs = [rank_log_records(folder / "ranks" / f"rank{rank}.jsonl") for folder in (run_dir, reference_dir)]
-        assert logs[0] == logs[1]
+
+def _stopped_with_checkpoint(run: HangingRun, err: str, how: str, code: int, proc: subprocess.Popen) -> int:
+    """The first stop: ``how`` after a step, with that step's checkpoint; returns the step."""
+    assert proc.returncode == code, err[-3000:]
+    stopped = _logged_steps(run.run_dir)
+    assert f"{how}: stopped by " in err and f" after step {stopped} of {STEPS}" in err, err[-3000:]
+    assert 3 <= stopped < STEPS  # the signal came mid-run
+    assert checkpoint.latest_name(run.run_dir) == checkpoint.checkpoint_name(stopped)
+    assert checkpoint.verify(run.run_dir / checkpoint.CHECKPOINTS / checkpoint.checkpoint_name(stopped)) is None
+    return stopped
+
+
+@pytest.mark.slow
+def test_ctrl_c_and_a_sigterm_past_the_grace_each_stop_with_a_resumable_run(tmp_path, tmp_path_factory):
+    """One rank, four launches of one command: (1) a Ctrl-C mid-run stops after the step with its checkpoint, exit
+    130, no traceback; (2) resumed, a SIGTERM while the reward hangs (reward.timeout_s 600) abandons the step
+    within run.preempt_grace_s, exit 75, naming that checkpoint, the worker and its helper killed; (3) resumed, the
+    reward hangs again: a Ctrl-C asks, a second one stops at once, exit 130, no traceback; (4) resumed, the run ends
+    with the uninterrupted run's metrics and samples."""
+    reference_dir = reference_run(tmp_path_factory, 1) / "tiny_cpu"
+    run = HangingRun(tmp_path, 1)
+    proc = run.start()
+    _wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
+    proc.send_signal(signal.SIGINT)  # the run itself: _wait_for saw it running
+    _, err = _ended(proc, TEST_GRACE_S)
+    stopped = _stopped_with_checkpoint(run, err, "interrupted", 130, proc)
+    assert "Traceback" not in err, err[-3000:]
+    latest = f"resumes from the checkpoint {run.run_dir / checkpoint.CHECKPOINTS / checkpoint.checkpoint_name(stopped)}"
+
+    run.hang_next()
+    proc = run.start()
+    helpers = run.hanging(proc)
+    proc.send_signal(signal.SIGTERM)
+    took, err = _ended(proc, TEST_GRACE_S)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert f"step {stopped + 1} did not end within run.preempt_grace_s={TEST_GRACE_S}s and was abandoned" in err
+    assert latest in err and took > TEST_GRACE_S - 3, (took, err[-3000:])  # it waited for the step first
+    assert _gone(helpers) and "Traceback" not in err
+
+    run.hang_next()
+    proc = run.start()
+    helpers = run.hanging(proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    took, err = _ended(proc, 3.0)
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped at once by a second SIGINT" in err and latest in err, err[-3000:]
+    assert _gone(helpers) and "Traceback" not in err
+    assert checkpoint.latest_name(run.run_dir) == checkpoint.checkpoint_name(stopped)
+
+    run.finish(stopped, reference_dir, 1)
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_on_the_launchers_sigterm_and_within_the_grace_on_the_process_groups(tmp_path,
+                                                                                           tmp_path_factory):
+    """Two ranks through the `deepspeed` launcher: (1) a SIGTERM to the launcher, as a scheduler sends it, stops
+    after the step with its checkpoint; (2) resumed, rank 0's reward hangs, and a SIGTERM to the whole process group
+    (``kill -TERM -PGID``: launcher and ranks at once) ends every process within run.preempt_grace_s, naming that
+    checkpoint; (3) resumed, the run ends with the uninterrupted run's metrics and samples on both ranks."""
+    reference_dir = reference_run(tmp_path_factory, 2) / "tiny_cpu"
+    run = HangingRun(tmp_path, 2)
+    proc = run.start()
+    launcher = _launch_process(proc)
+    _wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = _ended(proc, GRACE_S)
+    # A rank exits 75; DeepSpeed's launcher, once it has been signalled itself, exits 1 whatever its ranks return.
+    stopped = _stopped_with_checkpoint(run, err, "preempted", 1, proc)
+
+    run.hang_next()
+    proc = run.start()
+    helpers = run.hanging(proc)
+    ranks = [p for p in _launch_process(proc).children() if "grpo_ds.train" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    os.killpg(proc.pid, signal.SIGTERM)  # the runner, the launcher and both ranks (the reward workers have sessions)
+    signalled = time.monotonic()
+    while not _gone([r.pid for r in ranks]):
+        assert time.monotonic() - signalled < TEST_GRACE_S, "the ranks outlived the grace"
+        time.sleep(0.05)
+    took = time.monotonic() - signalled
+    _, err = proc.communicate(timeout=60)  # DeepSpeed's launcher leaves on its own schedule (up to 30 s)
+    assert f"step {stopped + 1} did not end within run.preempt_grace_s={TEST_GRACE_S}s and was abandoned" in err
+    assert (f"resumes from the checkpoint {run.run_dir / checkpoint.CHECKPOINTS / checkpoint.checkpoint_name(stopped)}"
+            in err), err[-3000:]
+    assert took > TEST_GRACE_S - 3 and _gone(helpers), took
+
+    run.finish(stopped, reference_dir, 2)
 
 
 @pytest.mark.slow
@@ -132,7 +274,7 @@ def test_the_first_signal_is_a_request_and_a_second_sigterm_stops_at_once():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
         print("survived", flush=True)""", window_s=0.0)
-    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert "requested SIGTERM" in done.stdout and "survived" not in done.stdout
     assert "stopping after this step with a checkpoint" in done.stderr
 
