@@ -38,7 +38,7 @@ FINAL_MODEL = "final_model"  # run.save_final_model
 TENSORBOARD = "tensorboard"  # logging.tensorboard (grpo_ds.run.metrics)
 WANDB = "wandb"  # logging.wandb_project: wandb.init(dir=<run folder>) writes here, online or offline
 PROFILE = "profile"  # logging.profile_steps (grpo_ds.step.profiling.PROFILE_DIR; run/ does not import step/)
-_STORE_KEY = "grpo_ds/output_probe"  # split placement: the trainer's rank 0 leaves the probe's outcome here
+_STORE_KEY = "grpo_ds-output-probe"  # split placement: the trainer's rank 0 leaves the probe's outcome here
 
 
 @dataclass(frozen=True)
