@@ -258,14 +258,16 @@ def check_output_folder(path: str | Path, where: str) -> None:
     try:
         read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
         longest = os.pathconf(existing, "PC_NAME_MAX")  # bytes in one name (255 on most file systems)
+        longest_path = os.pathconf(existing, "PC_PATH_MAX")  # bytes in a whole path (4096 on Linux)
     except (OSError, ValueError):  # a file system that does not say: the probe write finds out
-        read_only, longest = False, -1
+        read_only, longest, longest_path = False, -1, -1
     if read_only:
         raise cannot_write(where, path, existing, OSError(errno.EROFS, os.strerror(errno.EROFS)))
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(where, f"{shown} {blocked}is not writable", "give a folder you may write to (check its "
                         "permissions, and that the file system is not mounted read-only)")
-    if longest > 0 and any(len(os.fsencode(part)) > longest for part in path.relative_to(existing).parts):
+    too_long = longest_path > 0 and len(os.fsencode(os.path.abspath(path))) >= longest_path
+    if too_long or longest > 0 and any(len(os.fsencode(part)) > longest for part in path.relative_to(existing).parts):
         raise cannot_write(where, path, existing, OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)))
 
 

@@ -269,3 +269,17 @@ def test_split_placement_the_rollout_ranks_stop_with_the_trainers_line(tmp_path)
     output_paths.probe_on_rank_0(fine, trainer)
     output_paths.probe_on_rank_0(fine, rollout)  # the trainer's "nothing failed" reaches it too
     assert not (tmp_path / "ok").exists()
+
+
+def test_a_path_too_long_as_a_whole_is_seen_by_looking(tmp_path):
+    """Every name fits (200 bytes) but the path passes PATH_MAX: the dry run says so, in the probe's words."""
+    deep = "/".join(["d" * 200] * 25)
+    recipe = load_recipe(TINY, [f"run.output_dir={tmp_path / deep}"])
+    with pytest.raises(UserError) as looked:
+        output_paths.inspect(recipe)
+    with pytest.raises(UserError) as probed:
+        output_paths.probe(recipe)
+    assert str(looked.value) == str(probed.value)
+    assert str(looked.value).endswith("cannot be created: File name too long (ENAMETOOLONG). use shorter names, or "
+                                      "give another folder.")
+    assert list(tmp_path.iterdir()) == []
