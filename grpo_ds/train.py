@@ -38,7 +38,7 @@ from grpo_ds.rewards.pool import RewardPool, worker_count
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.rollout.hf_compile import CompiledDecode, compile_wanted
-from grpo_ds.run import checkpoint, writes
+from grpo_ds.run import checkpoint, output_paths, writes
 from grpo_ds.run import folder as run_folder
 from grpo_ds.run.host_allocator import return_large_frees
 from grpo_ds.run.lock import RunLock
@@ -88,6 +88,7 @@ def _run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,
     # Split placement: the last rollout.ranks ranks only generate (grpo_ds.step.schedule.serve_rollouts)
     dist = init_distributed(recipe.train.tensor_parallel_size, recipe.train.sequence_parallel_size,
                             inputs.placement.rollout_ranks, recipe.rollout.transfer_timeout_s)
+    output_paths.probe_on_rank_0(recipe, dist)  # every folder the run writes in, made and written once, then removed
     if dist.role == "rollout":
         try:
             return _generate(inputs, dist, stop)

@@ -8,17 +8,21 @@ logging.*) — and refused when it holds another recipe's run, naming the first 
 (its ``complete.json`` counts at least ``train.steps``) is left as it is: the same command again does nothing, and
 a larger ``train.steps`` continues it.
 
-Output folders are checked here too, before anything is written: each must be a writable folder, or one that can
-be created. A run writes only inside its run folder ``run.output_dir/run.name`` (checkpoints, metrics, logs, traces,
-the final model); the exporter writes its ``--out`` folder. A path with a file where a folder should be, a folder
-that cannot be written, or a run.name that would put the run folder outside ``run.output_dir`` (or make it
-``run.output_dir`` itself, which ``run.overwrite`` would then delete) is one UserError before any model loads.
+Output folders are checked here too, by inspection only (nothing is written): each must be a writable folder, or one
+that can be created, on a file system that is neither read-only nor one the kernel fills (/proc, /sys). A run writes
+only inside its run folder ``run.output_dir/run.name`` (checkpoints, metrics, logs, traces, the final model); the
+exporter writes its ``--out`` folder. A path with a file where a folder should be, a folder that cannot be written, or
+a run.name that would put the run folder outside ``run.output_dir`` (or make it ``run.output_dir`` itself, which
+``run.overwrite`` would then delete) is one UserError before any model loads. grpo_ds.run.output_paths lists every
+place a run writes, and before a run starts creates each and probes it with a write.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,9 +222,18 @@ def _flatten(recipe: dict) -> dict:
 
 # ------------------------------------------------------------------- output folders, before anything loads
 
+# File systems the kernel fills (mounted on /proc, /sys, ...): nothing a run writes can live there, and some take a
+# mkdir as an order (cgroup makes a group), so such a place is refused without trying.
+SPECIAL_FILE_SYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore", "bpf", "configfs",
+    "efivarfs", "fusectl", "selinuxfs", "binfmt_misc", "autofs", "mqueue", "devpts", "rpc_pipefs", "nsfs"})
+
+
 def check_output_folder(path: str | Path, where: str) -> None:
     """Raise UserError unless ``path`` is a writable folder, or can be created: the nearest part of it that exists
-    is a writable folder (nothing on the way is a file)."""
+    is a writable folder (nothing on the way is a file), on a file system that is neither read-only nor one the
+    kernel fills (/proc, /sys), and every part still to be made is a name the file system allows. Inspects only:
+    writes nothing (the dry run's check; grpo_ds.run.output_paths probes with a write before a run starts)."""
     path = Path(path)
     shown = printable(str(path))
     if "\0" in str(path):
@@ -236,9 +249,55 @@ def check_output_folder(path: str | Path, where: str) -> None:
         kind = "a broken link" if existing.is_symlink() else "a file" if blocked else "not a folder"
         what = f"{blocked}is {kind}" if blocked else f"exists and is {kind}"
         raise UserError(where, f"{shown} {what}", "give a folder path, or move the file away")
+    special = _special_mount(existing)
+    if special:
+        fs_type, mount = special
+        on = "" if os.path.realpath(existing) == mount else f"on {printable(mount)}, "
+        raise UserError(where, f"{shown} {blocked}is {on}a {fs_type} file system that the kernel fills",
+                        "give a folder on a disk")
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        longest = os.pathconf(existing, "PC_NAME_MAX")  # bytes in one name (255 on most file systems)
+        longest_path = os.pathconf(existing, "PC_PATH_MAX")  # bytes in a whole path (4096 on Linux)
+    except (OSError, ValueError):  # a file system that does not say: the probe write finds out
+        read_only, longest, longest_path = False, -1, -1
+    if read_only:
+        raise cannot_write(where, path, existing, OSError(errno.EROFS, os.strerror(errno.EROFS)))
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(where, f"{shown} {blocked}is not writable", "give a folder you may write to (check its "
                         "permissions, and that the file system is not mounted read-only)")
+    too_long = longest_path > 0 and len(os.fsencode(os.path.abspath(path))) >= longest_path
+    if too_long or longest > 0 and any(len(os.fsencode(part)) > longest for part in path.relative_to(existing).parts):
+        raise cannot_write(where, path, existing, OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)))
+
+
+def cannot_write(where: str, path: Path, existing: Path, err: OSError) -> UserError:
+    """The one line for an output folder ``path`` that cannot be created (``existing``, the nearest part of it that
+    exists, is another folder) or written in, for the cause ``err`` as the operating system names it. The dry run's
+    inspection and the probe before a run (grpo_ds.run.output_paths) word the same cause the same way."""
+    doing = "cannot be written in" if existing == path else "cannot be created"
+    return UserError(where, f"{printable(str(path))} {doing}: {writes.describe(err)}",
+                     f"{writes.remedy(err)}, or give another folder")
+
+
+def _special_mount(folder: Path) -> tuple[str, str] | None:
+    """(file system type, mount point) when ``folder`` lies on a file system the kernel fills (/proc, /sys, a
+    cgroup), else None; read from /proc/self/mountinfo (None where it cannot be read)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    real, found = os.path.realpath(folder), None
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields or len(fields) < 5:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space
+        fs_type = fields[fields.index("-") + 1]
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and (found is None or len(mount) >= len(found[1])):  # the deepest mount holding it (the last wins)
+            found = (fs_type, mount)
+    return found if found is not None and found[0] in SPECIAL_FILE_SYSTEMS else None
 
 
 def check_run_folder(output_dir: str, name: str) -> Path:

@@ -28,7 +28,7 @@ from grpo_ds.model.loading import BUILTIN_TINY, context_length, load_tokenizer
 from grpo_ds.model.reward_model_checks import check_reward_models
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm_checks import check_vllm_setup
-from grpo_ds.run.folder import check_run_folder
+from grpo_ds.run import output_paths
 from grpo_ds.run.metrics import check_logging_extras
 from grpo_ds.run.prompts import PromptRow, data_identity, load_rows, prepare_prompts
 
@@ -57,7 +57,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     GPUs and an importable vLLM."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
-    check_run_folder(recipe.run.output_dir, recipe.run.name)  # a writable folder, or one that can be created
+    output_paths.inspect(recipe)  # every folder the run writes in: writable, or one that can be created
     software.check(recipe)  # installed versions: the minimums, vLLM's range and torch, peft (model.lora_rank)
     placement = resolve_placement(recipe, world_size)  # split: the last rollout.ranks ranks only generate
     generating = placement.rollout_ranks if placement.split else world_size

@@ -41,7 +41,8 @@ PROBE_BYTES = 1 << 20  # the probe write that finds the cause a writer hid: 1 Mi
 # What to do about each cause (the start of a fix); any other cause: "fix the file system".
 _REMEDIES = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the disk quota",
              errno.EROFS: "make the file system writable", errno.EACCES: "make the folder writable",
-             errno.EPERM: "make the folder writable", errno.EFBIG: "allow larger files on the file system"}
+             errno.EPERM: "make the folder writable", errno.EFBIG: "allow larger files on the file system",
+             errno.ENAMETOOLONG: "use shorter names"}
 
 
 def describe(err: OSError) -> str:
