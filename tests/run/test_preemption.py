@@ -2,6 +2,7 @@
 checkpoint and exit code 75, within the launcher's 30 s grace; the same command resumes with the metrics of an
 uninterrupted run; a signal during a checkpoint write lets the write finish; a second SIGTERM stops at once."""
 
+import json
 import os
 import signal
 import subprocess
@@ -233,6 +234,56 @@ def test_two_ranks_stop_on_the_launchers_sigterm_and_within_the_grace_on_the_pro
     assert took > TEST_GRACE_S - 3 and _gone(helpers), took
 
     run.finish(stopped, reference_dir, 2)
+
+
+# grpo_ds.train called twice from Python, as a notebook does: the first call is interrupted by the test's SIGINT;
+# the second one resumes with the reward hanging, and the same SIGINT's deadline abandons its step.
+FROM_PYTHON = """
+import json, sys
+from pathlib import Path
+import grpo_ds
+from grpo_ds.run.preemption import StepAbandoned
+
+recipe, overrides, flag = json.loads(sys.argv[1])
+try:
+    grpo_ds.train(recipe, overrides)
+except KeyboardInterrupt as stopped:
+    print("first:", type(stopped).__name__, stopped, flush=True)
+Path(flag).touch()
+try:
+    grpo_ds.train(recipe, overrides + ["run.preempt_grace_s=4"])
+except StepAbandoned as abandoned:
+    print("second:", type(abandoned).__name__, abandoned, flush=True)
+print("the caller goes on", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_from_python_a_ctrl_c_raises_keyboard_interrupt_after_the_checkpoint_and_the_caller_lives_on(tmp_path):
+    """grpo_ds.train(...) in a notebook's process: a SIGINT mid-run reaches the caller as KeyboardInterrupt once that
+    step's checkpoint is written; called again, it resumes, its reward hangs, and a SIGINT's deadline abandons the
+    step with StepAbandoned (a KeyboardInterrupt) instead of ending the process; the worker and its helper are gone."""
+    run = HangingRun(tmp_path, 1)
+    recipe, overrides = run.command[3], run.command[4:]
+    proc = subprocess.Popen([sys.executable, "-c", FROM_PYTHON, json.dumps([recipe, overrides, str(run.flag)])],
+                            cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
+    proc.send_signal(signal.SIGINT)
+    first = ""
+    while not first.startswith("first:") and proc.poll() is None:  # other libraries print to stdout too
+        first = proc.stdout.readline()
+    stopped = _logged_steps(run.run_dir)
+    assert first.startswith(f"first: KeyboardInterrupt stopped by SIGINT after step {stopped} of {STEPS}"), first
+    assert stopped < STEPS and checkpoint.latest_name(run.run_dir) == checkpoint.checkpoint_name(stopped)
+
+    helpers = run.hanging(proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert (f"second: StepAbandoned stopped by SIGINT: step {stopped + 1} did not end within "
+            "run.preempt_grace_s=4s and was abandoned") in out, out + err[-3000:]
+    assert out.endswith("the caller goes on\n") and _gone(helpers)
 
 
 @pytest.mark.slow
