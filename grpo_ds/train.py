@@ -59,13 +59,7 @@ def run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None =
     """Run a recipe to the end; return one metrics dict per step (on every rank). A Ctrl-C (SIGINT) stops it after
     the current step with a checkpoint and reaches the caller as KeyboardInterrupt; SIGTERM or SIGUSR1 as
     Preempted (grpo_ds/run/preemption.py)."""
-    try:
-        return _stoppable_run(recipe, overrides, leave_process=False)
-    except Preempted as stopped:
-        if stopped.signal_name == "SIGINT":
-            launcher.say(f"{stop_word(stopped.signal_name)}: {stopped}")
-            raise KeyboardInterrupt(str(stopped)) from stopped
-        raise
+    return _stoppable_run(recipe, overrides, leave_process=False)
 
 
 def _stoppable_run(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None,

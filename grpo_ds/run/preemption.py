@@ -268,6 +268,11 @@ def stop_on_signals(leave_process: bool = True) -> Iterator[StopRequest]:
     previous = {s: signal.signal(s, request._handle) for s in caught}
     try:
         yield request
+    except Preempted as stopped:  # a Python caller gets a Ctrl-C back as KeyboardInterrupt, after the checkpoint
+        if leave_process or stopped.signal_name != "SIGINT":
+            raise
+        launcher.say(f"{stop_word(stopped.signal_name)}: {stopped}")
+        raise KeyboardInterrupt(str(stopped)) from stopped
     finally:
         if not leave_process:  # a Python caller goes on: no deadline may fire in its later work
             request.end()
