@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from grpo_ds.distributed.launcher import free_port
@@ -42,10 +43,17 @@ def remove_shm_buffers(port: int) -> None:
         leftover.unlink(missing_ok=True)
 
 
-def remove_vllm_shm() -> None:
-    """vLLM's CPU tensor-parallel groups leave /dev/shm segments behind when their processes are killed (grpo_ds names
-    them grpo_ds-<id>-...: grpo_ds.rollout.vllm)."""
-    for leftover in Path("/dev/shm").glob("grpo_ds-*cpushm*"):
+def vllm_ident() -> str:
+    """A launch's own VLLM_DIST_IDENT: grpo_ds.rollout.vllm keeps one set in the environment (else it draws one), and
+    vLLM's CPU tensor-parallel groups name their /dev/shm segments <ident>-...-cpushm after it."""
+    return f"grpo_ds-test-{uuid.uuid4().hex[:12]}"
+
+
+def remove_vllm_shm(ident: str) -> None:
+    """The /dev/shm segments vLLM's CPU tensor-parallel groups leave behind when their processes are killed, of the
+    launch that ran with VLLM_DIST_IDENT=``ident`` only: another launch's segments may be in use (a test beside this
+    one, under pytest-xdist)."""
+    for leftover in Path("/dev/shm").glob(f"{ident}-*cpushm*"):
         leftover.unlink(missing_ok=True)
 
 

@@ -21,7 +21,8 @@ from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
 from tests.test_resume import STEPS, reference_run
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
-pytestmark = pytest.mark.slow
+# reference_run's runs are cached in tests/test_resume.py's module: its users share a worker (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reference_run")]
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
 ARGS = ["rollout.prompts_per_step=8", "train.micro_batch_samples_per_gpu=32", "train.samples_per_optimizer_step=64",

@@ -68,6 +68,7 @@ def test_generated_pages_are_fresh():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("tiny_recipe_run")  # its run is shared (tests/shared_runs.py): one worker makes it once
 def test_transcripts_are_the_consoles_of_real_runs():
     """Each console shown in the docs is run again (the tiny recipe, the dry run, bad input, a preempted run and its
     resume) and compared with the committed transcript, timings and versions masked."""

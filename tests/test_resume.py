@@ -18,6 +18,10 @@ import pytest
 from grpo_ds.run import checkpoint
 from tests.launch import REPO, clean_env, free_port, rank_log_records, remove_shm_buffers
 
+# reference_run() caches its runs in this module for the session; its users here, in tests/run/test_preemption.py
+# and tests/test_clusters.py share one worker under pytest-xdist, so each run is made once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("reference_run")
+
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
 STEPS = 12
 # Small and deterministic: fixed seed, CPU fp32, no dropout; every step's rollout seed comes from the step.

@@ -10,7 +10,7 @@ import torch
 
 import grpo_ds
 import grpo_ds.train as train_module
-from tests.launch import REPO, clean_env, deepspeed_launch
+from tests.launch import REPO, clean_env, deepspeed_launch, free_port, remove_shm_buffers
 from tests.shared_runs import tiny_recipe_run
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -92,6 +92,7 @@ def test_first_steps_are_pinned(tmp_path, reward_module, backend, fused_lm_head)
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("tiny_recipe_run")  # its run is shared (tests/shared_runs.py): one worker makes it once
 def test_tiny_recipe_learns_from_the_command_line():
     """The README's run: reward rises from ~0 to >= 0.9 (mean of the last 10 steps), on console and on disk. The run
     is shared with the docs' transcript test (tests/shared_runs.py): `python -m grpo_ds.train recipes/tiny_cpu.json`
@@ -218,10 +219,15 @@ def test_a_failure_on_rank_0_stops_every_rank(tmp_path, reward_module):
     does not hang in a collective."""
     env = clean_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
-    proc = subprocess.run(
-        ["deepspeed", "--num_gpus", "2", "--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}",
-         "train.steps=2", "reward.on_error=fail", f'reward.functions=[{{"name": "{reward_module}:broken"}}]'],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    port = free_port()  # not the launcher's default 29500: another launch may be using it (a test beside this one)
+    try:
+        proc = subprocess.run(
+            ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "grpo_ds.train", TINY,
+             f"run.output_dir={tmp_path}", "train.steps=2", "reward.on_error=fail",
+             f'reward.functions=[{{"name": "{reward_module}:broken"}}]'],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        remove_shm_buffers(port)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "Traceback" not in output

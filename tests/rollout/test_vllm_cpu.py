@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, clean_env, free_port, remove_shm_buffers, remove_vllm_shm
+from tests.launch import REPO, clean_env, free_port, remove_shm_buffers, remove_vllm_shm, vllm_ident
 
-pytestmark = pytest.mark.slow
+# One worker runs these under pytest-xdist (tests/conftest.py), one vLLM launch at a time, as without it: a launch
+# holds up to 4 ranks (two vLLM engines of VLLM_CPU_KVCACHE_SPACE 1 GiB each, recipes/tiny_vllm_cpu.json, and two
+# trainers), and the module's fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_cpu")]
 
 VENV_PYTHON = Path(os.environ.get("GRPO_DS_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 if not VENV_PYTHON.is_file():
@@ -51,13 +54,14 @@ def run_venv(args: list, cwd: Path = REPO, timeout: int = 600) -> str:
 
 def launch_venv(ranks: int, args: list, timeout: int = 600) -> str:
     """`deepspeed --num_gpus N ARGS` with the vLLM environment's launcher (CPU ranks, gloo)."""
-    port = free_port()
+    port, ident = free_port(), vllm_ident()
     cmd = [str(VENV_PYTHON.parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port), *map(str, args)]
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=venv_env(), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=REPO, env={**venv_env(), "VLLM_DIST_IDENT": ident}, capture_output=True,
+                              text=True, timeout=timeout)
     finally:
         remove_shm_buffers(port)
-        remove_vllm_shm()
+        remove_vllm_shm(ident)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
     return proc.stdout + proc.stderr
 

@@ -20,6 +20,9 @@ from tests.launch import REPO, clean_env, rank_log_records
 from tests.test_resume import PORTS, _logged_steps, _metrics, reference_run
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
+# reference_run's runs are cached in tests/test_resume.py's module: its users share a worker (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("reference_run")
+
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
 STEPS = 12
 GRACE_S = 30  # DeepSpeed's launcher: SIGTERM to each rank, SIGKILL 30 s later
