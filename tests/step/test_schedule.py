@@ -217,7 +217,9 @@ def test_a_sigterm_then_a_killed_rollout_rank_each_resume_exactly(tmp_path, stal
     stopped = _logged_steps(run_dir)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert f"preempted: stopped by SIGTERM after step {stopped} of {STALENESS_STEPS}" in err, err[-3000:]
-    assert 1 <= stopped < STALENESS_STEPS - 2
+    # S = 1: the stop travels with the batch the rollout rank makes next, which a busy machine (two test workers)
+    # may deliver a step later; the kill below still needs a step left before the end
+    assert 1 <= stopped <= STALENESS_STEPS - 2
     assert checkpoint.latest_name(run_dir) == checkpoint.checkpoint_name(stopped)
 
     proc, err, took = _signal_rollout_rank(tmp_path, max(3, stopped + 1), signal.SIGKILL)
@@ -235,7 +237,7 @@ def test_a_stalled_rollout_side_ends_the_job_with_one_line_naming_it(tmp_path):
     started = time.monotonic()
     proc = _run(3, tmp_path, *SPLIT_KEYS, "train.steps=3", "rollout.transfer_timeout_s=2", "reward.timeout_s=60",
                 'reward.functions=[{"name": "split_rewards:slow"}]', timeout=300)
-    assert time.monotonic() - started < 120
+    assert time.monotonic() - started < 200  # ~25 s alone; a hang would run into the 300 s timeout
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert lines == ["error: the rollout ranks stalled: no batch of samples within rollout.transfer_timeout_s = 2 s"], \
