@@ -183,12 +183,12 @@ class StopRequest:
         self._abandon()
 
     def _where(self) -> str:
-        from grpo_ds.run.checkpoint import latest_name  # checkpoint imports what imports this module
+        from grpo_ds.run.checkpoint import CHECKPOINTS, latest_name  # checkpoint imports what imports this module
 
         if self.run_dir is None:
             return "the same command starts the run again"
         name = latest_name(self.run_dir)
-        return _resume_hint(str(self.run_dir / "checkpoints" / name) if name else None)
+        return _resume_hint(str(self.run_dir / CHECKPOINTS / name) if name else None)
 
     def _abandon(self) -> None:
         step = f"step {self.step}" if self.step is not None else "the run's start-up or its end"
