@@ -229,6 +229,13 @@ SPECIAL_FILE_SYSTEMS = frozenset({
     "efivarfs", "fusectl", "selinuxfs", "binfmt_misc", "autofs", "mqueue", "devpts", "rpc_pipefs", "nsfs"})
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself if it exists (a broken link counts), else its nearest parent that does."""
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_output_folder(path: str | Path, where: str) -> None:
     """Raise UserError unless ``path`` is a writable folder, or can be created: the nearest part of it that exists
     is a writable folder (nothing on the way is a file), on a file system that is neither read-only nor one the
@@ -238,9 +245,7 @@ def check_output_folder(path: str | Path, where: str) -> None:
     shown = printable(str(path))
     if "\0" in str(path):
         raise UserError(where, f"{shown} holds a NUL character", "give a folder path")
-    existing = path
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path)
     if existing == path:
         blocked = ""
     else:

@@ -31,7 +31,7 @@ from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.run import writes
 from grpo_ds.run.checkpoint import CHECKPOINTS
-from grpo_ds.run.folder import cannot_write, check_output_folder, check_run_folder, folder_path
+from grpo_ds.run.folder import cannot_write, check_output_folder, check_run_folder, folder_path, nearest_existing
 
 RANKS = "ranks"  # <run folder>/ranks/rank<r>.jsonl, every rank's log (grpo_ds.train, grpo_ds.run.timeline)
 FINAL_MODEL = "final_model"  # run.save_final_model
@@ -118,10 +118,8 @@ def _probe_and_tell(recipe: Recipe, store) -> Exception | None:
 
 def _create(place: Place, made: list[Path]) -> None:
     """Make the missing folders of ``place`` from the nearest existing one down, recording each in ``made``."""
-    missing, existing = [], place.path
-    while not os.path.lexists(existing) and existing != existing.parent:
-        missing.append(existing)
-        existing = existing.parent
+    existing = nearest_existing(place.path)
+    missing = [place.path, *place.path.parents][:len(place.path.parts) - len(existing.parts)]
     for folder in reversed(missing):
         try:
             folder.mkdir()
