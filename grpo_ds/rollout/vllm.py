@@ -198,7 +198,8 @@ class VLLMRolloutEngine:
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
                 [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)])
         folder = settings.model_path
-        if folder.startswith("builtin:"):
+        written = folder.startswith("builtin:")
+        if written:
             folder = _save_for_vllm(builtin_model(), tokenizer)
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id,
                                        folder_generation_config(folder, settings.trust_remote_code))
@@ -221,7 +222,11 @@ class VLLMRolloutEngine:
         # vLLM's external launcher reads the launcher's variables while it builds its engine; a single process
         # (python -m) has none of them, and keeps none of them after (it would look launched to the launcher's reads)
         with launcher.as_launched(self.rank, world, launcher.local_rank()):
-            self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank, on_cpu, self.sleeps))
+            try:
+                self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank, on_cpu, self.sleeps))
+            finally:
+                if written:  # read whole by now (weights, config, tokenizer); a launched rank leaves by os._exit,
+                    shutil.rmtree(folder, ignore_errors=True)  # which runs no exit handler
         atexit.register(self.close)  # before the process group goes (atexit runs last-registered first)
         self.reloads = weight_sync_path() == "reload_weights"
         # the reload path rebuilds each layer whole before using it: a LoRA sync then also sends the frozen tensors
@@ -367,13 +372,12 @@ class _RotaryReloadFilter(logging.Filter):
 
 
 def _save_for_vllm(model: torch.nn.Module, tokenizer) -> str:
-    """vLLM loads from a folder: write the builtin model and tokenizer to a temporary one of this rank's (removed at
-    exit). Not through model.save_pretrained, which in a process group writes the weights on rank 0 only
+    """vLLM loads from a folder: write the builtin model and tokenizer to a temporary one of this rank's (removed once
+    the engine is built). Not through model.save_pretrained, which in a process group writes the weights on rank 0 only
     (transformers' should_save_on_this_rank): every rank's engine reads its own folder, on every node."""
     from safetensors.torch import save_model
 
     folder = tempfile.mkdtemp(prefix="grpo_ds_vllm_")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     model.config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,17 +54,22 @@ def run_venv(args: list, cwd: Path = REPO, timeout: int = 600) -> str:
 
 
 def launch_venv(ranks: int, args: list, timeout: int = 600) -> str:
-    """`deepspeed --num_gpus N ARGS` with the vLLM environment's launcher (CPU ranks, gloo)."""
+    """`deepspeed --num_gpus N ARGS` with the vLLM environment's launcher (CPU ranks, gloo), under a temporary folder
+    of its own (TMPDIR), which it must leave empty: the ranks leave by os._exit, which runs no exit handler, so
+    whatever a rank writes there (the builtin model's folder for its engine) is removed by the code that wrote it."""
     port, ident = free_port(), vllm_ident()
     cmd = [str(VENV_PYTHON.parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port), *map(str, args)]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env={**venv_env(), "VLLM_DIST_IDENT": ident}, capture_output=True,
-                              text=True, timeout=timeout)
-    finally:
-        remove_shm_buffers(port)
-        remove_vllm_shm(ident)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    return proc.stdout + proc.stderr
+    with tempfile.TemporaryDirectory(prefix="grpo_ds-test-tmp-") as tmp:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env={**venv_env(), "VLLM_DIST_IDENT": ident, "TMPDIR": tmp},
+                                  capture_output=True, text=True, timeout=timeout)
+        finally:
+            remove_shm_buffers(port)
+            remove_vllm_shm(ident)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+        assert not (left := sorted(p.name for p in Path(tmp).glob("grpo_ds*"))), f"left in TMPDIR: {left}"
+    return output
 
 
 def reports(out: Path, ranks: int) -> list[dict]:
