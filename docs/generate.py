@@ -543,16 +543,18 @@ def transcript_train_tiny(cwd: Path) -> str:
     return _run(TRAIN_TINY, cwd, expect=0)
 
 
-def transcript_check_tiny(cwd: Path) -> str:
-    return _run(["-m", "grpo_ds.check", TINY, "--world-size", "2"], cwd, expect=0)
+# The transcripts that are commands and their consoles alone: each command (after `python`) with its exit code.
+# tests/test_docs.py runs them as forks of one process that has imported the libraries (tests/scripts/cli_forks.py).
+COMMANDS: dict[str, list[tuple[list[str], int]]] = {
+    "check_tiny": [(["-m", "grpo_ds.check", TINY, "--world-size", "2"], 0)],
+    "bad_input": [(["-m", "grpo_ds.train", TINY, *override], 2) for override in BAD_INPUTS],
+    "deepspeed_mismatch": [(["-m", "grpo_ds.check", TINY, "--world-size", "2", MISMATCH], 2)],
+}
 
 
-def transcript_bad_input(cwd: Path) -> str:
-    return "\n".join(_run(["-m", "grpo_ds.train", TINY, *override], cwd, expect=2) for override in BAD_INPUTS)
-
-
-def transcript_deepspeed_mismatch(cwd: Path) -> str:
-    return _run(["-m", "grpo_ds.check", TINY, "--world-size", "2", MISMATCH], cwd, expect=2)
+def commands_transcript(name: str, cwd: Path, run: Callable[[list[str], Path], tuple[int, str]] = run_raw) -> str:
+    """The transcript of COMMANDS[name], each command run by ``run`` (``run_raw``: a process of its own)."""
+    return "\n".join(transcript(args, *run(args, cwd), expect=expect) for args, expect in COMMANDS[name])
 
 
 def transcript_preemption(cwd: Path) -> str:
@@ -575,9 +577,7 @@ def transcript_preemption(cwd: Path) -> str:
 
 TRANSCRIPTS: dict[str, Callable[[Path], str]] = {
     "train_tiny": transcript_train_tiny,
-    "check_tiny": transcript_check_tiny,
-    "bad_input": transcript_bad_input,
-    "deepspeed_mismatch": transcript_deepspeed_mismatch,
+    **{name: functools.partial(commands_transcript, name) for name in COMMANDS},
     "preemption": transcript_preemption,
 }
 

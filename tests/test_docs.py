@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds.config.recipe import iter_fields
+from tests.scripts.cli_forks import run_forked
 from tests.shared_runs import docs_generate as _generate
 from tests.shared_runs import tiny_recipe_run
 
@@ -73,10 +74,20 @@ def test_transcripts_are_the_consoles_of_real_runs():
     """Each console shown in the docs is run again (the tiny recipe, the dry run, bad input, a preempted run and its
     resume) and compared with the committed transcript, timings and versions masked."""
     generate = _generate()
+    cwd = generate._scratch()
+    # the commands alone run as forks of one process that imported the libraries (tests/scripts/cli_forks.py): one
+    # import instead of one per command; stdout and stderr interleaved, as generate.run_raw records them
+    commands = [(name, args) for name, listed in generate.COMMANDS.items() for args, _ in listed]
+    forked = run_forked([(args[1:], cwd) for _, args in commands], generate._env(), cwd / "_forks", merged=True)
+    outputs = {tuple(args): (done.returncode, done.stdout) for (_, args), done in zip(commands, forked, strict=True)}
     for name, make in generate.TRANSCRIPTS.items():
         committed = generate.transcript_path(name).read_text()
-        # the tiny recipe's run is shared with tests/test_train.py (tests/shared_runs.py): the same command, cwd, env
-        fresh = tiny_recipe_run().transcript(expect=0) if name == "train_tiny" else make(generate._scratch())
+        if name == "train_tiny":  # shared with tests/test_train.py (tests/shared_runs.py): the same command, cwd, env
+            fresh = tiny_recipe_run().transcript(expect=0)
+        elif name in generate.COMMANDS:
+            fresh = generate.commands_transcript(name, cwd, lambda args, _: outputs[tuple(args)])
+        else:
+            fresh = make(generate._scratch())
         assert generate.mask(committed) == generate.mask(fresh), \
             f"docs/transcripts/{name}.txt is stale; run: python docs/generate.py --transcripts\n{fresh}"
 
