@@ -10,10 +10,8 @@ files name a group of their own (tests/test_resume.py's reference runs, tests/sh
 """
 
 import os
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 # Two workers on a machine's cores: each worker, and every process it starts (tests/launch.py's clean_env copies this
 # environment), computes on one thread, so two busy workers do not oversubscribe the cores. Set before torch is
@@ -75,28 +73,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None and
                item.get_closest_marker("slow") is None)  # stable: False (grouped or slow) first
-
-
-# CI (.ci/run sets GRPO_DS_BUILD_VLLM_VENV=1) builds the real-vLLM tests' environment beside the suite rather than
-# before it: the build (about two minutes, half of it waiting on the disk) starts with the session, and those tests
-# wait for it (tests/rollout/test_vllm_cpu.py) while the others run.
-VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"
-_vllm_build: subprocess.Popen | None = None
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    global _vllm_build
-    if os.environ.get("GRPO_DS_BUILD_VLLM_VENV") != "1" or os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # not asked, or a worker: the controlling process starts the build, once
-    VLLM_VENV.mkdir(exist_ok=True)
-    (VLLM_VENV / ".building").write_text(str(os.getpid()))  # before any test module looks; the script takes it over
-    log = open(VLLM_VENV / "build.log", "w")  # noqa: SIM115 - the build's, closed with it
-    _vllm_build = subprocess.Popen(["bash", str(VLLM_VENV.parent / ".ci" / "vllm-venv"), str(VLLM_VENV)],
-                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    log.close()
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    if _vllm_build is not None and _vllm_build.wait() != 0:
-        print(f"\n.ci/vllm-venv failed ({_vllm_build.returncode}); its output: {VLLM_VENV / 'build.log'}",
-              file=sys.stderr)
