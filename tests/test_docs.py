@@ -77,9 +77,9 @@ def test_transcripts_are_the_consoles_of_real_runs():
     cwd = generate._scratch()
     # the commands alone run as forks of one process that imported the libraries (tests/scripts/cli_forks.py): one
     # import instead of one per command; stdout and stderr interleaved, as generate.run_raw records them
-    commands = [(name, args) for name, listed in generate.COMMANDS.items() for args, _ in listed]
-    forked = run_forked([(args[1:], cwd) for _, args in commands], generate._env(), cwd / "_forks", merged=True)
-    outputs = {tuple(args): (done.returncode, done.stdout) for (_, args), done in zip(commands, forked, strict=True)}
+    commands = [args for listed in generate.COMMANDS.values() for args, _ in listed]
+    forked = run_forked([(args[1:], cwd) for args in commands], generate._env(), cwd / "_forks", merged=True)
+    outputs = {tuple(args): (done.returncode, done.stdout) for args, done in zip(commands, forked, strict=True)}
     for name, make in generate.TRANSCRIPTS.items():
         committed = generate.transcript_path(name).read_text()
         if name == "train_tiny":  # shared with tests/test_train.py (tests/shared_runs.py): the same command, cwd, env
