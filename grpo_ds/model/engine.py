@@ -7,8 +7,10 @@ Both are built from the resolved DeepSpeed config (grpo_ds.config.deepspeed); th
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import re
+import sys
 
 import torch
 
@@ -31,10 +33,37 @@ def create_train_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     if arch := os.environ.get("TORCH_CUDA_ARCH_LIST"):  # read when DeepSpeed builds its fused optimizer, just below
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(arch)
 
+    _import_muon_uncompiled(ds_config)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                           if p.requires_grad], config=ds_config,
                                            mpu=mpu)
     return engine
+
+
+_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _import_muon_uncompiled(ds_config: dict) -> None:
+    """DeepSpeed 0.19's ZeRO optimizers import its Muon optimizer's module on their first use (deepspeed/runtime/zero:
+    utils.py's supported-optimizer check, and every gradient reduction, for an isinstance test), and that module's
+    torch.compile decorators import torch._inductor: about 1.5 s of CPU in every rank's start (measured), for an
+    optimizer grpo_ds does not build unless the DeepSpeed config names it. Import it first with TorchDynamo off for
+    that import only (TORCHDYNAMO_DISABLE: each decorator then leaves its function as it is, which nothing here
+    calls); a config whose optimizer is Muon gets DeepSpeed's own compiled import."""
+    optimizer = str((ds_config.get("optimizer") or {}).get("type", ""))
+    if _MUON in sys.modules or "muon" in optimizer.lower():
+        return
+    previous = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(_MUON)
+    except ImportError:
+        pass  # a DeepSpeed without Muon: nothing to import
+    finally:
+        if previous is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = previous
 
 
 def no_second_fp32_copy(weight_bytes: int, stage: int, dp: int, offload_optimizer: bool, master_bytes: int = 4) -> bool:

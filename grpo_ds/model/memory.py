@@ -26,7 +26,10 @@ and the moments in bf16, M = 2 bytes instead of 4: 10 bytes per trained paramete
                                                 grpo_ds.config.deepspeed.rollout_shares_policy)
     vLLM               gpu_memory_utilization x the GPU's memory (--gpu-memory-gib); with sleep mode only while
                        it generates, its weights in host memory (P x W / vllm tp) otherwise
-    reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters)
+    reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters);
+                                                ZeRO-3 keeps it from the first backward on, ZeRO 0-2 only during
+                                                a backward (stage_1_and_2.py releases it at the backward's end,
+                                                _release_ipg_buffers): there it counts in the update phase below
 
 Under split placement (rollout.placement "split", grpo_ds.config.placement) a trainer rank holds no rollout engine:
 no rollout copy, no vLLM share and no generation phase (``estimate(..., rollout=False)``), and dp counts the trainer's
@@ -42,7 +45,7 @@ host memory: they are listed under ``host``. Then the largest phase on top:
                     chunks of chunk x vocab; full logits: the logits and their gradient) and, under ZeRO-3, the
                     gathered parameters (the prefetch bucket plus the largest layer, capped at the rank's
                     parameters) and one layer's full gradient: DeepSpeed's gradient hook copies each parameter's
-                    gradient into the reduce bucket (counted above) as soon as it is computed
+                    gradient into the reduce bucket (counted above; at ZeRO 0-2 here) as soon as it is computed
     optimizer step  temporaries of the master's width (M) the size of the trained partition with torch's AdamW
                     (DeepSpeed's torch_adam, on the CPU): from ZeRO-1 on, the flat gradient partition DeepSpeed
                     builds in the master's dtype while the gradients are still held, and with bf16/fp16 weights
@@ -229,14 +232,19 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
         est.device["vLLM (gpu_memory_utilization)"] = vllm_share
     elif rollout and not rollout_shares_policy(recipe, ds_config):
         est.device["rollout copy (unsharded)"] = _rollout_copy(recipe, shape, w)
-    est.device["reduce bucket"] = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)
+    bucket = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)
+    if stage == 3:
+        est.device["reduce bucket"] = bucket
     gathered = 0
     if stage == 3:
         prefetch = zero.get("stage3_prefetch_bucket_size", _PREFETCH_BUCKET)
         gathered = (min(prefetch + shape.largest_layer, zero.get("stage3_max_live_parameters", _MAX_LIVE), per_rank)
                     + min(shape.largest_layer, per_rank)) * w
-    est.phases["update micro-batch (activations, logits, gathers)"] = _update_bytes(
-        recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(gathered)
+    update = _update_bytes(recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(gathered)
+    if stage == 3:
+        est.phases["update micro-batch (activations, logits, gathers)"] = update
+    else:
+        est.phases["update micro-batch (activations, logits, reduce bucket)"] = update + bucket
     adam = (ds_config.get("optimizer") or {}).get("params") or {}
     torch_adam = bool(adam.get("torch_adam")) and not offload_opt
     temporaries = (0 if stage == 0 else 2 if w < 4 and stage < 3 else 1) + (0 if adam.get("fused") else 2)

@@ -1,6 +1,11 @@
 """The DeepSpeed engines' set-up (grpo_ds.model.engine): its quirks, and the one-rank fp32 master that is the
 weights."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -104,3 +109,25 @@ def test_master_weights_of_bfloat16_weights_stay_a_float32_copy():
 def test_the_note_says_what_was_saved():
     assert shared_master_note(171_328_512).endswith("(no second copy: 163.4 MiB saved)")
     assert "1.50 GiB saved" in shared_master_note(3 * 2**29)
+
+
+# In a fresh interpreter (this one may have imported torch._inductor already): the engine's Muon import pulls in no
+# TorchDynamo backend, leaves TORCHDYNAMO_DISABLE as it was, and a config that names Muon is left to DeepSpeed.
+MUON_PROBE = """
+import json, os, sys
+import deepspeed
+from grpo_ds.model.engine import _MUON, _import_muon_uncompiled
+_import_muon_uncompiled({"optimizer": {"type": "Muon"}})
+named = _MUON in sys.modules
+_import_muon_uncompiled({"optimizer": {"type": "AdamW"}})
+print(json.dumps({"named": named, "imported": _MUON in sys.modules, "env": os.environ.get("TORCHDYNAMO_DISABLE"),
+                  "inductor": "torch._inductor.compile_fx" in sys.modules}))
+"""
+
+
+def test_the_muon_module_deepspeed_imports_costs_no_compiler_import():
+    proc = subprocess.run([sys.executable, "-c", MUON_PROBE], env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"named": False, "imported": True, "env": None,
+                                                         "inductor": False}
