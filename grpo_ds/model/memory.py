@@ -50,8 +50,8 @@ host memory: they are listed under ``host``. Then the largest phase on top:
                     (DeepSpeed's torch_adam, on the CPU): from ZeRO-1 on, the flat gradient partition DeepSpeed
                     builds in the master's dtype while the gradients are still held, and with bf16/fp16 weights
                     at ZeRO 1-2 a second one (an empirical rule from whole one-rank runs, RSS: the estimate is
-                    off the measured peak by -3% and +10% at 17 M and 56 M bf16 parameters with the fp32 master,
-                    by -9% and +4% in lean bf16 mode; float32 weights hold one); two more (the square root and
+                    off the measured peak by +7% at 56 M bf16 parameters with the fp32 master, and by -3% at
+                    17 M and 56 M in lean bf16 mode; float32 weights hold one); two more (the square root and
                     the denominator) unless AdamW is fused, as grpo_ds.config.deepspeed makes it on the CPU;
                     DeepSpeed's fused and CPU Adam work in place (counted as 0)
     reward scoring  the weights of the offloaded reward models, back on the device (like the reference's
