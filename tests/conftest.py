@@ -7,11 +7,17 @@ that uses a module- or session-scoped fixture of its test file is put in its fil
 of its own), so that fixture is still built once, not once per worker; the tests that share one expensive run across
 files name a group of their own (tests/test_resume.py's reference runs, tests/shared_runs.py's tiny recipe run).
 ``python -m pytest -n 0`` (or ``-p no:xdist``) runs the suite, or one test, in one process as before.
+``--cpu-times N`` reports the tests that used the most CPU (see below).
 """
 
+import json
 import os
+import resource
+import shutil
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 # Two workers on a machine's cores: each worker, and every process it starts (tests/launch.py's clean_env copies this
 # environment), computes on one thread, so two busy workers do not oversubscribe the cores. Set before torch is
@@ -73,3 +79,54 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None and
                item.get_closest_marker("slow") is None)  # stable: False (grouped or slow) first
+
+
+# --cpu-times N: the CPU each test used, its own process's and its finished subprocesses' (getrusage RUSAGE_SELF and
+# RUSAGE_CHILDREN around the test, fixtures it builds included): the suite's time on a busy 2-core machine is its CPU
+# work, which --durations' wall times only hint at. Processes a test SIGKILLs with their whole group are not waited for
+# by their own parents, so their CPU is missed. Each worker appends its rows to a file in the folder the controller
+# names (CPU_TIMES_DIR, inherited by the workers it starts); the controller prints the table.
+CPU_TIMES_DIR = "GRPO_DS_TEST_CPU_TIMES"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-times", type=int, default=None, metavar="N",
+                     help="after the run, the N tests that used the most CPU time, their subprocesses' included "
+                          "(0: every test)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--cpu-times") is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[CPU_TIMES_DIR] = tempfile.mkdtemp(prefix="grpo_ds-cpu-times-")
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process, and of its subprocesses that have ended and been waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    folder = os.environ.get(CPU_TIMES_DIR)
+    before = _cpu_seconds()
+    yield
+    if folder:
+        own, children = (after - start for after, start in zip(_cpu_seconds(), before, strict=True))
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(Path(folder) / f"{worker}.jsonl", "a") as rows:
+            rows.write(json.dumps({"test": item.nodeid, "own": own, "children": children}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    folder, count = os.environ.get(CPU_TIMES_DIR), config.getoption("--cpu-times")
+    if not folder or count is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rows = [json.loads(line) for path in Path(folder).glob("*.jsonl") for line in path.read_text().splitlines()]
+    shutil.rmtree(folder, ignore_errors=True)
+    rows.sort(key=lambda row: -(row["own"] + row["children"]))
+    total = sum(row["own"] + row["children"] for row in rows)
+    terminalreporter.write_sep("=", f"CPU seconds per test: {total:.0f} in all, over {len(rows)} tests")
+    terminalreporter.write_line(f"{'CPU s':>8} {'subproc.':>8}  test")
+    for row in rows[:count or None]:
+        terminalreporter.write_line(f"{row['own'] + row['children']:8.1f} {row['children']:8.1f}  {row['test']}")
