@@ -109,9 +109,9 @@ def _cpu_seconds() -> tuple[float, float]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     folder = os.environ.get(CPU_TIMES_DIR)
-    before = _cpu_seconds()
+    before = _cpu_seconds() if folder else None  # without --cpu-times, nothing is measured
     yield
-    if folder:
+    if before is not None:
         own, children = (after - start for after, start in zip(_cpu_seconds(), before, strict=True))
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(Path(folder) / f"{worker}.jsonl", "a") as rows:

@@ -233,10 +233,9 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     elif rollout and not rollout_shares_policy(recipe, ds_config):
         est.device["rollout copy (unsharded)"] = _rollout_copy(recipe, shape, w)
     bucket = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)
-    if stage == 3:
-        est.device["reduce bucket"] = bucket
     gathered = 0
     if stage == 3:
+        est.device["reduce bucket"] = bucket  # ZeRO-3 keeps it; ZeRO 0-2 only during a backward (the update phase)
         prefetch = zero.get("stage3_prefetch_bucket_size", _PREFETCH_BUCKET)
         gathered = (min(prefetch + shape.largest_layer, zero.get("stage3_max_live_parameters", _MAX_LIVE), per_rank)
                     + min(shape.largest_layer, per_rank)) * w
