@@ -12,21 +12,27 @@
 #      GPU memory <= TRL's
 #   2. rollout: bench_rollout --device cuda at the 0.5B shape: the hf engine eager, compiled (rollout.hf_compile)
 #      and plain generate
-#   3. kernels: the fused-linear and log-prob sweeps (block sizes, warps, chunk tokens, the forward split into its
-#      parts), then bench_logprobs and bench_fused_linear with the defaults (targets: log-prob forward >= 60% of copy
-#      bandwidth; fused linear full >= 1.5x eager), Liger compiled where it compiles (the block names which ran)
+#   3. kernels = sweeps, kernels, policy_loss: the fused-linear and log-prob sweeps (block sizes, warps, chunk
+#      tokens, the forward split into its parts; step "sweeps"), then bench_logprobs and bench_fused_linear with the
+#      defaults (step "kernels"; targets: log-prob forward >= 60% of copy bandwidth; fused linear full >= 1.5x
+#      eager; Liger compiled where it compiles, the block names which ran), then bench_policy_loss
 #   4. pytest tests/kernels and every *_gpu.py test
+# The steps run in the order RUN_GPU_STEPS names them.
 #
 # The steps' limits add up to about 17 minutes. Measured on an H200 on 2026-11-27: vs-TRL's fresh processes took
 # ~72 s each (5 of its 7 runs fitted 360 s; compile and DeepSpeed's FusedAdam build included), and the rollout bench
-# did not finish in 100 s; the sweeps ~1.5 min, the kernel benchmarks ~2 and the tests ~1.5 are estimates. With the default 8-minute budget the last steps may be skipped; they run in a
-# second call: RUN_GPU_STEPS="3 4" bash benchmarks/run_gpu.sh (the wheels are installed again, in seconds).
+# did not finish in 100 s; the sweeps ~1.5 min, the kernel benchmarks ~2 and the tests ~1.5 are estimates. With
+# 15 minutes of device time a session, split it in two calls on the one warm machine (it stays warm for 30 s):
+#     RUN_GPU_STEPS=1 RUN_GPU_BUDGET_S=520 VS_TRL_LIMIT_S=510 bash benchmarks/run_gpu.sh
+#     RUN_GPU_STEPS="kernels 4 2 policy_loss sweeps" RUN_GPU_BUDGET_S=<what is left> bash benchmarks/run_gpu.sh
+# (the wheels are installed again in the second, in seconds).
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
 # VS_TRL_RUNS (runs per trainer, default 3), VS_TRL_LIMIT_S (default 540), HF_COMPILE (grpo_ds's
-# rollout.hf_compile in vs-TRL, default on: the candidate default this run measures),
-# RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, default "1 2 3 4"; "sweeps": the
-# kernel sweeps of step 3 alone), OUT (where the log,
+# rollout.hf_compile in vs-TRL, default on: the candidate default this run measures), HF_COMPILE_TIMEOUT_S (its
+# rollout.hf_compile_timeout_s, default 150: a compile that stalls falls back to eager within that),
+# RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, in order, default "1 2 3 4"; also
+# "sweeps", "kernels", "policy_loss": the parts of step 3), OUT (where the log,
 # the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
 # output), RESULTS.new.md (the blocks this run appended), summary.txt (one line a step), steps.tar.gz (per-step logs).
 set -uo pipefail
@@ -82,7 +88,6 @@ run() {
         note "$name: FAILED (exit $rc, $((SECONDS - t0)) s): $(tail -n 1 "$OUT_DIR/steps/$name.log")"
     fi
 }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # ---------------------------------------------------------------------------------------------- 0. wheels
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -110,30 +115,31 @@ for name in ("deepspeed", "trl", "liger_kernel", "datasets", "triton", "transfor
 EOF
 
 # ------------------------------------------------------------------- 1. grpo_ds vs TRL at the 0.5B shape
-if want 1; then
-    # one run of each trainer took ~72 s on an H200 (2026-11-27): 3 runs each plus the lean run need ~8.5 minutes
+step_1() {
+    # one run of each trainer took ~72 s on an H200 (2026-11-27): 3 runs each plus the lean run need ~8.5 minutes;
+    # cut off by its limit, it still records the runs that had finished (bench_vs_trl's SIGTERM handling)
     run vs_trl "${VS_TRL_LIMIT_S:-540}" python3 benchmarks/bench_vs_trl.py --device cuda --shape qwen2-0.5b \
         --runs "${VS_TRL_RUNS:-3}" --steps 3 --set "rollout.hf_compile=${HF_COMPILE:-on}" \
-        --lean both --lean-runs 1 --record
-fi
+        --set "rollout.hf_compile_timeout_s=${HF_COMPILE_TIMEOUT_S:-150}" --lean both --lean-runs 1 --record
+}
 
 # ------------------------------------------------------------------------------------------ 2. rollout
 # the hf engine's eager decode against its static-cache compiled one (rollout.hf_compile) and plain generate
-if want 2; then
+step_2() {
     # ~2.5-3 minutes, mostly the compile (none has finished on a GPU yet: 100 s was too short on the H200)
     run rollout 200 python3 benchmarks/bench_rollout.py --device cuda --dtype bfloat16 --shape qwen2-0.5b \
         --variants grpo_ds,compiled,generate --record
-fi
+}
 
 # ------------------------------------------------------------------------------------------ 3. kernels
-if want 3 || want sweeps; then
-    # sweeps first: they say which block sizes, warps and chunk sizes to make the defaults
+step_sweeps() {
+    # which block sizes, warps and chunk sizes to make the defaults
     run sweep_fused_linear 90 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
         --seq-len 1024 --hidden 4096 --vocab 151936 --sweep --record
     run sweep_logprobs 60 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
         --vocab 151936 --sweep --record
-fi
-if want 3; then
+}
+step_kernels() {
     run bench_logprobs 45 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 \
         --vocab 151936 --op logprobs --mode forward,backward,full --bandwidth --record
     # Liger compiled: its default torch.compile failed on torch 2.11 (2026-11-26, dynamo's "sources must not be
@@ -143,16 +149,27 @@ if want 3; then
     run bench_fused_linear 120 python3 benchmarks/bench_fused_linear.py --device cuda --dtype bfloat16 --tokens 16384 \
         --seq-len 1024 --hidden 4096 --vocab 151936 --chunk-tokens 1024 --mode forward,backward,full --backend triton \
         --warmup 2 --repeats 10 --liger-compiled 1 --record
+}
+step_policy_loss() {
     run bench_policy_loss 30 python3 benchmarks/bench_policy_loss.py --device cuda --batch 256 --seq-len 8192 \
         --mode forward,backward,full --record
-fi
+}
+step_3() { step_sweeps; step_kernels; step_policy_loss; }
 
 # ------------------------------------------------------------------------------------------ 4. GPU tests
-if want 4; then
+step_4() {
     mapfile -t gpu_tests < <(find tests -name '*_gpu.py' | sort)
     run pytest_gpu 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 300 tests/kernels \
         "${gpu_tests[@]}"
-fi
+}
+
+for step in $STEPS; do
+    if [[ $(type -t "step_$step") != function ]]; then
+        note "$step: no such step (steps: 1 2 3 4 sweeps kernels policy_loss)"
+        continue
+    fi
+    "step_$step"
+done
 
 failed=$(printf '%s\n' "${summary[@]}" | grep -cE 'FAILED|TIMED OUT' || true)
 ((failed == 0))
