@@ -16,6 +16,7 @@ The staleness-1 run is the reference of both fault tests (module-scoped).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -38,12 +39,30 @@ TINY = str(REPO / "recipes" / "tiny_cpu.json")
 SHAPE = ["rollout.prompts_per_step=4", "rollout.group_size=8", "train.micro_batch_samples_per_gpu=16",
          "train.logprob_micro_batch_samples_per_gpu=16", "algorithm.rollout_is_cap=2.0", "logging.progress_bar=false",
          'reward.functions=[{"name": "split_rewards:parity"}]']
-# rewards with signal from the first step on (a random tiny model rarely answers right), importable by every rank
-REWARDS = """import time
+# rewards with signal from the first step on (a random tiny model rarely answers right), importable by every rank.
+# parity can be held (the fault tests): while the file $HOLD names exists, a call made once the run has logged the
+# steps the file says writes HOLD.held and waits, until the file is removed or its rank is killed
+REWARDS = """import json, os, time
+from pathlib import Path
 
 
 def parity(*, completions, **kwargs):
+    _held()
     return [float(ord(c[0]) % 2) if c else 0.0 for c in completions]
+
+
+def _held():
+    hold = os.environ.get("HOLD")
+    try:
+        rule = json.loads(Path(hold).read_text()) if hold else None
+        logged = len(Path(rule["metrics"]).read_text().splitlines()) if rule and rule["after_steps"] else 0
+    except FileNotFoundError:
+        return
+    if rule is None or logged < rule["after_steps"]:
+        return
+    Path(hold + ".held").touch()
+    while os.path.exists(hold):
+        time.sleep(0.01)
 
 
 def slow(*, completions, **kwargs):
@@ -61,6 +80,9 @@ STALENESS_STEPS = 6
 # on the first rollout rank): what else must keep working under split placement, resumes included
 STALENESS_ONE = [*SPLIT_KEYS, "rollout.max_staleness=1", f"train.steps={STALENESS_STEPS}", "checkpoint.every_steps=1",
                  "model.lora_rank=4", "algorithm.dynamic_sampling=true"]
+# the fault test's launches (the same recipe, so that each resumes the last): a held reward call (REWARDS) is not cut
+# short by reward.timeout_s however long the test takes to signal it
+HELD = ["reward.timeout_s=600"]
 GAP = 1e-5  # float32 on both sides: the sampler's log-probs and the trainer's agree to ~5e-7 (measured)
 
 
@@ -188,21 +210,32 @@ def _same_as_reference(run_dir: Path, reference: Path) -> None:
             rank_log_records(reference / "ranks" / f"rank{rank}.jsonl")
 
 
-def _signal_rollout_rank(out: Path, after_steps: int, signum: int) -> tuple[subprocess.Popen, str, float]:
-    """The staleness-1 run in ``out``; ``signum`` to its rollout rank once ``after_steps`` steps are logged. Returns
-    the launch (ended), its stderr and the seconds it took to end after the signal."""
-    cmd, port = _command(3, out, *STALENESS_ONE)
-    run_dir = out / "tiny_cpu"
+def _signal_rollout_rank(out: Path, held_after: int, signum: int) -> tuple[subprocess.Popen, str, float]:
+    """The staleness-1 run in ``out``, its rollout rank's reward held (REWARDS) once ``held_after`` steps are logged;
+    ``signum`` to the rollout rank while it is held. A SIGTERM's run is then let go on to its stop; a SIGKILLed rank
+    stays held. Returns the launch (ended), its stderr and the seconds it took to end after the signal."""
+    hold = out / "hold"
+    held = hold.with_name("hold.held")
+    hold.write_text(json.dumps({"metrics": str(out / "tiny_cpu" / "metrics.jsonl"), "after_steps": held_after}))
+    cmd, port = _command(3, out, *STALENESS_ONE, *HELD)
+    proc = None
     try:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**ENV, "HOLD": str(hold)}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         rollout_rank = _rank_process(proc, 2)
-        _wait_for(lambda: _logged_steps(run_dir) >= after_steps, proc)
+        _wait_for(held.exists, proc)
         rollout_rank.send_signal(signum)
         signalled = time.monotonic()
+        if signum != signal.SIGKILL:
+            hold.unlink()
         _, err = proc.communicate(timeout=120)
         took = time.monotonic() - signalled
     finally:
+        if proc is not None and proc.poll() is None:  # a failed wait: no held run outlives the test
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        hold.unlink(missing_ok=True)
+        held.unlink(missing_ok=True)
         remove_shm_buffers(port)
     return proc, err, took
 
@@ -211,23 +244,31 @@ def test_a_sigterm_then_a_killed_rollout_rank_each_resume_exactly(tmp_path, stal
     """Both stops of one run (each 3-rank launch costs ~20 s): a SIGTERM to the rollout rank stops every rank with a
     checkpoint (exit 75); the same command resumes, and its rollout rank is SIGKILLed a step or more later, past a
     checkpoint that holds the batch in flight: the launcher ends the job within seconds; the same command resumes
-    again and ends where the uninterrupted run ended."""
+    again and ends where the uninterrupted run ended.
+
+    Each signal comes while the rollout rank waits in its reward (held, REWARDS), so neither depends on the timing:
+    the SIGTERM during step 1's batch, which carries the stop; the SIGKILL once a step past the resume is logged and
+    the rank waits in the reward of a batch the run cannot end without."""
     run_dir = tmp_path / "tiny_cpu"
-    proc, err, _ = _signal_rollout_rank(tmp_path, 1, signal.SIGTERM)
+    proc, err, _ = _signal_rollout_rank(tmp_path, 0, signal.SIGTERM)
     stopped = _logged_steps(run_dir)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert f"preempted: stopped by SIGTERM after step {stopped} of {STALENESS_STEPS}" in err, err[-3000:]
-    # S = 1: the stop travels with the batch the rollout rank makes next, which a busy machine (two test workers)
-    # may deliver a step later; the kill below still needs a step left before the end
-    assert 1 <= stopped <= STALENESS_STEPS - 2
+    # S = 1: the stop travels with the batch the rollout rank is making, step 1's (step 2's, should the rank end step
+    # 1's before its signal thread has run: a batch ends well after the signal). The kill below needs it early
+    assert stopped in (1, 2)
     assert checkpoint.latest_name(run_dir) == checkpoint.checkpoint_name(stopped)
 
-    proc, err, took = _signal_rollout_rank(tmp_path, max(3, stopped + 1), signal.SIGKILL)
+    # held once `after` steps are logged: step after+3's batch is asked for after that (its go-ahead follows step
+    # after+1), and the trainer logs a step only with the next step's batch in hand (S = 1), so at most after+1 < 6
+    # steps are logged whenever the kill comes
+    after = max(3, stopped + 1)
+    proc, err, took = _signal_rollout_rank(tmp_path, after, signal.SIGKILL)
     assert f"resuming after step {stopped}" in err, err[-3000:]
     assert proc.returncode != 0
     assert took < 15, f"the job took {took:.1f} s to end after its rollout rank died"
     assert _logged_steps(run_dir) < STALENESS_STEPS, "the run had finished before the kill"
-    resumed = _ok(_run(3, tmp_path, *STALENESS_ONE))
+    resumed = _ok(_run(3, tmp_path, *STALENESS_ONE, *HELD))
     assert "resuming after step" in resumed
     _same_as_reference(run_dir, staleness_one)
 
