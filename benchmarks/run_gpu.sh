@@ -151,7 +151,7 @@ step_kernels() {
         --warmup 2 --repeats 10 --liger-compiled 1 --record
 }
 step_policy_loss() {
-    run bench_policy_loss 30 python3 benchmarks/bench_policy_loss.py --device cuda --batch 256 --seq-len 8192 \
+    run bench_policy_loss 60 python3 benchmarks/bench_policy_loss.py --device cuda --batch 256 --seq-len 8192 \
         --mode forward,backward,full --record
 }
 step_3() { step_sweeps; step_kernels; step_policy_loss; }

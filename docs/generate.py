@@ -164,13 +164,16 @@ class Block(NamedTuple):
         found = []
         for line in re.findall(r"^- (.+)$", self.text, re.M):
             for clause in line.split("; "):
-                listed = re.match(r"^target \((.*)\): (.+)$", clause)
+                listed = re.match(r"^target \((.*?)\): (.+)$", clause)
                 if listed and listed.group(2) in ("met", "NOT met"):
                     found.append(Target(listed.group(1), listed.group(2) == "met"))
                 elif listed:
-                    for item in listed.group(2).split(", "):
-                        if verdict := re.match(r"^(.+?) (met|NOT met)$", item):
-                            found.append(Target(f"{listed.group(1)}: {verdict.group(1)}", verdict.group(2) == "met"))
+                    items = [re.match(r"^(.+?), (met|NOT met)$", listed.group(2))]  # one: "target (x): y 0.4x, met"
+                    if not items[0]:  # a list: "target (x): a met, b NOT met"
+                        items = [re.match(r"^(.+?) (met|NOT met)$", item) for item in listed.group(2).split(", ")]
+                    if not any(items):
+                        raise ValueError(f"a target line states no verdict: {clause!r}")
+                    found += [Target(f"{listed.group(1)}: {v.group(1)}", v.group(2) == "met") for v in items if v]
                 elif verdict := re.match(r"^(.+): (met|NOT met)$", clause):
                     found.append(Target(verdict.group(1), verdict.group(2) == "met"))
         for table in self.tables():

@@ -120,6 +120,8 @@ def test_targets_are_read_in_each_form_the_benchmarks_write(generate):
         "- packed is 1.66x faster (target 1.3x): met; peak memory 0.51x the padded one's (target below 1): NOT met",
         "- after / before: 0.976; target (not worse by more than 3%): met",
         "- target (grpo_ds ahead): time per step met, reward at equal samples (every point and final) NOT met",
+        "- target (issue 38): grpo_ds step time <= 0.6x TRL's (median of 3/3 runs): 0.47x, met",
+        "- target (issue 38): grpo_ds lean bf16 peak GPU memory <= TRL's: 1.08x (11,606 vs 10,765 MiB), NOT met",
         "- a note that states no verdict", "",
         "| configuration | within 25% |", "|---|---|", "| ZeRO-3 | met |", "| ZeRO-3 + tp=2 | NOT met |", ""]))
     assert [(t.what, t.met) for t in block.targets] == [
@@ -130,9 +132,17 @@ def test_targets_are_read_in_each_form_the_benchmarks_write(generate):
         ("not worse by more than 3%", True),
         ("grpo_ds ahead: time per step", True),
         ("grpo_ds ahead: reward at equal samples (every point and final)", False),
+        ("issue 38: grpo_ds step time <= 0.6x TRL's (median of 3/3 runs): 0.47x", True),
+        ("issue 38: grpo_ds lean bf16 peak GPU memory <= TRL's: 1.08x (11,606 vs 10,765 MiB)", False),
         ("ZeRO-3: within 25%", True),
         ("ZeRO-3 + tp=2: within 25%", False),
     ]
+
+
+def test_a_target_line_without_a_verdict_is_an_error_not_a_silent_drop(generate):
+    block = generate.Block(1, "x", "## x\n\n- target (issue 38): grpo_ds step time 0.47x TRL's\n")
+    with pytest.raises(ValueError, match="states no verdict"):
+        _ = block.targets
 
 
 def test_every_block_of_results_is_on_the_archive_and_every_link_finds_its_heading(generate):

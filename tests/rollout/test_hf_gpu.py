@@ -17,7 +17,7 @@ def test_cuda_draws_follow_the_distribution_and_never_a_zero_probability_token()
     probs = torch.tensor([0.3, 0.0, 0.05, 0.15, 0.0, 0.25, 0.2, 0.05], dtype=torch.float64)
     rows = 400_000
     logprobs = probs.log().float().to(CUDA).expand(rows, -1).contiguous()  # (B, V), -inf where p = 0
-    tokens = sample_tokens(logprobs).squeeze(-1).cpu()  # (B,)
+    tokens = sample_tokens(logprobs, torch.rand(rows, device=CUDA)).squeeze(-1).cpu()  # (B,)
     counts = torch.bincount(tokens, minlength=len(probs)).double() / rows
     assert counts[probs == 0].sum() == 0
     # binomial standard error at p <= 0.3 and 400k draws is <= 7.3e-4: 5 sigma
@@ -29,7 +29,7 @@ def test_cuda_draws_at_a_realistic_vocabulary_stay_in_its_support():
     vocab, rows = 151_936, 64
     scores = torch.randn(rows, vocab, device=CUDA) * 4
     scores[:, vocab // 2:] = -torch.inf  # a top-k style cut: the upper half can never be drawn
-    tokens = sample_tokens(torch.log_softmax(scores, dim=-1))
+    tokens = sample_tokens(torch.log_softmax(scores, dim=-1), torch.rand(rows, device=CUDA))
     assert tokens.shape == (rows, 1) and tokens.dtype == torch.int64
     assert bool((tokens >= 0).all()) and bool((tokens < vocab // 2).all())
 
