@@ -31,6 +31,7 @@ from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.kernels import chunk_bytes_per_token, chunk_tokens_for
 from grpo_ds.model import lora, memory
 from grpo_ds.model.memory import GIB
+from grpo_ds.rollout.hf_compile import CACHE_LEN_STEP, compile_wanted
 from grpo_ds.run.preflight import Inputs, prepare_inputs
 from grpo_ds.step.plan import old_logprob_pass_reason, plan_recipe_step, token_imbalance
 
@@ -207,7 +208,8 @@ def _rollout_rank_line(r: Recipe, shape: memory.ModelShape, placement: Placement
                        gpu_memory_gib: float | None) -> str:
     """Split placement: one line for a rollout rank's memory (grpo_ds.model.memory.rollout_rank)."""
     sequences = _prompts_per_generate_call(r, placement.rollout_ranks, rollout_side=True) * r.rollout.group_size
-    parts = memory.rollout_rank(r, shape, max(lengths), sequences, gpu_memory_gib)
+    parts = memory.rollout_rank(r, shape, max(lengths), sequences, gpu_memory_gib,
+                                _static_cache(r, placement.rollout_ranks, max(lengths), gpu_memory_gib, True))
     if parts is None:
         return (f"memory of a rollout rank: vLLM's share, rollout.vllm_gpu_memory_utilization "
                 f"{r.rollout.vllm_gpu_memory_utilization:g} of its GPU (--gpu-memory-gib sizes it)")
@@ -249,7 +251,23 @@ def estimate_memory(r: Recipe, shape: memory.ModelShape, ds_config: dict, world_
                            for mb in micro)
     generation = _prompts_per_generate_call(r, world_size) * r.rollout.group_size
     return memory.estimate(r, shape, ds_config, world_size, model_tokens, max(lengths), generation, gpu_memory_gib,
-                           backend, rollout=not split, reward_models=reward_models)
+                           backend, rollout=not split, reward_models=reward_models,
+                           static_cache=_static_cache(r, world_size, max(lengths), gpu_memory_gib))
+
+
+def _static_cache(r: Recipe, world_size: int, longest: int, gpu_memory_gib: float | None,
+                  rollout_side: bool = False) -> tuple[int, int]:
+    """(sequences, length) of the hf engine's compiled-decode caches (rollout.hf_compile; (0, 0) where it decodes
+    eagerly): one cache per distinct generate-call size of a step (a smaller last call has its own), each as long as
+    the widest prompt plus max_new_tokens (``longest``, completions at the limit), rounded up as the engine rounds.
+    The estimate is for a GPU where --gpu-memory-gib (or the visible GPU) gives one, else for this CPU."""
+    device = "cpu" if gpu_memory_gib is None else "cuda"
+    if r.uses_vllm or r.rollout.engine != "hf" or not compile_wanted(r.rollout.hf_compile, device):
+        return 0, 0
+    dp = world_size if rollout_side else world_size // r.train.tensor_parallel_size
+    share, per_call = -(-r.rollout.prompts_per_step // dp), r.rollout.generation_batch_prompts
+    prompts = min(share, per_call) + (share % per_call if share > per_call else 0)
+    return prompts * r.rollout.group_size, CACHE_LEN_STEP * -(-longest // CACHE_LEN_STEP)
 
 
 def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:

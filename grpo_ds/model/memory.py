@@ -26,6 +26,10 @@ and the moments in bf16, M = 2 bytes instead of 4: 10 bytes per trained paramete
                                                 grpo_ds.config.deepspeed.rollout_shares_policy)
     vLLM               gpu_memory_utilization x the GPU's memory (--gpu-memory-gib); with sleep mode only while
                        it generates, its weights in host memory (P x W / vllm tp) otherwise
+    static KV caches   S x L x layers x 2 x kv x head_dim x W: rollout.hf_compile's caches (grpo_ds.rollout.
+                       hf_compile), kept between steps so that the CUDA graphs keep their addresses: S sequences
+                       over the distinct generate-call sizes of a step, L = prompt width + max_new_tokens rounded
+                       up to CACHE_LEN_STEP; the generation phase then holds no KV cache of its own
     reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters);
                                                 ZeRO-3 keeps it from the first backward on, ZeRO 0-2 only during
                                                 a backward (stage_1_and_2.py releases it at the backward's end,
@@ -56,8 +60,9 @@ host memory: they are listed under ``host``. Then the largest phase on top:
                     DeepSpeed's fused and CPU Adam work in place (counted as 0)
     reward scoring  the weights of the offloaded reward models, back on the device (like the reference's
                     log-prob pass, the scoring forward's own activations are not counted: no gradients are kept)
-    generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position) and two
-                    fp32 (batch x vocab) score tensors
+    generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position; none of
+                    its own with rollout.hf_compile, whose static caches are counted above) and two fp32
+                    (batch x vocab) score tensors
 
 The estimate is checked against measured peaks by benchmarks/bench_memory_estimate.py.
 """
@@ -78,6 +83,7 @@ from grpo_ds.kernels import chunk_bytes_per_token, logprob_chunk_tokens
 from grpo_ds.model import lora
 from grpo_ds.model.engine import no_second_fp32_copy
 
+STATIC_CACHE_LINE = "static KV caches (rollout.hf_compile)"
 GIB = 2**30
 # DeepSpeed's defaults for the keys the estimate reads (deepspeed/runtime/zero/config.py)
 _REDUCE_BUCKET, _PREFETCH_BUCKET, _MAX_LIVE = 500_000_000, 50_000_000, 1_000_000_000
@@ -182,14 +188,16 @@ def reward_model_line(name: str) -> str:
 def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int, update_tokens: int,
              longest_sequence: int, generation_sequences: int, gpu_memory_gib: float | None = None,
              backend: str = "torch", rollout: bool = True,
-             reward_models: tuple[RewardModelShape, ...] = ()) -> MemoryEstimate:
+             reward_models: tuple[RewardModelShape, ...] = (), static_cache: tuple[int, int] = (0, 0)
+             ) -> MemoryEstimate:
     """Per-rank bytes. ``update_tokens``: the model's tokens (packed: the real ones; padded: samples x longest) of the
     largest update micro-batch;
     ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
     generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share; ``backend``: the
     resolved kernels backend (it sizes the log-prob chunks); ``rollout``: whether the rank holds the rollout engine
     (False: a trainer rank of a split placement, whose ``world_size`` is the trainer's ranks); ``reward_models``:
-    the shapes of reward.models, scored on every rank that trains."""
+    the shapes of reward.models, scored on every rank that trains; ``static_cache``: (sequences, length) of the
+    hf engine's compiled-decode caches (rollout.hf_compile; (0, 0) where it decodes eagerly)."""
     w = BYTES[recipe.model.dtype]
     zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
     tp = recipe.train.tensor_parallel_size
@@ -232,6 +240,8 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
         est.device["vLLM (gpu_memory_utilization)"] = vllm_share
     elif rollout and not rollout_shares_policy(recipe, ds_config):
         est.device["rollout copy (unsharded)"] = _rollout_copy(recipe, shape, w)
+    if rollout and static_cache[0]:
+        est.device[STATIC_CACHE_LINE] = _kv_cache(shape, w, *static_cache)
     bucket = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)
     gathered = 0
     if stage == 3:
@@ -252,20 +262,28 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     if rollout and recipe.uses_vllm:
         if r.vllm_sleep_mode:
             est.phases["generation (vLLM awake: gpu_memory_utilization)"] = vllm_share
+    elif rollout and static_cache[0]:
+        est.phases["generation (scores; the KV cache is the static one)"] = _scores(shape, generation_sequences)
     elif rollout:
         est.phases["generation (KV cache, scores)"] = _generation(shape, w, longest_sequence, generation_sequences)
     return est
 
 
 def rollout_rank(recipe: Recipe, shape: ModelShape, longest_sequence: int, generation_sequences: int,
-                 gpu_memory_gib: float | None = None) -> dict[str, int] | None:
+                 gpu_memory_gib: float | None = None, static_cache: tuple[int, int] = (0, 0)
+                 ) -> dict[str, int] | None:
     """A split placement's rollout rank, in bytes by part: the hf and agent engines' plain copy and one generate call
-    of ``generation_sequences`` sequences; vLLM: its share of the GPU (None when the GPU's memory is not known)."""
+    of ``generation_sequences`` sequences (with ``static_cache``, as in ``estimate``: those caches and the scores);
+    vLLM: its share of the GPU (None when the GPU's memory is not known)."""
     w = BYTES[recipe.model.dtype]
     if recipe.uses_vllm:
         if gpu_memory_gib is None:
             return None
         return {"vLLM (gpu_memory_utilization)": _b(recipe.rollout.vllm_gpu_memory_utilization * gpu_memory_gib * GIB)}
+    if static_cache[0]:
+        return {"copy of the weights": _rollout_copy(recipe, shape, w),
+                STATIC_CACHE_LINE: _kv_cache(shape, w, *static_cache),
+                "generation scores": _scores(shape, generation_sequences)}
     return {"copy of the weights": _rollout_copy(recipe, shape, w),
             "generation (KV cache, scores)": _generation(shape, w, longest_sequence, generation_sequences)}
 
@@ -277,8 +295,16 @@ def _rollout_copy(recipe: Recipe, shape: ModelShape, w: int) -> int:
 
 def _generation(shape: ModelShape, w: int, longest_sequence: int, sequences: int) -> int:
     """One generate call's KV cache and two fp32 (batch x vocab) score tensors."""
-    return _b(sequences * (longest_sequence * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w
-                           + 2 * shape.vocab * 4))
+    return _kv_cache(shape, w, sequences, longest_sequence) + _scores(shape, sequences)
+
+
+def _kv_cache(shape: ModelShape, w: int, sequences: int, positions: int) -> int:
+    return _b(sequences * positions * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w)
+
+
+def _scores(shape: ModelShape, sequences: int) -> int:
+    """Two fp32 (batch x vocab) score tensors of a generate call."""
+    return _b(sequences * 2 * shape.vocab * 4)
 
 
 def master_width(ds_config: dict) -> tuple[int, str]:

@@ -59,9 +59,10 @@ CACHE_LEN_STEP = 256  # static cache length: prompt width + max_new_tokens, roun
 
 
 def compile_wanted(setting: str, device: torch.device | str) -> bool:
-    """rollout.hf_compile on ``device``: "on", "off", or "auto": on CUDA only, where a decode step is launch-bound
-    (the GPU default rests on benchmarks/RESULTS.md's bench_rollout run on CUDA; on a 2-core CPU the compiled calls
-    took about twice the CPU time of eager ones, bench_rollout 2026-11-27)."""
+    """rollout.hf_compile on ``device``: "on", "off", or "auto" (the default): on CUDA only, where a decode step is
+    launch-bound (benchmarks/RESULTS.md, bench_vs_trl on an H200, 2026-11-28: the compiled rollout phase took 2.0 s a
+    step, TRL's eager generate 6.5 s at the same shape; on a 2-core CPU the compiled calls took about twice the CPU
+    time of eager ones, bench_rollout 2026-11-27)."""
     if setting not in CHOICES:
         raise ValueError(f"rollout.hf_compile must be one of {CHOICES}, not {setting!r}")
     return torch.device(device).type == "cuda" if setting == "auto" else setting == "on"

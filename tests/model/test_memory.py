@@ -83,7 +83,8 @@ def test_activation_checkpointing_and_the_fused_head_shrink_the_update_phase():
 
 def test_check_says_whether_it_fits_and_what_would_make_it_fit():
     # under ZeRO-3 (one rank otherwise runs stage 1, whose smaller peak fits 0.012 GiB by the micro-batch alone)
-    zero3 = ["train.zero3_on_one_rank=true"]
+    # eager decoding (rollout.hf_compile's static caches, counted for a GPU, would be the peak of this tiny model)
+    zero3 = ["train.zero3_on_one_rank=true", "rollout.hf_compile=off"]
     inputs = prepare_inputs(TINY, zero3, 1, "cpu")
     assert "fits in 80 GiB" in check.report(inputs, 1, "max", 80)
     tight = check.report(inputs, 1, "max", 0.012)  # between the states alone and the full peak
@@ -104,7 +105,7 @@ def test_the_advice_shrinks_the_generate_call_when_its_kv_cache_is_the_peak():
     """Long completions: once checkpointing and smaller micro-batches have shrunk the update, the hf engine's KV
     cache is the peak, and only fewer prompts per generate call (then, in a second pass, smaller micro-batches
     again) make it fit; the advice, applied, fits."""
-    long = ["rollout.max_new_tokens=500"]
+    long = ["rollout.max_new_tokens=500", "rollout.hf_compile=off"]  # eager: one generate call's KV cache
     inputs = prepare_inputs(TINY, long, 1, "cpu")
     advice = check.report(inputs, 1, "max", 0.1).split("does NOT fit")[1]
     steps = [line.split()[0] for line in advice.split("overrides that fit: ")[0].splitlines()[1:] if line.strip()]
@@ -116,3 +117,29 @@ def test_the_advice_shrinks_the_generate_call_when_its_kv_cache_is_the_peak():
     assert "fits in 0.1 GiB" in check.report(prepare_inputs(TINY, long + overrides, 1, "cpu"), 1, "max", 0.1)
     vllm = load_recipe(TINY, [*long, "rollout.engine=vllm"])
     assert "generation" not in {knob for knob, _, _ in check._changes(vllm, 1)}  # vLLM sizes its own KV cache
+
+
+def test_compiled_decoding_keeps_its_static_caches_between_steps():
+    """rollout.hf_compile (auto: on a GPU, --gpu-memory-gib's machine): its caches, one per distinct generate-call
+    size, count among the states the device always holds, as long as the widest prompt plus max_new_tokens rounded
+    up to 256 positions (transformers' StaticCache: layers x 2 x (rows, kv heads, length, head dim), checked against
+    a real one in tests/rollout/test_hf_compile.py); the generation phase then adds only its scores."""
+    qwen = ModelShape(params=494_032_768, trainable=494_032_768, split=357_000_000, largest_layer=136_134_656,
+                      hidden=896, layers=24, intermediate=4864, heads=14, kv_heads=2, vocab=151_936)
+    sections = ["rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=256",
+                "model.dtype=bfloat16", "train.micro_batch_samples_per_gpu=16"]
+    lengths = [20 + 256] * 128  # prompts of up to 20 tokens, completions at the limit
+    inputs = prepare_inputs(TINY, sections, 1, "cpu")
+    on_gpu = check.estimate_memory(inputs.recipe, qwen, inputs.ds_config, 1, lengths, gpu_memory_gib=141)
+    # bench_vs_trl's 0.5 B shape on the H200 (2026-11-28): 16 x 8 rows x 512 positions x 24 layers x 2 x 2 x 64 x 2 B
+    assert on_gpu.device["static KV caches (rollout.hf_compile)"] == 128 * 512 * 24 * 2 * 2 * 64 * 2 == 768 * 2**20
+    assert "generation (scores; the KV cache is the static one)" in on_gpu.phases
+    on_cpu = check.estimate_memory(inputs.recipe, qwen, inputs.ds_config, 1, lengths)  # auto: eager on a CPU
+    assert "static KV caches (rollout.hf_compile)" not in on_cpu.device
+    assert "generation (KV cache, scores)" in on_cpu.phases
+    off = prepare_inputs(TINY, [*sections, "rollout.hf_compile=off"], 1, "cpu")
+    assert "static KV caches (rollout.hf_compile)" not in check.estimate_memory(
+        off.recipe, qwen, off.ds_config, 1, lengths, gpu_memory_gib=141).device
+    # 100 prompts a rank in calls of 64: two cache sizes, 64 and 36 prompts' rows
+    uneven = prepare_inputs(TINY, ["rollout.prompts_per_step=100", "rollout.hf_compile=on"], 1, "cpu")
+    assert check._static_cache(uneven.recipe, 1, 300, None) == (100 * uneven.recipe.rollout.group_size, 512)

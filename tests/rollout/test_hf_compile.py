@@ -17,6 +17,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_ds import train as train_module
 from grpo_ds.config.loading import load_recipe
+from grpo_ds.model import memory
+from grpo_ds.model.memory import ModelShape
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout.base import SamplingParams
 from grpo_ds.rollout.hf import HFRolloutEngine
@@ -78,6 +80,23 @@ def test_compile_wanted():
     assert compile_wanted("on", "cpu") and not compile_wanted("off", "cuda")
     with pytest.raises(ValueError, match="hf_compile"):
         compile_wanted("yes", "cpu")
+
+
+def test_the_static_cache_is_as_large_as_the_memory_estimate_counts():
+    """CompiledDecode's cache for 5 rows on 7-token prompts with 250 new tokens: 256 positions, and its tensors once a
+    forward has filled them (transformers allocates them then) weigh what grpo_ds.model.memory counts."""
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = Qwen2ForCausalLM(config)
+    kwargs = CompiledDecode("cpu", 60.0).generate_kwargs(model, 5, 6, 250)
+    cache = next(v for k, v in kwargs.items() if k != "compile_config")
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (5, 7)), **{k: v for k, v in kwargs.items() if k != "compile_config"},
+              use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    shape = ModelShape(params=1, trainable=1, split=0, largest_layer=1, hidden=64, layers=3, intermediate=128,
+                       heads=4, kv_heads=2, vocab=128)
+    assert held == memory._kv_cache(shape, 4, 5, 256) == 5 * 256 * 3 * 2 * 2 * 16 * 4
 
 
 @pytest.mark.parametrize("setting", ["auto", "on", "off"])

@@ -26,6 +26,17 @@ def test_the_tiny_recipes_never_replace_a_run():
         assert json.loads(path.read_text())["run"].get("overwrite", False) is False, path.name
 
 
+def test_a_resumed_run_may_change_how_the_hf_engine_decodes_but_not_what_it_trains(tmp_path):
+    """rollout.hf_compile's default changed from "off" to "auto": a run folder saved before still resumes."""
+    from grpo_ds.config.loading import load_recipe
+
+    saved = load_recipe(TINY, ["rollout.hf_compile=off", "rollout.hf_compile_timeout_s=300"]).to_dict()
+    (tmp_path / "recipe.json").write_text(json.dumps(saved))
+    assert run_folder._first_difference(tmp_path / "recipe.json", load_recipe(TINY).to_dict()) is None
+    assert run_folder._first_difference(tmp_path / "recipe.json", load_recipe(TINY, ["train.lr=0.5"]).to_dict()) == \
+        "train.lr was 0.001, the recipe says 0.5"
+
+
 @pytest.mark.slow
 def test_the_same_command_again_does_nothing_for_a_finished_run_and_a_larger_steps_extends_it(tmp_path, capsys):
     run_dir = tmp_path / "tiny_cpu"
