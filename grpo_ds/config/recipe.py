@@ -88,8 +88,8 @@ class RolloutConfig:
                           "graphs on a GPU) instead of eagerly; the same token picking and sampler log-probs, logits "
                           "equal to float rounding. auto = on CUDA (an H200's rollout phase: 2.0 s a step against "
                           "6.5 s for TRL's eager generate, benchmarks/RESULTS.md 2026-11-28), off on a CPU (it does "
-                          "not pay there). Keeps its KV caches on the device between steps (docs/guides/vllm.md); a compile "
-                          "that fails or stalls falls back to eager with one line",
+                          "not pay there). Keeps its KV caches on the device between steps (docs/guides/vllm.md); a "
+                          "compile that fails or stalls falls back to eager with one line",
                           choices=("auto", "on", "off"))
     hf_compile_timeout_s: float = opt(300.0, "hf engine with hf_compile: seconds a compiled generate call may go "
                                       "without a new token (the first decode step waits for the compile) before "

@@ -38,7 +38,12 @@ LEAN = ["model.dtype=bfloat16", "train.lean_bf16=true", "model.tiny_hidden_size=
 def test_lean_bf16_trains_and_the_memory_estimate_holds(tmp_path):
     overrides = [*LEAN, f"run.output_dir={tmp_path}", "run.name=lean"]
     probe = tmp_path / "probe.json"
-    env = {**clean_env(), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    # ONEDNN_MAX_CPU_ISA=AVX2: on a CPU with AVX-512 BF16 (an Intel Xeon, 2026-11-28) oneDNN's bf16 kernels keep
+    # about 25 MiB of their own host memory (reordered weights, scratchpads): peak 220-226 MiB and 152 after the
+    # update there, against 197.5 and 127.8 with its AVX2 kernels, which is what an AMD EPYC measured (199.8, 127.2).
+    # The estimate counts grpo_ds's tensors, not a math library's caches, so the test measures on the same kernels
+    # whatever CPU runs it.
+    env = {**clean_env(), "MALLOC_MMAP_THRESHOLD_": "131072", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_probe.py"), str(probe), TINY,
                            *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
