@@ -31,7 +31,7 @@ from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.kernels import chunk_bytes_per_token, chunk_tokens_for
 from grpo_ds.model import lora, memory
 from grpo_ds.model.memory import GIB
-from grpo_ds.rollout.hf_compile import CACHE_LEN_STEP, compile_wanted
+from grpo_ds.rollout.hf_compile import cache_length, compile_wanted
 from grpo_ds.run.preflight import Inputs, prepare_inputs
 from grpo_ds.step.plan import old_logprob_pass_reason, plan_recipe_step, token_imbalance
 
@@ -264,10 +264,9 @@ def _static_cache(r: Recipe, world_size: int, longest: int, gpu_memory_gib: floa
     device = "cpu" if gpu_memory_gib is None else "cuda"
     if r.uses_vllm or r.rollout.engine != "hf" or not compile_wanted(r.rollout.hf_compile, device):
         return 0, 0
-    dp = world_size if rollout_side else world_size // r.train.tensor_parallel_size
-    share, per_call = -(-r.rollout.prompts_per_step // dp), r.rollout.generation_batch_prompts
+    share, per_call = _prompts_per_rank(r, world_size, rollout_side), r.rollout.generation_batch_prompts
     prompts = min(share, per_call) + (share % per_call if share > per_call else 0)
-    return prompts * r.rollout.group_size, CACHE_LEN_STEP * -(-longest // CACHE_LEN_STEP)
+    return prompts * r.rollout.group_size, cache_length(longest)
 
 
 def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:
@@ -281,11 +280,17 @@ def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:
             f"budget, kernels.logprob_chunk_mib, at {vocab:,} vocabulary entries)")
 
 
-def _prompts_per_generate_call(r: Recipe, world_size: int, rollout_side: bool = False) -> int:
-    """Prompts in a rank's largest generate call: its share of the step's prompts (over the data-parallel ranks; a
-    split placement's rollout ranks, ``rollout_side``, each take a share), at most rollout.generation_batch_prompts."""
+def _prompts_per_rank(r: Recipe, world_size: int, rollout_side: bool = False) -> int:
+    """A rank's share of the step's prompts: over the data-parallel ranks, or a split placement's rollout ranks
+    (``rollout_side``), which each take a share."""
     dp = world_size if rollout_side else world_size // r.train.tensor_parallel_size
-    return min(r.rollout.generation_batch_prompts, -(-r.rollout.prompts_per_step // dp))
+    return -(-r.rollout.prompts_per_step // dp)
+
+
+def _prompts_per_generate_call(r: Recipe, world_size: int, rollout_side: bool = False) -> int:
+    """Prompts in a rank's largest generate call: its share of the step's prompts (``_prompts_per_rank``), at most
+    rollout.generation_batch_prompts."""
+    return min(r.rollout.generation_batch_prompts, _prompts_per_rank(r, world_size, rollout_side))
 
 
 def _fit(inputs: Inputs, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float,

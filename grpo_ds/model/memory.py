@@ -29,7 +29,8 @@ and the moments in bf16, M = 2 bytes instead of 4: 10 bytes per trained paramete
     static KV caches   S x L x layers x 2 x kv x head_dim x W: rollout.hf_compile's caches (grpo_ds.rollout.
                        hf_compile), kept between steps so that the CUDA graphs keep their addresses: S sequences
                        over the distinct generate-call sizes of a step, L = prompt width + max_new_tokens rounded
-                       up to CACHE_LEN_STEP; the generation phase then holds no KV cache of its own
+                       up as the engine rounds it (hf_compile.cache_length); the generation phase then holds no
+                       KV cache of its own
     reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters);
                                                 ZeRO-3 keeps it from the first backward on, ZeRO 0-2 only during
                                                 a backward (stage_1_and_2.py releases it at the backward's end,
@@ -280,12 +281,13 @@ def rollout_rank(recipe: Recipe, shape: ModelShape, longest_sequence: int, gener
         if gpu_memory_gib is None:
             return None
         return {"vLLM (gpu_memory_utilization)": _b(recipe.rollout.vllm_gpu_memory_utilization * gpu_memory_gib * GIB)}
+    parts = {"copy of the weights": _rollout_copy(recipe, shape, w)}
     if static_cache[0]:
-        return {"copy of the weights": _rollout_copy(recipe, shape, w),
-                STATIC_CACHE_LINE: _kv_cache(shape, w, *static_cache),
-                "generation scores": _scores(shape, generation_sequences)}
-    return {"copy of the weights": _rollout_copy(recipe, shape, w),
-            "generation (KV cache, scores)": _generation(shape, w, longest_sequence, generation_sequences)}
+        parts |= {STATIC_CACHE_LINE: _kv_cache(shape, w, *static_cache),
+                  "generation scores": _scores(shape, generation_sequences)}
+    else:
+        parts["generation (KV cache, scores)"] = _generation(shape, w, longest_sequence, generation_sequences)
+    return parts
 
 
 def _rollout_copy(recipe: Recipe, shape: ModelShape, w: int) -> int:

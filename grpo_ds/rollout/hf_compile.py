@@ -58,6 +58,11 @@ CHOICES = ("auto", "on", "off")  # rollout.hf_compile
 CACHE_LEN_STEP = 256  # static cache length: prompt width + max_new_tokens, rounded up to a multiple of this
 
 
+def cache_length(positions: int) -> int:
+    """The static cache's length for ``positions`` (prompt width + max_new_tokens): rounded up to CACHE_LEN_STEP."""
+    return CACHE_LEN_STEP * math.ceil(positions / CACHE_LEN_STEP)
+
+
 def compile_wanted(setting: str, device: torch.device | str) -> bool:
     """rollout.hf_compile on ``device``: "on", "off", or "auto" (the default): on CUDA only, where a decode step is
     launch-bound (benchmarks/RESULTS.md, bench_vs_trl on an H200, 2026-11-28: the compiled rollout phase took 2.0 s a
@@ -131,7 +136,7 @@ class CompiledDecode:
         # transformers' private switch, checked on transformers 5.17.0 and 5.24.0: without it generate compiles only
         # on CUDA, XPU, neuron and TPU devices and runs a CPU model eagerly without a word.
         compile_config._compile_all_devices = True
-        length = CACHE_LEN_STEP * math.ceil((width + max_new_tokens) / CACHE_LEN_STEP)
+        length = cache_length(width + max_new_tokens)
         if length > self.cache_len:
             self.caches.clear()
             self.cache_len = length

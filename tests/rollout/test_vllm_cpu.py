@@ -64,7 +64,7 @@ def launch_venv(ranks: int, args: list, timeout: int = 600) -> str:
                                   capture_output=True, text=True, timeout=timeout)
         finally:
             remove_shm_buffers(port)
-            remove_vllm_shm(ident)
+            remove_vllm_shm()
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
         assert not (left := sorted(p.name for p in Path(tmp).glob("grpo_ds*"))), f"left in TMPDIR: {left}"
