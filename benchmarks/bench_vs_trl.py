@@ -43,7 +43,10 @@ difference's standard error is sqrt(se_grpo_ds^2 + se_TRL^2)).
 --lean adds grpo_ds in lean bf16 mode (train.lean_bf16: bf16 master weights, gradients and AdamW moments, TRL's
 precision) as a third trainer, run beside the default grpo_ds and TRL in the same alternation (--lean only: it
 replaces the default grpo_ds). On CUDA the issue-38 targets are printed: grpo_ds's step time at most 0.6x TRL's, and
-lean grpo_ds's peak GPU memory at most TRL's.
+lean grpo_ds's peak GPU memory at most TRL's. --lean-set overrides the lean variant's recipe alone (e.g.
+rollout.hf_compile=off: lean without the compiled decoding's static KV caches). On CUDA the notes say the peak GPU
+memory so far at the end of each step (a peak reached in the first step, the compile's, shows there), and grpo_ds's
+memory table covers step 1 too.
 
 --reward-model (a Qwen2 shape: realistic or qwen2-0.5b; issue 36) makes a learned reward model the only reward, weight
 1: a random sequence classifier of the shape's architecture (the same hidden size, layers, heads, MLP and RoPE; one
@@ -202,6 +205,8 @@ class Run:
     phases: dict[str, list[float]]
     peak_rss_mib: float
     peak_gpu_mib: float | None
+    # CUDA: torch.cuda.max_memory_allocated() at the end of each step (the peak so far), to tell a first-step peak
+    gpu_peak_by_step: list[float] | None
     versions: dict[str, str]
     threads: int
     memory_peaks: list | None = None  # grpo_ds: grpo_ds.step.memory_timeline.phase_peaks of its profiled steps
@@ -218,7 +223,7 @@ def bench_recipe(args: argparse.Namespace, seed: int, workdir: Path, trainer: st
     """The recipe both trainers follow for the run with this seed (``trainer`` grpo_ds_lean: in lean bf16 mode)."""
     overrides = {**dict(parse_override(o) for o in args.set), **QUIET, "train.steps": args.steps, "run.seed": seed,
                  "run.output_dir": str(workdir / "runs"), "run.name": f"{trainer}_seed{seed}",
-                 **(LEAN if trainer == "grpo_ds_lean" else {})}
+                 **({**LEAN, **dict(parse_override(o) for o in args.lean_set)} if trainer == "grpo_ds_lean" else {})}
     shape = SHAPES[args.shape]
     if shape.recipe is None:
         return load_recipe(REPO / "recipes" / "tiny_cpu.json", overrides)
@@ -386,8 +391,8 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
     tag = f"{trainer}_run{index}"
     spec, out, log = workdir / f"{tag}.spec.json", workdir / f"{tag}.out.json", workdir / f"{tag}.log"
     spec_recipe = recipe.to_dict()
-    if trainer != "trl" and recipe.train.steps >= 2:  # its memory timeline, steps 2..last (no torch.profiler)
-        spec_recipe["logging"].update(profile_steps=[2, min(recipe.train.steps, 11)], profile_trace=False)
+    if trainer != "trl" and recipe.train.steps >= 2:  # its memory timeline (no torch.profiler)
+        spec_recipe["logging"].update(profile_steps=list(profiled_steps(args)), profile_trace=False)
     spec.write_text(json.dumps({"recipe": spec_recipe, "device": args.device,
                                 "trl_output_dir": str(workdir / "trl" / tag)}))
     print(f"  run {index + 1}/{args.runs}: {LABELS[trainer]} (seed {recipe.run.seed}) ...", file=sys.stderr,
@@ -419,9 +424,17 @@ def run_one(trainer: str, python: str, recipe: Recipe, index: int, args: argpars
                step_s=deltas(loop_start, ends), cpu_step_s=deltas(result["cpu_loop_start"], result["cpu_step_end"]),
                reward=result["reward"],
                response_len=result["response_len"], phases=result["phases"], peak_rss_mib=result["peak_rss_mib"],
-               peak_gpu_mib=result.get("peak_gpu_mib"), versions=result["versions"], threads=result["threads"],
+               peak_gpu_mib=result.get("peak_gpu_mib"), gpu_peak_by_step=result.get("gpu_peak_mib") or None,
+               versions=result["versions"], threads=result["threads"],
                memory_peaks=peaks, rm_memory=result.get("reward_model_memory") or None,
                rm_inputs=result.get("reward_model_inputs") or result.get("reward_model_memory") or None)
+
+
+def profiled_steps(args: argparse.Namespace) -> tuple[int, int]:
+    """The steps of grpo_ds's memory timeline, (first, last): from step 2 on a CPU (step 1's RSS rises are first-touch,
+    not the steady step's), from step 1 on CUDA, where a peak reached in step 1 (the compile, state built lazily)
+    counts in max_memory_allocated and so must be found; to step 11 at most."""
+    return (1 if args.device == "cuda" else 2), min(args.steps, 11)
 
 
 def deltas(start: float, ends: list[float]) -> list[float]:
@@ -587,6 +600,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lean", choices=("off", "on", "both"), default="off",
                         help="grpo_ds in lean bf16 mode (train.lean_bf16; needs a bfloat16 shape): on replaces the "
                              "default grpo_ds, both runs the two beside TRL (default: off)")
+    parser.add_argument("--lean-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a recipe override for the lean variant alone, after --set (e.g. rollout.hf_compile=off: "
+                             "lean without the compiled decoding's static KV caches)")
     parser.add_argument("--lean-runs", type=int, default=None,
                         help="with --lean both: runs of the lean variant, in the first rounds (default: --runs; 1 "
                              "is enough for its peak memory)")
@@ -604,6 +620,8 @@ def parse_args() -> argparse.Namespace:
     args.trainers = {"off": ["grpo_ds"], "on": ["grpo_ds_lean"], "both": ["grpo_ds", "grpo_ds_lean"]}[args.lean] + \
         ["trl"]
     args.lean_runs = min(args.runs, args.lean_runs or args.runs)
+    if args.lean_set and args.lean == "off":
+        raise SystemExit("--lean-set: there is no lean variant to override without --lean on or --lean both")
     dtype = dict(parse_override(o) for o in args.set).get("model.dtype", str(shape.dtype).removeprefix("torch."))
     if args.lean != "off" and dtype != "bfloat16":
         raise SystemExit(f"--lean {args.lean}: lean bf16 mode needs model.dtype bfloat16 (--shape {args.shape} trains "
@@ -703,7 +721,8 @@ def main() -> None:
                            f"runs): {ratio:.2f}x, {verdict(ratio <= TIME_TARGET)}")
         if "grpo_ds_lean" in runs:
             ratio = peak(runs["grpo_ds_lean"]) / t_mem
-            targets.append(f"target (issue 38): grpo_ds lean bf16 peak GPU memory <= TRL's: {ratio:.2f}x "
+            with_set = f" (with {' '.join(args.lean_set)})" if args.lean_set else ""
+            targets.append(f"target (issue 38): grpo_ds lean bf16{with_set} peak GPU memory <= TRL's: {ratio:.2f}x "
                            f"({fmt(peak(runs['grpo_ds_lean']), 0)} vs {fmt(t_mem, 0)} MiB), "
                            f"{verdict(ratio <= LEAN_MEMORY_TARGET)}")
     if args.reward_model:  # issue 36's targets, on any device
@@ -732,6 +751,9 @@ def main() -> None:
         + (f", lean {args.lean_runs} (the first)" if args.lean == "both" and args.lean_runs < args.runs else "")
         + f"; run i seeded {args.seed} + i for all), each in a fresh process; whole benchmark {minutes:.1f} min",
         *([f"recipe overrides (--set, both trainers): {', '.join(args.set)}"] if args.set else []),
+        *([f"recipe overrides of grpo_ds lean bf16 alone (--lean-set): {', '.join(args.lean_set)}"]
+          if args.lean_set and "grpo_ds_lean" in runs else []),
+        *gpu_peak_notes(runs),
         f"step s: median over the runs' steps after the first; reward @ N: mean over runs of the mean reward of the "
         f"steps ending in the last {args.window:,} samples before N; final reward: the last 10 steps",
         f"versions: grpo_ds side: {versions(g)}; TRL side ({args.trl_python}): {versions(t)}",
@@ -762,7 +784,7 @@ def main() -> None:
              f"{r.max_new_tokens} tokens, {args.steps} steps ({per_step * args.steps:,} samples) per run, "
              f"{args.device}")
     report("bench_vs_trl", shape, args.device, markdown_table(headers, rows)
-           + "".join(memory_block(runs[k], LABELS[k]) for k in variants), notes, args.record)
+           + "".join(memory_block(runs[k], LABELS[k], profiled_steps(args)) for k in variants), notes, args.record)
 
 
 # With --reward-model: how each trainer feeds the reward model.
@@ -860,15 +882,25 @@ def reward_model_notes(runs: dict[str, list[Run]], rm_model: str) -> list[str]:
     return notes
 
 
-def memory_block(runs: list[Run], label: str = "grpo_ds") -> str:
+def gpu_peak_notes(runs: dict[str, list[Run]]) -> list[str]:
+    """CUDA: where in a run its peak GPU memory was reached (a first step's compile or lazily built state, or the
+    steady steps), from each trainer's first run."""
+    by_step = {key: rs[0].gpu_peak_by_step for key, rs in runs.items() if rs[0].gpu_peak_by_step}
+    if not by_step:
+        return []
+    return ["peak GPU memory so far at the end of each step (torch.cuda.max_memory_allocated, MiB, first run of each): "
+            + "; ".join(f"{LABELS[key]} " + ", ".join(fmt(x, 0) for x in peaks) for key, peaks in by_step.items())]
+
+
+def memory_block(runs: list[Run], label: str, steps: tuple[int, int]) -> str:
     """grpo_ds's memory per phase (its timeline, grpo_ds.step.memory_timeline) in the run with the highest peak."""
     timed = [r for r in runs if r.memory_peaks]
     if not timed:
         return ""
     worst = max(timed, key=lambda r: max(p.peak_rss for p in r.memory_peaks))
-    last = worst.memory_peaks and max(p.peak_step for p in worst.memory_peaks)
-    return (f"\n\n{label} memory per phase, run {worst.index + 1} (seed {worst.seed}), steps 2-{last}: RSS from its "
-            "timeline (logging.profile_steps with logging.profile_trace false, sampled every 10 ms and at every "
+    first, last = steps
+    return (f"\n\n{label} memory per phase, run {worst.index + 1} (seed {worst.seed}), steps {first}-{last}: RSS from "
+            "its timeline (logging.profile_steps with logging.profile_trace false, sampled every 10 ms and at every "
             "phase boundary); rise: the peak above the RSS at the start of the phase run that reached it\n\n"
             + format_table(worst.memory_peaks))
 

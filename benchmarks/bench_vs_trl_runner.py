@@ -53,7 +53,7 @@ def peak_rss_mib() -> float:
 
 
 def new_stamps() -> dict:
-    return {"loop_start": None, "cpu_loop_start": None, "step_end": [], "cpu_step_end": []}
+    return {"loop_start": None, "cpu_loop_start": None, "step_end": [], "cpu_step_end": [], "gpu_peak_mib": []}
 
 
 def stamp(stamps: dict, key: str) -> None:
@@ -64,6 +64,9 @@ def stamp(stamps: dict, key: str) -> None:
     else:
         stamps[key].append(wall)
         stamps["cpu_" + key].append(cpu)
+        torch = sys.modules.get("torch")  # imported by the trainer by now; a CUDA run: the peak so far, per step
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            stamps["gpu_peak_mib"].append(torch.cuda.max_memory_allocated() / 2**20)
 
 
 # ------------------------------------------------------------------------------------------------ grpo_ds

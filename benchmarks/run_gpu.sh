@@ -17,6 +17,8 @@
 #      defaults (step "kernels"; targets: log-prob forward >= 60% of copy bandwidth; fused linear full >= 1.5x
 #      eager; Liger compiled where it compiles, the block names which ran), then bench_policy_loss
 #   4. pytest tests/kernels and every *_gpu.py test
+#   lean (not in the default list): bench_vs_trl, lean bf16 mode with rollout.hf_compile=off (no static KV caches,
+#      no CUDA-graph pool: 768 MiB of the 841 by which lean exceeded TRL on 2026-11-28) against TRL, 1 run each
 # The steps run in the order RUN_GPU_STEPS names them.
 #
 # The steps' limits add up to about 17 minutes. Measured on an H200 on 2026-11-27: vs-TRL's fresh processes took
@@ -25,14 +27,17 @@
 # 15 minutes of device time a session, split it in two calls on the one warm machine (it stays warm for 30 s):
 #     RUN_GPU_STEPS=1 RUN_GPU_BUDGET_S=520 VS_TRL_LIMIT_S=510 bash benchmarks/run_gpu.sh
 #     RUN_GPU_STEPS="kernels 4 2 policy_loss sweeps" RUN_GPU_BUDGET_S=<what is left> bash benchmarks/run_gpu.sh
-# (the wheels are installed again in the second, in seconds).
+# (the wheels are installed again in the second, in seconds). The 2026-11-28 H200 session ran exactly that (462 s,
+# then 350 s: kernels, 4 and policy_loss finished, the rollout bench did not). With the kernels' and tests' blocks
+# on record, the next session's second call is better spent on what is still open:
+#     RUN_GPU_STEPS="lean sweeps 2" RUN_GPU_BUDGET_S=<what is left> bash benchmarks/run_gpu.sh
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
 # VS_TRL_RUNS (runs per trainer, default 3), VS_TRL_LIMIT_S (default 540), HF_COMPILE (grpo_ds's
 # rollout.hf_compile in vs-TRL, default on: the candidate default this run measures), HF_COMPILE_TIMEOUT_S (its
 # rollout.hf_compile_timeout_s, default 150: a compile that stalls falls back to eager within that),
 # RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, in order, default "1 2 3 4"; also
-# "sweeps", "kernels", "policy_loss": the parts of step 3), OUT (where the log,
+# "sweeps", "kernels", "policy_loss": the parts of step 3; "lean"), OUT (where the log,
 # the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
 # output), RESULTS.new.md (the blocks this run appended), summary.txt (one line a step), steps.tar.gz (per-step logs).
 set -uo pipefail
@@ -123,6 +128,13 @@ step_1() {
         --set "rollout.hf_compile_timeout_s=${HF_COMPILE_TIMEOUT_S:-150}" --lean both --lean-runs 1 --record
 }
 
+# lean bf16 without compiled decoding against TRL: its static KV caches stay allocated through the update (the phase
+# of the peak); ~2 runs of ~65 s
+step_lean() {
+    run vs_trl_lean 200 python3 benchmarks/bench_vs_trl.py --device cuda --shape qwen2-0.5b --runs 1 --steps 3 \
+        --lean on --lean-set rollout.hf_compile=off --record
+}
+
 # ------------------------------------------------------------------------------------------ 2. rollout
 # the hf engine's eager decode against its static-cache compiled one (rollout.hf_compile) and plain generate
 step_2() {
@@ -165,7 +177,7 @@ step_4() {
 
 for step in $STEPS; do
     if [[ $(type -t "step_$step") != function ]]; then
-        note "$step: no such step (steps: 1 2 3 4 sweeps kernels policy_loss)"
+        note "$step: no such step (steps: 1 2 3 4 sweeps kernels policy_loss lean)"
         continue
     fi
     "step_$step"
