@@ -295,11 +295,13 @@ def _prompts_per_generate_call(r: Recipe, world_size: int, rollout_side: bool = 
 
 def _fit(inputs: Inputs, lengths: list[int], est: memory.MemoryEstimate, gpu_memory_gib: float,
          reward_models: tuple[memory.RewardModelShape, ...] = ()) -> list[str]:
-    """Whether the peak fits ``gpu_memory_gib``; if not, the changes that would make it fit, tried in the order of
-    the Ultra-Scale Playbook (activation checkpointing, a smaller micro-batch with more accumulation, then fewer
-    prompts per generate call for the hf and agent engines, offload, tensor parallelism), each added to the ones
-    before, with its estimate, up to the first that fits; a change that does not lower the estimate is not kept (a
-    later pass tries it again), and the changes on the way that the fit does not need are dropped again."""
+    """Whether the peak fits ``gpu_memory_gib``; if not, the changes that would make it fit, in this order:
+    activation checkpointing and a smaller micro-batch with more accumulation (the Ultra-Scale Playbook's first),
+    eager decoding in the hf engine (no static KV caches kept through the update: rollout.hf_compile=off), fewer
+    prompts per generate call for the hf and agent engines, then the playbook's offload and tensor parallelism; each
+    added to the ones before, with its estimate, up to the first that fits; a change that does not lower the estimate
+    is not kept (a later pass tries it again), and the changes on the way that the fit does not need are dropped
+    again."""
     if est.peak <= gpu_memory_gib * GIB:
         return [f"  fits in {gpu_memory_gib:g} GiB ({100 * est.peak / (gpu_memory_gib * GIB):.0f}% of it)"]
     base, shape = inputs.recipe, memory.model_shape(inputs.recipe, len(inputs.tokenizer))
@@ -351,6 +353,10 @@ def _changes(r: Recipe, world_size: int):
         micro //= 2
         yield "micro", f"train.micro_batch_samples_per_gpu={micro} train.logprob_micro_batch_samples_per_gpu={micro}", \
             replace("train", micro_batch_samples_per_gpu=micro, logprob_micro_batch_samples_per_gpu=micro)
+    # the static KV caches, held through the update; eager decoding costs about what one halving of the generate call
+    # below does (a decode step is launch-bound, so half the rows take about as long), and frees them all
+    if r.rollout.engine == "hf" and r.rollout.hf_compile != "off":
+        yield "compile", "rollout.hf_compile=off", replace("rollout", hf_compile="off")
     if r.rollout.engine in ("hf", "agent"):  # the KV cache of one generate call; vLLM sizes its own
         prompts = _prompts_per_generate_call(r, world_size)
         while prompts > 1:

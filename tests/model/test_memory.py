@@ -101,6 +101,21 @@ def test_check_says_whether_it_fits_and_what_would_make_it_fit():
     assert "nothing tried fits" in hopeless
 
 
+def test_the_advice_turns_compiled_decoding_off_when_its_static_caches_are_the_peak():
+    """For a GPU, rollout.hf_compile's static KV caches are held through the update, so once checkpointing and smaller
+    micro-batches have done what they can, eager decoding (before a smaller generate call) is what makes this tiny
+    model fit; the advice, applied, fits. Where the hf engine decodes eagerly or vLLM generates, it is not tried."""
+    compiled = ["train.zero3_on_one_rank=true", "rollout.hf_compile=on"]
+    advice = check.report(prepare_inputs(TINY, compiled, 1, "cpu"), 1, "max", 0.1).split("does NOT fit")[1]
+    steps = [line.split()[0] for line in advice.split("overrides that fit: ")[0].splitlines()[1:] if line.strip()]
+    assert steps[-1] == "rollout.hf_compile=off" and "rollout.generation_batch_prompts=12" not in steps
+    overrides = advice.split("overrides that fit: ")[1].splitlines()[0].split()
+    assert overrides == ["rollout.hf_compile=off"]  # the micro-batches it tried first saved next to nothing
+    assert "fits in 0.1 GiB" in check.report(prepare_inputs(TINY, compiled + overrides, 1, "cpu"), 1, "max", 0.1)
+    for recipe in (load_recipe(TINY, ["rollout.hf_compile=off"]), load_recipe(TINY, ["rollout.engine=vllm"])):
+        assert "compile" not in {knob for knob, _, _ in check._changes(recipe, 1)}
+
+
 def test_the_advice_shrinks_the_generate_call_when_its_kv_cache_is_the_peak():
     """Long completions: once checkpointing and smaller micro-batches have shrunk the update, the hf engine's KV
     cache is the peak, and only fewer prompts per generate call (then, in a second pass, smaller micro-batches
