@@ -8,7 +8,6 @@ import uuid
 from pathlib import Path
 
 from grpo_ds.distributed.launcher import free_port
-from grpo_ds.rollout import vllm_shm
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,14 +47,6 @@ def vllm_ident() -> str:
     """A launch's own VLLM_DIST_IDENT: grpo_ds.rollout.vllm keeps one set in the environment (else it draws one), and
     vLLM's CPU tensor-parallel groups name their /dev/shm segments <ident>-...-cpushm after it."""
     return f"grpo_ds-test-{uuid.uuid4().hex[:12]}"
-
-
-def remove_vllm_shm() -> None:
-    """The /dev/shm segments vLLM's CPU tensor-parallel groups leave behind when their processes end: those that no
-    process holds (grpo_ds/rollout/vllm_shm.py), whatever a vLLM version names them after (VLLM_DIST_IDENT, or as
-    vLLM 0.32's CPU build does, its init method, the same in every run); a segment in use (a test beside this one,
-    under pytest-xdist) stays."""
-    vllm_shm.remove_stale_segments()
 
 
 # What differs between two runs of the same recipe in a rank's log (ranks/rank<r>.jsonl): the phases' wall-clock spans.

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, clean_env, free_port, remove_shm_buffers, remove_vllm_shm, vllm_ident
+from grpo_ds.rollout import vllm_shm
+from tests.launch import REPO, clean_env, free_port, remove_shm_buffers, vllm_ident
 
 # One worker runs these under pytest-xdist (tests/conftest.py), one vLLM launch at a time, as without it: a launch
 # holds up to 4 ranks (two vLLM engines of VLLM_CPU_KVCACHE_SPACE 1 GiB each, recipes/tiny_vllm_cpu.json, and two
@@ -64,7 +65,9 @@ def launch_venv(ranks: int, args: list, timeout: int = 600) -> str:
                                   capture_output=True, text=True, timeout=timeout)
         finally:
             remove_shm_buffers(port)
-            remove_vllm_shm()
+            # vLLM's CPU tensor-parallel segments that no process holds: whatever a vLLM version names them after
+            # (VLLM_DIST_IDENT, or vLLM 0.32's init method, the same every run); one in use beside this test stays
+            vllm_shm.remove_stale_segments()
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
         assert not (left := sorted(p.name for p in Path(tmp).glob("grpo_ds*"))), f"left in TMPDIR: {left}"
