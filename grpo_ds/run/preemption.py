@@ -34,7 +34,9 @@ job of a non-interactive shell) keeps ignoring it.
 
 A signal is read by a thread of its own (``signal.set_wakeup_fd``), not by Python's handler: that handler runs only
 when the main thread next runs Python code, which a rank waiting in a collective for the rank that hangs would not
-do before the deadline.
+do before the deadline. When it does run, the handler waits (up to ``NOTICE_WAIT_S``) until the listening thread has
+taken the request, so that the main thread's next line sees it: a split placement's rollout rank sends the stop with
+the batch it finishes after the signal, not with a later one whenever the listening thread was slow to be scheduled.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from grpo_ds.distributed.ranks import Dist
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the same command may be retried"
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: how shells report a command that Ctrl-C stopped
 REPEAT_WINDOW_S = 5.0
+NOTICE_WAIT_S = 2.0  # the most Python's handler waits for the listening thread to take a signal (it takes ~ms)
 ABANDON_LEAD_S = 1.0  # the abandoned step's rank starts leaving this long before the deadline, and is gone by it
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -117,6 +120,7 @@ class StopRequest:
         self._first_term: float | None = None
         self._ended = threading.Event()  # the run returned or raised: no deadline any more
         self._abandoning: str | None = None  # a Python caller's thread is being stopped with this message
+        self._noticed = threading.Event()  # the listening thread has taken a signal (_handle waits for it)
         self._children_before: set[int] = _children()
 
     def set_grace(self, grace_s: float) -> None:
@@ -128,11 +132,13 @@ class StopRequest:
         self.run_dir, self.step = run_dir, step
 
     def _handle(self, _signum: int, _frame) -> None:
-        """The Python-level handler, run by the main thread whenever it next runs Python code: it only stops a
-        Python caller's thread (see _abandon). The signal itself is read at once by the listening thread (a main
+        """The Python-level handler, run by the main thread whenever it next runs Python code: it stops a Python
+        caller's thread (see _abandon), and otherwise waits until the listening thread has taken the signal, so that
+        the main thread's code after it sees the request. The signal itself is read by the listening thread (a main
         thread blocked in a collective or in C++ code would run this handler too late)."""
         if self._abandoning is not None:
             raise StepAbandoned(self._abandoning)
+        self._noticed.wait(NOTICE_WAIT_S)
 
     def _listen(self, wakeup: int) -> None:
         """The listening thread: each caught signal's number arrives on ``wakeup`` (signal.set_wakeup_fd), written
@@ -159,6 +165,7 @@ class StopRequest:
             launcher.say(f"received {name}: stopping after this step with a checkpoint, within run.preempt_grace_s="
                          f"{self.grace_s:g}s ({again} to stop at once)")
             threading.Thread(target=self._watch, name="grpo_ds-preempt-deadline", daemon=True).start()
+        self._noticed.set()
 
     def agreed(self, dist: Dist) -> str | None:
         """Collective: the signal that stops the run after this step (any rank's), or None to go on."""

@@ -333,6 +333,16 @@ def test_the_first_signal_is_a_request_and_a_second_sigterm_stops_at_once():
     assert "stopping after this step with a checkpoint" in done.stderr
 
 
+def test_the_line_after_a_signal_sees_the_request():
+    """Python's handler waits until the listening thread has taken the signal, so the main thread's next line sees
+    the request (without that wait it printed None 10 times in 10: the listening thread had not run yet)."""
+    done = _signal_script("""
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print("at once", stop.signal_name, flush=True)""")
+    assert done.returncode == 0, done.stderr
+    assert "at once SIGUSR1" in done.stdout
+
+
 def test_sigterms_within_the_repeat_window_are_one_request_and_sigusr1_never_kills():
     done = _signal_script("""
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1):  # the launcher's echo too
