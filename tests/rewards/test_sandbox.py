@@ -72,13 +72,14 @@ def test_exit_codes(code, status, returncode):
 def test_infinite_loop_hits_the_wall_time_limit():
     start = time.monotonic()
     res = run("while True:\n    pass", wall_s=1.5, cpu_s=10)
-    assert res.status == "timeout" and time.monotonic() - start < 3.0
+    assert res.status == "timeout" and time.monotonic() - start < 7.0  # the 1.5 s wall limit, not the 10 s CPU one
 
 
 def test_sleeping_program_hits_the_wall_time_limit():
     start = time.monotonic()
     res = run("import time\nprint('started', flush=True)\ntime.sleep(60)", wall_s=1.0)
-    assert res.status == "timeout" and res.stdout == "started\n" and time.monotonic() - start < 2.5
+    took = time.monotonic() - start
+    assert res.status == "timeout" and res.stdout == "started\n" and took < 10.0  # killed at 1 s, not after 60
 
 
 def test_cpu_limit_is_enforced_by_the_kernel():
