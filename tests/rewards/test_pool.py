@@ -34,21 +34,22 @@ def run(spec: list[dict], pool: RewardPool | None, completions=None, on_error="z
                  timeout_s=timeout_s, chunk_samples=chunk_samples, group_size=G, pool=pool)
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first, then the parent's pid), or None when the
+    process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # ended meanwhile
+        return None
+
+
 def children() -> list[int]:
     """This process's child processes, from /proc, zombies included (an unreaped worker piles up too). Only
     hang_rounds' fresh interpreter calls it, whose children are the pool's workers alone. Not matched by command line:
     a worker that Popen has just started can read an empty /proc/PID/cmdline for a while after its exec (CI once
     counted 1 of 2 that way), and here right after Popen it does more often than not."""
-    mine = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # ended meanwhile
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
-                mine.append(int(entry.name))
-    return sorted(mine)
+    return sorted(int(entry.name) for entry in Path("/proc").iterdir()
+                  if entry.name.isdigit() and (fields := stat_fields(entry.name)) and int(fields[1]) == os.getpid())
 
 
 def threads() -> int:
@@ -194,10 +195,8 @@ def test_a_function_that_does_not_load_in_a_worker_is_one_line(pools, tmp_path, 
 
 def gone(pid: int) -> bool:
     """Whether the process has ended: a zombie waiting for its parent to reap it, or reaped already."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
+    fields = stat_fields(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def test_the_default_is_one_worker_per_usable_core_at_most_eight():
