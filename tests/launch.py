@@ -12,6 +12,15 @@ from grpo_ds.distributed.launcher import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first, then the parent's pid, the process group),
+    or None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # ended meanwhile
+        return None
+
+
 def clean_env() -> dict:
     """The test process's environment without any process-group variables an in-process run may have set."""
     env = {k: v for k, v in os.environ.items()

@@ -12,7 +12,7 @@ import pytest
 from grpo_ds.errors import UserError
 from grpo_ds.rewards import RewardFailure, load_reward_functions, score, scoring
 from grpo_ds.rewards.pool import RewardPool, worker_count
-from tests.launch import REPO
+from tests.launch import REPO, stat_fields
 
 HERE = "tests.rewards.pool_functions"
 G = 4  # completions per prompt; a chunk holds whole groups
@@ -32,15 +32,6 @@ def run(spec: list[dict], pool: RewardPool | None, completions=None, on_error="z
     return score(load_reward_functions(spec), prompts=[f"p{i // G}" for i in range(n)], completions=completions,
                  completion_ids=[[i] for i in range(n)], columns={"answer": ANSWERS[:n]}, on_error=on_error,
                  timeout_s=timeout_s, chunk_samples=chunk_samples, group_size=G, pool=pool)
-
-
-def stat_fields(pid: int | str) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first, then the parent's pid), or None when the
-    process is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:  # ended meanwhile
-        return None
 
 
 def children() -> list[int]:

@@ -13,6 +13,7 @@ import pytest
 
 from grpo_ds.rewards import sandbox
 from grpo_ds.rewards.sandbox import DEFAULT_DISK_MB, FILES_LIMIT, OUTPUT_LIMIT_BYTES, run_python, sandbox_layers
+from tests.launch import stat_fields
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
@@ -28,16 +29,8 @@ def layer_on(name: str) -> bool:
 
 
 def process_group_members(pgid: int) -> list[int]:
-    members = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid:  # field 5 of /proc/PID/stat, after the ")" that ends the command name
-            members.append(int(pid))
-    return members
+    return [int(pid) for pid in os.listdir("/proc")
+            if pid.isdigit() and (fields := stat_fields(pid)) and int(fields[2]) == pgid]  # field 5 of the file
 
 
 def test_program_runs_with_stdin_and_stdout():
