@@ -15,14 +15,15 @@ resumes from that checkpoint. Called as ``grpo_ds.train(...)`` (a notebook), a S
 
 The request has a deadline, ``run.preempt_grace_s`` after the first signal. A step that waits on something slow (a
 hanging reward function, a long generation, a stalled collective) would otherwise keep the run past the scheduler's
-grace and into its SIGKILL. ``ABANDON_LEAD_S`` before the deadline a rank that has not stopped abandons its step:
-it kills every process it started during the run (reward workers and whatever they started, each in its own process
-group) and exits with the request's code, naming the checkpoint the run resumes from. Nothing of the abandoned step
-was written as finished: a checkpoint being written is left under its temporary name (the next start removes it),
-and the metrics the step did not log are not there, so the resume redoes the steps after that checkpoint as an
-uninterrupted run does them. vLLM runs inside the rank's process (grpo_ds.rollout.vllm) and goes with it. Every
-rank keeps its own deadline, so a multi-rank run ends on every rank whichever of them is stuck. In a notebook the
-abandoned step ends in ``StepAbandoned`` (a ``KeyboardInterrupt``) instead of an exit, and the kernel lives on.
+grace and into its SIGKILL. ``ABANDON_LEAD_S`` before the deadline (halfway to it, for a grace under twice that) a
+rank that has not stopped abandons its step: it kills every process it started during the run (reward workers and
+whatever they started, each in its own process group) and exits with the request's code, naming the checkpoint the
+run resumes from. Nothing of the abandoned step was written as finished: a checkpoint being written is left under its
+temporary name (the next start removes it), and the metrics the step did not log are not there, so the resume redoes the
+steps after that checkpoint as an uninterrupted run does them. vLLM runs inside the rank's process
+(grpo_ds.rollout.vllm) and goes with it. Every rank keeps its own deadline, so a multi-rank run ends on every rank
+whichever of them is stuck. In a notebook the abandoned step ends in ``StepAbandoned`` (a ``KeyboardInterrupt``) instead
+of an exit, and the kernel lives on.
 
 A second signal stops at once: any SIGINT after a request, or a SIGTERM more than ``REPEAT_WINDOW_S`` after the first
 (SIGTERMs within the window count as one request: a signal sent to the whole process group, ``kill -TERM -PGID`` or
@@ -61,7 +62,9 @@ EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the same co
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: how shells report a command that Ctrl-C stopped
 REPEAT_WINDOW_S = 5.0
 NOTICE_WAIT_S = 2.0  # the most Python's handler waits for the listening thread to take a signal (it takes ~ms)
-ABANDON_LEAD_S = 1.0  # the abandoned step's rank starts leaving this long before the deadline, and is gone by it
+# the abandoned step's rank starts leaving this long before the deadline, and is gone by it: ~10 ms on an idle CPU
+# machine, but a loaded one (CI's two test workers) has taken over 1 s, and a GPU process's teardown takes longer
+ABANDON_LEAD_S = 3.0
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -180,9 +183,9 @@ class StopRequest:
 
     def _watch(self) -> None:
         """The deadline's thread: wait for the run to end, or abandon its step ABANDON_LEAD_S before the deadline
-        (re-read every half second: the recipe's grace may arrive after the signal)."""
+        (halfway to a short one; re-read every half second: the recipe's grace may arrive after the signal)."""
         while True:
-            left = self._first + self.grace_s - ABANDON_LEAD_S - time.monotonic()
+            left = self._first + self.grace_s - min(ABANDON_LEAD_S, self.grace_s / 2) - time.monotonic()
             if left <= 0:
                 break
             if self._ended.wait(min(left, 0.5)):
