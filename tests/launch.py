@@ -21,6 +21,12 @@ def stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
+def gone(pid: int) -> bool:
+    """Whether the process has ended: a zombie waiting for its parent to reap it, or reaped already."""
+    fields = stat_fields(pid)
+    return fields is None or fields[0] == "Z"
+
+
 def clean_env() -> dict:
     """The test process's environment without any process-group variables an in-process run may have set."""
     env = {k: v for k, v in os.environ.items()

@@ -12,7 +12,7 @@ import pytest
 from grpo_ds.errors import UserError
 from grpo_ds.rewards import RewardFailure, load_reward_functions, score, scoring
 from grpo_ds.rewards.pool import RewardPool, worker_count
-from tests.launch import REPO, stat_fields
+from tests.launch import REPO, gone, stat_fields
 
 HERE = "tests.rewards.pool_functions"
 G = 4  # completions per prompt; a chunk holds whole groups
@@ -182,12 +182,6 @@ def test_a_function_that_does_not_load_in_a_worker_is_one_line(pools, tmp_path, 
     with pytest.raises(UserError, match="a reward worker process could not load the reward functions .*second import"):
         score(functions, prompts=["p"], completions=["c"], completion_ids=[[1]], columns={}, on_error="zero",
               timeout_s=10, pool=pool)
-
-
-def gone(pid: int) -> bool:
-    """Whether the process has ended: a zombie waiting for its parent to reap it, or reaped already."""
-    fields = stat_fields(pid)
-    return fields is None or fields[0] == "Z"
 
 
 def test_the_default_is_one_worker_per_usable_core_at_most_eight():

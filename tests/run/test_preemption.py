@@ -16,7 +16,7 @@ import pytest
 
 from grpo_ds.run import checkpoint
 from grpo_ds.run.preemption import ABANDON_LEAD_S, EXIT_PREEMPTED
-from tests.launch import REPO, clean_env, rank_log_records
+from tests.launch import REPO, clean_env, gone, rank_log_records
 from tests.test_resume import PORTS, _logged_steps, _metrics, reference_run
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
@@ -133,12 +133,7 @@ def _renamed(metrics: dict[int, dict]) -> dict[int, dict]:
 
 
 def _gone(pids: list[int]) -> bool:
-    def dead(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-    return all(dead(pid) for pid in pids)
+    return all(gone(pid) for pid in pids)
 
 
 def _ended(proc: subprocess.Popen, limit_s: float) -> tuple[float, str]:
