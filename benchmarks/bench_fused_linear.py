@@ -73,6 +73,7 @@ from common import (
 )
 
 from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.algo.truncation import NO_TRUNCATION
 from grpo_ds.kernels import LossInputs, policy_loss_from_hidden
 from grpo_ds.kernels.fused_linear import (
     WEIGHT_GRAD_SUMS,
@@ -203,7 +204,7 @@ def _whole_loss(x: SweepInputs, chunk: int, tuning: FusedTuning | None = None, w
     def fn():
         x.hidden.grad = x.weight.grad = None
         loss, _ = PolicyLossFromHidden.apply(hidden, weight, x.targets, x.old, x.ref, x.adv, x.token_weight, x.cfg,
-                                             x.temperature, chunk, tuning or FusedTuning())
+                                             x.temperature, chunk, NO_TRUNCATION, tuning or FusedTuning())
         if with_grad:
             loss.backward()
     return fn

@@ -5,6 +5,10 @@ With s = logits / temperature (one row per token position) and target token y:
     logprob = s_y - logsumexp(s)
     entropy = -sum_v p_v log p_v = logsumexp(s) - sum_v p_v s_v,     p = softmax(s)
 
+Under truncated sampling (top-k, top-p: grpo_ds.algo.truncation) the sums run over the sampler's set S of each
+position instead of the whole vocabulary: logsumexp and p over S, p_v = 0 outside it, so that the log-prob is the one
+the sampler recorded for the same weights.
+
 Logits usually arrive in bf16; the math runs in float32. Rows are processed ``chunk_tokens`` at a time so
 the float32 copy of the (N, V) logits never exists at once: each chunk is wrapped in activation
 checkpointing, so the backward pass recomputes one chunk's float32 temporaries at a time instead of keeping
@@ -16,21 +20,26 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation, support_mask
 
-def rows_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor,
-                              temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+def rows_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float,
+                              truncation: Truncation = NO_TRUNCATION) -> tuple[torch.Tensor, torch.Tensor]:
     """The formula on one chunk of rows: (logprobs (n,), entropy (n,)) float32; makes float32 (n, V) temporaries."""
     scaled = logits.to(torch.float32) / temperature  # (n, V)
-    lse = torch.logsumexp(scaled, dim=-1)  # (n,)
+    keep = support_mask(logits, target_ids, temperature, truncation)  # (n, V) S; a constant of the gradient
+    lse = torch.logsumexp(scaled.masked_fill(~keep, float("-inf")), dim=-1)  # (n,)
     logprobs = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1) - lse  # (n,)
-    probs = torch.exp(scaled - lse.unsqueeze(-1))  # (n, V)
+    probs = torch.exp(scaled - lse.unsqueeze(-1)).masked_fill(~keep, 0.0)  # (n, V), 0 outside S
     entropy = lse - (probs * scaled).sum(dim=-1)  # (n,)
     return logprobs, entropy
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, chunk_tokens: int = 1024,
-                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (logprobs (N,), entropy (N,)), both float32, of softmax(logits / temperature).
+                               temperature: float = 1.0, truncation: Truncation = NO_TRUNCATION
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (logprobs (N,), entropy (N,)), both float32, of softmax(logits / temperature) over each position's
+    sampling set under ``truncation`` (the whole vocabulary without one).
 
     ``logits`` is (N, V) in any float dtype, ``target_ids`` is (N,) int64. Differentiable w.r.t. ``logits``;
     the gradient has the logits' dtype.
@@ -53,10 +62,10 @@ def token_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, c
     # single concatenation rather than one full-size zero tensor per chunk.
     for logit_chunk, target_chunk in zip(logits.split(chunk_tokens), target_ids.split(chunk_tokens), strict=True):
         if recompute:
-            lp, ent = checkpoint(rows_logprobs_and_entropy, logit_chunk, target_chunk, temperature,
+            lp, ent = checkpoint(rows_logprobs_and_entropy, logit_chunk, target_chunk, temperature, truncation,
                                  use_reentrant=False, preserve_rng_state=False)
         else:
-            lp, ent = rows_logprobs_and_entropy(logit_chunk, target_chunk, temperature)
+            lp, ent = rows_logprobs_and_entropy(logit_chunk, target_chunk, temperature, truncation)
         logprob_chunks.append(lp)
         entropy_chunks.append(ent)
     return torch.cat(logprob_chunks), torch.cat(entropy_chunks)  # (N,), (N,)

@@ -10,11 +10,16 @@ Public operations (each has a Triton kernel and a chunked PyTorch path; both fol
 
 ``chunk_tokens_for`` sizes their chunks: how many tokens' (tokens x vocabulary) working set fits a byte budget.
 
+The log-prob operations take the sampler's ``truncation`` (top-k, top-p: grpo_ds.algo.truncation): the log-probs,
+the entropy and their gradients are then those of the distribution the sampler drew from, each position's set found
+without sorting the vocabulary (``support``).
+
 ``backend`` is "triton" or "torch" (resolve "auto" with grpo_ds.config.software.resolve_backend first). Triton modules
 are imported only when the Triton backend is used, so the CPU path never needs Triton. No kernel communicates:
 cross-rank sums belong to the driver.
 
-Modules: this one (the operations above), the chunked PyTorch path (``chunked``), and the Triton kernels: group
+Modules: this one (the operations above), the chunked PyTorch path (``chunked``), the sampler's set of each position
+under truncated sampling (``support``), and the Triton kernels: group
 advantages (``advantages``), log-probs and entropy from logits (``logprobs``), the same and the policy loss from hidden
 states and the lm_head weight (``fused_linear``), the masked policy loss (``policy_loss``), and the device functions
 they share (``token_math``). Rule (tests/test_layout.py): imports nothing of grpo_ds but algo and kernels.
@@ -29,7 +34,8 @@ import torch
 from grpo_ds.algo.advantages import check_arguments
 from grpo_ds.algo.advantages import group_advantages as reference_advantages
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
-from grpo_ds.kernels import chunked
+from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation
+from grpo_ds.kernels import chunked, support
 
 
 class LossInputs(NamedTuple):
@@ -99,9 +105,10 @@ def logprob_chunk_tokens(vocab: int, dtype: torch.dtype, backend: str, budget_mi
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None,
-                         temperature: float = 1.0, chunk_tokens: int = 512, backend: str = "torch"
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob (N,), entropy (N,)) float32 of softmax(logits[rows] / temperature) at ``targets``.
+                         temperature: float = 1.0, chunk_tokens: int = 512, backend: str = "torch",
+                         truncation: Truncation = NO_TRUNCATION) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob (N,), entropy (N,)) float32 of softmax(logits[rows] / temperature) at ``targets``, over each row's
+    sampler set under ``truncation``.
 
     ``logits`` (M, V) in any float dtype; ``rows`` (N,) distinct row indices (None: all M rows, N = M).
     Differentiable w.r.t. the logits; rows that are not scored get gradient 0.
@@ -112,34 +119,44 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torc
     if rows.shape != targets.shape:
         raise ValueError(f"rows {tuple(rows.shape)} and targets {tuple(targets.shape)} must both be (N,)")
     if backend == "torch":  # all rows: chunks are views, no gathers
-        return chunked.LogprobsFromLogits.apply(logits, None if all_rows else rows, targets, temperature, chunk_tokens)
+        return chunked.LogprobsFromLogits.apply(logits, None if all_rows else rows, targets, temperature, chunk_tokens,
+                                                truncation)
     from grpo_ds.kernels import logprobs as triton_logprobs
 
     if rows.numel() != torch.unique(rows).numel():
         raise ValueError("rows must be distinct (each logits row is scored at most once)")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    return triton_logprobs.LogprobsFromLogits.apply(logits, rows.contiguous(), targets.contiguous(), temperature)
+    thresholds = None
+    if truncation.cuts(logits.shape[1]):  # constants of the gradient, a chunk of rows at a time
+        with torch.no_grad():
+            thresholds = torch.cat([support.thresholds(logits[rows[a:a + chunk_tokens]], temperature, truncation)
+                                    for a in range(0, rows.numel(), chunk_tokens)]) if rows.numel() else None
+    return triton_logprobs.LogprobsFromLogits.apply(logits, rows.contiguous(), targets.contiguous(), temperature,
+                                                    thresholds)
 
 
 def logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                         chunk_tokens: int = 512, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob (N,), entropy (N,)) float32 of softmax(hidden @ weight.T / temperature) at ``targets``.
+                         chunk_tokens: int = 512, backend: str = "torch", truncation: Truncation = NO_TRUNCATION
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob (N,), entropy (N,)) float32 of softmax(hidden @ weight.T / temperature) at ``targets``, over each
+    position's sampler set under ``truncation``.
 
     hidden (N, H), weight (V, H) (the lm_head). Differentiable w.r.t. both; logits exist one chunk at a time.
     """
     _check_hidden(hidden, weight, targets, temperature, chunk_tokens)
     if backend == "torch":
-        return chunked.LogprobsFromHidden.apply(hidden, weight, targets, temperature, chunk_tokens)
+        return chunked.LogprobsFromHidden.apply(hidden, weight, targets, temperature, chunk_tokens, truncation)
     from grpo_ds.kernels import fused_linear
 
     return fused_linear.LogprobsFromHidden.apply(hidden.contiguous(), weight, targets.contiguous(), temperature,
-                                                 chunk_tokens)
+                                                 chunk_tokens, truncation)
 
 
 def policy_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, inputs: LossInputs, cfg: LossConfig,
-                            temperature: float = 1.0, chunk_tokens: int = 512, backend: str = "torch"
-                            ) -> PolicyLossOutput:
-    """The step-loss contribution sum_t w_t l_t of N tokens, from hidden states and the lm_head weight.
+                            temperature: float = 1.0, chunk_tokens: int = 512, backend: str = "torch",
+                            truncation: Truncation = NO_TRUNCATION) -> PolicyLossOutput:
+    """The step-loss contribution sum_t w_t l_t of N tokens, from hidden states and the lm_head weight; log-probs and
+    entropy over each position's sampler set under ``truncation``.
 
     Token-level losses only (``cfg.policy_loss`` "ppo_clip"); GSPO's sequence ratio needs every token of a
     sequence first: use ``logprobs_from_hidden`` and grpo_ds.algo.policy_loss.token_losses for it.
@@ -159,7 +176,7 @@ def policy_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, inputs: 
         function = fused_linear.PolicyLossFromHidden
     loss, stats = function.apply(
         hidden.contiguous(), weight, inputs.targets.contiguous(), inputs.old_logprobs, inputs.ref_logprobs,
-        inputs.advantages, inputs.token_weights, cfg, temperature, chunk_tokens)
+        inputs.advantages, inputs.token_weights, cfg, temperature, chunk_tokens, truncation)
     return PolicyLossOutput(loss, stats[0], stats[1], stats[2], stats[3])
 
 

@@ -13,11 +13,23 @@ itself. The fused-linear variants compute logits_c = hidden_c @ weight.T per chu
 and accumulate the weight gradient in place; their chunk buffers are allocated once per call. PolicyLossFromHidden
 computes the gradients in the forward, where the loss is known, and so never recomputes a chunk. The reference these
 are tested against is grpo_ds/algo.
+
+Under truncated sampling (grpo_ds.algo.truncation) each chunk's rows get the threshold of the sampler's set from their
+scaled scores (grpo_ds.kernels.support), and the scores outside it, the sampled token's excepted, are set to
+``_OUTSIDE`` in the chunk's own float32 copy: p is then exactly 0 there, and so is the gradient, with the formulas
+above unchanged. The thresholds (one float per token) are kept for the backward.
 """
 
 from __future__ import annotations
 
 import torch
+
+from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation
+from grpo_ds.kernels import support
+
+# The score of a token outside the sampler's set: exp of it (less the row's maximum) is exactly 0, and 0 x it is 0,
+# where -inf would give NaN in sum_v p_v s_v and in the gradient's p (s - E).
+_OUTSIDE = -1e30
 
 
 def _spans(n: int, chunk_tokens: int):
@@ -93,6 +105,38 @@ def _write_grad(s: torch.Tensor, p: torch.Tensor, targets: torch.Tensor, mean_s:
         out.div_(temperature)
 
 
+def _thresholds(s: torch.Tensor, truncation: Truncation) -> torch.Tensor | None:
+    """The thresholds (c,) of the float32 scaled rows ``s`` (c, V), in their units; None where nothing is cut."""
+    return support.thresholds(s, 1.0, truncation) if truncation.cuts(s.shape[1]) else None
+
+
+def _truncate(s: torch.Tensor, targets: torch.Tensor, thresholds: torch.Tensor | None) -> None:
+    """Set the scores of ``s`` (c, V), float32 and our own, below each row's threshold to _OUTSIDE, in place, except
+    the sampled token's (``targets`` (c,)); a block of rows at a time (the comparison's mask is that big)."""
+    if thresholds is None:
+        return
+    picked = s.gather(1, targets.unsqueeze(1))  # (c, 1)
+    for i in range(0, s.shape[0], _ROWS_AT_ONCE):
+        block = s[i:i + _ROWS_AT_ONCE]
+        block.masked_fill_(block < thresholds[i:i + _ROWS_AT_ONCE, None], _OUTSIDE)
+    s.scatter_(1, targets.unsqueeze(1), picked)
+
+
+def _truncated_rows(x: torch.Tensor, temperature: float, scratch: bool, targets: torch.Tensor,
+                    truncation: Truncation, thresholds: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(s, thresholds): the scaled float32 rows of the chunk ``x`` over the sampler's set, a copy where ``x`` is not
+    ours to change; the thresholds found here, or ``thresholds`` (the forward's, in the backward) when given."""
+    s = _scaled(x, temperature, scratch)
+    if not truncation.cuts(s.shape[1]):
+        return s, None
+    if s is x:  # float32 logits at temperature 1, a view of the caller's: never written
+        s = x.clone()
+    found = _thresholds(s, truncation) if thresholds is None else thresholds
+    _truncate(s, targets, found)
+    return s, found
+
+
 def _chunk(logits: torch.Tensor, rows: torch.Tensor | None, a: int, b: int) -> tuple[torch.Tensor, bool]:
     """The chunk's logits rows and whether that is a scratch copy (a gather) rather than a view."""
     if rows is None:
@@ -101,32 +145,34 @@ def _chunk(logits: torch.Tensor, rows: torch.Tensor | None, a: int, b: int) -> t
 
 
 class LogprobsFromLogits(torch.autograd.Function):
-    """(logits (M, V), rows (N,) distinct or None for all, targets (N,), temperature, chunk_tokens)
+    """(logits (M, V), rows (N,) distinct or None for all, targets (N,), temperature, chunk_tokens, truncation)
     -> (logprob, entropy), each (N,) float32."""
 
     @staticmethod
-    def forward(ctx, logits, rows, targets, temperature, chunk_tokens):
+    def forward(ctx, logits, rows, targets, temperature, chunk_tokens, truncation: Truncation = NO_TRUNCATION):
         n = targets.shape[0]
-        out = torch.empty(3, n, dtype=torch.float32, device=logits.device)  # logprob, entropy, mean_s
+        out = torch.empty(4, n, dtype=torch.float32, device=logits.device)  # logprob, entropy, mean_s, threshold
         for a, b in _spans(n, chunk_tokens):
             x, scratch = _chunk(logits, rows, a, b)
-            s = _scaled(x, temperature, scratch)
+            s, thresholds = _truncated_rows(x, temperature, scratch, targets[a:b], truncation)
             p, lse, mean_s, logprob = _row_stats(s, targets[a:b])
             del p, s, x
             out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
-        ctx.save_for_backward(logits, rows, targets, out[2])
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+            if thresholds is not None:
+                out[3, a:b] = thresholds
+        ctx.save_for_backward(logits, rows, targets, out[2], out[3])
+        ctx.temperature, ctx.chunk_tokens, ctx.truncation = temperature, chunk_tokens, truncation
         return out[0], out[1]
 
     @staticmethod
     def backward(ctx, g_logprob, g_entropy):
-        logits, rows, targets, mean_s = ctx.saved_tensors
+        logits, rows, targets, mean_s, thresholds = ctx.saved_tensors
         g_logprob, g_entropy = _zero_if_none(g_logprob, targets), _zero_if_none(g_entropy, targets)
         # Rows that are not scored get exactly zero gradient.
         grad = torch.empty_like(logits) if rows is None else torch.zeros_like(logits)  # (M, V), logits dtype
         for a, b in _spans(targets.shape[0], ctx.chunk_tokens):
             x, scratch = _chunk(logits, rows, a, b)
-            s = _scaled(x, ctx.temperature, scratch)
+            s, _ = _truncated_rows(x, ctx.temperature, scratch, targets[a:b], ctx.truncation, thresholds[a:b])
             p, _ = _probabilities(s)  # the backward reuses the forward's mean_s
             own = s is not x or scratch  # s is a float32 scratch copy: write the gradient into it
             target = grad[a:b] if rows is None and grad.dtype == torch.float32 and not own else s if own else \
@@ -138,7 +184,7 @@ class LogprobsFromLogits(torch.autograd.Function):
             else:
                 grad.index_copy_(0, rows[a:b], target.to(grad.dtype))
             del x, s, p, target  # free this chunk before the next one is allocated
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, scratch: _Scratch) -> torch.Tensor:
@@ -159,37 +205,44 @@ def _linear_grads(grad_logits: torch.Tensor, hidden: torch.Tensor, weight: torch
 
 
 class LogprobsFromHidden(torch.autograd.Function):
-    """(hidden (N, H), weight (V, H), targets (N,), temperature, chunk_tokens) -> (logprob, entropy) (N,) fp32."""
+    """(hidden (N, H), weight (V, H), targets (N,), temperature, chunk_tokens, truncation) -> (logprob, entropy) (N,)
+    fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, truncation: Truncation = NO_TRUNCATION):
         n = hidden.shape[0]
-        out = torch.empty(3, n, dtype=torch.float32, device=hidden.device)  # logprob, entropy, mean_s
+        out = torch.empty(4, n, dtype=torch.float32, device=hidden.device)  # logprob, entropy, mean_s, threshold
         scratch = _Scratch(min(n, chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(n, chunk_tokens):
             s = _scaled(_logits(hidden[a:b], weight, scratch), temperature, True, scratch.s[:b - a])  # (c, V), our own
+            thresholds = _thresholds(s, truncation)
+            _truncate(s, targets[a:b], thresholds)
             p, lse, mean_s, logprob = _row_stats(s, targets[a:b], scratch)
             del p, s
             out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
-        ctx.save_for_backward(hidden, weight, targets, out[2])
+            if thresholds is not None:
+                out[3, a:b] = thresholds
+        ctx.save_for_backward(hidden, weight, targets, out[2], out[3])
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.truncated = truncation.cuts(weight.shape[0])
         return out[0], out[1]
 
     @staticmethod
     def backward(ctx, g_logprob, g_entropy):
-        hidden, weight, targets, mean_s = ctx.saved_tensors
+        hidden, weight, targets, mean_s, thresholds = ctx.saved_tensors
         g_logprob, g_entropy = _zero_if_none(g_logprob, targets), _zero_if_none(g_entropy, targets)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H)
         scratch = _Scratch(min(hidden.shape[0], ctx.chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(hidden.shape[0], ctx.chunk_tokens):
             s = _scaled(_logits(hidden[a:b], weight, scratch), ctx.temperature, True, scratch.s[:b - a])  # recomputed
+            _truncate(s, targets[a:b], thresholds[a:b] if ctx.truncated else None)
             p, _ = _probabilities(s, scratch.p[:b - a])  # the backward reuses the forward's mean_s
             _write_grad(s, p, targets[a:b], mean_s[a:b], g_logprob[a:b], g_entropy[a:b], ctx.temperature, s)
             del p
             _linear_grads(s, hidden[a:b], weight, grad_hidden[a:b], grad_weight)
             del s
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 class PolicyLossFromHidden(torch.autograd.Function):
@@ -205,7 +258,8 @@ class PolicyLossFromHidden(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, old, ref, advantages, token_weight, cfg, temperature, chunk_tokens):
+    def forward(ctx, hidden, weight, targets, old, ref, advantages, token_weight, cfg, temperature, chunk_tokens,
+                truncation: Truncation = NO_TRUNCATION):
         from grpo_ds.algo.policy_loss import token_losses  # the reference formulas (grpo_ds/algo imports no kernels)
 
         n = hidden.shape[0]
@@ -217,6 +271,7 @@ class PolicyLossFromHidden(torch.autograd.Function):
         scratch = _Scratch(min(n, chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(n, chunk_tokens):
             s = _scaled(_logits(hidden[a:b], weight, scratch), temperature, True, scratch.s[:b - a])  # (c, V)
+            _truncate(s, targets[a:b], _thresholds(s, truncation))
             p, lse, mean_s, logprob = _row_stats(s, targets[a:b], scratch)
             with torch.enable_grad():
                 lp = logprob.detach().requires_grad_(with_grad)  # (c,)
@@ -247,7 +302,7 @@ class PolicyLossFromHidden(torch.autograd.Function):
             grad_hidden.mul_(g_loss.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(g_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def _rows(values: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:

@@ -13,7 +13,9 @@ Two functions:
   Every input of the loss is known in the forward, so gradients are computed there (3 matmuls per chunk)
   and the backward only scales them by the incoming gradient.
 The weight may be a ZeRO-3 parameter: call these inside the lm_head module's forward, where DeepSpeed has
-gathered it (grpo_ds.step.loss swaps the lm_head's forward for one micro-batch to do so).
+gathered it (grpo_ds.step.loss swaps the lm_head's forward for one micro-batch to do so). Under truncated sampling
+each chunk's logits give each row's threshold of the sampler's set (grpo_ds.kernels.support: a top-k over the chunk,
+a few floats per row) before the row kernels run over that set.
 
 Where the time goes (H200, 16,384 tokens x hidden 4,096 x vocab 151,936 bf16, chunks of 1,024: 123 ms full, eager
 133 ms): the three matmuls per chunk are eager's three (about 29 ms each at ~700 TFLOP/s), and summing each chunk's
@@ -33,6 +35,8 @@ import triton
 import triton.language as tl
 
 from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation
+from grpo_ds.kernels import support
 from grpo_ds.kernels.logprobs import rows_backward, rows_forward
 from grpo_ds.kernels.token_math import (
     DEFAULT_LAUNCH,
@@ -88,25 +92,36 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
         grad_weight.add_(grad_logits.t() @ hidden)
 
 
+def _thresholds(logits: torch.Tensor, temperature: float, truncation: Truncation) -> torch.Tensor | None:
+    """One chunk's thresholds of the sampler's set, in logit units; None where nothing is cut."""
+    if not truncation.cuts(logits.shape[1]):
+        return None
+    return support.thresholds(logits, temperature, truncation)
+
+
 class LogprobsFromHidden(torch.autograd.Function):
-    """(hidden (N, H), weight (V, H), targets (N,), temperature, chunk_tokens) -> (logprob, entropy), (N,) fp32."""
+    """(hidden (N, H), weight (V, H), targets (N,), temperature, chunk_tokens, truncation) -> (logprob, entropy),
+    (N,) fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, truncation: Truncation = NO_TRUNCATION):
         n = hidden.shape[0]
-        out = torch.empty(3, n, dtype=torch.float32, device=hidden.device)  # (3, N): logprob, entropy, lse
+        out = torch.empty(4, n, dtype=torch.float32, device=hidden.device)  # (4, N): logprob, entropy, lse, threshold
         for a, b in _spans(n, chunk_tokens):
             logits = hidden[a:b] @ weight.t()  # (c, V)
             rows = torch.arange(b - a, device=hidden.device)
-            lp, ent, lse = rows_forward(logits, rows, targets[a:b], temperature)
+            thresholds = _thresholds(logits, temperature, truncation)
+            lp, ent, lse = rows_forward(logits, rows, targets[a:b], temperature, thresholds=thresholds)
             out[0, a:b], out[1, a:b], out[2, a:b] = lp, ent, lse
-        ctx.save_for_backward(hidden, weight, targets, out[2], out[1])
+            out[3, a:b] = float("-inf") if thresholds is None else thresholds
+        ctx.save_for_backward(hidden, weight, targets, out[2], out[1], out[3])
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.truncated = truncation.cuts(weight.shape[0])
         return out[0], out[1]
 
     @staticmethod
     def backward(ctx, g_logprob, g_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, thresholds = ctx.saved_tensors
         g_logprob = torch.zeros_like(lse) if g_logprob is None else g_logprob.float()
         g_entropy = torch.zeros_like(lse) if g_entropy is None else g_entropy.float()
         grad_hidden = torch.empty_like(hidden)
@@ -115,23 +130,26 @@ class LogprobsFromHidden(torch.autograd.Function):
             logits = hidden[a:b] @ weight.t()  # (c, V), recomputed
             rows = torch.arange(b - a, device=hidden.device)
             rows_backward(logits, rows, targets[a:b], ctx.temperature, lse[a:b], entropy[a:b], g_logprob[a:b],
-                          g_entropy[a:b], logits)  # in place: logits now hold their gradient
+                          g_entropy[a:b], logits,  # in place: logits now hold their gradient
+                          thresholds=thresholds[a:b] if ctx.truncated else None)
             grad_hidden[a:b] = logits @ weight
             accumulate_weight_grad(grad_weight, logits, hidden[a:b])
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 @triton.jit
-def _policy_loss_rows(logits_ptr, row_stride, targets_ptr, old_ptr, ref_ptr, adv_ptr, weight_ptr, stats_ptr, V,
-                      inv_temp, clip_low, clip_high, dual_clip, kl_coef, entropy_coef, HAS_OLD: tl.constexpr,
-                      KL: tl.constexpr, DUAL_CLIP: tl.constexpr, WITH_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _policy_loss_rows(logits_ptr, row_stride, targets_ptr, thresholds_ptr, old_ptr, ref_ptr, adv_ptr, weight_ptr,
+                      stats_ptr, V, inv_temp, clip_low, clip_high, dual_clip, kl_coef, entropy_coef,
+                      HAS_OLD: tl.constexpr, KL: tl.constexpr, DUAL_CLIP: tl.constexpr, WITH_GRAD: tl.constexpr,
+                      TRUNCATED: tl.constexpr, BLOCK_V: tl.constexpr):
     # stats (5, N): weighted loss, logprob, entropy, kl, clipped. With WITH_GRAD the row's logits are
     # overwritten by d(weight * loss) / d logits.
     i = tl.program_id(0).to(tl.int64)
     n = tl.num_programs(0).to(tl.int64)
     row_ptr = logits_ptr + i * row_stride
     target = tl.load(targets_ptr + i).to(tl.int64)
-    logprob, entropy, lse = row_logprob_entropy(row_ptr, target, V, inv_temp, BLOCK_V)
+    threshold = tl.load(thresholds_ptr + i) if TRUNCATED else float("-inf")
+    logprob, entropy, lse = row_logprob_entropy(row_ptr, target, V, inv_temp, threshold, TRUNCATED, BLOCK_V)
     old = tl.load(old_ptr + i) if HAS_OLD else logprob
     ref = tl.load(ref_ptr + i) if KL != 0 else logprob
     w = tl.load(weight_ptr + i)
@@ -143,7 +161,8 @@ def _policy_loss_rows(logits_ptr, row_stride, targets_ptr, old_ptr, ref_ptr, adv
     tl.store(stats_ptr + 3 * n + i, kl)
     tl.store(stats_ptr + 4 * n + i, clipped)
     if WITH_GRAD:
-        row_grad(row_ptr, row_ptr, target, V, inv_temp, lse, entropy, w * g_logprob, -w * entropy_coef, BLOCK_V)
+        row_grad(row_ptr, row_ptr, target, V, inv_temp, lse, entropy, w * g_logprob, -w * entropy_coef, threshold,
+                 TRUNCATED, BLOCK_V)
 
 
 class PolicyLossFromHidden(torch.autograd.Function):
@@ -152,7 +171,7 @@ class PolicyLossFromHidden(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, old, ref, advantages, token_weight, cfg: LossConfig, temperature,
-                chunk_tokens, tuning: FusedTuning = DEFAULT_TUNING):
+                chunk_tokens, truncation: Truncation = NO_TRUNCATION, tuning: FusedTuning = DEFAULT_TUNING):
         n = hidden.shape[0]
         with_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # forward itself runs under no_grad
         stats = torch.empty(5, n, dtype=torch.float32, device=hidden.device)  # (5, N)
@@ -163,13 +182,16 @@ class PolicyLossFromHidden(torch.autograd.Function):
         for a, b in _spans(n, chunk_tokens):
             logits = hidden[a:b] @ weight.t()  # (c, V)
             chunk_stats = torch.empty(5, b - a, dtype=torch.float32, device=hidden.device)  # (5, c)
+            thresholds = _thresholds(logits, temperature, truncation)
             _policy_loss_rows[(b - a,)](
-                logits, logits.stride(0), targets[a:b], dummy if old is None else old[a:b].float().contiguous(),
+                logits, logits.stride(0), targets[a:b], dummy if thresholds is None else thresholds,
+                dummy if old is None else old[a:b].float().contiguous(),
                 dummy if ref is None else ref[a:b].float().contiguous(), advantages[a:b].float().contiguous(),
                 token_weight[a:b].float().contiguous(), chunk_stats,
                 logits.shape[1], 1.0 / temperature, cfg.clip_low, cfg.clip_high,
                 cfg.dual_clip or 0.0, cfg.kl_coef, cfg.entropy_coef, HAS_OLD=old is not None, KL=kl_code,
-                DUAL_CLIP=cfg.dual_clip is not None, WITH_GRAD=with_grad, **tuning.rows.options(logits.shape[1]))
+                DUAL_CLIP=cfg.dual_clip is not None, WITH_GRAD=with_grad, TRUNCATED=thresholds is not None,
+                **tuning.rows.options(logits.shape[1]))
             stats[:, a:b] = chunk_stats
             if with_grad:
                 grad_hidden[a:b] = logits @ weight
@@ -183,4 +205,4 @@ class PolicyLossFromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _g_stats):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * g_loss, grad_weight * g_loss, None, None, None, None, None, None, None, None, None
+        return grad_hidden * g_loss, grad_weight * g_loss, None, None, None, None, None, None, None, None, None, None

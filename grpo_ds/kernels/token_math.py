@@ -7,6 +7,9 @@ Row math (one token position, s = logits / temperature over the vocabulary V, ta
     logprob = s_y - lse,  entropy = lse - E
     d logprob / d s_v = [v == y] - p_v,   d entropy / d s_v = -p_v (s_v - E),   d s / d logits = 1 / temperature
 
+Under truncated sampling (TRUNCATED) the sums run over the sampler's set: the tokens whose logit is not below the row's
+``threshold`` (grpo_ds.kernels.support), and the target; p_v is 0 outside it (grpo_ds.algo.truncation).
+
 Per-token loss: grpo_ds.algo.policy_loss (PPO clip with low/high and dual clip, k1/k2/k3 KL, entropy bonus);
 the functions here return its value and its derivative with respect to the log-prob in closed form.
 All arithmetic is float32 whatever the storage dtype.
@@ -24,18 +27,31 @@ KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3}
 
 
 @triton.jit
-def row_logprob_entropy(row_ptr, target, V, inv_temp, BLOCK_V: tl.constexpr):
-    """Return (logprob, entropy, lse) of one row of V logits at ``row_ptr`` (contiguous)."""
+def in_support(x, cols, target, threshold):
+    """The lanes of the sampler's set: logits ``x`` not below ``threshold`` (NaN included, so that it reaches the loss),
+    and the target."""
+    return (x >= threshold) | (x != x) | (cols == target)
+
+
+@triton.jit
+def row_logprob_entropy(row_ptr, target, V, inv_temp, threshold, TRUNCATED: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Return (logprob, entropy, lse) of one row of V logits at ``row_ptr`` (contiguous); with TRUNCATED, over the
+    sampler's set (``threshold``, see in_support)."""
     offs = tl.arange(0, BLOCK_V)
     m = float("-inf")
     d = 0.0
     e = 0.0
     for start in range(0, V, BLOCK_V):
-        mask = start + offs < V
-        s = tl.load(row_ptr + start + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
+        cols = start + offs
+        mask = cols < V
+        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if TRUNCATED:  # a block may hold no token of the set: its maximum is then -inf, and so may m be
+            mask = mask & in_support(x, cols, target, threshold)
+        s = tl.where(mask, x * inv_temp, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
-        rescale = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)  # unnormalised; 0 on masked lanes
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(-inf - (-inf)) would be NaN
+        rescale = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe)  # unnormalised; 0 on masked lanes
         d = d * rescale + tl.sum(p, axis=0)
         e = e * rescale + tl.sum(p * tl.where(mask, s, 0.0), axis=0)
         m = m_new
@@ -45,15 +61,20 @@ def row_logprob_entropy(row_ptr, target, V, inv_temp, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def row_grad(row_ptr, grad_ptr, target, V, inv_temp, lse, entropy, g_logprob, g_entropy, BLOCK_V: tl.constexpr):
-    """Write d(g_logprob * logprob + g_entropy * entropy) / d logits of one row to ``grad_ptr`` (may alias)."""
+def row_grad(row_ptr, grad_ptr, target, V, inv_temp, lse, entropy, g_logprob, g_entropy, threshold,
+             TRUNCATED: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Write d(g_logprob * logprob + g_entropy * entropy) / d logits of one row to ``grad_ptr`` (may alias); with
+    TRUNCATED, 0 outside the sampler's set."""
     offs = tl.arange(0, BLOCK_V)
     mean_s = lse - entropy  # E
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
-        s = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        s = x * inv_temp
         p = tl.exp(s - lse)
+        if TRUNCATED:
+            p = tl.where(in_support(x, cols, target, threshold), p, 0.0)
         g = g_logprob * (tl.where(cols == target, 1.0, 0.0) - p) - g_entropy * p * (s - mean_s)
         tl.store(grad_ptr + cols, (g * inv_temp).to(grad_ptr.dtype.element_ty), mask=mask)
 

@@ -34,6 +34,7 @@ import torch
 
 from grpo_ds import kernels
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
+from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation
 from grpo_ds.step.micro_batch import MicroBatch, as_sequence_rows
 
 
@@ -45,6 +46,9 @@ class LossSettings:
     chunk_tokens: int | None  # tokens per chunk of the log-prob kernels; None: as many as chunk_mib holds
     fused_lm_head: bool  # the recipe asks for it and the model allows it (grpo_ds.model.policy decides, once)
     chunk_mib: float = 64.0  # a chunk's working-set budget (kernels.logprob_chunk_mib) when chunk_tokens is None
+    # the sampler's top-k and top-p: every log-prob (policy, old policy, reference) and entropy is taken over the set
+    # the sampler drew from (grpo_ds.algo.truncation; docs/concepts/truncated-sampling.md)
+    truncation: Truncation = NO_TRUNCATION
 
     def chunk(self, vocab: int, dtype: torch.dtype) -> int:
         """Tokens per chunk for a (tokens x ``vocab``) working set of ``dtype`` logits."""
@@ -99,7 +103,8 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
         def head(module, hidden):  # (B, T, H) -> (4,): the loss (differentiable), then KL, entropy, clipped sums
             weight = module.weight
             out = kernels.policy_loss_from_hidden(_trained_positions(hidden, mb), weight, inputs, s.config,
-                                                  s.temperature, s.chunk(weight.shape[0], weight.dtype), s.backend)
+                                                  s.temperature, s.chunk(weight.shape[0], weight.dtype), s.backend,
+                                                  s.truncation)
             counted = terms.token_weight > 0
             sums = [torch.where(counted, t.detach().float(), 0.0).sum() for t in (out.kl, out.entropy, out.clipped)]
             return torch.stack([out.loss.float(), *sums])
@@ -109,7 +114,8 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
     else:
         logits = _logits(model, mb)
         logprobs, entropy = kernels.logprobs_from_logits(logits, mb.target_ids, mb.logit_index, s.temperature,
-                                                         s.chunk(logits.shape[-1], logits.dtype), s.backend)  # (N,)
+                                                         s.chunk(logits.shape[-1], logits.dtype), s.backend,
+                                                         s.truncation)  # (N,)
 
         def rows(values):
             return None if values is None else as_sequence_rows(values.float(), mb)
@@ -127,7 +133,8 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
 
 @torch.no_grad()
 def token_logprobs(model, mb: MicroBatch, s: LossSettings) -> torch.Tensor:
-    """Log-probs (N,) float32 of the micro-batch's response tokens under softmax(logits / T); no gradient."""
+    """Log-probs (N,) float32 of the micro-batch's response tokens under softmax(logits / T) over the sampler's set;
+    no gradient."""
     return _logprobs_and_entropy(model, mb, s)[0]
 
 
@@ -155,12 +162,12 @@ def _logprobs_and_entropy(model, mb: MicroBatch, s: LossSettings) -> tuple[torch
             weight = module.weight
             return torch.stack(kernels.logprobs_from_hidden(_trained_positions(hidden, mb), weight, mb.target_ids,
                                                             s.temperature, s.chunk(weight.shape[0], weight.dtype),
-                                                            s.backend))
+                                                            s.backend, s.truncation))
         both = _forward_with_head(model, mb, head)
         return both[0], both[1]
     logits = _logits(model, mb)
     return kernels.logprobs_from_logits(logits, mb.target_ids, mb.logit_index, s.temperature,
-                                        s.chunk(logits.shape[-1], logits.dtype), s.backend)
+                                        s.chunk(logits.shape[-1], logits.dtype), s.backend, s.truncation)
 
 
 def _trained_positions(hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from grpo_ds.algo.aggregation import sequence_weights
 from grpo_ds.algo.importance import truncated_importance_weights
 from grpo_ds.algo.policy_loss import LossConfig
+from grpo_ds.algo.truncation import Truncation
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rollout.base import Rollouts
@@ -66,8 +67,9 @@ class UpdateSettings:
         config = LossConfig(a.clip_low, a.clip_high, a.dual_clip, kl_in_loss, a.kl_estimator, a.entropy_coef,
                             a.policy_loss)
         k = recipe.kernels
-        loss = LossSettings(config, recipe.rollout.temperature, backend, k.logprob_chunk_tokens,
-                            k.fused_lm_head and fused_lm_head_allowed, k.logprob_chunk_mib)
+        r = recipe.rollout
+        loss = LossSettings(config, r.temperature, backend, k.logprob_chunk_tokens,
+                            k.fused_lm_head and fused_lm_head_allowed, k.logprob_chunk_mib, Truncation(r.top_k, r.top_p))
         return UpdateSettings(pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, a.mask_truncated,
                               a.rollout_is_cap, recipe.train.packing and packing_allowed and sp == 1, one_row,
                               recipe.sequence_parallel_rows if sp > 1 else 0)

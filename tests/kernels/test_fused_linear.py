@@ -10,6 +10,7 @@ import torch
 from grpo_ds import kernels
 from grpo_ds.algo.logprobs import token_logprobs_and_entropy
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
+from grpo_ds.algo.truncation import NO_TRUNCATION
 from grpo_ds.kernels import LossInputs
 from tests.kernels.tolerances import assert_close, compare
 
@@ -112,7 +113,8 @@ def tuned_loss_kernel(tuning, cfg: LossConfig, temperature: float, chunk_tokens:
 
     def fn(hidden, weight, targets, advantages, weights, old_logprobs, ref_logprobs):
         loss, stats = PolicyLossFromHidden.apply(hidden.contiguous(), weight, targets, old_logprobs, ref_logprobs,
-                                                 advantages, weights, cfg, temperature, chunk_tokens, tuning)
+                                                 advantages, weights, cfg, temperature, chunk_tokens, NO_TRUNCATION,
+                                                 tuning)
         return {"loss": loss, "logprob": stats[0], "entropy": stats[1], "kl": stats[2], "clipped": stats[3]}
 
     return fn
