@@ -31,10 +31,12 @@ from grpo_ds.algo.logprobs import token_logprobs_and_entropy
 from grpo_ds.algo.names import ESTIMATORS
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
+from grpo_ds.algo.truncation import Truncation
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.model.tiny import EOS, build_tiny_model, build_tiny_tokenizer
 from grpo_ds.model.weight_gather import gathered_named_parameters
+from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.step.batch import StepBatch
 from grpo_ds.step.loss import LossStats, TokenTerms
 from tests.launch import REPO
@@ -45,8 +47,9 @@ STEP_SIZE = 1.0  # lr / eps: every optimizer step moves the weights by -STEP_SIZ
 
 # 4 prompts x 4 samples of at most 3 tokens. Two optimizer steps of 8 samples (one micro-batch each) per rollout:
 # the second one trains a policy that has moved since sampling (PPO ratios != 1) and away from the reference
-# (KL != 0). Sampling keeps the 50 most likely tokens, so the sampler's probabilities (renormalised over them) differ
-# from the policy's, as the rollout importance weights assume. No gradient clipping, no checkpoints.
+# (KL != 0). Sampling keeps the 50 most likely tokens, and every log-prob (the policy's, the old policy's, the
+# reference's) is taken over that set, the reference math's as the driver's (grpo_ds.algo.truncation). No gradient
+# clipping, no checkpoints.
 # run.seed 2: a seed whose samples give every test here what it needs (groups with equal and unequal rewards,
 # clipped tokens at the second step, ...); seed 0 stopped doing so when each sample got its own random stream
 # (grpo_ds.rollout.streams), and seeds 1 and 4 leave one test without its case.
@@ -148,11 +151,22 @@ class Run:
         return self._references[step, index]
 
 
-def record_run(output_dir, name: str, overrides: dict) -> Run:
-    """Train tiny_cpu.json with BASE and ``overrides`` through the driver; record every optimizer step."""
+def record_run(output_dir, name: str, overrides: dict, sampler_shift: float = 0.0) -> Run:
+    """Train tiny_cpu.json with BASE and ``overrides`` through the driver; record every optimizer step.
+
+    ``sampler_shift``: the hf engine's recorded log-probs are moved by +-shift, alternating token by token, as if the
+    sampler computed another distribution than the trainer's (what staleness, vLLM or another precision do, and what
+    a colocated float32 hf run at staleness 0 never does: there the importance weights are exactly 1)."""
     overrides = {**BASE, "run.output_dir": str(output_dir), "run.name": name, **overrides}
     steps: list[OptimizerStep] = []
     real_step, real_loss = grpo_ds.train.optimizer_step, grpo_ds.step.update.micro_batch_loss
+    real_generate = HFRolloutEngine.generate
+
+    def generate(self, *args, **kwargs):
+        rollouts = real_generate(self, *args, **kwargs)
+        rollouts.sampler_logprobs = [[lp + sampler_shift * (-1) ** t for t, lp in enumerate(sample)]
+                                     for sample in rollouts.sampler_logprobs]
+        return rollouts
 
     def optimizer_step(engine, data, minibatch, settings, dist):
         step = 1 if not steps else steps[-1].step + (steps[-1].data is not data)
@@ -170,6 +184,8 @@ def record_run(output_dir, name: str, overrides: dict) -> Run:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(grpo_ds.train, "optimizer_step", optimizer_step)
         patch.setattr(grpo_ds.step.update, "micro_batch_loss", micro_batch_loss)
+        if sampler_shift:
+            patch.setattr(HFRolloutEngine, "generate", generate)
         metrics = grpo_ds.train.run(TINY, overrides)
     return Run(load_recipe(TINY, overrides), metrics, steps)
 
@@ -196,7 +212,7 @@ class Reference:
 _SKELETON: list[torch.nn.Module] = []
 
 
-def _model(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+def policy_model(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A plain copy of the policy holding ``weights`` (one skeleton, reloaded: building a model is slow)."""
     if not _SKELETON:
         _SKELETON.append(build_tiny_model(weights["model.embed_tokens.weight"].shape[0]))
@@ -220,7 +236,8 @@ def _logprobs(model, recipe: Recipe, data: StepBatch, samples: list[int]) -> lis
         start = len(rollouts.prompt_ids[i]) - 1  # position t predicts token t + 1
         response = rollouts.response_ids[i]
         out.append(token_logprobs_and_entropy(logits[row, start:start + len(response)], torch.tensor(response),
-                                              temperature=recipe.rollout.temperature))
+                                              temperature=recipe.rollout.temperature,
+                                              truncation=Truncation(recipe.rollout.top_k, recipe.rollout.top_p)))
     return out
 
 
@@ -229,7 +246,7 @@ def _scored(run: Run, key: tuple, weights: dict[str, torch.Tensor], data: StepBa
     if key not in run._scores:
         with torch.no_grad():
             everyone = list(range(len(data.rollouts)))
-            scored = _logprobs(_model(weights), run.recipe, data, everyone)
+            scored = _logprobs(policy_model(weights), run.recipe, data, everyone)
         run._scores[key] = {i: lp for i, (lp, _) in zip(everyone, scored, strict=True)}
     return run._scores[key]
 
@@ -271,7 +288,7 @@ def reference_step(run: Run, opt: OptimizerStep) -> Reference:
         token_weights[i] = w_i * torch.tensor(rollouts.token_loss_mask(i), dtype=torch.float32) * importance[i]
 
     # the loss sum_i w_i sum_t l_it (grpo_ds.algo.policy_loss) and its gradient
-    model = _model(opt.before)
+    model = policy_model(opt.before)
     per_sample = _logprobs(model, recipe, data, ids)
     logprobs = torch.cat([lp for lp, _ in per_sample])  # (N,)
     entropy = torch.cat([h for _, h in per_sample])  # (N,)

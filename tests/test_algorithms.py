@@ -26,7 +26,7 @@ import torch
 
 import grpo_ds
 from tests.launch import REPO
-from tests.option_runs import EPS, record_run, save_test_model
+from tests.option_runs import EPS, policy_model, record_run, save_test_model
 
 K = "algorithm."
 EPOCHS = {"train.samples_per_optimizer_step": None, "train.epochs_per_rollout": 2, "train.lr": 0.35 * EPS,
@@ -48,6 +48,7 @@ OPTIONS = {
     "k3": {K + "kl_coef": 0.1, K + "kl_estimator": "k3"},
     "kl_in_reward": {K + "kl_coef": 0.1, K + "kl_in_reward": True, K + "kl_estimator": "k1", "train.steps": 2},
     "rollout_is_cap": {K + "rollout_is_cap": 2.0},
+    "rollout_is_cap_shifted": {K + "rollout_is_cap": 2.0},  # the sampler's log-probs moved (SAMPLER_SHIFTS)
     "mask_truncated": {K + "mask_truncated": True},
     "overlong": {K + "overlong_buffer_tokens": 1},
     "dynamic_sampling": {K + "dynamic_sampling": True, K + "dynamic_sampling_max_rounds": 1},
@@ -59,6 +60,10 @@ OPTIONS = {
     "epochs": EPOCHS,
     "clip_high": {**EPOCHS, K + "clip_high": 0.5},
 }
+
+
+# options whose run records sampler log-probs moved by +-this (tests/option_runs.record_run): a sampler that differs
+SAMPLER_SHIFTS = {"rollout_is_cap_shifted": 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +78,8 @@ def runs(tmp_path_factory):
 
     def get(name):
         if name not in done:
-            done[name] = record_run(tmp_path_factory.mktemp("runs"), name, {"model.path": model, **OPTIONS[name]})
+            done[name] = record_run(tmp_path_factory.mktemp("runs"), name, {"model.path": model, **OPTIONS[name]},
+                                    SAMPLER_SHIFTS.get(name, 0.0))
         return done[name]
     gc.freeze()
     yield get
@@ -263,14 +269,50 @@ def test_kl_in_the_reward_acts_from_the_second_rollout(runs):
 
 
 @pytest.mark.slow
+def test_rollout_importance_weights_are_one_at_staleness_zero(runs):
+    # The sampler draws from the 50 most likely tokens (rollout.top_k), renormalised, and the trainer scores every
+    # token over the same set (grpo_ds.algo.truncation): the weights min(pi_old / pi_sampler, 2) are 1 to float32
+    # rounding, and the update is the default's. Scored over the whole vocabulary instead (what grpo_ds did before),
+    # each weight would be its position's mass inside the set, M = Z_S / Z (trl#6789's closed form), which is well
+    # below 1 here: the test shows that too, so it would have failed before the trainer replayed the set.
+    option, default = runs("rollout_is_cap"), runs("default")
+    _same_samples(option, default)
+    same_update(option, default)
+    metrics = option.metrics[0]
+    assert metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["sampler_logprob_gap_max"] <= 1e-6  # float32 on both sides, the same forward up to packing
+    data, recipe = option.at(1).data, option.recipe
+    rollouts = data.rollouts
+    with torch.no_grad():
+        model = policy_model(option.at(1).before)
+        full = _full_vocabulary_logprobs_and_mass(model, data, recipe.rollout.temperature, recipe.rollout.top_k)
+    for i, (logprob, mass) in enumerate(full):
+        sampler = torch.tensor(rollouts.sampler_logprobs[i])
+        torch.testing.assert_close((logprob - sampler).exp(), mass, rtol=2e-5, atol=0)
+    masses = torch.cat([mass for _, mass in full])
+    assert masses.max() < 1.0 and masses.mean() < 0.9
+
+
+def _full_vocabulary_logprobs_and_mass(model, data, temperature, top_k):
+    """Per sample: (the whole-vocabulary log-probs of its tokens, the probability mass of the top_k set around each),
+    from one forward per sample."""
+    out = []
+    for prompt, response in zip(data.rollouts.prompt_ids, data.rollouts.response_ids, strict=True):
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]  # (L, V)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        logprob = probs.log().gather(1, torch.tensor(response)[:, None]).squeeze(1)
+        out.append((logprob, probs.topk(top_k, dim=-1).values.sum(dim=-1)))
+    return out
+
+
+@pytest.mark.slow
 def test_rollout_importance_weights_act(runs):
-    # The sampler draws from the 50 most likely tokens (rollout.top_k), renormalised: pi_sampler > pi_old, so every
-    # weight min(pi_old / pi_sampler, 2) is the sampled top-k's share of pi_old's mass, below 1, and the cap never
-    # binds. Each token's loss is weighted by it.
-    option, default = first_update_acts(runs, "rollout_is_cap")
+    # A sampler whose recorded log-probs are off the trainer's by -+0.3, token by token (what staleness, vLLM or another
+    # precision make): every weight is exp(+-0.3), under the cap of 2, and each token's loss is weighted by it.
+    option, default = first_update_acts(runs, "rollout_is_cap_shifted")
     ref = option.reference(1)
     weights = torch.cat(list(ref.importance.values()))
-    assert weights.max() <= 1.0 and weights.mean() < 0.9
+    assert torch.allclose(weights.log().abs(), torch.tensor(0.3), atol=1e-5)
     metrics = option.metrics[0]
     assert metrics["is_truncated_frac"] == 0.0
     everyone = torch.cat([option.reference(1).importance[i] for i in option.at(1).sample_ids]

@@ -67,11 +67,12 @@ def support_threshold(logits: torch.Tensor, temperature: float, truncation: Trun
     kept = vocab if not 0 < truncation.top_k < vocab else truncation.top_k
     threshold = ordered[:, kept - 1]  # (n,) the top-k cut
     if truncation.top_p < 1.0:
-        scores = ordered / temperature  # (n, V)
-        scores = scores.masked_fill(ordered < threshold[:, None], float("-inf"))  # K: the top-k set, ties included
-        q = torch.softmax(scores, dim=1)  # (n, V) over K, descending
+        outside = raw < threshold[:, None]  # (n, V) not in K, the top-k set (ties included)
+        lse = (raw / temperature).masked_fill(outside, float("-inf")).logsumexp(dim=1)  # (n,) over K
+        in_k = ~(ordered < threshold[:, None])  # (n, V) K, descending
+        q = torch.where(in_k, torch.exp(ordered / temperature - lse[:, None]), 0.0)  # (n, V) over K, descending
         above = torch.cumsum(q, dim=1) - q  # (n, V) the mass before each token in descending order
-        count = ((above < truncation.top_p) & (q > 0)).sum(dim=1)  # (n,) >= 1: the first token has 0 above it
+        count = ((above < truncation.top_p) & in_k).sum(dim=1).clamp(min=1)  # (n,): the first has 0 above it
         threshold = torch.maximum(threshold, ordered.gather(1, (count - 1)[:, None]).squeeze(1))
     return threshold
 

@@ -53,7 +53,7 @@ def thresholds(scores: torch.Tensor, temperature: float, truncation: Truncation)
         cut, inside = _cut(values, lse[pending], temperature, truncation.top_p)
         found[pending[inside]] = cut[inside]
         pending = pending[~inside]
-    for block in pending.split(_ROWS_AT_ONCE):  # the fallback: these rows' whole distribution, sorted
+    for block in pending.split(_ROWS_AT_ONCE) if pending.numel() else ():  # the fallback: these rows, sorted
         values = scores[block].float().sort(dim=1, descending=True).values  # (b, V)
         found[block] = _cut(values, lse[block], temperature, truncation.top_p)[0]
     return found
@@ -73,8 +73,3 @@ def _cut(values: torch.Tensor, lse: torch.Tensor, temperature: float, top_p: flo
 def _row_logsumexp(scores: torch.Tensor, temperature: float) -> torch.Tensor:
     """(c,) logsumexp(scores / temperature) per row, in float32, a block of rows at a time."""
     return torch.cat([(block.float() / temperature).logsumexp(dim=1) for block in scores.split(_ROWS_AT_ONCE)])
-
-
-def keep_mask_ignoring_target(scores: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """(c, V) bool: the tokens at or above each row's ``threshold`` (c,), NaN scores included."""
-    return ~(scores < threshold[:, None])

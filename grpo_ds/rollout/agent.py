@@ -95,7 +95,7 @@ class AgentRolloutEngine:
                      for i in range(0, len(prompts), self.batch_prompts)]
         if hasattr(self.turns, "sleep"):  # vLLM: its memory back to the trainer until the next generation
             self.turns.sleep()
-        return Rollouts.concat(parts)
+        return Rollouts.concat(parts).drawn_with(sampling.settings)
 
     def _generate_chunk(self, prompts: list[list[int]], rows: list[dict], group_size: int,
                         sampling: SamplingParams, first_episode: int) -> Rollouts:

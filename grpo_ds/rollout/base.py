@@ -13,6 +13,23 @@ from typing import Protocol
 
 import torch
 
+from grpo_ds.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """What a sample's tokens were drawn from: softmax(logits / temperature) cut to the ``top_k`` most likely tokens
+    (0 = all), then to the smallest set holding ``top_p`` of their mass (1.0 = all). The trainer computes its log-probs
+    over the same set (grpo_ds.algo.truncation), so a sample drawn with other settings than the trainer's cannot be
+    trained without a wrong importance weight: it carries these with it."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __str__(self) -> str:
+        return f"temperature {self.temperature:g}, top_k {self.top_k}, top_p {self.top_p:g}"
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +42,10 @@ class SamplingParams:
     # depend on how the step's prompts are spread over ranks (the hf engine: grpo_ds.rollout.streams; vLLM: one seed
     # per request).
     first_prompt: int = 0
+
+    @property
+    def settings(self) -> SamplerSettings:
+        return SamplerSettings(self.temperature, self.top_k, self.top_p)
 
 
 @dataclass
@@ -40,7 +61,8 @@ class Rollouts:
     (no gradient, not counted by loss aggregation; its sampler log-prob is 0.0). ``env_rewards[i]`` is the
     environment's reward for sample i (per-turn rewards plus the final one), added to the reward
     functions' total. Both are None for single-turn engines (every token is the model's; no
-    environment reward).
+    environment reward). ``sampler_settings[i]``: what sample i was drawn with (``drawn_with``), None where it was
+    not recorded (the in-flight samples of a checkpoint written before samples carried them).
     """
 
     prompt_ids: list[list[int]]
@@ -49,9 +71,32 @@ class Rollouts:
     finish_reason: list[str]  # "stop" (EOS or the environment ended it) | "length" (hit a token or turn limit)
     loss_mask: list[list[int]] | None = None
     env_rewards: list[float] | None = None
+    sampler_settings: list[SamplerSettings] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def drawn_with(self, settings: SamplerSettings) -> Rollouts:
+        """These samples, each marked as drawn with ``settings`` (an engine's last word on what it generated)."""
+        self.sampler_settings = [settings] * len(self)
+        return self
+
+    def check_drawn_with(self, expected: SamplerSettings, where: str) -> None:
+        """Refuse samples drawn with other settings than ``expected``, the trainer's: it would score their tokens
+        over another set than the sampler's (grpo_ds.algo.truncation) and weight them wrongly."""
+        other = next((s for s in self.sampler_settings or () if s != expected), None)
+        if other is not None:
+            raise UserError(where, f"samples drawn with {other} reached a trainer that replays {expected} (the "
+                            "recipe's rollout.temperature, rollout.top_k and rollout.top_p)",
+                            "train them with the recipe that drew them: a run's sampling settings cannot change "
+                            "while samples drawn with the old ones are in flight")
+
+    @staticmethod
+    def from_record(record: dict) -> Rollouts:
+        """The Rollouts of ``dataclasses.asdict(rollouts)`` (a checkpoint's in-flight samples)."""
+        settings = record.get("sampler_settings")
+        return Rollouts(**{**record, "sampler_settings": None if settings is None else
+                           [SamplerSettings(**s) for s in settings]})
 
     def token_loss_mask(self, i: int) -> list[int]:
         """loss_mask[i], or all ones for a single-turn rollout."""
@@ -66,7 +111,8 @@ class Rollouts:
         def pick(values):
             return None if values is None else [values[i] for i in indices]
         return Rollouts(pick(self.prompt_ids), pick(self.response_ids), pick(self.sampler_logprobs),
-                        pick(self.finish_reason), pick(self.loss_mask), pick(self.env_rewards))
+                        pick(self.finish_reason), pick(self.loss_mask), pick(self.env_rewards),
+                        pick(self.sampler_settings))
 
     def response_mask(self) -> torch.Tensor:
         """(N, max response length) 1 for real response tokens, 0 for padding."""
@@ -85,6 +131,8 @@ class Rollouts:
             out.loss_mask = sum(([p.token_loss_mask(i) for i in range(len(p))] for p in parts), [])
         if any(p.env_rewards is not None for p in parts):
             out.env_rewards = sum((p.env_rewards if p.env_rewards is not None else [0.0] * len(p) for p in parts), [])
+        if all(p.sampler_settings is not None for p in parts if len(p)) and len(out):
+            out.sampler_settings = sum((p.sampler_settings or [] for p in parts), [])
         return out
 
 

@@ -221,7 +221,7 @@ class HFRolloutEngine:
             parts = [self._generate_batch(prompts[i:i + self.batch_prompts], group_size, sampling,
                                           first_sample=(sampling.first_prompt + i) * group_size)
                      for i in range(0, len(prompts), self.batch_prompts)]
-        return Rollouts.concat(parts)
+        return Rollouts.concat(parts).drawn_with(sampling.settings)
 
     def _generate_batch(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
                         first_sample: int) -> Rollouts:

@@ -295,7 +295,7 @@ class VLLMRolloutEngine:
                                     use_tqdm=False)
         self.sleep()
         return rollouts_from_outputs(batch, outputs, group_size).select(
-            list(range(mine.start * group_size, mine.stop * group_size)))
+            list(range(mine.start * group_size, mine.stop * group_size))).drawn_with(sampling.settings)
 
     @torch.no_grad()
     def sample_turns(self, contexts: list[list[int]], budgets: list[int], stops: list[tuple[str, ...]],

@@ -35,7 +35,7 @@ from pathlib import Path
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.bridge import Bridge
 from grpo_ds.distributed.ranks import Dist
-from grpo_ds.rollout.base import Rollouts
+from grpo_ds.rollout.base import Rollouts, SamplerSettings
 from grpo_ds.run.folder import trim_log
 from grpo_ds.run.preemption import Preempted, StopRequest
 from grpo_ds.run.preflight import Inputs
@@ -122,6 +122,8 @@ class SplitTrainer:
         self.received: dict[int, Produced] = {}  # rank 0: batches received ahead of training
         self.whole_layers = None  # the vLLM engine's fused layers (a LoRA sync completes them: Policy.rollout_weights)
         self.sampler_state: dict | None = None  # the sampler after the last step trained (rank 0)
+        r = recipe.rollout
+        self.sampler_settings = SamplerSettings(r.temperature, r.top_k, r.top_p)  # what its log-probs replay
         self.rollout_stop: str | None = None  # a stop signal a rollout rank received, as the last batch said
 
     # ---- the start: where the rollout ranks begin, and the weights they begin with
@@ -158,6 +160,8 @@ class SplitTrainer:
             self.sampler_state = produced.sampler
         produced = self.dist.broadcast(produced)
         data = produced.batch
+        # drawn by other processes, or before a resume: with what the trainer's log-probs replay, or refused
+        data.rollouts.check_drawn_with(self.sampler_settings, f"step {step}")
         # the trainer's step time is its own; the rollout ranks' phase times and spans ride along
         data.rollout_side = {"times": data.times, "spans": produced.spans, "busy_s": produced.busy_s,
                              "idle_s": produced.idle_s}
@@ -245,7 +249,7 @@ def _produced_record(p: Produced) -> dict:
 
 def _produced(record: dict) -> Produced:
     b = record["batch"]
-    batch = StepBatch(b["prompt_index"], Rollouts(**b["rollouts"]), b["rewards"], b["metrics"], b["times"],
+    batch = StepBatch(b["prompt_index"], Rollouts.from_record(b["rollouts"]), b["rewards"], b["metrics"], b["times"],
                       spans=b["spans"])
     return Produced(**{**record, "batch": batch, "stop": None})  # the stop it carried was this attempt's, not the next
 

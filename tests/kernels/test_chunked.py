@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from grpo_ds import kernels
+from grpo_ds.algo.truncation import Truncation
 from tests.kernels.test_fused_linear import compare_logprobs, hidden_inputs
 from tests.kernels.test_logprobs import compare_logits, logits_inputs
 from tests.kernels.tolerances import assert_close, evaluate
@@ -21,6 +22,24 @@ def test_logits_any_chunking(chunk_tokens):
 @pytest.mark.parametrize("chunk_tokens", [1, 3, 10, 64])
 def test_hidden_any_chunking(chunk_tokens):
     compare_logprobs("torch", F32, num_tokens=10, hidden=32, vocab=103, temperature=0.8, chunk_tokens=chunk_tokens)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 64])
+def test_truncated_any_chunking(chunk_tokens):
+    # each chunk finds its rows' sets; the backward masks by the forward's thresholds
+    truncation = Truncation(top_k=20, top_p=0.9)
+    compare_logits("torch", F32, num_rows=12, num_scored=10, vocab=1000, temperature=0.8, chunk_tokens=chunk_tokens,
+                   truncation=truncation)
+    compare_logprobs("torch", F32, num_tokens=10, hidden=32, vocab=1000, temperature=0.8, chunk_tokens=chunk_tokens,
+                     truncation=truncation)
+
+
+def test_truncation_leaves_float32_logits_unchanged():
+    # at temperature 1 the chunks of float32 logits are views of the caller's: the set is cut in a copy
+    inputs = logits_inputs(6, 6, 103)
+    logits = inputs["logits"].clone()
+    kernels.logprobs_from_logits(logits, inputs["targets"], None, 1.0, 4, "torch", Truncation(top_k=3))
+    assert torch.equal(logits, inputs["logits"])
 
 
 def test_hidden_bf16_many_chunks():

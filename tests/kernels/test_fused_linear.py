@@ -10,8 +10,9 @@ import torch
 from grpo_ds import kernels
 from grpo_ds.algo.logprobs import token_logprobs_and_entropy
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
-from grpo_ds.algo.truncation import NO_TRUNCATION
+from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation
 from grpo_ds.kernels import LossInputs
+from tests.kernels.test_logprobs import TRUNCATIONS, sampled_targets
 from tests.kernels.tolerances import assert_close, compare
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -44,40 +45,52 @@ def hidden_inputs(num_tokens: int, hidden: int, vocab: int, seed: int = 0, devic
     return {"hidden": h.to(device), "weight": w.to(device), "targets": targets.to(device)}
 
 
-def logprobs_kernel(backend: str, temperature: float, chunk_tokens: int):
+def truncated_inputs(base: dict, temperature: float, truncation: Truncation) -> dict:
+    """``base`` (hidden_inputs) with targets drawn from the truncated distribution at some positions, as a sampler's
+    (tests/kernels/test_logprobs.sampled_targets)."""
+    logits = base["hidden"] @ base["weight"].t()
+    return {**base, "targets": sampled_targets(logits, base["targets"], temperature, truncation)}
+
+
+def logprobs_kernel(backend: str, temperature: float, chunk_tokens: int, truncation: Truncation = NO_TRUNCATION):
     def fn(hidden, weight, targets):
-        logprob, entropy = kernels.logprobs_from_hidden(hidden, weight, targets, temperature, chunk_tokens, backend)
+        logprob, entropy = kernels.logprobs_from_hidden(hidden, weight, targets, temperature, chunk_tokens, backend,
+                                                        truncation)
         return {"logprob": logprob, "entropy": entropy}
 
     return fn
 
 
-def logprobs_reference(temperature: float):
+def logprobs_reference(temperature: float, truncation: Truncation = NO_TRUNCATION):
     def fn(hidden, weight, targets):  # full logits in the inputs' dtype, as the model's lm_head makes them
-        logprob, entropy = token_logprobs_and_entropy(hidden @ weight.t(), targets, temperature=temperature)
+        logprob, entropy = token_logprobs_and_entropy(hidden @ weight.t(), targets, temperature=temperature,
+                                                      truncation=truncation)
         return {"logprob": logprob, "entropy": entropy}
 
     return fn
 
 
 def compare_logprobs(backend: str, dtype: torch.dtype, num_tokens: int, hidden: int, vocab: int, temperature: float,
-                     chunk_tokens: int, device: str = "cpu", seed: int = 0) -> None:
+                     chunk_tokens: int, device: str = "cpu", seed: int = 0,
+                     truncation: Truncation = NO_TRUNCATION) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     upstream = {"logprob": torch.randn(num_tokens, generator=gen).to(device),
                 "entropy": torch.randn(num_tokens, generator=gen).to(device)}
-    compare(logprobs_kernel(backend, temperature, chunk_tokens), logprobs_reference(temperature),
-            hidden_inputs(num_tokens, hidden, vocab, seed, device), dtype, low_precision=("hidden", "weight"),
+    inputs = truncated_inputs(hidden_inputs(num_tokens, hidden, vocab, seed, device), temperature, truncation)
+    compare(logprobs_kernel(backend, temperature, chunk_tokens, truncation),
+            logprobs_reference(temperature, truncation), inputs, dtype, low_precision=("hidden", "weight"),
             differentiable=("hidden", "weight"), upstream=upstream,
-            what=f"{backend} N={num_tokens} V={vocab} chunk={chunk_tokens}")
+            what=f"{backend} N={num_tokens} V={vocab} chunk={chunk_tokens} {truncation}")
 
 
-def loss_inputs(base: dict, temperature: float, has_old: bool, has_ref: bool, seed: int = 0) -> dict:
+def loss_inputs(base: dict, temperature: float, has_old: bool, has_ref: bool, seed: int = 0,
+                truncation: Truncation = NO_TRUNCATION) -> dict:
     """The per-token loss inputs for ``base`` (hidden_inputs): old log-probs at LOG_RATIOS from the float32
     log-probs, reference log-probs nearby, advantages of both signs, token weights with some zeros."""
     n, device = base["targets"].shape[0], base["hidden"].device
     gen = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
-        logprob = logprobs_reference(temperature)(**base)["logprob"]  # (N,) float32
+        logprob = logprobs_reference(temperature, truncation)(**base)["logprob"]  # (N,) float32
     advantages = torch.randn(n, generator=gen).abs().to(device) * cycled((1.0, -1.0), n, device)  # (N,)
     weights = torch.rand(n, generator=gen) * (torch.arange(n) % 4 != 3)  # (N,) every 4th token weighs 0
     return {**base, "advantages": advantages, "weights": weights.to(device),
@@ -85,20 +98,22 @@ def loss_inputs(base: dict, temperature: float, has_old: bool, has_ref: bool, se
             "ref_logprobs": logprob + cycled(REF_LOG_RATIOS, n, device) if has_ref else None}
 
 
-def loss_kernel(backend: str, cfg: LossConfig, temperature: float, chunk_tokens: int):
+def loss_kernel(backend: str, cfg: LossConfig, temperature: float, chunk_tokens: int,
+                truncation: Truncation = NO_TRUNCATION):
     def fn(hidden, weight, targets, advantages, weights, old_logprobs, ref_logprobs):
         out = kernels.policy_loss_from_hidden(
             hidden, weight, LossInputs(targets, advantages, weights, old_logprobs, ref_logprobs), cfg, temperature,
-            chunk_tokens, backend)
+            chunk_tokens, backend, truncation)
         return {"loss": out.loss, "logprob": out.logprobs, "entropy": out.entropy, "kl": out.kl,
                 "clipped": out.clipped}
 
     return fn
 
 
-def loss_reference(cfg: LossConfig, temperature: float, reduce: bool = True):
+def loss_reference(cfg: LossConfig, temperature: float, reduce: bool = True, truncation: Truncation = NO_TRUNCATION):
     def fn(hidden, weight, targets, advantages, weights, old_logprobs, ref_logprobs):
-        logprob, entropy = token_logprobs_and_entropy(hidden @ weight.t(), targets, temperature=temperature)
+        logprob, entropy = token_logprobs_and_entropy(hidden @ weight.t(), targets, temperature=temperature,
+                                                      truncation=truncation)
         per_token, kl, clipped = token_losses(logprob, old_logprobs, advantages, ref_logprobs, entropy, cfg)
         weighted = per_token * weights  # (N,)
         return {"loss": weighted.sum() if reduce else weighted, "logprob": logprob, "entropy": entropy, "kl": kl,
@@ -122,19 +137,21 @@ def tuned_loss_kernel(tuning, cfg: LossConfig, temperature: float, chunk_tokens:
 
 def compare_policy_loss(backend: str, dtype: torch.dtype, cfg: LossConfig, has_old: bool, has_ref: bool,
                         num_tokens: int, hidden: int, vocab: int, temperature: float = 1.0, chunk_tokens: int = 4,
-                        device: str = "cpu", seed: int = 0, tuning=None) -> dict:
+                        device: str = "cpu", seed: int = 0, tuning=None,
+                        truncation: Truncation = NO_TRUNCATION) -> dict:
     # Upstream gradient 3 (not 1): the Triton backend computes its gradients in the forward and scales them in
     # the backward. The loss sums terms of both signs (advantages of both signs), so its error is measured
     # against the sum of their magnitudes, sum_t |w_t l_t|, not against the (partly cancelled) sum.
-    inputs = loss_inputs(hidden_inputs(num_tokens, hidden, vocab, seed, device), temperature, has_old, has_ref, seed)
+    base = truncated_inputs(hidden_inputs(num_tokens, hidden, vocab, seed, device), temperature, truncation)
+    inputs = loss_inputs(base, temperature, has_old, has_ref, seed, truncation)
     with torch.no_grad():
-        terms = loss_reference(cfg, temperature, reduce=False)(**inputs)["loss"]  # (N,)
-    kernel = loss_kernel(backend, cfg, temperature, chunk_tokens) if tuning is None else \
+        terms = loss_reference(cfg, temperature, False, truncation)(**inputs)["loss"]  # (N,)
+    kernel = loss_kernel(backend, cfg, temperature, chunk_tokens, truncation) if tuning is None else \
         tuned_loss_kernel(tuning, cfg, temperature, chunk_tokens)
-    return compare(kernel, loss_reference(cfg, temperature), inputs,
+    return compare(kernel, loss_reference(cfg, temperature, truncation=truncation), inputs,
                    dtype, low_precision=("hidden", "weight"), differentiable=("hidden", "weight"),
                    upstream={"loss": torch.tensor(3.0, device=device)},
-                   what=f"{backend} {cfg} old={has_old} ref={has_ref} V={vocab}",
+                   what=f"{backend} {cfg} old={has_old} ref={has_ref} V={vocab} {truncation}",
                    scales={"loss": terms.abs().sum().item()})
 
 
@@ -155,6 +172,20 @@ def test_logprobs_from_hidden(backend, dtype, vocab, temperature, chunk_tokens):
     # 10 tokens: chunk 4 and 3 leave a partial last chunk, 16 is a single chunk larger than N.
     compare_logprobs(backend, dtype, num_tokens=10, hidden=32, vocab=vocab, temperature=temperature,
                      chunk_tokens=chunk_tokens)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("vocab", "temperature", "truncation"), TRUNCATIONS, ids=str)
+def test_truncated_logprobs_from_hidden(backend, dtype, vocab, temperature, truncation):
+    compare_logprobs(backend, dtype, num_tokens=10, hidden=32, vocab=vocab, temperature=temperature, chunk_tokens=4,
+                     truncation=truncation)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("vocab", "temperature", "truncation"), TRUNCATIONS[1:3], ids=str)
+def test_truncated_policy_loss(backend, dtype, vocab, temperature, truncation):
+    compare_policy_loss(backend, dtype, ALL_TERMS, True, True, num_tokens=10, hidden=32, vocab=vocab,
+                        temperature=temperature, chunk_tokens=3, truncation=truncation)
 
 
 def test_logprobs_large_vocabulary(backend):

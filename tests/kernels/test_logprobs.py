@@ -6,6 +6,7 @@ import torch
 
 from grpo_ds import kernels
 from grpo_ds.algo.logprobs import token_logprobs_and_entropy
+from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation, support_mask
 from tests.kernels import tolerances
 from tests.kernels.tolerances import assert_close, assert_no_worse, compare, evaluate
 
@@ -34,30 +35,49 @@ def upstream_grads(num_scored: int, seed: int = 1, device: str = "cpu") -> dict:
             "entropy": torch.randn(num_scored, generator=gen).to(device)}
 
 
-def kernel(backend: str, temperature: float, chunk_tokens: int = 1024):
+def sampled_targets(logits: torch.Tensor, targets: torch.Tensor, temperature: float, truncation: Truncation,
+                    seed: int = 0) -> torch.Tensor:
+    """``targets`` (N,) for ``logits`` (N, V) with every other one (the first, second and third excepted: the last
+    vocabulary entry, the first one, a near-certain token) replaced by a token drawn from the truncated distribution,
+    as a sampler's would be; the others stay arbitrary, mostly outside the set (the trainer keeps them in it)."""
+    if not truncation.cuts(logits.shape[1]):
+        return targets
+    keep = support_mask(logits, targets, temperature, truncation)
+    probs = torch.softmax((logits.float() / temperature).masked_fill(~keep, float("-inf")), dim=-1)
+    drawn = torch.multinomial(probs.cpu(), 1, generator=torch.Generator().manual_seed(seed)).squeeze(1)
+    out = targets.clone()
+    out[3::2] = drawn[3::2].to(targets.device)
+    return out
+
+
+def kernel(backend: str, temperature: float, chunk_tokens: int = 1024, truncation: Truncation = NO_TRUNCATION):
     def fn(logits, rows, targets):
-        logprob, entropy = kernels.logprobs_from_logits(logits, targets, rows, temperature, chunk_tokens, backend)
+        logprob, entropy = kernels.logprobs_from_logits(logits, targets, rows, temperature, chunk_tokens, backend,
+                                                        truncation)
         return {"logprob": logprob, "entropy": entropy}
 
     return fn
 
 
-def reference(temperature: float):
+def reference(temperature: float, truncation: Truncation = NO_TRUNCATION):
     def fn(logits, rows, targets):
-        logprob, entropy = token_logprobs_and_entropy(logits[rows], targets, temperature=temperature)
+        logprob, entropy = token_logprobs_and_entropy(logits[rows], targets, temperature=temperature,
+                                                      truncation=truncation)
         return {"logprob": logprob, "entropy": entropy}
 
     return fn
 
 
 def compare_logits(backend: str, dtype: torch.dtype, num_rows: int, num_scored: int, vocab: int,
-                   temperature: float, chunk_tokens: int = 1024, device: str = "cpu", seed: int = 0) -> None:
+                   temperature: float, chunk_tokens: int = 1024, device: str = "cpu", seed: int = 0,
+                   truncation: Truncation = NO_TRUNCATION) -> None:
     """Outputs and logits gradient of one backend against the reference; unscored rows get exactly 0."""
     inputs = logits_inputs(num_rows, num_scored, vocab, seed, device)
-    got = compare(kernel(backend, temperature, chunk_tokens), reference(temperature), inputs, dtype,
-                  low_precision=("logits",), differentiable=("logits",),
+    inputs["targets"] = sampled_targets(inputs["logits"][inputs["rows"]], inputs["targets"], temperature, truncation)
+    got = compare(kernel(backend, temperature, chunk_tokens, truncation), reference(temperature, truncation), inputs,
+                  dtype, low_precision=("logits",), differentiable=("logits",),
                   upstream=upstream_grads(num_scored, seed + 1, device),
-                  what=f"{backend} V={vocab} T={temperature}")
+                  what=f"{backend} V={vocab} T={temperature} {truncation}")
     unscored = torch.ones(num_rows, dtype=torch.bool, device=device)
     unscored[inputs["rows"]] = False
     assert torch.equal(got["grad_logits"][unscored], torch.zeros_like(got["grad_logits"][unscored]))
@@ -69,6 +89,20 @@ def compare_logits(backend: str, dtype: torch.dtype, num_rows: int, num_scored: 
 @pytest.mark.parametrize(("vocab", "temperature"), [(103, 1.0), (1000, 0.7), (5003, 1.3)])
 def test_matches_reference(backend, dtype, vocab, temperature):
     compare_logits(backend, dtype, num_rows=6, num_scored=4, vocab=vocab, temperature=temperature, chunk_tokens=3)
+
+
+# The sampler's set (grpo_ds.algo.truncation): top-k alone, top-p alone (on 1,000 tokens its candidates are the first
+# 64, else the row is sorted), both at once; on 5,003 tokens at top_p 0.99 and T 1.3, the 1,024 candidates hold too
+# little of the mass of some rows, which sort their whole row (grpo_ds.kernels.support's fallback).
+TRUNCATIONS = [(103, 1.0, Truncation(top_k=3)), (1000, 0.7, Truncation(top_p=0.7)),
+               (5003, 1.3, Truncation(top_k=20, top_p=0.9)), (5003, 1.3, Truncation(top_p=0.99))]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("vocab", "temperature", "truncation"), TRUNCATIONS, ids=str)
+def test_truncated_matches_reference(backend, dtype, vocab, temperature, truncation):
+    compare_logits(backend, dtype, num_rows=9, num_scored=8, vocab=vocab, temperature=temperature, chunk_tokens=3,
+                   truncation=truncation)
 
 
 def test_large_vocabulary(backend):
