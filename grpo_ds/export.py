@@ -53,7 +53,7 @@ from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
 from grpo_ds.model import lora
 from grpo_ds.model.loading import BUILTIN_TINY, check_model_path, load_model, load_tokenizer, torch_dtype
-from grpo_ds.model.tiny import build_tiny_model
+from grpo_ds.model.tiny import build_tiny_model, tiny_shape
 from grpo_ds.run import writes
 from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
 from grpo_ds.run.folder import check_output_folder
@@ -327,8 +327,7 @@ def _zero_consolidate(folder: Path, frozen_excluded: bool, shown: Path | None = 
 def _build_model(model_cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     """The model's skeleton in fp32, as training built it; weights are left uninitialised (all are loaded)."""
     if model_cfg.path == BUILTIN_TINY:
-        return build_tiny_model(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers,
-                                model_cfg.tiny_num_heads, dtype=torch.float32)
+        return build_tiny_model(vocab_size, dtype=torch.float32, **tiny_shape(model_cfg))
     try:
         config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code,
                                             local_files_only=True)

@@ -44,6 +44,17 @@ class ModelConfig:
     tiny_hidden_size: int = opt(64, "builtin:tiny only: hidden size", low=8)
     tiny_num_layers: int = opt(2, "builtin:tiny only: number of transformer layers", low=1)
     tiny_num_heads: int = opt(4, "builtin:tiny only: attention heads (must divide tiny_hidden_size)", low=1)
+    tiny_num_experts: int = opt(0, "builtin:tiny only: 0 = a dense Llama; N >= 1 = a mixture of experts in "
+                                "Qwen3-MoE's layout, N experts of intermediate size tiny_hidden_size in every layer "
+                                "(docs/guides/large-models.md)", low=0)
+    tiny_experts_per_token: int = opt(2, "builtin:tiny with tiny_num_experts: experts each token is routed to (top-k, "
+                                      "at most tiny_num_experts)", low=1)
+    router_aux_loss_coef: float = opt(0.0, "Mixture-of-experts models only: weight c of the routers' "
+                                      "load-balancing loss L_aux (Switch Transformer's, over one forward's tokens), "
+                                      "added to every trained token's loss as c x L_aux of its micro-batch, so "
+                                      "weighted as the policy loss is; the one term that depends on the micro-batch "
+                                      "layout. 0 = off: RL starts from a trained router, and off keeps the step's "
+                                      "loss independent of the layout (docs/guides/large-models.md)", low=0.0)
     lora_rank: int | None = opt(None, "LoRA: rank of the adapters (extra grpo_ds[lora]); null trains every weight",
                                 low=1)
     lora_alpha: float = opt(16.0, "LoRA: the adapters' update is scaled by lora_alpha / lora_rank", low=0.0,

@@ -68,6 +68,9 @@ def validate(recipe: Recipe) -> None:
     if m.path == "builtin:tiny" and m.tiny_hidden_size % m.tiny_num_heads:
         raise UserError("model.tiny_num_heads", f"{m.tiny_num_heads} does not divide tiny_hidden_size "
                         f"{m.tiny_hidden_size}", "pick a divisor, e.g. 4")
+    if m.path == "builtin:tiny" and m.tiny_num_experts and m.tiny_experts_per_token > m.tiny_num_experts:
+        raise UserError("model.tiny_experts_per_token", f"{m.tiny_experts_per_token} is more than tiny_num_experts "
+                        f"{m.tiny_num_experts}", f"route each token to at most {m.tiny_num_experts} experts")
     targets = m.lora_target_modules
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise UserError("model.lora_target_modules", f"{targets} must be a non-empty list of module names",

@@ -19,20 +19,30 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_ds.config.deepspeed_keys import zero_stage
 from grpo_ds.config.dtypes import DTYPES
 from grpo_ds.config.parse import printable, read_json_object
 from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.errors import UserError, first_line
-from grpo_ds.model.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer, tiny_config
+from grpo_ds.model.tiny import (
+    SPECIAL_TOKENS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    tiny_config,
+    tiny_model_class,
+    tiny_shape,
+)
 
 BUILTIN_TINY = "builtin:tiny"
 # Any one of these makes a folder worth handing to AutoTokenizer. Without them transformers 5 does not fail: it
 # silently builds an empty tokenizer of the model type's class (1 token), so we check first.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                     "spiece.model")
+# Config keys that count the experts of an MoE layer (Qwen2/3-MoE and OLMoE; Mixtral and transformers 5's Qwen3-MoE;
+# DeepSeek-V3)
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # Config keys that bound the sequence length, as vLLM reads them (the smallest present wins).
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
                  "max_seq_length", "seq_len", "n_ctx")
@@ -70,9 +80,7 @@ def context_length(model_cfg: ModelConfig) -> tuple[int, str] | None:
         length = tiny_config(vocab_size=len(SPECIAL_TOKENS)).max_position_embeddings
         return length, "max_position_embeddings of builtin:tiny"
     path = Path(model_cfg.path) / "config.json"
-    config = read_json_object(path, "a model config", '{"model_type": "llama", ...}')
-    if isinstance(config.get("text_config"), dict):  # a multimodal model: its language model's window
-        config = config["text_config"]
+    config = _language_config(model_cfg)
     found = [(config[key], key) for key in _CONTEXT_KEYS
              if isinstance(config.get(key), int) and not isinstance(config[key], bool) and config[key] > 0]
     if not found:
@@ -86,6 +94,39 @@ def context_length(model_cfg: ModelConfig) -> tuple[int, str] | None:
         length = int((base if isinstance(base, int) and base > 0 else length) * factor)
         key += f" with {kind} RoPE scaling x{factor}"
     return length, f"{key} in {path}"
+
+
+def _language_config(model_cfg: ModelConfig) -> dict:
+    """A model folder's config.json as a dict (a multimodal model's: its language model's part)."""
+    config = read_json_object(Path(model_cfg.path) / "config.json", "a model config", '{"model_type": "llama", ...}')
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def moe_experts(model_cfg: ModelConfig) -> int:
+    """The experts of each mixture-of-experts layer, from the config alone (no weights); 0 for a dense model."""
+    check_model_path(model_cfg)
+    if model_cfg.path == BUILTIN_TINY:
+        return model_cfg.tiny_num_experts
+    config = _language_config(model_cfg)
+    return next((config[k] for k in _EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
+
+
+def check_router_aux_loss(model_cfg: ModelConfig) -> None:
+    """model.router_aux_loss_coef > 0 needs routers with transformers' load-balancing loss (a config that has
+    router_aux_loss_coef: Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS; not a dense model, nor DeepSeek-V3's bias-balanced
+    routers). Checked before any weight loads."""
+    coef = model_cfg.router_aux_loss_coef
+    if coef == 0:
+        return
+    where = "builtin:tiny" if model_cfg.path == BUILTIN_TINY else f"{model_cfg.path}/config.json"
+    if not moe_experts(model_cfg):
+        fix = "set model.tiny_num_experts for a builtin mixture of experts" if model_cfg.path == BUILTIN_TINY else \
+            "it applies to mixture-of-experts models only"
+        raise UserError("model.router_aux_loss_coef", f"{coef} for a dense model ({where} has no experts)",
+                        f"set it to 0, or {fix}")
+    if model_cfg.path != BUILTIN_TINY and "router_aux_loss_coef" not in _language_config(model_cfg):
+        raise UserError("model.router_aux_loss_coef", f"{coef}, but the routers of {where} have no load-balancing "
+                        "loss in transformers (no router_aux_loss_coef in the config)", "set it to 0")
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
@@ -120,8 +161,7 @@ def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int, ds_config: di
     with torch.random.fork_rng(devices=[]), partitioned_loading(ds_config) as partitioned:
         if model_cfg.path == BUILTIN_TINY:
             model = _tiny_partitioned(model_cfg, vocab_size, seed, dtype) if partitioned else \
-                build_tiny_model(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers,
-                                 model_cfg.tiny_num_heads, seed=seed, dtype=dtype)
+                build_tiny_model(vocab_size, seed=seed, dtype=dtype, **tiny_shape(model_cfg))
         else:
             try:
                 model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype, local_files_only=True,
@@ -130,6 +170,8 @@ def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int, ds_config: di
                 raise UserError("model.path", f"cannot load a causal LM from {model_cfg.path} ({first_line(err)})",
                                 "the folder needs config.json and the weights (*.safetensors); set "
                                 "model.trust_remote_code=true only if it ships its own modelling code") from None
+    if hasattr(model.config, "router_aux_loss_coef"):  # an MoE's load-balancing loss is the recipe's, not the
+        model.config.router_aux_loss_coef = model_cfg.router_aux_loss_coef  # checkpoint's (grpo_ds.step.loss)
     if model_cfg.gradient_checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable (deprecated, warns) to activation_checkpointing_enable.
         if hasattr(model, "activation_checkpointing_enable"):
@@ -174,12 +216,12 @@ def _tiny_partitioned(model_cfg: ModelConfig, vocab_size: int, seed: int, dtype:
     import deepspeed
     from transformers.initialization import no_init_weights
 
-    config = tiny_config(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers, model_cfg.tiny_num_heads)
+    config = tiny_config(vocab_size, **tiny_shape(model_cfg))
     with no_init_weights():  # every weight is overwritten below
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = tiny_model_class(config)._from_config(config, dtype=dtype)
     main = torch.distributed.get_rank() == 0
-    source = dict(build_tiny_model(vocab_size, model_cfg.tiny_hidden_size, model_cfg.tiny_num_layers,
-                                   model_cfg.tiny_num_heads, seed=seed, dtype=dtype).named_parameters()) if main else {}
+    source = dict(build_tiny_model(vocab_size, seed=seed, dtype=dtype, **tiny_shape(model_cfg)).named_parameters()) \
+        if main else {}
     for prefix, module in model.named_modules():
         params = dict(module.named_parameters(prefix=prefix, recurse=False))
         if not params:

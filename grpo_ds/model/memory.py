@@ -141,12 +141,12 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpo_ds.model.loading import BUILTIN_TINY
-    from grpo_ds.model.tiny import build_tiny_model
+    from grpo_ds.model.tiny import build_tiny_model, tiny_shape
 
     m = recipe.model
     with torch.device("meta"):
         if m.path == BUILTIN_TINY:
-            model = build_tiny_model(vocab_size, m.tiny_hidden_size, m.tiny_num_layers, m.tiny_num_heads)
+            model = build_tiny_model(vocab_size, **tiny_shape(m))
         else:
             config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)

@@ -24,7 +24,7 @@ from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.config.software import resolve_backend
 from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
-from grpo_ds.model.loading import BUILTIN_TINY, context_length, load_tokenizer
+from grpo_ds.model.loading import BUILTIN_TINY, check_router_aux_loss, context_length, load_tokenizer, moe_experts
 from grpo_ds.model.reward_model_checks import check_reward_models
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm_checks import check_vllm_setup
@@ -67,6 +67,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
         check_precision_supported(ds_config, device_type)  # model.dtype float16 on a CPU without fp16 kernels
     backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
+    check_router_aux_loss(recipe.model)  # an MoE's load-balancing loss: refused for a dense model
     _check_tensor_parallel(recipe)
     reward_functions = load_reward_functions(recipe.reward.functions)
     reward_models = check_reward_models(recipe.reward.models)  # their folders, heads, tokenizers and lengths
@@ -136,8 +137,14 @@ def _kernels_backend(requested: str, device_type: str) -> str:
 
 def _check_tensor_parallel(recipe: Recipe) -> None:
     """Every rank of a tensor- or sequence-parallel group must hold whole attention heads (read from the model's
-    config; the builtin model's heads are checked with the recipe). Ulysses also needs sdpa or flash attention."""
+    config; the builtin model's heads are checked with the recipe). Ulysses also needs sdpa or flash attention. AutoTP
+    cannot split a mixture of experts."""
     m = recipe.model
+    tp = recipe.train.tensor_parallel_size
+    if tp > 1 and moe_experts(m):
+        raise UserError("train.tensor_parallel_size", f"{tp} with a mixture-of-experts model ({m.path}): DeepSpeed's "
+                        "AutoTP rejects transformers' fused expert tensors (tp_plan styles moe_tp_experts, "
+                        "packed_colwise)", "use tensor_parallel_size 1 (ZeRO-3 partitions the experts over the ranks)")
     sizes = {"train.tensor_parallel_size": recipe.train.tensor_parallel_size,
              "train.sequence_parallel_size": recipe.train.sequence_parallel_size}
     if all(size == 1 for size in sizes.values()) or m.path == BUILTIN_TINY:

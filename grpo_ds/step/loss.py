@@ -23,6 +23,16 @@ size, micro-batch size, dynamic batching or padding micro-batches.
   again for the backward. The swapped head returns the loss and its statistics as one small tensor;
 - **full logits**: the model computes the logits, the logits kernels score the trained tokens and the masked
   policy-loss kernel sums them per sequence.
+
+Mixture-of-experts models with ``model.router_aux_loss_coef`` c > 0 (read from the model's own
+``config.router_aux_loss_coef``, which grpo_ds.model.loading sets from the recipe) add the router's load-balancing
+loss L_aux(mb) (grpo_ds.algo.router, over the tokens the forward read) to every trained token's loss:
+
+    loss += c x L_aux(mb) x sum_t token_weight_t
+
+so it is weighted like the policy loss's tokens (token-mean: the micro-batch's share of the step's trained tokens)
+and is zero for a padding micro-batch. L_aux is a product of means over one forward, not a sum over tokens: this is
+the one term of the step loss that depends on the micro-batch layout (docs/guides/large-models.md).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import torch
 
 from grpo_ds import kernels
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
+from grpo_ds.algo.router import load_balancing_loss
 from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation
 from grpo_ds.step.micro_batch import MicroBatch, as_sequence_rows
 
@@ -75,6 +86,13 @@ class LossStats:
     clipped_tokens: float = 0.0  # tokens whose loss a clip changed
     response_tokens: float = 0.0  # the model's response tokens (loss mask 1), trained or not
     sequence_tokens: float = 0.0  # prompt + response tokens the model read
+    router_aux: float = 0.0  # MoE with router_aux_loss_coef > 0: sum of L_aux(mb) x mb's response tokens
+    router_aux_tokens: float = 0.0  # the response tokens of those micro-batches (router_aux's denominator)
+
+    def router_metrics(self) -> dict:
+        """``router_aux_loss``: L_aux averaged over the step's micro-batches by their response tokens, where the
+        load-balancing loss is on (else nothing)."""
+        return {"router_aux_loss": self.router_aux / self.router_aux_tokens} if self.router_aux_tokens else {}
 
     def __add__(self, other: LossStats) -> LossStats:
         return LossStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -88,9 +106,12 @@ class LossStats:
 
 
 def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) -> tuple[torch.Tensor, LossStats]:
-    """(sum_t token_weight_t * l_t, differentiable; this micro-batch's LossStats, zero for a padding one)."""
+    """(sum_t token_weight_t * l_t (+ the router's term), differentiable; this micro-batch's LossStats, zero for a
+    padding one)."""
+    coef = router_aux_coef(model)
+    routed = [] if coef > 0 else None  # the forward's router logits, one (T, E) per MoE layer
     if s.config.policy_loss == "gspo":
-        logprobs, entropy = _logprobs_and_entropy(model, mb, s)
+        logprobs, entropy = _logprobs_and_entropy(model, mb, s, routed)
         per_token, kl, clipped = token_losses(logprobs, terms.old_logprobs, terms.advantages[mb.seq_index],
                                               terms.ref_logprobs, entropy, s.config, (mb.seq_index, terms.token_weight))
         loss = (per_token * terms.token_weight).sum()
@@ -109,10 +130,10 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
             sums = [torch.where(counted, t.detach().float(), 0.0).sum() for t in (out.kl, out.entropy, out.clipped)]
             return torch.stack([out.loss.float(), *sums])
 
-        packed = _forward_with_head(model, mb, head)
+        packed = _forward_with_head(model, mb, head, routed)
         loss, sums = packed[0], list(packed[1:])
     else:
-        logits = _logits(model, mb)
+        logits = _logits(model, mb, routed)
         logprobs, entropy = kernels.logprobs_from_logits(logits, mb.target_ids, mb.logit_index, s.temperature,
                                                          s.chunk(logits.shape[-1], logits.dtype), s.backend,
                                                          s.truncation)  # (N,)
@@ -125,10 +146,22 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
                                                   rows(entropy), s.backend)
         loss = per_sequence.loss.sum()
         sums = [t.sum() for t in (per_sequence.kl, per_sequence.entropy, per_sequence.clipped)]
+    aux = None
+    if routed is not None:
+        aux = load_balancing_loss(routed, _unwrap(model).config.num_experts_per_tok, mb.token_mask)
+        loss = loss + coef * aux * terms.token_weight.sum()
     if mb.padding:
         return loss, LossStats()
     kl, entropy, clipped = (float(t) for t in torch.stack(sums).detach().double().cpu())
-    return loss, LossStats(loss.item(), kl, entropy, clipped, float(mb.loss_mask.sum()), float(mb.sequence_tokens))
+    response = float(mb.loss_mask.sum())
+    routing = (aux.item() * response, response) if aux is not None else (0.0, 0.0)
+    return loss, LossStats(loss.item(), kl, entropy, clipped, response, float(mb.sequence_tokens), *routing)
+
+
+def router_aux_coef(model) -> float:
+    """The load-balancing loss's weight: the model config's router_aux_loss_coef (transformers' MoE models), which
+    grpo_ds.model.loading sets from model.router_aux_loss_coef; 0.0 for a model without a router."""
+    return float(getattr(_unwrap(model).config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 @torch.no_grad()
@@ -156,16 +189,17 @@ def discard_gradients(engine) -> None:
 
 # ------------------------------------------------------------------------------------------------- forwards
 
-def _logprobs_and_entropy(model, mb: MicroBatch, s: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def _logprobs_and_entropy(model, mb: MicroBatch, s: LossSettings, routed: list | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     if s.fused_lm_head:
         def head(module, hidden):  # (B, T, H) -> (2, N): log-probs and entropies
             weight = module.weight
             return torch.stack(kernels.logprobs_from_hidden(_trained_positions(hidden, mb), weight, mb.target_ids,
                                                             s.temperature, s.chunk(weight.shape[0], weight.dtype),
                                                             s.backend, s.truncation))
-        both = _forward_with_head(model, mb, head)
+        both = _forward_with_head(model, mb, head, routed)
         return both[0], both[1]
-    logits = _logits(model, mb)
+    logits = _logits(model, mb, routed)
     return kernels.logprobs_from_logits(logits, mb.target_ids, mb.logit_index, s.temperature,
                                         s.chunk(logits.shape[-1], logits.dtype), s.backend, s.truncation)
 
@@ -188,11 +222,20 @@ def _lm_head_replaced(model, head_fn):
         del head.forward
 
 
-def _forward_with_head(model, mb: MicroBatch, head_fn) -> torch.Tensor:
+def _forward(model, mb: MicroBatch, routed: list | None):
+    """The model's output; with ``routed`` a list, the MoE routers' logits are asked for and appended to it."""
+    if routed is None:
+        return model(**mb.model_inputs())
+    out = model(**mb.model_inputs(), output_router_logits=True)
+    routed.extend(out.router_logits)
+    return out
+
+
+def _forward_with_head(model, mb: MicroBatch, head_fn, routed: list | None = None) -> torch.Tensor:
     with _lm_head_replaced(model, head_fn):
-        return model(**mb.model_inputs()).logits
+        return _forward(model, mb, routed).logits
 
 
-def _logits(model, mb: MicroBatch) -> torch.Tensor:
-    logits = model(**mb.model_inputs()).logits  # (B, T, V) padded, (1, sum L_i, V) packed
+def _logits(model, mb: MicroBatch, routed: list | None = None) -> torch.Tensor:
+    logits = _forward(model, mb, routed).logits  # (B, T, V) padded, (1, sum L_i, V) packed
     return logits.view(-1, logits.shape[-1])  # one row per position

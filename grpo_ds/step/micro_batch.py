@@ -55,6 +55,7 @@ class MicroBatch:
     sequence_tokens: int  # prompt + response tokens the model reads (no padding)
     padding: bool = False  # a stand-in that every rank must run (ZeRO-3's collectives) but that trains nothing
     boundaries: dict | None = None  # packed into one row: flash attention's cu_seq_lens_q/k and max_length_q/k
+    filled: torch.Tensor | None = None  # packed: (rows, width) 1 where a sequence's token is, 0 in a row's unused end
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +64,12 @@ class MicroBatch:
     @property
     def num_sequences(self) -> int:
         return len(self.sample_ids)
+
+    @property
+    def token_mask(self) -> torch.Tensor:
+        """(rows, width) 1 where the model reads a sequence's token, 0 for padding (a padded row's end, a packed row's
+        unused end): the rows a per-forward statistic such as an MoE router's load balance counts."""
+        return self.attention_mask if self.attention_mask is not None else self.filled
 
     def model_inputs(self) -> dict:
         """The keyword arguments of the model's forward (always without a KV cache: see the module docstring)."""
@@ -114,9 +121,12 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
         loss_mask += rollouts.token_loss_mask(sid)
     logit_index = torch.tensor(index, dtype=torch.long)
     targets = input_ids.view(-1)[logit_index + 1]  # the token after each predicting position
-    attention_mask = position_ids = boundaries = None
+    attention_mask = position_ids = boundaries = filled = None
     if packed:
         position_ids = torch.tensor(positions, dtype=torch.long).view(len(rows), width).to(device)
+        filled = torch.zeros(len(rows) * width, dtype=torch.long)
+        for b in range(len(seqs)):
+            filled[starts[b]:starts[b] + lengths[b]] = 1
         if one_row:
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
             boundaries = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
@@ -128,7 +138,8 @@ def collate(rollouts: Rollouts, sample_ids: list[int], pad_id: int, device: torc
                       seq_index=torch.tensor(seq, dtype=torch.long).to(device),
                       col=torch.tensor(col, dtype=torch.long).to(device),
                       loss_mask=torch.tensor(loss_mask, dtype=torch.float32).to(device), sequence_tokens=sum(lengths),
-                      padding=padding, boundaries=boundaries)
+                      padding=padding, boundaries=boundaries,
+                      filled=None if filled is None else filled.view(len(rows), width).to(device))
 
 
 def _rows_first_fit(lengths: list[int], width: int) -> list[list[int]]:
@@ -204,4 +215,5 @@ def shard_sequences(mb: MicroBatch, rows: int, rank: int, sp_size: int, pad_id: 
                       position_ids=positions[:, lo:lo + local].contiguous(), target_ids=mb.target_ids[mine],
                       logit_index=row[mine] * local + position[mine] - lo, seq_index=mb.seq_index[mine],
                       col=mb.col[mine], loss_mask=mb.loss_mask[mine],
-                      sequence_tokens=int(mask[:, lo:lo + local].sum()), padding=mb.padding)
+                      sequence_tokens=int(mask[:, lo:lo + local].sum()), padding=mb.padding,
+                      filled=mask[:, lo:lo + local].contiguous())

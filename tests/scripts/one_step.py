@@ -8,9 +8,12 @@ its first update is lr * g / (|g| + eps) ~= g: a plain gradient step, sensitive 
     deepspeed --num_gpus W tests/scripts/one_step.py OUT_DIR CONFIGS_JSON
 CONFIGS_JSON: list of {"loss_agg": ..., "micro": int, "max_tokens": int | null, optional "fused_lm_head": bool,
 "backend": "torch" | "triton", "tp": int (tensor-parallel size, AutoTP), "stage": int (ZeRO stage, default 3),
-"packing": bool (default true), "attn": "sdpa" | "eager", "sp": int (sequence-parallel size, Ulysses)}; one file
-OUT_DIR/<i>.pt each with the parameters after the step and every sample's log-probs before it. Without a GPU the
-Triton backend runs through Triton's interpreter.
+"packing": bool (default true), "attn": "sdpa" | "eager", "sp": int (sequence-parallel size, Ulysses), "experts": int
+(the tiny model as a mixture of that many experts, top-2: grpo_ds.model.tiny), "router_aux": float (its
+router_aux_loss_coef), "sampling": {"temperature", "top_k", "top_p"} (the rollout's: log-probs and the update
+are over the sampler's truncated set, grpo_ds.algo.truncation)}; one file OUT_DIR/<i>.pt each with the parameters
+after the step and every sample's log-probs before it (a mixture of experts: also "routing", per rank the experts
+each forward's tokens went to, per layer). Without a GPU the Triton backend runs through Triton's interpreter.
 """
 
 import json
@@ -49,6 +52,21 @@ def fixed_rollouts(num_samples: int = 9, seed: int = 0) -> tuple[Rollouts, list[
     return Rollouts(prompts, responses, [[0.0] * n for n in response_len], ["length"] * num_samples), advantages
 
 
+def record_routing(model) -> list[list[set[int]]]:
+    """[forward][layer] the experts this rank's tokens were routed to, filled as the model runs (every router of
+    transformers' MoE models returns (logits, weights, expert indices))."""
+    forwards: list[list[set[int]]] = []
+    routers = [layer.mlp.gate for layer in model.model.layers]
+
+    def hook(module, _inputs, output):
+        if module is routers[0]:
+            forwards.append([])
+        forwards[-1].append(set(output[2].reshape(-1).tolist()))
+    for router in routers:
+        router.register_forward_hook(hook)
+    return forwards
+
+
 def main(out_dir: str, configs: list[dict]) -> None:
     rollouts, advantages = fixed_rollouts()
     pairs = zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)
@@ -56,7 +74,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
     for index, cfg in enumerate(configs):
         dist = init_distributed(cfg.get("tp", 1), cfg.get("sp", 1))
         recipe = load_recipe({
-            "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12},
+            "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12, **cfg.get("sampling", {})},
             "data": {"max_prompt_tokens": 6},
             "algorithm": {"loss_agg": cfg["loss_agg"]},
             "kernels": {"fused_lm_head": cfg.get("fused_lm_head", True), "logprob_chunk_tokens": 16},
@@ -65,8 +83,12 @@ def main(out_dir: str, configs: list[dict]) -> None:
                       "packing": cfg.get("packing", True), "sequence_parallel_size": cfg.get("sp", 1)},
             "deepspeed": {"zero_optimization": {"stage": cfg.get("stage", 3)}, "optimizer": {"params": {"eps": 1e4}}},
         })
-        model = build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0)
+        model = build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0,
+                                 num_experts=cfg.get("experts", 0))
         model.set_attn_implementation(cfg.get("attn", "sdpa"))
+        routing = record_routing(model) if cfg.get("experts") else None
+        if cfg.get("router_aux"):  # as grpo_ds.model.loading.load_model sets it from model.router_aux_loss_coef
+            model.config.router_aux_loss_coef = cfg["router_aux"]
         mpu = sequence_parallel.register(model, dist.sp_size, recipe.sequence_parallel_rows) if dist.sp_size > 1 \
             else None
         engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"), mpu)
@@ -78,9 +100,10 @@ def main(out_dir: str, configs: list[dict]) -> None:
         logprobs = logprob_pass(engine, data, settings, dist)
         optimizer_step(engine, data, plan, settings, dist)
         params = {name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)}
+        routes = dist.all_gather(routing) if routing is not None else None
         if dist.is_main:
             torch.save({"params": params, "logprobs": logprobs, "micro_batches": plan.micro_batches,
-                        "padding": plan.padding_micro_batches()}, Path(out_dir) / f"{index}.pt")
+                        "padding": plan.padding_micro_batches(), "routing": routes}, Path(out_dir) / f"{index}.pt")
         del engine
         sequence_parallel.restore()
     dist.barrier()

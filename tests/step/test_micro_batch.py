@@ -9,7 +9,7 @@ from grpo_ds.model.policy import packing_problem
 from grpo_ds.model.tiny import build_tiny_model
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.step.loss import LossSettings, token_logprobs
-from grpo_ds.step.micro_batch import MicroBatch, collate
+from grpo_ds.step.micro_batch import MicroBatch, collate, shard_sequences
 from tests.scripts.one_step import fixed_rollouts
 
 SETTINGS = LossSettings(LossConfig(), temperature=1.0, backend="torch", chunk_tokens=16, fused_lm_head=True)
@@ -117,3 +117,22 @@ def test_a_chunked_micro_batch_scores_the_same_as_one_chunk():
     whole = LossSettings(LossConfig(), 1.0, "torch", 10_000, True)
     torch.testing.assert_close(token_logprobs(model, mb, tiny_budget), token_logprobs(model, mb, whole), rtol=0,
                                atol=1e-6)
+
+
+def test_the_token_mask_marks_the_tokens_the_model_reads():
+    """MicroBatch.token_mask (what an MoE router's load balance counts): 1 on every sequence's tokens, 0 on a padded
+    row's end and on a packed row's unused end, in every layout and in each sequence-parallel shard."""
+    rollouts, _ = fixed_rollouts()
+    ids = list(range(9))
+    for layout in ({"packed": True}, {"packed": False}, {"one_row": True}):
+        mb = collate(rollouts, ids, 0, torch.device("cpu"), **layout)
+        mask = mb.token_mask
+        assert mask.shape == mb.input_ids.shape and int(mask.sum()) == mb.sequence_tokens
+        flat = mask.reshape(-1).bool()
+        assert (flat[mb.logit_index].all() and flat[mb.logit_index + 1].all())  # every trained token and its input
+    packed = collate(rollouts, ids, 0, torch.device("cpu"))
+    assert packed.position_ids is not None and int(packed.token_mask.sum()) < packed.token_mask.numel()  # unused ends
+    padded = collate(rollouts, ids, 0, torch.device("cpu"), packed=False)
+    shards = [shard_sequences(padded, len(ids), rank, 2, 0) for rank in range(2)]
+    assert sum(int(s.token_mask.sum()) for s in shards) == padded.sequence_tokens
+    assert all(int(s.token_mask.sum()) == s.sequence_tokens for s in shards)

@@ -2,7 +2,9 @@
 
 1. One optimizer step gives the same parameters (fp32, rtol 1e-5) for world size 1 with one
    micro-batch and world size 2 with uneven response lengths, several micro-batches and padding, for
-   every loss_agg mode, with and without dynamic micro-batches (real `deepspeed` launcher, CPU).
+   every loss_agg mode, with and without dynamic micro-batches (real `deepspeed` launcher, CPU); a mixture of
+   experts too, at world sizes 2 and 3 with ranks routing to different experts, and its routers' load-balancing
+   loss acts as grpo_ds/step/loss.py says.
 2. Each phase uses its own micro size, and the old-log-prob pass runs exactly when it is needed.
 """
 
@@ -16,9 +18,10 @@ import grpo_ds.model.policy as policy_module
 import grpo_ds.step.update as update_module
 import grpo_ds.train as train_module
 from grpo_ds.algo.names import LOSS_AGG_MODES
+from grpo_ds.algo.router import load_balancing_loss
 from grpo_ds.model.tiny import build_tiny_model
 from tests.launch import REPO, deepspeed_launch
-from tests.scripts.one_step import VOCAB
+from tests.scripts.one_step import VOCAB, fixed_rollouts
 
 SCRIPT = str(REPO / "tests" / "scripts" / "one_step.py")
 
@@ -40,19 +43,30 @@ if importlib.util.find_spec("triton") is not None:
 TP_SP_BASE = {"loss_agg": "seq-mean-token-mean", "max_tokens": None}
 TWO = [{**TP_SP_BASE, "micro": 2, "tp": 2, "stage": 1}, {**TP_SP_BASE, "micro": 2, "tp": 2, "stage": 3},
        {**TP_SP_BASE, "micro": 2, "sp": 2}, {**TP_SP_BASE, "micro": 3, "sp": 2, "fused_lm_head": False}]
+# A mixture of experts (grpo_ds.model.tiny: 16 experts a layer, top-2, so a micro-batch of two samples leaves some
+# experts idle): world size 1's step, then the same with the routers' load-balancing loss at ROUTER_AUX; world size 2
+# with several micro-batches and a padding one, a token cap, the padded layout; world size 3 (one sample short).
+MOE = {"loss_agg": "token-mean", "max_tokens": None, "experts": 16}
+ROUTER_AUX = 0.5
+MOE_SINGLE = [{**MOE, "micro": 9}, {**MOE, "micro": 9, "router_aux": ROUTER_AUX}]
+MOE_SPLIT = [{**MOE, "micro": 2}, {**MOE, "micro": 2, "max_tokens": 40}, {**MOE, "micro": 2, "packing": False}]
+MOE_THREE = [{**MOE, "micro": 2}, {**MOE, "micro": 2, "max_tokens": 40}]
 
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory) -> dict[str, list[dict]]:
-    """One launch per world size, shared by the two layout tests: world size 1 runs SINGLE, world size 2 runs SPLIT
-    then TWO (one process takes each config in turn, each with engines of its own). {"w1": [...], "w2": [...]}."""
+    """One launch per world size, shared by the layout tests: world size 1 runs SINGLE then MOE_SINGLE, world size 2
+    runs SPLIT, TWO then MOE_SPLIT (one process takes each config in turn, each with engines of its own).
+    {"w1": [...], "w2": [...], "moe_w1": [...], "moe_w2": [...]}."""
     root = tmp_path_factory.mktemp("one_step")
     for name in ("w1", "w2"):
         (root / name).mkdir()
-    deepspeed_launch(1, [SCRIPT, str(root / "w1"), json.dumps(SINGLE)])
-    deepspeed_launch(2, [SCRIPT, str(root / "w2"), json.dumps(SPLIT + TWO)])
-    return {"w1": [torch.load(root / "w1" / f"{i}.pt") for i in range(len(SINGLE))],
-            "w2": [torch.load(root / "w2" / f"{i}.pt") for i in range(len(SPLIT + TWO))]}
+    deepspeed_launch(1, [SCRIPT, str(root / "w1"), json.dumps(SINGLE + MOE_SINGLE)])
+    deepspeed_launch(2, [SCRIPT, str(root / "w2"), json.dumps(SPLIT + TWO + MOE_SPLIT)])
+    w1 = [torch.load(root / "w1" / f"{i}.pt") for i in range(len(SINGLE + MOE_SINGLE))]
+    w2 = [torch.load(root / "w2" / f"{i}.pt") for i in range(len(SPLIT + TWO + MOE_SPLIT))]
+    return {"w1": w1[:len(SINGLE)], "w2": w2[:len(SPLIT + TWO)], "moe_w1": w1[len(SINGLE):],
+            "moe_w2": w2[len(SPLIT + TWO):]}
 
 
 @pytest.mark.slow
@@ -108,6 +122,62 @@ def test_tensor_and_sequence_parallel_steps_equal_world_size_1(steps, tmp_path):
             torch.testing.assert_close(result["logprobs"][sample], logprobs, rtol=0, atol=2e-6)
         for name, value in baseline["params"].items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_step_is_independent_of_the_layout(steps, tmp_path):
+    """The tiny mixture of experts at world sizes 2 and 3 (several micro-batches, padding ones, a token cap, packed and
+    padded) gives world size 1's log-probs and weights, while in the same forward the ranks route their tokens to
+    different experts: transformers holds a layer's experts as one fused tensor, so ZeRO-3 gathers all of them on
+    every rank whatever the routing (no rank waits for a gather another rank skips: these runs finishing is the
+    proof), and every expert's weights train."""
+    deepspeed_launch(3, [SCRIPT, str(tmp_path), json.dumps(MOE_THREE)])
+    baseline = steps["moe_w1"][0]
+    initial = dict(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0,
+                                    num_experts=16).named_parameters())
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+                 "model.layers.0.mlp.gate.weight"):
+        assert (baseline["params"][name] - initial[name].detach()).abs().max() > 1e-4, name  # experts, router train
+    results = steps["moe_w2"] + [torch.load(tmp_path / f"{i}.pt") for i in range(len(MOE_THREE))]
+    uneven = 0
+    for cfg, result in zip(MOE_SPLIT + MOE_THREE, results, strict=True):
+        if cfg["max_tokens"] is None:  # two samples a micro-batch: several on every rank (a token cap may fit all)
+            assert all(len(rank) > 1 for rank in result["micro_batches"])
+        for sample, logprobs in baseline["logprobs"].items():
+            torch.testing.assert_close(result["logprobs"][sample], logprobs, rtol=0, atol=2e-6)
+        for name, value in baseline["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-7)
+        routing = result["routing"]  # [rank][forward][layer] the experts its tokens went to
+        assert len({len(forwards) for forwards in routing}) == 1  # every rank ran the same forwards
+        for forward in zip(*routing, strict=True):
+            for layer in zip(*forward, strict=True):
+                uneven += len(set.union(*layer) - set.intersection(*layer)) > 0
+    assert uneven >= 10  # forwards and layers where an expert got tokens on one rank and none on another
+
+
+@pytest.mark.slow
+def test_the_routers_load_balancing_loss_adds_its_gradient(steps):
+    """model.router_aux_loss_coef acts as grpo_ds/step/loss.py says: at world size 1 with one micro-batch of token-mean
+    weights (they sum to 1), the step with it moves the weights by ROUTER_AUX x the gradient of L_aux more than the
+    step without it (one_step.py's optimizer makes a plain gradient step, lr / eps = 1), L_aux computed here on a
+    plain model over the padded samples (grpo_ds.algo.router; the driver packs them and leaves rows' ends out)."""
+    rollouts, _ = fixed_rollouts()
+    sequences = [p + r for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
+    width = max(len(s) for s in sequences)
+    input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    model = build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0, num_experts=16)
+    out = model(input_ids=input_ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+    load_balancing_loss(out.router_logits, 2, mask).backward()
+    without, with_aux = (run["params"] for run in steps["moe_w1"])
+    names = [name for name, p in model.named_parameters() if p.grad is not None]
+    predicted = torch.cat([-ROUTER_AUX * dict(model.named_parameters())[n].grad.reshape(-1) for n in names])
+    measured = torch.cat([(with_aux[n] - without[n]).reshape(-1) for n in names])
+    update = torch.cat([(without[n] - p.detach()).reshape(-1) for n, p in model.named_parameters() if n in names])
+    assert predicted.norm() > 0.05 * update.norm()  # a good part of the step: the test can see it
+    assert (measured - predicted).norm() < 1e-2 * predicted.norm()
+    untouched = [n for n, p in model.named_parameters() if p.grad is None]  # the last layer's experts: after its router
+    assert untouched and all(torch.equal(with_aux[n], without[n]) for n in untouched)
 
 
 class _Recorder:
