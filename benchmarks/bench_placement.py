@@ -329,8 +329,9 @@ def learns(args: argparse.Namespace) -> None:
              f"target (every seed's last-10 reward >= {TARGET}): {verdict(min(finals) >= TARGET)}",
              f"target (every sample's staleness <= 1): {verdict(max(stale) <= 1)}",
              f"lowest last-10 reward: {fmt(min(finals), 3)}"]
-    report("bench_placement", f"learns, {Path(RECIPE).name} split K=1 S=1, seeds {args.seeds}", "cpu", body, notes,
-           args.record)
+    changed = f" with {' '.join(args.overrides)}" if args.overrides else ""  # a question of its own on the docs' page
+    report("bench_placement", f"learns, {Path(RECIPE).name} split K=1 S=1{changed}, seeds {args.seeds}", "cpu", body,
+           notes, args.record)
 
 
 def main() -> None:

@@ -79,7 +79,9 @@ def main() -> None:
              "training s: the sum of the steps' time_step_s; wall s: the whole command, start-up included",
              f"target (every seed's last-10 reward >= {TARGET}, in under 60 s of training): "
              f"{verdict(min(finals) >= TARGET and max(trains) < 60)}"]
-    report("tiny_recipe_seeds", f"{Path(args.recipe).name}, seeds {args.seeds}", "cpu", body, notes, args.record)
+    changed = f" with {' '.join(args.overrides)}" if args.overrides else ""  # a question of its own on the docs' page
+    report("tiny_recipe_seeds", f"{Path(args.recipe).name}{changed}, seeds {args.seeds}", "cpu", body, notes,
+           args.record)
 
 
 if __name__ == "__main__":

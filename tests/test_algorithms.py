@@ -64,6 +64,10 @@ OPTIONS = {
 
 # options whose run records sampler log-probs moved by +-this (tests/option_runs.record_run): a sampler that differs
 SAMPLER_SHIFTS = {"rollout_is_cap_shifted": 0.3}
+# truncated sampling (grpo_ds.algo.truncation), each run with importance weights (which measure the replay)
+TRUNCATED = {"top_k_3": {"rollout.top_k": 3}, "top_p_0.5": {"rollout.top_k": 0, "rollout.top_p": 0.5},
+             "top_k_5_top_p_0.7_t_0.7": {"rollout.top_k": 5, "rollout.top_p": 0.7, "rollout.temperature": 0.7}}
+OPTIONS.update({name: {**keys, K + "rollout_is_cap": 2.0} for name, keys in TRUNCATED.items()})
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +307,23 @@ def _full_vocabulary_logprobs_and_mass(model, data, temperature, top_k):
         logprob = probs.log().gather(1, torch.tensor(response)[:, None]).squeeze(1)
         out.append((logprob, probs.topk(top_k, dim=-1).values.sum(dim=-1)))
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TRUNCATED)
+def test_truncated_sampling_is_replayed_at_every_optimizer_step(runs, name):
+    """The sampler draws from the top-k / top-p set (the hf engine: transformers' warpers), and the driver's update is
+    the reference math's over that set: the first optimizer step (the sampling policy, importance weights exactly 1:
+    the trainer computes what the sampler sampled) and the second (PPO ratios of the truncated policy)."""
+    run = runs(name)
+    for index in (0, 1):
+        matches_reference(run, 1, index)
+    metrics = run.metrics[0]
+    assert 1 - 1e-5 <= metrics["is_weight_min"] <= metrics["is_weight_mean"] <= metrics["is_weight_max"] <= 1 + 1e-5
+    assert metrics["sampler_logprob_gap_max"] <= 1e-5
+    settings = run.at(1).data.rollouts.sampler_settings
+    assert {(s.temperature, s.top_k, s.top_p) for s in settings} == {
+        (run.recipe.rollout.temperature, run.recipe.rollout.top_k, run.recipe.rollout.top_p)}
 
 
 @pytest.mark.slow

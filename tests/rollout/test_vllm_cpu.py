@@ -35,9 +35,12 @@ if not VENV_PYTHON.is_file():
 CHECK = REPO / "tests" / "scripts" / "vllm_check.py"
 RECIPE = REPO / "recipes" / "tiny_vllm_cpu.json"
 GAP = 1e-5  # fp32 on both sides: vLLM's CPU kernels and the trainer's agree to ~5e-7 (measured)
-# a short run of the tiny recipe: 6 steps of 4 prompts x 8 completions, a checkpoint every 2
+# a short run of the tiny recipe: 6 steps of 4 prompts x 8 completions, a checkpoint every 2, sampled from a truncated
+# distribution (top-k, then top-p, at temperature 0.7): vLLM records the log-probs of that set (processed_logprobs),
+# and the trainer replays it (grpo_ds.algo.truncation), so the two agree within GAP at staleness 0
 SHORT = ["train.steps=6", "rollout.prompts_per_step=4", "rollout.group_size=8", "train.micro_batch_samples_per_gpu=16",
-         "train.logprob_micro_batch_samples_per_gpu=16", "logging.progress_bar=false", "checkpoint.every_steps=2"]
+         "train.logprob_micro_batch_samples_per_gpu=16", "logging.progress_bar=false", "checkpoint.every_steps=2",
+         "rollout.top_k=5", "rollout.top_p=0.7", "rollout.temperature=0.7"]
 
 
 def venv_env() -> dict:
