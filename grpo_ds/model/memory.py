@@ -46,7 +46,10 @@ host memory: they are listed under ``host``. Then the largest phase on top:
 
     update          one micro-batch's activations (without activation checkpointing: every layer's saved
                     tensors, 8h + 3kv + 4i values a token, plus heads x T attention probabilities; with it: one
-                    value of h a layer, plus one layer's worth), the lm_head's logits (the fused head: two fp32
+                    value of h a layer, plus one layer's worth; a mixture-of-experts layer saves k(4i' + 3h) + 2E
+                    instead of 4i: each of the token's k experts (intermediate size i') holds its gathered input,
+                    gate and up projections, their product and its weighted output, and the router its logits
+                    and probabilities over the E experts), the lm_head's logits (the fused head: two fp32
                     chunks of chunk x vocab; full logits: the logits and their gradient) and, under ZeRO-3, the
                     gathered parameters (the prefetch bucket plus the largest layer, capped at the rank's
                     parameters) and one layer's full gradient: DeepSpeed's gradient hook copies each parameter's
@@ -104,6 +107,10 @@ class ModelShape:
     heads: int
     kv_heads: int
     vocab: int
+    moe_layers: int = 0  # layers whose MLP is a mixture of experts (their parameters: every expert's, in params)
+    experts: int = 0  # E: experts per MoE layer
+    experts_per_token: int = 0  # k: experts each token is routed to
+    expert_intermediate: int = 0  # i': an expert's intermediate size
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,7 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
         split = sum(p.numel() for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
                     and module is not head for p in module.parameters(recurse=False))
         largest = max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())
+        moe = _moe_shape(model)
         if lora.enabled(m):
             model = lora.apply_lora(model, m)
         params = sum(p.numel() for p in model.parameters())
@@ -162,7 +170,20 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
     heads = config.num_attention_heads
     return ModelShape(params, trainable, split, largest, config.hidden_size, config.num_hidden_layers,
                       getattr(config, "intermediate_size", 4 * config.hidden_size), heads,
-                      getattr(config, "num_key_value_heads", None) or heads, config.vocab_size)
+                      getattr(config, "num_key_value_heads", None) or heads, config.vocab_size, *moe)
+
+
+def _moe_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
+    """(MoE layers, experts per layer, experts per token, an expert's intermediate size) of a model whose experts are
+    transformers 5's fused modules (``*Experts``: num_experts, intermediate_dim, 3-D weight tensors); zeros for a
+    dense model."""
+    found = [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
+             and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    if not found:
+        return 0, 0, 0, 0
+    first = found[0]
+    intermediate = getattr(first, "intermediate_dim", None) or first.down_proj.shape[-1]
+    return len(found), first.num_experts, model.config.num_experts_per_tok, intermediate
 
 
 def reward_model_shape(spec: RewardModelSpec) -> RewardModelShape:
@@ -320,11 +341,14 @@ def master_width(ds_config: dict) -> tuple[int, str]:
 def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: int, longest: int, backend: str) -> int:
     h, i, kv = shape.hidden, shape.intermediate / tp, shape.kv_heads * (shape.hidden // shape.heads) / tp
     heads = shape.heads / tp / recipe.train.sequence_parallel_size  # Ulysses: a rank attends with 1/sp of the heads
-    per_layer = 8 * h + 3 * kv + 4 * i + heads * longest  # values a token saves in one layer
+    attention = 8 * h + 3 * kv + heads * longest  # values a token saves in one layer besides its MLP's
+    dense, moe = 4 * i, shape.experts_per_token * (4 * shape.expert_intermediate + 3 * h) + 2 * shape.experts
+    mlps = (shape.layers - shape.moe_layers) * dense + shape.moe_layers * moe
     if recipe.model.gradient_checkpointing:
-        activations = tokens * (shape.layers * h + per_layer) * w
+        largest = attention + max(dense if shape.layers > shape.moe_layers else 0, moe if shape.moe_layers else 0)
+        activations = tokens * (shape.layers * h + largest) * w
     else:
-        activations = tokens * shape.layers * per_layer * w
+        activations = tokens * (shape.layers * attention + mlps) * w
     dtype = getattr(torch, recipe.model.dtype)
     k = recipe.kernels
     chunk = min(tokens, logprob_chunk_tokens(shape.vocab, dtype, backend, k.logprob_chunk_mib,

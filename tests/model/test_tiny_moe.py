@@ -2,6 +2,7 @@
 folders, the routers' load-balancing loss (model.router_aux_loss_coef: its metric, and its refusals) and the memory
 estimate's count of the experts. The layout-invariance of an MoE step is tests/step/test_update.py's."""
 
+import dataclasses
 import json
 
 import pytest
@@ -19,8 +20,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 import grpo_ds
 from grpo_ds.algo.router import load_balancing_loss
+from grpo_ds.check import estimate_memory, simulated_lengths
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.errors import UserError
+from grpo_ds.model import memory
 from grpo_ds.model.memory import model_shape
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.run.preflight import prepare_inputs
@@ -137,3 +140,25 @@ def test_the_router_loss_is_refused_for_a_dense_model_and_autotp_for_an_moe(tmp_
     assert _refusal({**MOE, "train.tensor_parallel_size": 2}, world=2).startswith(
         "error: train.tensor_parallel_size: 2 with a mixture-of-experts model (builtin:tiny): DeepSpeed's AutoTP")
     assert "\n" not in _refusal({**MOE, "train.tensor_parallel_size": 2}, world=2)
+
+
+def test_the_memory_estimate_counts_every_expert_and_each_tokens_experts():
+    """grpo_ds.check's estimate (grpo_ds.model.memory) of the tiny MoE: its parameters are every expert's (E x 3 x i' x
+    h a layer), split over dp under ZeRO-3; ZeRO-3 gathers a layer's experts at once (the largest module); a token's
+    activations in an MoE layer are k(4i' + 3h) + 2E values instead of a dense MLP's 4i (benchmarks/RESULTS.md:
+    'Memory estimate vs measured: mixture of experts' holds the measured error)."""
+    overrides = {**MOE, "model.tiny_hidden_size": 64, "model.tiny_num_layers": 2, "rollout.max_new_tokens": 8}
+    inputs = prepare_inputs(TINY, overrides, 2, "cpu")
+    shape = model_shape(inputs.recipe, len(inputs.tokenizer))
+    model = build_tiny_model(len(inputs.tokenizer), hidden_size=64, num_layers=2, num_heads=4, num_experts=8)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert (shape.moe_layers, shape.experts, shape.experts_per_token, shape.expert_intermediate) == (2, 8, 2, 64)
+    assert shape.largest_layer == 8 * 3 * 64 * 64  # one layer's fused experts
+    est = estimate_memory(inputs.recipe, shape, inputs.ds_config, 2, simulated_lengths(inputs, "max"))
+    assert est.device["policy weights"] == shape.params * 4 // 2
+    dense = dataclasses.replace(shape, moe_layers=0, experts=0, experts_per_token=0, expert_intermediate=0)
+    tokens, longest = 1000, 20
+    moe_bytes = memory._update_bytes(inputs.recipe, shape, 4, 1, tokens, longest, "torch")
+    dense_bytes = memory._update_bytes(inputs.recipe, dense, 4, 1, tokens, longest, "torch")
+    per_token_layer = 2 * (4 * 64 + 3 * 64) + 2 * 8 - 4 * shape.intermediate
+    assert moe_bytes - dense_bytes == tokens * 2 * per_token_layer * 4
