@@ -11,6 +11,7 @@ Generated, never edited by hand:
 - docs/reference/cli.md: each command line's ``--help``;
 - docs/benchmarks.md: a summary of benchmarks/RESULTS.md (whose blocks the benchmark scripts append), one row per
   question from its latest block, and the pictures; docs/benchmarks-archive.md: every block;
+  docs/snippets/sampler_replay.md: the latest sampler_replay tables, which docs/concepts/truncated-sampling.md shows;
 - docs/img/*.png: matplotlib pictures (``PICTURES``): grpo_ds's and TRL's reward from RESULTS.md, the tiny recipe's
   curves and memory timeline drawn by grpo_ds.plot from a run's files kept in docs/img/tiny_cpu/, the parts of the
   package from the import rules of tests/test_layout.py, and the phases of a 3-rank split placement run (2 trainer
@@ -293,6 +294,21 @@ def _first_note(prefix: str) -> Callable[[Block], str]:
     return figure
 
 
+def _replay(block: Block) -> str:
+    """The importance weights over the sampler's set and over the whole vocabulary (grpo_ds.algo.truncation)."""
+    cut = [r for t in block.tables() for r in t if r["sampling"] != "none"]
+    over = [float(r["is_weight_mean"]) for r in cut if r["trainer's log-probs"] == "over the set"]
+    whole = [float(r["is_weight_mean"]) for r in cut if r["trainer's log-probs"] == "whole vocabulary"]
+    return (f"is_weight_mean over the set {min(over):.6g}-{max(over):.6g}, over the whole vocabulary (before) "
+            f"{min(whole):.3g}-{max(whole):.3g}")
+
+
+def _support(block: Block) -> str:
+    rows = [r for t in block.tables() for r in t if r["mode"] == "forward" and r["sampler's set"].startswith("top_k")
+            and "top_p" in r["sampler's set"]]
+    return "log-prob pass, " + ", ".join(f"{r['path']}: {r['vs untruncated']} untruncated" for r in rows)
+
+
 def _check_step(block: Block) -> str:
     found = re.search(r"^VERDICT: (.+?)(;|$)", block.text, re.M)
     if not found:
@@ -321,9 +337,11 @@ QUESTIONS = (
     Question("Reward worker pool: the tiny recipe's cost", _heading(r"^bench_reward_pool: the tiny recipe"),
              _first_note("after / before: ")),
     Question("Weight sync to the rollout engine", _heading(r"^bench_weight_sync:"), _weight_sync),
-    Question("Tiny recipe learns (tiny_cpu.json)", _heading(r"^tiny_recipe_seeds: tiny_cpu\.json"), _seeds),
-    Question("Tiny recipe learns with vLLM (tiny_vllm_cpu.json)", _heading(r"^tiny_recipe_seeds: tiny_vllm_cpu\.json"),
-             _seeds),
+    Question("Tiny recipe learns (tiny_cpu.json)", _heading(r"^tiny_recipe_seeds: tiny_cpu\.json, seeds"), _seeds),
+    Question("Tiny recipe learns with top_k 8, its set replayed", _heading(
+        r"^tiny_recipe_seeds: tiny_cpu\.json with rollout\.top_k=8 algorithm\.rollout_is_cap=2, seeds"), _seeds),
+    Question("Tiny recipe learns with vLLM (tiny_vllm_cpu.json)",
+             _heading(r"^tiny_recipe_seeds: tiny_vllm_cpu\.json, seeds"), _seeds),
     Question("Tiny multi-turn recipe learns", _heading(r"^tiny_recipe_seeds: multiturn_tiny_cpu\.json"), _seeds),
     Question("Tiny LoRA recipe learns", _heading(r"^tiny_recipe_seeds: lora_tiny_cpu\.json"), _seeds),
     Question("End to end on a GPU, 0.5 B", _heading(r"^grpo_ds end to end:"),
@@ -337,7 +355,15 @@ QUESTIONS = (
                            f"{len(block.tables()[0])} layouts fit (estimates, not measured)"),
     Question("Placement: colocated vs split S=0 vs S=1 (CPU, real vLLM)",
              _heading(r"^bench_placement: colocated vs split"), _placement),
-    Question("Split placement learns (tiny_vllm_cpu.json, S=1)", _heading(r"^bench_placement: learns"), _seeds),
+    Question("Split placement learns (tiny_vllm_cpu.json, S=1)",
+             _heading(r"^bench_placement: learns, \S+ split K=1 S=1, seeds"), _seeds),
+    Question("Split placement learns with top_p 0.9 (S=1)",
+             _heading(r"^bench_placement: learns, \S+ split K=1 S=1 with rollout\.top_p=0\.9, seeds"), _seeds),
+    *(Question(f"Truncated sampling: importance weights at staleness 0, {engine}, {placement}",
+               _heading(rf"^sampler_replay: .*{engine} engine, {placement}"), lambda block: _replay(block))
+      for engine, placement in (("hf", "colocated"), ("hf", "split"), ("vllm", "colocated"))),
+    Question("Log-probs over the sampler's top-k / top-p set vs untruncated", _heading(r"^bench_support:"),
+             lambda block: _support(block)),
     # bench_vs_trl --reward-model (issue 36): its blocks say "with a reward model" (the other vs-TRL rows skip them)
     Question("Reward models", _heading(r"^bench_vs_trl: .*with a reward model"), _vs_trl),
 )
@@ -470,11 +496,33 @@ def benchmarks_archive_page() -> str:
             + "\n".join(b.text for b in found))
 
 
+def replay_snippet() -> str:
+    """The before / after table of docs/concepts/truncated-sampling.md: the latest sampler_replay block of each engine
+    (benchmarks/sampler_replay.py), its table and its notes, linked to the block in the archive."""
+    _, found = blocks(RESULTS.read_text())
+    parts = ["<!-- generated by docs/generate.py from benchmarks/RESULTS.md -->\n"]
+    for engine, placement in (("hf", "colocated"), ("hf", "split"), ("vllm", "colocated")):
+        latest = [b for b in found if re.search(rf"^sampler_replay: .*{engine} engine, {placement}", b.heading)]
+        if not latest:
+            parts.append(f"\nThe {engine} engine, {placement}: not measured yet (`benchmarks/sampler_replay.py`).\n")
+            continue
+        block = latest[-1]
+        table = "\n".join(line for line in block.text.splitlines() if line.startswith("|"))
+        notes = "\n".join(line for line in block.text.splitlines() if line.startswith("- ")
+                          and not line.startswith(("- machine:", "- command:", "- commit:")))
+        commit = (block.field("commit") or "?").split(" ")[0]
+        parts.append(f"\n**{block.heading}**, [block #{block.index}](../{ARCHIVE}#{block.anchor}) of the benchmark "
+                     f"results, {short_machine(block.field('machine'))}, commit `{commit}`: "
+                     f"`{block.field('command')}`\n\n{table}\n\n{notes}\n")
+    return "".join(parts)
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "reference/recipe.md": recipe_page,
     "reference/cli.md": cli_page,
     "benchmarks.md": benchmarks_page,
     ARCHIVE: benchmarks_archive_page,
+    "snippets/sampler_replay.md": replay_snippet,
 }
 
 

@@ -62,7 +62,7 @@ OPTIONS = {
 }
 
 
-# options whose run records sampler log-probs moved by +-this (tests/option_runs.record_run): a sampler that differs
+# options whose run records sampler log-probs moved by +-this (tests.option_runs.record_run): a sampler that differs
 SAMPLER_SHIFTS = {"rollout_is_cap_shifted": 0.3}
 # truncated sampling (grpo_ds.algo.truncation), each run with importance weights (which measure the replay)
 TRUNCATED = {"top_k_3": {"rollout.top_k": 3}, "top_p_0.5": {"rollout.top_k": 0, "rollout.top_p": 0.5},

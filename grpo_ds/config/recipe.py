@@ -89,10 +89,14 @@ class RolloutConfig:
     group_size: int = opt(8, "Completions sampled per prompt; advantages are computed within a group", low=2)
     max_new_tokens: int = opt(256, "Longest completion in tokens (agent: longest model turn); generation also "
                               "stops at EOS", low=1)
-    temperature: float = opt(1.0, "Sampling temperature", low=0.0, low_open=True)
-    top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this much probability", low=0.0,
-                       high=1.0, low_open=True)
-    top_k: int = opt(0, "Keep only the k most likely tokens (0 = off)", low=0)
+    temperature: float = opt(1.0, "Sampling temperature; the trainer's log-probs are those of softmax(logits / "
+                             "temperature)", low=0.0, low_open=True)
+    top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this much probability (after "
+                       "top_k). The trainer takes every log-prob, the KL and the entropy over the set the sampler "
+                       "drew from, so importance weights stay 1 at staleness 0 (docs/concepts/truncated-sampling.md)",
+                       low=0.0, high=1.0, low_open=True)
+    top_k: int = opt(0, "Keep only the k most likely tokens (0 = off); like top_p, replayed by the trainer over the "
+                     "same set (docs/concepts/truncated-sampling.md)", low=0)
     generation_batch_prompts: int = opt(64, "Prompts per generate() call on each rank (bounds rollout memory)",
                                         low=1)
     hf_compile: str = opt("auto", "hf engine: decode with a static KV cache and a torch.compile'd step (CUDA "

@@ -47,7 +47,7 @@ def hidden_inputs(num_tokens: int, hidden: int, vocab: int, seed: int = 0, devic
 
 def truncated_inputs(base: dict, temperature: float, truncation: Truncation) -> dict:
     """``base`` (hidden_inputs) with targets drawn from the truncated distribution at some positions, as a sampler's
-    (tests/kernels/test_logprobs.sampled_targets)."""
+    (tests.kernels.test_logprobs.sampled_targets)."""
     logits = base["hidden"] @ base["weight"].t()
     return {**base, "targets": sampled_targets(logits, base["targets"], temperature, truncation)}
 
