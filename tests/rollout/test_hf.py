@@ -132,6 +132,51 @@ def test_a_shared_policy_module_generates_in_eval_mode_and_goes_on_training():
         engine.update_weights(iter([]))
 
 
+def test_truncated_sampler_logprobs_are_the_trainers_over_the_set():
+    """With top-k and top-p the sampler records log-probs over the set it drew from, and the trainer's reference math
+    over the same set (grpo_ds.algo.truncation) gives the same numbers: an importance weight of 1. Over the whole
+    vocabulary they would differ by the log of each position's kept mass."""
+    from grpo_ds.algo.logprobs import token_logprobs_and_entropy
+    from grpo_ds.algo.truncation import Truncation
+
+    engine, tok = _engine()
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, top_p=0.7, seed=3)
+    out = engine.generate([tok.encode("2+2="), tok.encode("10+4=")], 4, sampling)
+    assert out.sampler_settings == [sampling.settings] * 8
+    kept_mass = []
+    for prompt, response, logprobs in zip(out.prompt_ids, out.response_ids, out.sampler_logprobs, strict=True):
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+        over_set, _ = token_logprobs_and_entropy(logits, torch.tensor(response), temperature=0.7,
+                                                 truncation=Truncation(top_k=5, top_p=0.7))
+        whole, _ = token_logprobs_and_entropy(logits, torch.tensor(response), temperature=0.7)
+        torch.testing.assert_close(torch.tensor(logprobs), over_set, rtol=0, atol=1e-4)  # padded vs unpadded
+        kept_mass.append((whole - over_set).exp())
+    assert torch.cat(kept_mass).max() < 0.5  # five of ~100 near-uniform tokens: the whole vocabulary is far off
+
+
+def test_samples_carry_their_settings_and_a_trainer_refuses_others():
+    from grpo_ds.errors import UserError
+    from grpo_ds.rollout.base import SamplerSettings
+
+    drawn = SamplerSettings(0.7, 5, 0.7)
+    a = Rollouts([[1]], [[2, 3]], [[-0.1, -0.2]], ["stop"]).drawn_with(drawn)
+    b = Rollouts([[4], [6]], [[5], [7]], [[-0.3], [-0.4]], ["length", "stop"]).drawn_with(drawn)
+    both = Rollouts.concat([a, Rollouts([], [], [], []), b])
+    assert both.sampler_settings == [drawn] * 3 and both.select([2, 0]).sampler_settings == [drawn] * 2
+    # a checkpoint's in-flight record (dataclasses.asdict) comes back as the same samples
+    import dataclasses
+    assert Rollouts.from_record(dataclasses.asdict(both)) == both
+    assert Rollouts.from_record({**dataclasses.asdict(both), "sampler_settings": None}).sampler_settings is None
+    both.check_drawn_with(drawn, "step 3")  # the trainer's own settings: accepted
+    with pytest.raises(UserError) as refused:
+        both.check_drawn_with(SamplerSettings(0.7, 0, 0.7), "step 3")
+    message = str(refused.value)
+    assert message.startswith("step 3: samples drawn with temperature 0.7, top_k 5, top_p 0.7 reached a trainer that "
+                              "replays temperature 0.7, top_k 0, top_p 0.7") and "\n" not in message
+    Rollouts.concat([a, Rollouts([[9]], [[8]], [[-0.5]], ["stop"])]).check_drawn_with(drawn, "unrecorded: accepted")
+
+
 def test_concat_keeps_order():
     a = Rollouts([[1]], [[2, 3]], [[-0.1, -0.2]], ["stop"])
     b = Rollouts([[4]], [[5]], [[-0.3]], ["length"])
