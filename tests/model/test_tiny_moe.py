@@ -80,10 +80,14 @@ def test_the_load_balancing_loss_is_transformers_and_leaves_padding_out():
 @pytest.mark.slow
 def test_a_tiny_moe_trains_logs_its_router_loss_and_saves_the_coefficient(tmp_path):
     """model.router_aux_loss_coef > 0: each step logs router_aux_loss (L_aux averaged over the micro-batches by their
-    response tokens: between 0 and E x k, k where the routing is uniform); off, the metric is absent. The final model
-    is a Qwen3-MoE folder whose config records the coefficient the run trained with."""
-    on = grpo_ds.train(TINY, _small(tmp_path, **MOE, **{"model.router_aux_loss_coef": 0.05, "run.name": "on"}))
-    assert len(on) == 2 and all(0 < m["router_aux_loss"] < 8 * 2 for m in on)
+    response tokens: between 0 and E, k where the routing is uniform); off, the metric is absent. The final model
+    is a Qwen3-MoE folder whose config records the coefficient the run trained with. The hf engine in float32 at
+    staleness 0 routes as the trainer does: the importance weights are 1 (docs/guides/large-models.md, routing
+    replay)."""
+    on = grpo_ds.train(TINY, _small(tmp_path, **MOE, **{"model.router_aux_loss_coef": 0.05, "run.name": "on",
+                                                        "algorithm.rollout_is_cap": 2.0}))
+    assert len(on) == 2 and all(0 < m["router_aux_loss"] <= 8 for m in on)
+    assert all(abs(m["is_weight_mean"] - 1) < 1e-5 and m["sampler_logprob_gap_max"] < 1e-5 for m in on)
     assert all(abs(m["router_aux_loss"] - 2) < 0.5 for m in on)  # a random router is close to uniform
     saved = json.loads((tmp_path / "runs" / "on" / "final_model" / "config.json").read_text())
     assert saved["model_type"] == "qwen3_moe" and saved["router_aux_loss_coef"] == 0.05
@@ -112,7 +116,7 @@ def test_mixtral_and_olmoe_folders_train_under_zero3_with_their_router_loss(tmp_
     metrics = grpo_ds.train(TINY, _small(tmp_path, **{"model.path": path, "model.router_aux_loss_coef": 0.01,
                                                       "train.zero3_on_one_rank": True, "train.steps": 1,
                                                       "run.save_final_model": False}))
-    assert 0 < metrics[0]["router_aux_loss"] < 4 * 2
+    assert 0 < metrics[0]["router_aux_loss"] <= 4
     recipe = load_recipe(TINY, {"model.path": path})
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model_shape(recipe, len(build_tiny_tokenizer())).params == sum(p.numel() for p in model.parameters())

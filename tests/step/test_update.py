@@ -45,11 +45,13 @@ TWO = [{**TP_SP_BASE, "micro": 2, "tp": 2, "stage": 1}, {**TP_SP_BASE, "micro": 
        {**TP_SP_BASE, "micro": 2, "sp": 2}, {**TP_SP_BASE, "micro": 3, "sp": 2, "fused_lm_head": False}]
 # A mixture of experts (grpo_ds.model.tiny: 16 experts a layer, top-2, so a micro-batch of two samples leaves some
 # experts idle): world size 1's step, then the same with the routers' load-balancing loss at ROUTER_AUX; world size 2
-# with several micro-batches and a padding one, a token cap, the padded layout; world size 3 (one sample short).
+# with several micro-batches and a padding one, a token cap, the padded layout, sp=2 (Ulysses: each rank a slice of
+# every sequence); world size 3.
 MOE = {"loss_agg": "token-mean", "max_tokens": None, "experts": 16}
 ROUTER_AUX = 0.5
 MOE_SINGLE = [{**MOE, "micro": 9}, {**MOE, "micro": 9, "router_aux": ROUTER_AUX}]
-MOE_SPLIT = [{**MOE, "micro": 2}, {**MOE, "micro": 2, "max_tokens": 40}, {**MOE, "micro": 2, "packing": False}]
+MOE_SPLIT = [{**MOE, "micro": 2}, {**MOE, "micro": 2, "max_tokens": 40}, {**MOE, "micro": 2, "packing": False},
+             {**MOE, "micro": 2, "sp": 2}]
 MOE_THREE = [{**MOE, "micro": 2}, {**MOE, "micro": 2, "max_tokens": 40}]
 
 
@@ -127,10 +129,10 @@ def test_tensor_and_sequence_parallel_steps_equal_world_size_1(steps, tmp_path):
 @pytest.mark.slow
 def test_a_mixture_of_experts_step_is_independent_of_the_layout(steps, tmp_path):
     """The tiny mixture of experts at world sizes 2 and 3 (several micro-batches, padding ones, a token cap, packed and
-    padded) gives world size 1's log-probs and weights, while in the same forward the ranks route their tokens to
-    different experts: transformers holds a layer's experts as one fused tensor, so ZeRO-3 gathers all of them on
-    every rank whatever the routing (no rank waits for a gather another rank skips: these runs finishing is the
-    proof), and every expert's weights train."""
+    padded; at sp=2 too) gives world size 1's log-probs and weights, while in the same forward the ranks route their
+    tokens to different experts: transformers holds a layer's experts as one fused tensor, so ZeRO-3 gathers all of
+    them on every rank whatever the routing (no rank waits for a gather another rank skips: these runs finishing is
+    the proof), and the experts and routers train."""
     deepspeed_launch(3, [SCRIPT, str(tmp_path), json.dumps(MOE_THREE)])
     baseline = steps["moe_w1"][0]
     initial = dict(build_tiny_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=0,
