@@ -11,8 +11,9 @@ given (raw logits for the Triton kernels, which compare before scaling; scaled f
   hold under p of the mass) sort their whole row, a block of rows at a time. The probabilities come from the
   row's log-sum-exp over the top-k set (over the whole row without top-k, an extra pass over it).
 
-Working memory: the candidates (rows x at most 1,024) and, for the log-sum-exp and a sort, a float32 block of at most
-``_ROWS_AT_ONCE`` rows, never (rows x vocabulary) beyond the chunk itself.
+Working memory: the candidates (rows x at most 1,024) and, for the log-sum-exp and a sort, a block of at most
+``_ROWS_AT_ONCE`` rows (a sort's float32 values and int64 indices: 15 MiB at 151,936 tokens), never (rows x
+vocabulary) beyond the chunk itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from grpo_ds.algo.truncation import Truncation
 
 CANDIDATES = (64, 1024)  # the top-p candidates tried before a row's full sort
-_ROWS_AT_ONCE = 32  # rows per float32 block of the log-sum-exp and the full-row sort
+_ROWS_AT_ONCE = 8  # rows per float32 block of the log-sum-exp and of the full-row sort (values and indices)
 
 
 def thresholds(scores: torch.Tensor, temperature: float, truncation: Truncation) -> torch.Tensor:
