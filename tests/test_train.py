@@ -189,18 +189,26 @@ def _rank_logs(run_dir, world):
     return logs
 
 
+# the tiny model as a mixture of experts (grpo_ds.model.tiny) with its routers' load-balancing loss
+MOE = ["model.tiny_num_experts=8", "model.router_aux_loss_coef=0.01"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world, prompts, group, micro", [(2, 3, 3, 2), (3, 5, 4, 3)])
+@pytest.mark.parametrize("world, prompts, group, micro, model", [(2, 3, 3, 2, []), (3, 5, 4, 3, []),
+                                                                 (2, 3, 3, 2, MOE)], ids=["2", "3", "2-moe"])
 def test_ranks_train_different_samples_and_end_identical_even_when_counts_do_not_divide(tmp_path, world, prompts,
-                                                                                         group, micro):
+                                                                                         group, micro, model):
     """Each rank trains its own samples of a step, together every sample once, and all end with the same weights and
     rollout copies; sample counts that do not divide the world size (9 on 2 ranks, 20 on 3) are padded, not refused.
-    (One launch per world size: the 2-rank case was also a separate launch of the whole tiny recipe's 800 samples.)"""
+    (One launch per world size: the 2-rank case was also a separate launch of the whole tiny recipe's 800 samples.)
+    The same for the tiny mixture of experts on 2 ranks under ZeRO-3, whose fused expert tensors reach the rollout
+    copies whole, with its router metric logged."""
     deepspeed_launch(world, ["--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}", "train.steps=2",
                              f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
-                             f"train.micro_batch_samples_per_gpu={micro}", "logging.progress_bar=false"])
+                             f"train.micro_batch_samples_per_gpu={micro}", "logging.progress_bar=false", *model])
     metrics = [json.loads(line) for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2
+    assert all(("router_aux_loss" in m) == bool(model) for m in metrics)
     assert all(m["padding_micro_batches"] >= 1 for m in metrics)  # uneven shards were padded, not refused
     logs = _rank_logs(tmp_path / "tiny_cpu", world)
     for step in range(2):
