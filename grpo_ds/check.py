@@ -151,6 +151,9 @@ def report(inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: f
                           reward_models)
     trained = f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})" if lora.enabled(r.model) \
         else ""
+    if shape.moe_layers:  # every expert's parameters are counted; a token uses k of them in each MoE layer
+        trained += (f", a mixture of experts: {shape.experts} in each of {shape.moe_layers} layers, "
+                    f"{shape.experts_per_token} per token")
     lines += ["", f"memory estimate per {'trainer ' if placement.split else ''}rank ({shape.params / 1e6:.2f} M "
                   f"parameters{trained}, {r.model.dtype}; grpo_ds/model/memory.py says how each line is counted)"]
     lines += [f"  {name:<52} {value / GIB:8.3f} GiB" for name, value in est.device.items()]

@@ -19,6 +19,7 @@ from transformers import (
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import grpo_ds
+from grpo_ds import check
 from grpo_ds.algo.router import load_balancing_loss
 from grpo_ds.check import estimate_memory, simulated_lengths
 from grpo_ds.config.loading import load_recipe
@@ -160,6 +161,8 @@ def test_the_memory_estimate_counts_every_expert_and_each_tokens_experts():
     assert shape.largest_layer == 8 * 3 * 64 * 64  # one layer's fused experts
     est = estimate_memory(inputs.recipe, shape, inputs.ds_config, 2, simulated_lengths(inputs, "max"))
     assert est.device["policy weights"] == shape.params * 4 // 2
+    assert f"({shape.params / 1e6:.2f} M parameters, a mixture of experts: 8 in each of 2 layers, 2 per token," in \
+        check.report(inputs, 2, "max")
     dense = dataclasses.replace(shape, moe_layers=0, experts=0, experts_per_token=0, expert_intermediate=0)
     tokens, longest = 1000, 20
     moe_bytes = memory._update_bytes(inputs.recipe, shape, 4, 1, tokens, longest, "torch")
