@@ -53,22 +53,36 @@ MOE_SINGLE = [{**MOE, "micro": 9}, {**MOE, "micro": 9, "router_aux": ROUTER_AUX}
 MOE_SPLIT = [{**MOE, "micro": 2}, {**MOE, "micro": 2, "max_tokens": 40}, {**MOE, "micro": 2, "packing": False},
              {**MOE, "micro": 2, "sp": 2}]
 MOE_THREE = [{**MOE, "micro": 2}, {**MOE, "micro": 2, "max_tokens": 40}]
+# Truncated sampling (grpo_ds.algo.truncation): the log-prob pass and the loss over the sampler's top-k / top-p set (the
+# fixed rollouts' tokens mostly outside it: the sampled token is always kept). World size 1 without and with the set at
+# the same temperature; world size 2 with a token cap, padded rows with eager attention, full logits, sp=2 and the
+# Triton kernels (fused and full logits).
+TRUNCATED = {"top_k": 5, "top_p": 0.7, "temperature": 0.7}
+TRUNC_BASE = {"loss_agg": "seq-mean-token-mean", "max_tokens": None, "sampling": TRUNCATED}
+TRUNC_SINGLE = [{**TRUNC_BASE, "micro": 9}, {**TRUNC_BASE, "micro": 9, "sampling": {"temperature": 0.7}}]
+TRUNC_SPLIT = [{**TRUNC_BASE, "micro": 2, "max_tokens": 40}, {**TRUNC_BASE, "micro": 2, **LAYOUTS[3]},
+               {**TRUNC_BASE, "micro": 2, "fused_lm_head": False}, {**TRUNC_BASE, "micro": 2, "sp": 2}]
+if importlib.util.find_spec("triton") is not None:
+    TRUNC_SPLIT += [{**TRUNC_BASE, "micro": 2, "max_tokens": 40, "backend": "triton"},
+                    {**TRUNC_BASE, "micro": 2, "backend": "triton", "fused_lm_head": False}]
 
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory) -> dict[str, list[dict]]:
-    """One launch per world size, shared by the layout tests: world size 1 runs SINGLE then MOE_SINGLE, world size 2
-    runs SPLIT, TWO then MOE_SPLIT (one process takes each config in turn, each with engines of its own).
-    {"w1": [...], "w2": [...], "moe_w1": [...], "moe_w2": [...]}."""
+    """One launch per world size, shared by the layout tests: world size 1 runs SINGLE, MOE_SINGLE then TRUNC_SINGLE,
+    world size 2 runs SPLIT, TWO, MOE_SPLIT then TRUNC_SPLIT (one process takes each config in turn, each with engines
+    of its own). {"w1": [...], "w2": [...], "moe_w1": [...], "moe_w2": [...], "trunc_w1": [...], "trunc_w2": [...]}."""
     root = tmp_path_factory.mktemp("one_step")
     for name in ("w1", "w2"):
         (root / name).mkdir()
-    deepspeed_launch(1, [SCRIPT, str(root / "w1"), json.dumps(SINGLE + MOE_SINGLE)])
-    deepspeed_launch(2, [SCRIPT, str(root / "w2"), json.dumps(SPLIT + TWO + MOE_SPLIT)])
-    w1 = [torch.load(root / "w1" / f"{i}.pt") for i in range(len(SINGLE + MOE_SINGLE))]
-    w2 = [torch.load(root / "w2" / f"{i}.pt") for i in range(len(SPLIT + TWO + MOE_SPLIT))]
-    return {"w1": w1[:len(SINGLE)], "w2": w2[:len(SPLIT + TWO)], "moe_w1": w1[len(SINGLE):],
-            "moe_w2": w2[len(SPLIT + TWO):]}
+    parts = {"w1": (SINGLE, MOE_SINGLE, TRUNC_SINGLE), "w2": (SPLIT + TWO, MOE_SPLIT, TRUNC_SPLIT)}
+    found = {}
+    for world, (dense, moe, truncated) in parts.items():
+        deepspeed_launch(int(world[1]), [SCRIPT, str(root / world), json.dumps(dense + moe + truncated)])
+        results = [torch.load(root / world / f"{i}.pt") for i in range(len(dense + moe + truncated))]
+        found.update({world: results[:len(dense)], f"moe_{world}": results[len(dense):len(dense + moe)],
+                      f"trunc_{world}": results[len(dense + moe):]})
+    return found
 
 
 @pytest.mark.slow
@@ -99,6 +113,24 @@ def test_one_optimizer_step_is_independent_of_the_parallel_layout(steps):
     assert moved > 1e-3
     a, b = baselines[0]["params"], baselines[2]["params"]
     assert max((a[n] - b[n]).abs().max().item() for n in a) > 1e-4
+
+
+@pytest.mark.slow
+def test_a_truncated_sampler_step_is_independent_of_the_layout(steps):
+    """With top-k and top-p the log-probs before the step and the weights after it, over the sampler's set, are world
+    size 1's in every layout (each chunk and each sequence-parallel slice finds its rows' sets), and the set acts: the
+    same step over the whole vocabulary, at the same temperature, scores and moves differently."""
+    base, whole = steps["trunc_w1"]
+    assert max((base["logprobs"][s] - whole["logprobs"][s]).abs().max().item() for s in base["logprobs"]) > 0.5
+    assert max((base["params"][n] - whole["params"][n]).abs().max().item() for n in base["params"]) > 1e-4
+    assert len(steps["trunc_w2"]) == len(TRUNC_SPLIT)
+    for cfg, result in zip(TRUNC_SPLIT, steps["trunc_w2"], strict=True):
+        for sample, logprobs in base["logprobs"].items():
+            torch.testing.assert_close(result["logprobs"][sample], logprobs, rtol=0, atol=2e-6,
+                                       msg=lambda m, c=cfg: f"{c}: {m}")
+        for name, value in base["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name, c=cfg: f"{c} {n}: {m}")
 
 
 @pytest.mark.slow
