@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--placement", choices=("colocated", "split"), default="colocated")
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the launcher's, per rank
     args = parser.parse_args()
     if args.child:
         return child(*json.loads(args.child))

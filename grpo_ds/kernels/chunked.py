@@ -14,10 +14,12 @@ and accumulate the weight gradient in place; their chunk buffers are allocated o
 computes the gradients in the forward, where the loss is known, and so never recomputes a chunk. The reference these
 are tested against is grpo_ds/algo.
 
-Under truncated sampling (grpo_ds.algo.truncation) each chunk's rows get the threshold of the sampler's set from their
-scaled scores (grpo_ds.kernels.support), and the scores outside it, the sampled token's excepted, are set to
-``_OUTSIDE`` in the chunk's own float32 copy: p is then exactly 0 there, and so is the gradient, with the formulas
-above unchanged. The thresholds (one float per token) are kept for the backward.
+Under truncated sampling (grpo_ds.algo.truncation) each chunk's rows get the sampler's set from their logits
+(grpo_ds.kernels.support). Where every row's set lies among a few candidates (top-k, or top-p decided by its first
+1,024 tokens), a forward takes the log-prob and the entropy from those candidates alone, with no pass over the
+vocabulary. Otherwise, and in every backward, the logits below the row's threshold, the sampled token's excepted,
+are set to ``_OUTSIDE`` in the chunk's own float32 copy before the temperature: p is then exactly 0 there, and so is
+the gradient, with the formulas above unchanged. The thresholds (one float per token) are kept for the backward.
 """
 
 from __future__ import annotations
@@ -105,36 +107,51 @@ def _write_grad(s: torch.Tensor, p: torch.Tensor, targets: torch.Tensor, mean_s:
         out.div_(temperature)
 
 
-def _thresholds(s: torch.Tensor, truncation: Truncation) -> torch.Tensor | None:
-    """The thresholds (c,) of the float32 scaled rows ``s`` (c, V), in their units; None where nothing is cut."""
-    return support.thresholds(s, 1.0, truncation) if truncation.cuts(s.shape[1]) else None
+def _sets(x: torch.Tensor, temperature: float, truncation: Truncation) -> support.RowSets | None:
+    """The sampler's set of each row of the chunk's logits ``x`` (c, V), in logit units; None where nothing is cut."""
+    return support.find(x, temperature, truncation) if truncation.cuts(x.shape[1]) else None
 
 
-def _truncate(s: torch.Tensor, targets: torch.Tensor, thresholds: torch.Tensor | None) -> None:
-    """Set the scores of ``s`` (c, V), float32 and our own, below each row's threshold to _OUTSIDE, in place, except
+def _truncate(raw: torch.Tensor, targets: torch.Tensor, thresholds: torch.Tensor) -> None:
+    """Set the logits of ``raw`` (c, V), float32 and our own, below each row's threshold to _OUTSIDE, in place, except
     the sampled token's (``targets`` (c,)); a block of rows at a time (the comparison's mask is that big)."""
-    if thresholds is None:
-        return
-    picked = s.gather(1, targets.unsqueeze(1))  # (c, 1)
-    for i in range(0, s.shape[0], _ROWS_AT_ONCE):
-        block = s[i:i + _ROWS_AT_ONCE]
+    picked = raw.gather(1, targets.unsqueeze(1))  # (c, 1)
+    for i in range(0, raw.shape[0], _ROWS_AT_ONCE):
+        block = raw[i:i + _ROWS_AT_ONCE]
         block.masked_fill_(block < thresholds[i:i + _ROWS_AT_ONCE, None], _OUTSIDE)
-    s.scatter_(1, targets.unsqueeze(1), picked)
+    raw.scatter_(1, targets.unsqueeze(1), picked)
 
 
-def _truncated_rows(x: torch.Tensor, temperature: float, scratch: bool, targets: torch.Tensor,
-                    truncation: Truncation, thresholds: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(s, thresholds): the scaled float32 rows of the chunk ``x`` over the sampler's set, a copy where ``x`` is not
-    ours to change; the thresholds found here, or ``thresholds`` (the forward's, in the backward) when given."""
-    s = _scaled(x, temperature, scratch)
-    if not truncation.cuts(s.shape[1]):
-        return s, None
-    if s is x:  # float32 logits at temperature 1, a view of the caller's: never written
-        s = x.clone()
-    found = _thresholds(s, truncation) if thresholds is None else thresholds
-    _truncate(s, targets, found)
-    return s, found
+def _scores(x: torch.Tensor, temperature: float, scratch: bool, targets: torch.Tensor,
+            thresholds: torch.Tensor | None, into: torch.Tensor | None = None) -> torch.Tensor:
+    """s = x / temperature in float32 (``_scaled``) over the sampler's set: where ``thresholds`` (c,) are given, the
+    logits below them are cut first, in logit units (as the Triton kernels compare), in a float32 copy of our own
+    (``x`` itself when it is one: ``scratch`` and float32; else ``into`` when given)."""
+    if thresholds is None:
+        return _scaled(x, temperature, scratch, into)
+    if scratch and x.dtype == torch.float32:
+        raw = x
+    elif into is not None:
+        raw = into.copy_(x)
+    else:
+        raw = x.float() if x.dtype != torch.float32 else x.clone()
+    _truncate(raw, targets, thresholds)
+    return raw.div_(temperature) if temperature != 1.0 else raw
+
+
+def _stats_in_sets(sets: support.RowSets, picked: torch.Tensor, temperature: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob, entropy, mean_s), each (c,), of rows whose whole sets are among the candidates of ``sets``, from the
+    candidates alone (no pass over the vocabulary); ``picked`` (c,): the sampled tokens' float32 logits. The sampled
+    token, when outside the set, is one more term."""
+    keep = ~(sets.values < sets.thresholds[:, None])  # (c, m) the set among the candidates
+    outside = picked < sets.thresholds  # (c,) the sampled token is not among them
+    s = torch.where(keep, sets.values / temperature, float("-inf"))  # (c, m)
+    s_y = picked / temperature  # (c,)
+    lse = torch.logaddexp(s.logsumexp(dim=1), torch.where(outside, s_y, float("-inf")))  # (c,)
+    q = torch.exp(s - lse[:, None])  # (c, m), 0 outside the set
+    mean_s = (q * torch.where(keep, s, 0.0)).sum(dim=1) + torch.where(outside, torch.exp(s_y - lse) * s_y, 0.0)
+    return s_y - lse, lse - mean_s, mean_s
 
 
 def _chunk(logits: torch.Tensor, rows: torch.Tensor | None, a: int, b: int) -> tuple[torch.Tensor, bool]:
@@ -154,14 +171,22 @@ class LogprobsFromLogits(torch.autograd.Function):
         out = torch.empty(4, n, dtype=torch.float32, device=logits.device)  # logprob, entropy, mean_s, threshold
         for a, b in _spans(n, chunk_tokens):
             x, scratch = _chunk(logits, rows, a, b)
-            s, thresholds = _truncated_rows(x, temperature, scratch, targets[a:b], truncation)
-            p, lse, mean_s, logprob = _row_stats(s, targets[a:b])
-            del p, s, x
-            out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
-            if thresholds is not None:
-                out[3, a:b] = thresholds
+            sets = _sets(x, temperature, truncation)
+            if sets is not None and sets.values is not None:  # every row's set among a few candidates: no full pass
+                logprob, entropy, mean_s = _stats_in_sets(sets, x.gather(1, targets[a:b, None]).squeeze(1).float(),
+                                                          temperature)
+                out[0, a:b], out[1, a:b], out[2, a:b] = logprob, entropy, mean_s
+            else:
+                s = _scores(x, temperature, scratch, targets[a:b], None if sets is None else sets.thresholds)
+                p, lse, mean_s, logprob = _row_stats(s, targets[a:b])
+                del p, s
+                out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
+            if sets is not None:
+                out[3, a:b] = sets.thresholds
+            del x
         ctx.save_for_backward(logits, rows, targets, out[2], out[3])
-        ctx.temperature, ctx.chunk_tokens, ctx.truncation = temperature, chunk_tokens, truncation
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.truncated = truncation.cuts(logits.shape[1])
         return out[0], out[1]
 
     @staticmethod
@@ -172,7 +197,7 @@ class LogprobsFromLogits(torch.autograd.Function):
         grad = torch.empty_like(logits) if rows is None else torch.zeros_like(logits)  # (M, V), logits dtype
         for a, b in _spans(targets.shape[0], ctx.chunk_tokens):
             x, scratch = _chunk(logits, rows, a, b)
-            s, _ = _truncated_rows(x, ctx.temperature, scratch, targets[a:b], ctx.truncation, thresholds[a:b])
+            s = _scores(x, ctx.temperature, scratch, targets[a:b], thresholds[a:b] if ctx.truncated else None)
             p, _ = _probabilities(s)  # the backward reuses the forward's mean_s
             own = s is not x or scratch  # s is a float32 scratch copy: write the gradient into it
             target = grad[a:b] if rows is None and grad.dtype == torch.float32 and not own else s if own else \
@@ -214,14 +239,20 @@ class LogprobsFromHidden(torch.autograd.Function):
         out = torch.empty(4, n, dtype=torch.float32, device=hidden.device)  # logprob, entropy, mean_s, threshold
         scratch = _Scratch(min(n, chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(n, chunk_tokens):
-            s = _scaled(_logits(hidden[a:b], weight, scratch), temperature, True, scratch.s[:b - a])  # (c, V), our own
-            thresholds = _thresholds(s, truncation)
-            _truncate(s, targets[a:b], thresholds)
-            p, lse, mean_s, logprob = _row_stats(s, targets[a:b], scratch)
-            del p, s
-            out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
-            if thresholds is not None:
-                out[3, a:b] = thresholds
+            logits = _logits(hidden[a:b], weight, scratch)  # (c, V)
+            sets = _sets(logits, temperature, truncation)
+            if sets is not None and sets.values is not None:  # every row's set among a few candidates: no full pass
+                picked = logits.gather(1, targets[a:b, None]).squeeze(1).float()
+                out[0, a:b], out[1, a:b], out[2, a:b] = _stats_in_sets(sets, picked, temperature)
+            else:
+                s = _scores(logits, temperature, True, targets[a:b], None if sets is None else sets.thresholds,
+                            scratch.s[:b - a])  # (c, V), our own
+                p, lse, mean_s, logprob = _row_stats(s, targets[a:b], scratch)
+                del p, s
+                out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
+            if sets is not None:
+                out[3, a:b] = sets.thresholds
+            del logits
         ctx.save_for_backward(hidden, weight, targets, out[2], out[3])
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.truncated = truncation.cuts(weight.shape[0])
@@ -235,8 +266,8 @@ class LogprobsFromHidden(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H)
         scratch = _Scratch(min(hidden.shape[0], ctx.chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(hidden.shape[0], ctx.chunk_tokens):
-            s = _scaled(_logits(hidden[a:b], weight, scratch), ctx.temperature, True, scratch.s[:b - a])  # recomputed
-            _truncate(s, targets[a:b], thresholds[a:b] if ctx.truncated else None)
+            s = _scores(_logits(hidden[a:b], weight, scratch), ctx.temperature, True, targets[a:b],
+                        thresholds[a:b] if ctx.truncated else None, scratch.s[:b - a])  # recomputed
             p, _ = _probabilities(s, scratch.p[:b - a])  # the backward reuses the forward's mean_s
             _write_grad(s, p, targets[a:b], mean_s[a:b], g_logprob[a:b], g_entropy[a:b], ctx.temperature, s)
             del p
@@ -270,8 +301,11 @@ class PolicyLossFromHidden(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None  # (V, H)
         scratch = _Scratch(min(n, chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(n, chunk_tokens):
-            s = _scaled(_logits(hidden[a:b], weight, scratch), temperature, True, scratch.s[:b - a])  # (c, V)
-            _truncate(s, targets[a:b], _thresholds(s, truncation))
+            logits = _logits(hidden[a:b], weight, scratch)  # (c, V)
+            sets = _sets(logits, temperature, truncation)
+            s = _scores(logits, temperature, True, targets[a:b], None if sets is None else sets.thresholds,
+                        scratch.s[:b - a])  # (c, V), our own
+            del logits
             p, lse, mean_s, logprob = _row_stats(s, targets[a:b], scratch)
             with torch.enable_grad():
                 lp = logprob.detach().requires_grad_(with_grad)  # (c,)

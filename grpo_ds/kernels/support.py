@@ -18,6 +18,8 @@ vocabulary) beyond the chunk itself.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from grpo_ds.algo.truncation import Truncation
@@ -26,38 +28,76 @@ CANDIDATES = (64, 1024)  # the top-p candidates tried before a row's full sort
 _ROWS_AT_ONCE = 8  # rows per float32 block of the log-sum-exp and of the full-row sort (values and indices)
 
 
+class RowSets(NamedTuple):
+    """The sampler's set of each row of a chunk, in the units of the scores it was found from."""
+
+    thresholds: torch.Tensor  # (c,) float32, contiguous: the smallest kept score; -inf where nothing is cut
+    # (c, m) float32 descending scores and their token ids of candidates that hold every row's whole set (the set: the
+    # candidates not below the row's threshold, and the sampled token); None where some row's set reaches beyond them
+    values: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+
+
 def thresholds(scores: torch.Tensor, temperature: float, truncation: Truncation) -> torch.Tensor:
-    """(c,) float32 per row of ``scores`` (c, V): its smallest kept score, in the units of ``scores`` (which are
-    logits x 1/``temperature`` away from the sampler's); -inf where ``truncation`` cuts nothing."""
+    """(c,) float32 per row of ``scores`` (c, V): its smallest kept score (``find``)."""
+    return find(scores, temperature, truncation).thresholds
+
+
+def find(scores: torch.Tensor, temperature: float, truncation: Truncation) -> RowSets:
+    """Each row's set of ``scores`` (c, V), in their units (logits x 1/``temperature`` away from the sampler's); the
+    thresholds are -inf where ``truncation`` cuts nothing."""
     rows, vocab = scores.shape
     none = torch.full((rows,), float("-inf"), dtype=torch.float32, device=scores.device)
     if not truncation.cuts(vocab) or rows == 0:
-        return none
+        return RowSets(none)
     scores = scores.detach()
     top_k = truncation.top_k if 0 < truncation.top_k < vocab else 0
-    if truncation.top_p >= 1.0:
-        return scores.topk(top_k, dim=1).values[:, -1].float().contiguous()  # the kernels read it as an array
     if top_k:
-        values = scores.topk(top_k, dim=1).values.float()  # (c, k) descending
-        tied = (~(scores < values[:, -1:])).sum(dim=1) - top_k  # (c,) tokens beyond k with the k-th score
-        scaled = values / temperature
-        lse = torch.logaddexp(scaled.logsumexp(dim=1), torch.log(tied.float()) + scaled[:, -1])  # (c,) over K
-        cut, _ = _cut(values, lse, temperature, truncation.top_p)
-        return cut  # the candidates are the whole top-k set: every row's cut is among them
+        values, indices = scores.topk(top_k + 1, dim=1)  # (c, k + 1) descending: the k-th's tie shows in the last
+        values = values.float()
+        cut = values[:, top_k - 1].contiguous()  # (c,) the top-k cut; ties with it are in K
+        straddle = values[:, top_k] == cut  # (c,) K holds more than k tokens
+        values, indices = values[:, :top_k], indices[:, :top_k]
+        if truncation.top_p < 1.0:
+            scaled = values / temperature
+            lse = scaled.logsumexp(dim=1)  # (c,) over K
+            if straddle.any():  # the ties beyond the k-th count in K's mass (rare: each tied token, once)
+                extra = (~(scores[straddle] < cut[straddle, None])).sum(dim=1) - top_k
+                lse[straddle] = torch.logaddexp(lse[straddle], torch.log(extra.float()) + scaled[straddle, -1])
+            cut = _cut(values, lse, temperature, truncation.top_p)[0]  # the cut is among K's first k, in order
+        held = not bool((straddle & (values[:, -1] >= cut)).any())  # no tie beyond the candidates is in a set
+        return RowSets(cut, values if held else None, indices if held else None)
+    return _top_p(scores, temperature, truncation.top_p, none)
+
+
+def _top_p(scores: torch.Tensor, temperature: float, top_p: float, none: torch.Tensor) -> RowSets:
+    """Top-p alone: each row's cut among its 64, then 1,024 largest scores, else in its whole row, sorted."""
+    rows, vocab = scores.shape
     lse = _row_logsumexp(scores, temperature)  # (c,)
     found = none.clone()
+    values = torch.full((rows, 0), float("-inf"), dtype=torch.float32, device=scores.device)  # the candidates held
+    indices = torch.zeros((rows, 0), dtype=torch.long, device=scores.device)
     pending = torch.arange(rows, device=scores.device)
     for count in CANDIDATES:
         if count >= vocab or pending.numel() == 0:
             break
-        values = scores[pending].topk(count, dim=1).values.float()  # (r, count)
-        cut, inside = _cut(values, lse[pending], temperature, truncation.top_p)
+        rows_now = scores if pending.numel() == rows else scores[pending]  # a gather only for the rows left
+        top, ids = rows_now.topk(count, dim=1)  # (r, count)
+        top = top.float()
+        cut, inside = _cut(top, lse[pending], temperature, top_p)
+        inside &= top[:, -1] < cut  # every token of the set among them, ties included
         found[pending[inside]] = cut[inside]
+        grown = torch.full((rows, count), float("-inf"), dtype=torch.float32, device=scores.device)
+        grown_ids = torch.zeros((rows, count), dtype=torch.long, device=scores.device)
+        grown[:, :values.shape[1]], grown_ids[:, :values.shape[1]] = values, indices
+        grown[pending[inside]], grown_ids[pending[inside]] = top[inside], ids[inside]
+        values, indices = grown, grown_ids
         pending = pending[~inside]
     for block in pending.split(_ROWS_AT_ONCE) if pending.numel() else ():  # the fallback: these rows, sorted
-        values = scores[block].float().sort(dim=1, descending=True).values  # (b, V)
-        found[block] = _cut(values, lse[block], temperature, truncation.top_p)[0]
-    return found
+        ordered = scores[block].float().sort(dim=1, descending=True).values  # (b, V)
+        found[block] = _cut(ordered, lse[block], temperature, top_p)[0]
+    held = pending.numel() == 0 and values.shape[1] > 0
+    return RowSets(found, values if held else None, indices if held else None)
 
 
 def _cut(values: torch.Tensor, lse: torch.Tensor, temperature: float, top_p: float
@@ -72,5 +112,8 @@ def _cut(values: torch.Tensor, lse: torch.Tensor, temperature: float, top_p: flo
 
 
 def _row_logsumexp(scores: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(c,) logsumexp(scores / temperature) per row, in float32, a block of rows at a time."""
-    return torch.cat([(block.float() / temperature).logsumexp(dim=1) for block in scores.split(_ROWS_AT_ONCE)])
+    """(c,) logsumexp(scores / temperature) per row, in float32: in one call on float32 scores at temperature 1, else
+    a block of rows at a time (each block's float32 copy)."""
+    if scores.dtype == torch.float32 and temperature == 1.0:
+        return scores.logsumexp(dim=1)
+    return torch.cat([(block.float() / temperature).logsumexp(dim=1) for block in scores.split(4 * _ROWS_AT_ONCE)])
