@@ -170,8 +170,8 @@ def load_model(model_cfg: ModelConfig, vocab_size: int, seed: int, ds_config: di
                 raise UserError("model.path", f"cannot load a causal LM from {model_cfg.path} ({first_line(err)})",
                                 "the folder needs config.json and the weights (*.safetensors); set "
                                 "model.trust_remote_code=true only if it ships its own modelling code") from None
-    if hasattr(model.config, "router_aux_loss_coef"):  # an MoE's load-balancing loss is the recipe's, not the
-        model.config.router_aux_loss_coef = model_cfg.router_aux_loss_coef  # checkpoint's (grpo_ds.step.loss)
+    if hasattr(model.config, "router_aux_loss_coef"):  # the saved model says what it was trained with (the loss reads
+        model.config.router_aux_loss_coef = model_cfg.router_aux_loss_coef  # the recipe: grpo_ds.step.loss)
     if model_cfg.gradient_checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable (deprecated, warns) to activation_checkpointing_enable.
         if hasattr(model, "activation_checkpointing_enable"):

@@ -24,9 +24,9 @@ size, micro-batch size, dynamic batching or padding micro-batches.
 - **full logits**: the model computes the logits, the logits kernels score the trained tokens and the masked
   policy-loss kernel sums them per sequence.
 
-Mixture-of-experts models with ``model.router_aux_loss_coef`` c > 0 (read from the model's own
-``config.router_aux_loss_coef``, which grpo_ds.model.loading sets from the recipe) add the router's load-balancing
-loss L_aux(mb) (grpo_ds.algo.router, over the tokens the forward read) to every trained token's loss:
+Mixture-of-experts models with ``model.router_aux_loss_coef`` c > 0 (``LossSettings.router_aux_coef``) add the
+router's load-balancing loss L_aux(mb) (grpo_ds.algo.router, over the tokens the forward read) to every trained
+token's loss:
 
     loss += c x L_aux(mb) x sum_t token_weight_t
 
@@ -60,6 +60,7 @@ class LossSettings:
     # the sampler's top-k and top-p: every log-prob (policy, old policy, reference) and entropy is taken over the set
     # the sampler drew from (grpo_ds.algo.truncation; docs/concepts/truncated-sampling.md)
     truncation: Truncation = NO_TRUNCATION
+    router_aux_coef: float = 0.0  # model.router_aux_loss_coef: c of the MoE routers' load-balancing loss; 0 = off
 
     def chunk(self, vocab: int, dtype: torch.dtype) -> int:
         """Tokens per chunk for a (tokens x ``vocab``) working set of ``dtype`` logits."""
@@ -108,7 +109,7 @@ class LossStats:
 def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) -> tuple[torch.Tensor, LossStats]:
     """(sum_t token_weight_t * l_t (+ the router's term), differentiable; this micro-batch's LossStats, zero for a
     padding one)."""
-    coef = router_aux_coef(model)
+    coef = s.router_aux_coef
     routed = [] if coef > 0 else None  # the forward's router logits, one (T, E) per MoE layer
     if s.config.policy_loss == "gspo":
         logprobs, entropy = _logprobs_and_entropy(model, mb, s, routed)
@@ -156,12 +157,6 @@ def micro_batch_loss(model, mb: MicroBatch, terms: TokenTerms, s: LossSettings) 
     response = float(mb.loss_mask.sum())
     routing = (aux.item() * response, response) if aux is not None else (0.0, 0.0)
     return loss, LossStats(loss.item(), kl, entropy, clipped, response, float(mb.sequence_tokens), *routing)
-
-
-def router_aux_coef(model) -> float:
-    """The load-balancing loss's weight: the model config's router_aux_loss_coef (transformers' MoE models), which
-    grpo_ds.model.loading sets from model.router_aux_loss_coef; 0.0 for a model without a router."""
-    return float(getattr(_unwrap(model).config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 @torch.no_grad()

@@ -70,7 +70,7 @@ class UpdateSettings:
         r = recipe.rollout  # the trainer's log-probs replay the sampler's distribution (grpo_ds.algo.truncation)
         loss = LossSettings(config, r.temperature, backend, k.logprob_chunk_tokens,
                             k.fused_lm_head and fused_lm_head_allowed, k.logprob_chunk_mib,
-                            Truncation(r.top_k, r.top_p))
+                            Truncation(r.top_k, r.top_p), recipe.model.router_aux_loss_coef)
         return UpdateSettings(pad_id, a.loss_agg, recipe.loss_agg_norm_tokens, loss, a.mask_truncated,
                               a.rollout_is_cap, recipe.train.packing and packing_allowed and sp == 1, one_row,
                               recipe.sequence_parallel_rows if sp > 1 else 0)

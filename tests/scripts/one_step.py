@@ -9,8 +9,8 @@ its first update is lr * g / (|g| + eps) ~= g: a plain gradient step, sensitive 
 CONFIGS_JSON: list of {"loss_agg": ..., "micro": int, "max_tokens": int | null, optional "fused_lm_head": bool,
 "backend": "torch" | "triton", "tp": int (tensor-parallel size, AutoTP), "stage": int (ZeRO stage, default 3),
 "packing": bool (default true), "attn": "sdpa" | "eager", "sp": int (sequence-parallel size, Ulysses), "experts": int
-(the tiny model as a mixture of that many experts, top-2: grpo_ds.model.tiny), "router_aux": float (its
-router_aux_loss_coef), "sampling": {"temperature", "top_k", "top_p"} (the rollout's: log-probs and the update
+(the tiny model as a mixture of that many experts, top-2: grpo_ds.model.tiny), "router_aux": float
+(model.router_aux_loss_coef), "sampling": {"temperature", "top_k", "top_p"} (the rollout's: log-probs and the update
 are over the sampler's truncated set, grpo_ds.algo.truncation)}; one file OUT_DIR/<i>.pt each with the parameters
 after the step and every sample's log-probs before it (a mixture of experts: also "routing", per rank the experts
 each forward's tokens went to, per layer). Without a GPU the Triton backend runs through Triton's interpreter.
@@ -74,6 +74,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
     for index, cfg in enumerate(configs):
         dist = init_distributed(cfg.get("tp", 1), cfg.get("sp", 1))
         recipe = load_recipe({
+            "model": {"router_aux_loss_coef": cfg.get("router_aux", 0.0)},
             "rollout": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 12, **cfg.get("sampling", {})},
             "data": {"max_prompt_tokens": 6},
             "algorithm": {"loss_agg": cfg["loss_agg"]},
@@ -87,8 +88,6 @@ def main(out_dir: str, configs: list[dict]) -> None:
                                  num_experts=cfg.get("experts", 0))
         model.set_attn_implementation(cfg.get("attn", "sdpa"))
         routing = record_routing(model) if cfg.get("experts") else None
-        if cfg.get("router_aux"):  # as grpo_ds.model.loading.load_model sets it from model.router_aux_loss_coef
-            model.config.router_aux_loss_coef = cfg["router_aux"]
         mpu = sequence_parallel.register(model, dist.sp_size, recipe.sequence_parallel_rows) if dist.sp_size > 1 \
             else None
         engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"), mpu)
