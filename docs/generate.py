@@ -338,8 +338,10 @@ QUESTIONS = (
              _first_note("after / before: ")),
     Question("Weight sync to the rollout engine", _heading(r"^bench_weight_sync:"), _weight_sync),
     Question("Tiny recipe learns (tiny_cpu.json)", _heading(r"^tiny_recipe_seeds: tiny_cpu\.json, seeds"), _seeds),
-    Question("Tiny recipe learns with top_k 8, its set replayed", _heading(
+    Question("Tiny recipe learns with top_k 8", _heading(
         r"^tiny_recipe_seeds: tiny_cpu\.json with rollout\.top_k=8 algorithm\.rollout_is_cap=2, seeds"), _seeds),
+    Question("Tiny recipe learns with top_p 0.9", _heading(
+        r"^tiny_recipe_seeds: tiny_cpu\.json with rollout\.top_p=0\.9 algorithm\.rollout_is_cap=2, seeds"), _seeds),
     Question("Tiny recipe learns with vLLM (tiny_vllm_cpu.json)",
              _heading(r"^tiny_recipe_seeds: tiny_vllm_cpu\.json, seeds"), _seeds),
     Question("Tiny multi-turn recipe learns", _heading(r"^tiny_recipe_seeds: multiturn_tiny_cpu\.json"), _seeds),
