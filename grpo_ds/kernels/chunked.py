@@ -154,6 +154,23 @@ def _stats_in_sets(sets: support.RowSets, picked: torch.Tensor, temperature: flo
     return s_y - lse, lse - mean_s, mean_s
 
 
+def _forward_chunk(x: torch.Tensor, scratch: bool, targets: torch.Tensor, temperature: float, truncation: Truncation,
+                   out: torch.Tensor, buffers: _Scratch | None = None) -> None:
+    """One chunk's log-prob, entropy, mean_s and threshold (the forward's ``out`` (4, c)) from its logits ``x``
+    (c, V): from the candidates alone where every row's set lies among them (no pass over the vocabulary), else from
+    the scaled scores over the set (in ``buffers``' float32 rows when given)."""
+    sets = _sets(x, temperature, truncation)
+    if sets is not None and sets.values is not None:
+        out[:3] = torch.stack(_stats_in_sets(sets, x.gather(1, targets[:, None]).squeeze(1).float(), temperature))
+    else:
+        s = _scores(x, temperature, scratch, targets, None if sets is None else sets.thresholds,
+                    None if buffers is None else buffers.s[:x.shape[0]])
+        p, lse, mean_s, logprob = _row_stats(s, targets, buffers)
+        out[0], out[1], out[2] = logprob, lse - mean_s, mean_s
+    if sets is not None:
+        out[3] = sets.thresholds
+
+
 def _chunk(logits: torch.Tensor, rows: torch.Tensor | None, a: int, b: int) -> tuple[torch.Tensor, bool]:
     """The chunk's logits rows and whether that is a scratch copy (a gather) rather than a view."""
     if rows is None:
@@ -171,18 +188,7 @@ class LogprobsFromLogits(torch.autograd.Function):
         out = torch.empty(4, n, dtype=torch.float32, device=logits.device)  # logprob, entropy, mean_s, threshold
         for a, b in _spans(n, chunk_tokens):
             x, scratch = _chunk(logits, rows, a, b)
-            sets = _sets(x, temperature, truncation)
-            if sets is not None and sets.values is not None:  # every row's set among a few candidates: no full pass
-                logprob, entropy, mean_s = _stats_in_sets(sets, x.gather(1, targets[a:b, None]).squeeze(1).float(),
-                                                          temperature)
-                out[0, a:b], out[1, a:b], out[2, a:b] = logprob, entropy, mean_s
-            else:
-                s = _scores(x, temperature, scratch, targets[a:b], None if sets is None else sets.thresholds)
-                p, lse, mean_s, logprob = _row_stats(s, targets[a:b])
-                del p, s
-                out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
-            if sets is not None:
-                out[3, a:b] = sets.thresholds
+            _forward_chunk(x, scratch, targets[a:b], temperature, truncation, out[:, a:b])
             del x
         ctx.save_for_backward(logits, rows, targets, out[2], out[3])
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
@@ -239,19 +245,8 @@ class LogprobsFromHidden(torch.autograd.Function):
         out = torch.empty(4, n, dtype=torch.float32, device=hidden.device)  # logprob, entropy, mean_s, threshold
         scratch = _Scratch(min(n, chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(n, chunk_tokens):
-            logits = _logits(hidden[a:b], weight, scratch)  # (c, V)
-            sets = _sets(logits, temperature, truncation)
-            if sets is not None and sets.values is not None:  # every row's set among a few candidates: no full pass
-                picked = logits.gather(1, targets[a:b, None]).squeeze(1).float()
-                out[0, a:b], out[1, a:b], out[2, a:b] = _stats_in_sets(sets, picked, temperature)
-            else:
-                s = _scores(logits, temperature, True, targets[a:b], None if sets is None else sets.thresholds,
-                            scratch.s[:b - a])  # (c, V), our own
-                p, lse, mean_s, logprob = _row_stats(s, targets[a:b], scratch)
-                del p, s
-                out[0, a:b], out[1, a:b], out[2, a:b] = logprob, lse - mean_s, mean_s
-            if sets is not None:
-                out[3, a:b] = sets.thresholds
+            logits = _logits(hidden[a:b], weight, scratch)  # (c, V), our own
+            _forward_chunk(logits, True, targets[a:b], temperature, truncation, out[:, a:b], scratch)
             del logits
         ctx.save_for_backward(hidden, weight, targets, out[2], out[3])
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
