@@ -143,15 +143,23 @@ def test_algorithm_recipes_learn_from_the_command_line(tmp_path, recipe, steps):
 @pytest.mark.slow
 def test_tiny_recipe_learns_over_a_truncated_set(tmp_path):
     """The tiny recipe sampling top_p 0.9 (grpo_ds.algo.truncation: the trainer replays the set) with importance
-    weights: every step's weights are 1 (staleness 0, float32), and the reward rises from ~0 to >= 0.9 (mean of the last
-    10 steps), as without truncation. (A narrow set can leave every correct completion of the random tiny model outside
-    it, where no sample reaches it: docs/concepts/truncated-sampling.md measures top_k 8.)"""
+    weights: the weights are 1 (staleness 0, float32), and the reward rises from ~0 to >= 0.9 (mean of the last 10
+    steps), as without truncation. (A narrow set can leave every correct completion of the random tiny model outside
+    it, where no sample reaches it: docs/concepts/truncated-sampling.md measures top_k 8.)
+
+    The tiny model's rows are nearly flat, ~90 tokens of ~0.01 each in the set, so the mass above the token at the cut
+    is p to within the float32 rounding of its sum at some positions of some steps: there the sampler's set and the
+    trainer's differ by that one token, and its weights by that token's probability (measured: 1 step of 260 off 1 by
+    more than 1e-5 in the mean, 4.4e-5; the smallest weight of the run 0.994). Every step is held to 1e-4 in the mean
+    and 0.98 at the smallest, and all but 2% of them to 1e-5."""
     proc = subprocess.run([sys.executable, "-m", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}",
                            "logging.progress_bar=false", "rollout.top_p=0.9", "algorithm.rollout_is_cap=2"],
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(line) for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 260 and all(abs(m["is_weight_mean"] - 1) <= 1e-5 for m in lines)
+    assert len(lines) == 260 and all(abs(m["is_weight_mean"] - 1) <= 1e-4 and m["is_weight_min"] >= 0.98
+                                     for m in lines)
+    assert sum(abs(m["is_weight_mean"] - 1) > 1e-5 for m in lines) <= 0.02 * len(lines)
     first = sum(m["reward_mean"] for m in lines[:10]) / 10
     last = sum(m["reward_mean"] for m in lines[-10:]) / 10
     assert first < 0.1 and last >= 0.9, f"reward of the first / last 10 steps {first:.3f} / {last:.3f}"

@@ -35,6 +35,9 @@ if not VENV_PYTHON.is_file():
 CHECK = REPO / "tests" / "scripts" / "vllm_check.py"
 RECIPE = REPO / "recipes" / "tiny_vllm_cpu.json"
 GAP = 1e-5  # fp32 on both sides: vLLM's CPU kernels and the trainer's agree to ~5e-7 (measured)
+# the multi-turn recipe's own sampling (its calculator episodes drew equal rewards at every step over SHORT's set, and
+# the test needs the weights to move)
+UNTRUNCATED = ["rollout.top_k=0", "rollout.top_p=1.0", "rollout.temperature=1.5"]
 # a short run of the tiny recipe: 6 steps of 4 prompts x 8 completions, a checkpoint every 2, sampled from a truncated
 # distribution (top-k, then top-p, at temperature 0.7): vLLM records the log-probs of that set (processed_logprobs),
 # and the trainer replays it (grpo_ds.algo.truncation), so the two agree within GAP at staleness 0
@@ -140,7 +143,7 @@ def two_ranks(tmp_path_factory) -> Path:
     ("multiturn_tiny_cpu", ["rollout.agent_backend=vllm", "model.tiny_num_heads=2", "data.max_prompt_tokens=30",
                             "rollout.vllm_gpu_memory_utilization=0.1", "rollout.vllm_kv_cache_gib=1",
                             "rollout.vllm_enforce_eager=true", "algorithm.rollout_is_cap=2.0",
-                            "rollout.vllm_tensor_parallel_size=2"]),
+                            "rollout.vllm_tensor_parallel_size=2", *UNTRUNCATED]),
 ], ids=["single_turn", "agent_one_engine_over_both_ranks"])
 def test_the_driver_trains_with_vllm_on_two_ranks(tmp_path, request, recipe, extra):
     """The documented command (the shared two-rank run, one engine per rank); and multi-turn episodes whose turns one
