@@ -1,19 +1,22 @@
 """The sampler's set of each row (grpo_ds.algo.truncation) found without sorting the vocabulary.
 
 Every path of the per-token math keeps a token v of a row when not logits_v < threshold (or v is the sampled token),
-so one number per row carries the set. ``thresholds`` finds it for one chunk of rows, in the units of the scores it is
-given (raw logits for the Triton kernels, which compare before scaling; scaled float32 rows for the PyTorch path):
+so one number per row carries the set. ``find`` finds it for one chunk of rows from their logits (every path
+compares in logit units, before the temperature):
 
-- top-k: the k-th largest score of the row (``torch.topk``), ties included;
-- top-p: the cut is found among a few candidates, the row's largest scores in order (with top-k: its k tokens,
+- top-k: the k-th largest logit of the row (``torch.topk`` of k + 1: the last one shows a tie with the k-th);
+- top-p: the cut is found among a few candidates, the row's largest logits in order (with top-k: its k tokens,
   exactly). A row's candidates decide its cut when one of them falls outside the set: the mass above it reaches p.
   Rows whose first 64 candidates do not, try 1,024; rows that still do not (a flat distribution, where 1,024 tokens
   hold under p of the mass) sort their whole row, a block of rows at a time. The probabilities come from the
   row's log-sum-exp over the top-k set (over the whole row without top-k, an extra pass over it).
 
-Working memory: the candidates (rows x at most 1,024) and, for the log-sum-exp and a sort, a block of at most
-``_ROWS_AT_ONCE`` rows (a sort's float32 values and int64 indices: 15 MiB at 151,936 tokens), never (rows x
-vocabulary) beyond the chunk itself.
+Where every row's set lies among the candidates, ``find`` returns them too: the PyTorch path's forward then needs
+nothing else (grpo_ds.kernels.chunked).
+
+Working memory: the candidates (rows x at most 1,024), a 32-row float32 block for top-p's log-sum-exp where the
+logits need a copy, and an 8-row block for a sort (float32 values and int64 indices: 15 MiB at 151,936 tokens); never
+(rows x vocabulary) beyond the chunk itself.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from grpo_ds.algo.truncation import Truncation
 
 CANDIDATES = (64, 1024)  # the top-p candidates tried before a row's full sort
-_ROWS_AT_ONCE = 8  # rows per float32 block of the log-sum-exp and of the full-row sort (values and indices)
+_ROWS_AT_ONCE = 8  # rows per block of the full-row sort (values and indices); the log-sum-exp's blocks are 4x
 
 
 class RowSets(NamedTuple):
