@@ -126,11 +126,10 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, rows: torc
     if rows.numel() != torch.unique(rows).numel():
         raise ValueError("rows must be distinct (each logits row is scored at most once)")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    thresholds = None
-    if truncation.cuts(logits.shape[1]):  # constants of the gradient, a chunk of rows at a time
-        with torch.no_grad():
-            thresholds = torch.cat([support.thresholds(logits[rows[a:a + chunk_tokens]], temperature, truncation)
-                                    for a in range(0, rows.numel(), chunk_tokens)]) if rows.numel() else None
+    with torch.no_grad():  # constants of the gradient, a chunk of rows at a time
+        chunks = [support.find_if_cut(logits[rows[a:a + chunk_tokens]], temperature, truncation)
+                  for a in range(0, rows.numel(), chunk_tokens)]
+    thresholds = torch.cat([c.thresholds for c in chunks]) if chunks and chunks[0] is not None else None
     return triton_logprobs.LogprobsFromLogits.apply(logits, rows.contiguous(), targets.contiguous(), temperature,
                                                     thresholds)
 

@@ -107,11 +107,6 @@ def _write_grad(s: torch.Tensor, p: torch.Tensor, targets: torch.Tensor, mean_s:
         out.div_(temperature)
 
 
-def _sets(x: torch.Tensor, temperature: float, truncation: Truncation) -> support.RowSets | None:
-    """The sampler's set of each row of the chunk's logits ``x`` (c, V), in logit units; None where nothing is cut."""
-    return support.find(x, temperature, truncation) if truncation.cuts(x.shape[1]) else None
-
-
 def _truncate(raw: torch.Tensor, targets: torch.Tensor, thresholds: torch.Tensor) -> None:
     """Set the logits of ``raw`` (c, V), float32 and our own, below each row's threshold to _OUTSIDE, in place, except
     the sampled token's (``targets`` (c,)); a block of rows at a time (the comparison's mask is that big)."""
@@ -159,7 +154,7 @@ def _forward_chunk(x: torch.Tensor, scratch: bool, targets: torch.Tensor, temper
     """One chunk's log-prob, entropy, mean_s and threshold (the forward's ``out`` (4, c)) from its logits ``x``
     (c, V): from the candidates alone where every row's set lies among them (no pass over the vocabulary), else from
     the scaled scores over the set (in ``buffers``' float32 rows when given)."""
-    sets = _sets(x, temperature, truncation)
+    sets = support.find_if_cut(x, temperature, truncation)
     if sets is not None and sets.values is not None:
         out[:3] = torch.stack(_stats_in_sets(sets, x.gather(1, targets[:, None]).squeeze(1).float(), temperature))
     else:
@@ -297,7 +292,7 @@ class PolicyLossFromHidden(torch.autograd.Function):
         scratch = _Scratch(min(n, chunk_tokens), weight.shape[0], hidden.device)
         for a, b in _spans(n, chunk_tokens):
             logits = _logits(hidden[a:b], weight, scratch)  # (c, V)
-            sets = _sets(logits, temperature, truncation)
+            sets = support.find_if_cut(logits, temperature, truncation)
             s = _scores(logits, temperature, True, targets[a:b], None if sets is None else sets.thresholds,
                         scratch.s[:b - a])  # (c, V), our own
             del logits

@@ -94,9 +94,8 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
 
 def _thresholds(logits: torch.Tensor, temperature: float, truncation: Truncation) -> torch.Tensor | None:
     """One chunk's thresholds of the sampler's set, in logit units; None where nothing is cut."""
-    if not truncation.cuts(logits.shape[1]):
-        return None
-    return support.thresholds(logits, temperature, truncation)
+    sets = support.find_if_cut(logits, temperature, truncation)
+    return None if sets is None else sets.thresholds
 
 
 class LogprobsFromHidden(torch.autograd.Function):

@@ -41,6 +41,12 @@ class RowSets(NamedTuple):
     indices: torch.Tensor | None = None
 
 
+def find_if_cut(scores: torch.Tensor, temperature: float, truncation: Truncation) -> RowSets | None:
+    """``find``, or None where ``truncation`` cuts nothing from rows of this width (the kernels then run their
+    untruncated variant)."""
+    return find(scores, temperature, truncation) if truncation.cuts(scores.shape[1]) else None
+
+
 def thresholds(scores: torch.Tensor, temperature: float, truncation: Truncation) -> torch.Tensor:
     """(c,) float32 per row of ``scores`` (c, V): its smallest kept score (``find``)."""
     return find(scores, temperature, truncation).thresholds
