@@ -57,7 +57,6 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from bench_vs_trl_runner import trl_config  # noqa: E402
 
-from grpo_ds import train as driver  # noqa: E402
 from grpo_ds.config.deepspeed_keys import zero_stage  # noqa: E402
 from grpo_ds.config.loading import load_recipe  # noqa: E402
 from grpo_ds.config.recipe import Recipe  # noqa: E402
@@ -65,8 +64,10 @@ from grpo_ds.distributed.ranks import Dist  # noqa: E402
 from grpo_ds.model.loading import load_model  # noqa: E402
 from grpo_ds.rollout.base import Rollouts  # noqa: E402
 from grpo_ds.run.preflight import Inputs, prepare_inputs  # noqa: E402
+from grpo_ds.step.advantage import advantages as step_advantages  # noqa: E402
 from grpo_ds.step.batch import StepBatch  # noqa: E402
 from grpo_ds.step.collect import score_rewards  # noqa: E402
+from grpo_ds.step.context import StepContext  # noqa: E402
 from grpo_ds.step.plan import plan_recipe_step  # noqa: E402
 from grpo_ds.step.update import UpdateSettings, optimizer_step  # noqa: E402
 
@@ -151,11 +152,12 @@ class PlainEngine:
 
 
 def grpo_ds_advantages(inputs: Inputs, rollouts: Rollouts) -> list[float]:
-    """The trainer's rewards and advantages (grpo_ds.step.collect.score_rewards, grpo_ds.train._advantages)."""
-    recipe, G = inputs.recipe, inputs.recipe.rollout.group_size
+    """The trainer's rewards and advantages (grpo_ds.step.collect.score_rewards, grpo_ds.step.advantage.advantages)."""
+    G = inputs.recipe.rollout.group_size
     prompts = [inputs.prompts[i // G] for i in range(0, len(rollouts), G)]
-    rewards = score_rewards(recipe, inputs, prompts, rollouts, G).total
-    advantages, _ = driver._advantages(recipe, inputs, StepBatch([], rollouts, rewards), torch.device("cpu"))
+    rewards = score_rewards(inputs, prompts, rollouts, G).total
+    ctx = StepContext(inputs, Dist(0, 1, 0, torch.device("cpu")))
+    advantages, _ = step_advantages(ctx, StepBatch([], rollouts, rewards))
     return advantages
 
 

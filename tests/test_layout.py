@@ -1,7 +1,7 @@
 """The package's shape (docs/concepts/architecture.md): its parts, what each may import, no circles, no long modules.
 
 A part is a sub-package (config, distributed, model, step, run, algo, kernels, rewards, reward_models, envs, rollout)
-or a top-level module (the CLIs train, check, export, plot, and errors). Imports are read from the source (inside
+or a top-level module (the CLIs train, check, export, plot; errors; and session, the run's parts). Imports are read from the source (inside
 functions too); imports under ``if TYPE_CHECKING:`` are annotations only: they do not count for what a part may
 import, but they do for circles between modules (a module that needs another's types for its annotations depends on
 it).
@@ -16,10 +16,24 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "grpo_ds"
 MAX_LINES = 500
+MAX_DRIVER_LINES, MAX_LOOP_LINES = 250, 80  # grpo_ds/train.py and its loop, _train
+MAX_FUNCTION_LINES = 60
+# The functions allowed more than MAX_FUNCTION_LINES lines, each with the reason.
+LONG_FUNCTIONS = {
+    "grpo_ds.train._train": "the driver loop, a step's phases top to bottom (MAX_LOOP_LINES bounds it)",
+    "grpo_ds.check.report": "the dry run's report, one section after another, in the order it prints",
+    "grpo_ds.model.memory.estimate": "the memory estimate's terms, one per line, each beside its source",
+    "grpo_ds.rewards.sandbox_runner.make_audit_hook": "the sandbox's audit hook is one closure, so that the "
+    "sandboxed code cannot reach its parts",
+    "grpo_ds.rewards.sandbox_runner.main": "the sandbox's child process, in the order it locks itself down",
+    "grpo_ds.rewards.sandbox.run_python": "the sandbox's parent side: start, feed, time out, reap, in one place",
+    "grpo_ds.config.rules.validate": "the recipe's cross-key rules, in the order the docs list them",
+    "grpo_ds.rewards.scoring.score": "placeholder",
+}
 PARTS = ("config", "distributed", "model", "step", "run", "algo", "kernels", "rewards", "reward_models", "envs",
          "rollout")
 ENTRY_POINTS = ("train", "check", "export", "plot")  # python -m grpo_ds.<name>
-TOP_LEVEL = (*ENTRY_POINTS, "errors", "__init__")
+TOP_LEVEL = (*ENTRY_POINTS, "errors", "session", "__init__")
 
 
 def _modules() -> dict[str, Path]:
@@ -99,7 +113,8 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_top_level_shows_the_parts():
-    """`ls grpo_ds/` is the architecture: the sub-packages, the CLIs and errors; nothing else at the top."""
+    """`ls grpo_ds/` is the architecture: the sub-packages, the CLIs, errors and the session; nothing else at the
+    top."""
     top = {p.stem for p in PACKAGE.glob("*.py")}
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert top == set(TOP_LEVEL), f"modules at the top that belong to a part: {top - set(TOP_LEVEL)}"
@@ -125,6 +140,44 @@ def test_no_circles_between_parts():
 def test_no_module_is_over_500_lines():
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split by responsibility: {long}"
+
+
+def _function_lengths(path: Path) -> dict[str, int]:
+    """Each function's (and method's) lines, from its ``def`` (decorators excluded) to its last line."""
+    tree = ast.parse(path.read_text())
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for child in node.body:
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    child.qualname = f"{node.name}.{child.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[getattr(node, "qualname", node.name)] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_the_driver_reads_in_one_screen_or_two():
+    """The driver (grpo_ds/train.py) is the command line and the loop; the run's parts open in grpo_ds/session.py
+    and each phase lives in grpo_ds/step/."""
+    path = MODULES["grpo_ds.train"]
+    assert len(path.read_text().splitlines()) <= MAX_DRIVER_LINES
+    assert _function_lengths(path)["_train"] <= MAX_LOOP_LINES
+
+
+def test_no_function_is_over_60_lines():
+    long = {f"{name}.{function}": n for name, path in MODULES.items()
+            for function, n in _function_lengths(path).items() if n > MAX_FUNCTION_LINES}
+    unexplained = {name: n for name, n in long.items() if name not in LONG_FUNCTIONS}
+    assert not unexplained, f"split into named steps, or add to LONG_FUNCTIONS with the reason: {unexplained}"
+    stale = sorted(set(LONG_FUNCTIONS) - set(long))
+    assert not stale, f"LONG_FUNCTIONS names functions that are no longer long (or gone): {stale}"
+
+
+def test_the_function_rule_sees_a_long_function(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"class C:\n    def f(self):\n{body}\n")
+    assert _function_lengths(tmp_path / "m.py") == {"C.f": MAX_FUNCTION_LINES + 1}
 
 
 # What each part may import of grpo_ds (prefixes); "*" entries of the other rules below.

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 import grpo_ds
+import grpo_ds.session as session_module
 import grpo_ds.train as train_module
-from tests.launch import REPO, clean_env, deepspeed_launch, free_port, remove_shm_buffers
+from tests.launch import (
+    REPO,
+    clean_env,
+    deepspeed_launch,
+    free_port,
+    launch_command,
+    remove_shm_buffers,
+)
 from tests.shared_runs import tiny_recipe_run
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -190,9 +198,9 @@ def test_generating_with_the_policy_module_equals_a_synced_copy(tmp_path, monkey
     rollouts, metrics and final weights as with an unsharded copy synced after every step."""
     shared = grpo_ds.train(TINY, _small(tmp_path, **{"run.name": "shared"}))
     built = []
-    real = train_module._rollout_engine
-    monkeypatch.setattr(train_module, "_rollout_engine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
-    monkeypatch.setattr(train_module, "rollout_shares_policy", lambda *_: False)
+    real = session_module._rollout_engine
+    monkeypatch.setattr(session_module, "_rollout_engine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    monkeypatch.setattr(session_module, "rollout_shares_policy", lambda *_: False)
     copied = grpo_ds.train(TINY, _small(tmp_path, **{"run.name": "copied"}))
     assert not built[0].shares_policy_weights  # the second run generated with a copy
     def numbers(metrics):  # everything but timings and memory
@@ -255,9 +263,9 @@ def test_a_failure_on_rank_0_stops_every_rank(tmp_path, reward_module):
     port = free_port()  # not the launcher's default 29500: another launch may be using it (a test beside this one)
     try:
         proc = subprocess.run(
-            ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "grpo_ds.train", TINY,
-             f"run.output_dir={tmp_path}", "train.steps=2", "reward.on_error=fail",
-             f'reward.functions=[{{"name": "{reward_module}:broken"}}]'],
+            launch_command(2, ["--module", "grpo_ds.train", TINY, f"run.output_dir={tmp_path}",
+                               "train.steps=2", "reward.on_error=fail",
+                               f'reward.functions=[{{"name": "{reward_module}:broken"}}]'], port),
             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     finally:
         remove_shm_buffers(port)

@@ -56,7 +56,8 @@ class AgentRolloutEngine:
             raise ValueError(f"max_turns ({max_turns}) and max_total_tokens ({max_total_tokens}) must be >= 1")
         self.turns = turns
         self.shares_policy_weights = turns.shares_policy_weights
-        self.model = getattr(turns, "model", None)  # the hf backend's module (None on vLLM, which holds its own)
+        self.model = turns.model  # the hf backend's module (None on vLLM, which holds its own)
+        self.whole_layers = turns.whole_layers
         self.stop_ids = turns.stop_ids  # "EOS" below: any of them (grpo_ds.rollout.stop)
         self.tokenizer = tokenizer
         self.env_factory = env_factory
@@ -76,8 +77,7 @@ class AgentRolloutEngine:
         return self.turns.update_weights(named_tensors)
 
     def close(self) -> None:
-        if hasattr(self.turns, "close"):
-            self.turns.close()
+        self.turns.close()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
@@ -148,6 +148,7 @@ class HFTurns:
     def __init__(self, engine: HFRolloutEngine, tokenizer: PreTrainedTokenizerBase) -> None:
         self.engine = engine
         self.model = engine.model
+        self.whole_layers = None
         self.shares_policy_weights = engine.shares_policy_weights
         self.stop_ids = engine.stop_ids
         self.pad_token_id = engine.pad_token_id
@@ -155,6 +156,9 @@ class HFTurns:
 
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         return self.engine.update_weights(named_tensors)
+
+    def close(self) -> None:
+        self.engine.close()
 
     def keep_going(self, active: bool) -> bool:
         return active

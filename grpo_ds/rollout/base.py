@@ -137,7 +137,11 @@ class Rollouts:
 
 
 class RolloutEngine(Protocol):
+    """Everything the driver calls on a rollout engine (grpo_ds.rollout.hf, agent, vllm)."""
+
     shares_policy_weights: bool  # generates with the policy's own module: update_weights is never called
+    model: torch.nn.Module | None  # the module it generates with (None: it holds its weights itself, as vLLM)
+    whole_layers: dict | None  # vLLM's reload path: what completes a fused layer a LoRA sync touches, else None
 
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
                  rows: list[dict] | None = None) -> Rollouts:
@@ -147,6 +151,10 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Copy new weights in; return how many tensors were updated."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds (vLLM: shut its engine down); idempotent. The session calls it last."""
         ...
 
 
@@ -165,6 +173,8 @@ class TurnSampler(Protocol):
     vLLM (grpo_ds.rollout.vllm.VLLMRolloutEngine). It owns the weights the turns are sampled with."""
 
     shares_policy_weights: bool
+    model: torch.nn.Module | None  # as RolloutEngine's
+    whole_layers: dict | None  # as RolloutEngine's
     stop_ids: tuple[int, ...]  # the turn-ending EOS ids (grpo_ds.rollout.stop)
 
     def sample_turns(self, contexts: list[list[int]], budgets: list[int], stops: list[tuple[str, ...]],
@@ -181,4 +191,7 @@ class TurnSampler(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+        ...
+
+    def close(self) -> None:
         ...

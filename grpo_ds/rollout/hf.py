@@ -205,6 +205,7 @@ class HFRolloutEngine:
         # product but runs B matrix-vector products over the whole lm_head (9x slower at vocabulary 151,936).
         self.model = model
         self.shares_policy_weights = shares_policy_weights
+        self.whole_layers = None  # transformers takes any tensor by name
         self.pad_token_id = pad_token_id
         self.stop_ids = stop_token_ids(eos_token_id, getattr(model, "generation_config", None))
         self.batch_prompts = batch_prompts  # prompts per generate() call
@@ -250,3 +251,6 @@ class HFRolloutEngine:
             self._params[name].copy_(tensor)
             count += 1
         return count
+
+    def close(self) -> None:
+        """Nothing to release: the module is the policy's or a copy the garbage collector frees."""

@@ -184,6 +184,7 @@ class VLLMRolloutEngine:
     is written to a temporary folder once and dropped."""
 
     shares_policy_weights = False  # vLLM holds its own weights: every optimizer step syncs them
+    model = None  # no module of grpo_ds's: vLLM loads its own
 
     def __init__(self, settings: VLLMSettings, tokenizer, builtin_model: Callable[[], torch.nn.Module]) -> None:
         import vllm  # imported only when a recipe generates with vLLM

@@ -118,12 +118,14 @@ class MetricsLogger:
             self.tensorboard.add_text("samples", text, step)
 
     def close(self) -> None:
+        """Close the progress bar and the sinks (idempotent: a preempted run closes early, its session again)."""
         if self.bar:
             self.bar.close()
         if self.tensorboard:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+        self.bar = self.tensorboard = self.wandb = None
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -18,6 +18,7 @@ from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
 from grpo_ds.run.prompts import PromptRow
 from grpo_ds.step.collect import score_models, score_samples
+from grpo_ds.step.context import StepContext
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,19 +30,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate(step: int, recipe: Recipe, inputs, prompts: list[PromptRow], engine: RolloutEngine, dist: Dist,
-             reward_models=None) -> dict:
-    """Eval metrics of the current policy (every rank returns the same dict). ``reward_models``: the recipe's, held by
-    every rank (grpo_ds.reward_models), or None."""
+def due(step: int, recipe: Recipe) -> bool:
+    """Whether step ``step`` ends with an evaluation: every eval.every_steps steps and after the last one."""
+    return step % recipe.eval.every_steps == 0 or step == recipe.train.steps
+
+
+def evaluate(step: int, ctx: StepContext) -> dict:
+    """Eval metrics of the current policy on ``ctx.inputs.eval_prompts``, answered by ``ctx.rollout`` and scored
+    with ``ctx.reward_models`` too where the rank holds them (every rank returns the same dict)."""
+    recipe, inputs, dist, engine = ctx.recipe, ctx.inputs, ctx.dist, ctx.rollout
+    prompts = inputs.eval_prompts
     e = recipe.eval
     n = e.samples_per_prompt
     greedy = _answers(recipe, prompts, engine, dist, 1, 0.0, seed=step)
     sampled = _answers(recipe, prompts, engine, dist, n, e.temperature, seed=step)
     unused: dict = {}  # the models' scoring time is the eval phase's; their metrics describe the training batch
-    greedy_models = score_models(reward_models, inputs, prompts, greedy, 1, unused, [], unused, dist)
-    sampled_models = score_models(reward_models, inputs, prompts, sampled, n, unused, [], unused, dist)
-    greedy_rewards = dist.decide(score_samples, recipe, inputs, prompts, greedy, 1, greedy_models)
-    rewards = dist.decide(score_samples, recipe, inputs, prompts, sampled, n, sampled_models)
+    greedy_models = score_models(ctx, prompts, greedy, 1, unused, [], unused)
+    sampled_models = score_models(ctx, prompts, sampled, n, unused, [], unused)
+    greedy_rewards = dist.decide(score_samples, inputs, prompts, greedy, 1, greedy_models)
+    rewards = dist.decide(score_samples, inputs, prompts, sampled, n, sampled_models)
     out = {"eval/greedy_accuracy": sum(r >= e.correct_at for r in greedy_rewards) / len(prompts),
            "eval/greedy_reward_mean": sum(greedy_rewards) / len(prompts),
            "eval/reward_mean": sum(rewards) / len(rewards)}

@@ -32,17 +32,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.bridge import Bridge
-from grpo_ds.distributed.ranks import Dist
 from grpo_ds.rollout.base import Rollouts, SamplerSettings
 from grpo_ds.run.folder import trim_log
 from grpo_ds.run.preemption import Preempted, StopRequest
-from grpo_ds.run.preflight import Inputs
 from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.run.writes import append_line
 from grpo_ds.step.batch import StepBatch
 from grpo_ds.step.collect import add_model_rewards, collect
+from grpo_ds.step.context import StepContext
 from grpo_ds.step.profiling import Phase
 
 
@@ -60,21 +58,19 @@ class Colocated:
     role = "colocated"
     rollout_stop = None  # every rank's own stop request is agreed on by the driver
 
-    def __init__(self, recipe: Recipe, inputs: Inputs, rollout, sampler: PromptSampler, dist: Dist,
-                 bucket_bytes: int, reward_models=None) -> None:
-        self.recipe, self.inputs, self.rollout, self.sampler, self.dist = recipe, inputs, rollout, sampler, dist
-        self.bucket_bytes, self.reward_models = bucket_bytes, reward_models
+    def __init__(self, ctx: StepContext, sampler: PromptSampler) -> None:
+        self.ctx, self.sampler = ctx, sampler
 
     def start(self, resumed_after: int, policy, trainer_state: dict | None, data_changed: bool = False) -> None:
         if trainer_state is not None:  # a resume: the rollout engine gets the restored weights
-            sync_weights(policy, self.rollout, self.bucket_bytes)
+            sync_weights(policy, self.ctx.rollout, self.ctx.bucket_bytes)
 
     def batch(self, step: int) -> StepBatch:
-        return collect(step, self.recipe, self.inputs, self.rollout, self.sampler, self.dist, self.reward_models)
+        return collect(step, self.ctx, self.sampler)
 
     def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:
         with Phase("sync", times, spans):
-            sync_weights(policy, self.rollout, self.bucket_bytes)
+            sync_weights(policy, self.ctx.rollout, self.ctx.bucket_bytes)
 
     def in_flight(self) -> dict:
         return {"sampler": self.sampler.state_dict()}
@@ -90,7 +86,7 @@ def sync_weights(policy, rollout, bucket_bytes: int) -> None:
     """The policy's weights into the rank's rollout engine (nothing to send when it generates with the policy's
     module). Collective over the trainer's ranks (ZeRO-3 gathers)."""
     if not rollout.shares_policy_weights:
-        rollout.update_weights(policy.rollout_weights(bucket_bytes, getattr(rollout, "whole_layers", None)))
+        rollout.update_weights(policy.rollout_weights(bucket_bytes, rollout.whole_layers))
 
 
 # ------------------------------------------------------------------------------------------ split: the trainer
@@ -114,11 +110,10 @@ class SplitTrainer:
 
     role = "trainer"
 
-    def __init__(self, recipe: Recipe, inputs: Inputs, dist: Dist, bridge: Bridge | None, bucket_bytes: int,
-                 reward_models=None) -> None:
-        self.recipe, self.inputs, self.dist, self.bridge = recipe, inputs, dist, bridge
-        self.bucket_bytes, self.reward_models = bucket_bytes, reward_models
-        self.staleness, self.steps = recipe.rollout.max_staleness, recipe.train.steps
+    def __init__(self, ctx: StepContext, bridge: Bridge | None) -> None:
+        recipe = ctx.recipe
+        self.ctx, self.dist, self.bridge, self.bucket_bytes = ctx, ctx.dist, bridge, ctx.bucket_bytes
+        self.staleness, self.steps = ctx.inputs.placement.max_staleness, recipe.train.steps
         self.received: dict[int, Produced] = {}  # rank 0: batches received ahead of training
         self.whole_layers = None  # the vLLM engine's fused layers (a LoRA sync completes them: Policy.rollout_weights)
         self.sampler_state: dict | None = None  # the sampler after the last step trained (rank 0)
@@ -172,8 +167,8 @@ class SplitTrainer:
         data.metrics.update({"placement/staleness_mean": float(staleness), "placement/staleness_max": staleness,
                              "placement/rollout_busy_s": produced.busy_s, "placement/rollout_idle_s": produced.idle_s})
         self.rollout_stop = produced.stop
-        if self.reward_models is not None:  # scored here, on the trainer ranks, which hold the models
-            add_model_rewards(data, self.reward_models, self.recipe, self.inputs, self.dist)
+        if self.ctx.reward_models is not None:  # scored here, on the trainer ranks, which hold the models
+            add_model_rewards(data, self.ctx)
         return data
 
     def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:
@@ -256,19 +251,19 @@ def _produced(record: dict) -> Produced:
 
 # ------------------------------------------------------------------------------------------ split: the rollout ranks
 
-def serve_rollouts(recipe: Recipe, inputs: Inputs, dist: Dist, bridge: Bridge, engine, stop: StopRequest,
-                   rank_log: Path) -> list[dict]:
+def serve_rollouts(ctx: StepContext, bridge: Bridge, stop: StopRequest, rank_log: Path) -> list[dict]:
     """The rollout ranks' side of split placement, from the start to the end of the run: wait for the go-ahead of a
     step (and the weights it brings), collect the step's samples over the rollout ranks (grpo_ds.step.collect), and
     the first of them sends them to the trainer. Returns the run's metrics history the trainer sends at the end."""
+    recipe, dist, engine = ctx.recipe, ctx.dist, ctx.rollout
     lead = dist.is_main
     with bridge.starting():  # the trainer may still be loading its model, or a checkpoint
         if lead:
-            bridge.send_object(getattr(engine, "whole_layers", None), Bridge.TRAINER, "the rollout engine's layout")
+            bridge.send_object(engine.whole_layers, Bridge.TRAINER, "the rollout engine's layout")
         start = bridge.broadcast_object(None, "the start")  # the trainer has prepared the run folder by now
     rank_log.parent.mkdir(parents=True, exist_ok=True)
     trim_log(rank_log, start["first"] - 1)  # what a stopped attempt generated past the checkpoint is drawn again
-    sampler = PromptSampler(len(inputs.prompts), recipe.run.seed, recipe.data.shuffle)
+    sampler = PromptSampler(len(ctx.inputs.prompts), recipe.run.seed, recipe.data.shuffle)
     if start["sampler"] is not None:
         sampler.load_state_dict(start["sampler"], data_changed=start["data_changed"])
     version, sent_idle = None, 0.0
@@ -283,7 +278,7 @@ def serve_rollouts(recipe: Recipe, inputs: Inputs, dist: Dist, bridge: Bridge, e
             if go.get("preempted") is not None:  # every rank leaves with the trainer's exit code
                 raise Preempted(*go["preempted"])
             return go.get("history", [])
-        data = collect(go["step"], recipe, inputs, engine, sampler, dist)
+        data = collect(go["step"], ctx, sampler)
         phases = [["wait", wall, wall + idle]] + data.spans
         if lead:
             produced = Produced(go["step"], version, data, sampler.state_dict(), stop.signal_name,

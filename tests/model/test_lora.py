@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpo_ds.model.policy as policy_module
+import grpo_ds.session as session_module
 import grpo_ds.train as train_module
 from grpo_ds.config import software
 from grpo_ds.config.deepspeed import resolve_deepspeed_config
@@ -123,7 +124,7 @@ def test_generating_through_the_peft_model_equals_a_merged_copy(tmp_path, monkey
     rounding (the two add the adapters' product at different places)."""
     steps = {"train.steps": 6, "checkpoint.every_steps": None, "run.save_final_model": False}
     shared = train_module.run(LORA_TINY, _quiet(tmp_path, **{"run.name": "shared", **steps}))
-    monkeypatch.setattr(train_module, "rollout_shares_policy", lambda *_: False)
+    monkeypatch.setattr(session_module, "rollout_shares_policy", lambda *_: False)
     copied = train_module.run(LORA_TINY, _quiet(tmp_path, **{"run.name": "copied", **steps}))
     assert [m["reward_mean"] for m in shared] == [m["reward_mean"] for m in copied]
     assert [m["response_len_mean"] for m in shared] == [m["response_len_mean"] for m in copied]

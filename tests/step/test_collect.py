@@ -8,6 +8,7 @@ from grpo_ds.rollout.base import Rollouts
 from grpo_ds.run.preflight import prepare_inputs
 from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.step.collect import collect
+from grpo_ds.step.context import StepContext
 
 REWARDS = '''
 def is_a(*, completions, **kwargs):
@@ -52,7 +53,7 @@ def make_inputs(tmp_path, monkeypatch):
 
 def _run(inputs, engine, step=1):
     sampler = PromptSampler(len(inputs.prompts), 0, True)
-    return collect(step, inputs.recipe, inputs, engine, sampler, DIST)
+    return collect(step, StepContext(inputs, DIST, rollout=engine), sampler)
 
 
 def test_one_round_without_dynamic_sampling(make_inputs):

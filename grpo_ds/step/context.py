@@ -1,0 +1,44 @@
+"""What every phase of a step reads: one object instead of six or seven arguments each.
+
+The session (grpo_ds/session.py) builds a ``StepContext`` once per rank, after the run's parts are open; the
+phases (collect, the schedule, the advantage, the update, the report, evaluation) take it and read what they need.
+It holds no step's data: that travels in the step's ``StepBatch`` (grpo_ds.step.batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.distributed.ranks import Dist
+from grpo_ds.rollout.base import RolloutEngine
+from grpo_ds.run.preflight import Inputs
+from grpo_ds.step.update import UpdateSettings
+
+
+@dataclass
+class StepContext:
+    """The recipe's resolved settings, the rank layout, the engines and the logger of one rank."""
+
+    inputs: Inputs  # everything checked before load: recipe, tokenizer, prompts, reward functions, placement
+    dist: Dist  # this rank's place in the layout
+    rollout: RolloutEngine | None = None  # this rank's rollout engine (None: a trainer rank of a split placement)
+    reward_models: Any = None  # the learned reward models this rank holds (grpo_ds.reward_models), or None
+    settings: UpdateSettings | None = None  # the update phases' settings (None on a rollout rank)
+    logger: Any = None  # the metrics logger (grpo_ds.run.metrics.MetricsLogger; None on a rollout rank)
+    run_dir: Path | None = None  # the run folder
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.inputs.recipe
+
+    @property
+    def group_size(self) -> int:
+        return self.inputs.recipe.rollout.group_size
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The weight sync's bucket size in bytes (rollout.weight_sync_bucket_mb)."""
+        return int(self.inputs.recipe.rollout.weight_sync_bucket_mb * 2**20)
