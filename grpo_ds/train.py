@@ -20,7 +20,7 @@ from pathlib import Path
 
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed import launcher
-from grpo_ds.distributed.bridge import Stalled
+from grpo_ds.distributed.messages import BridgeError
 from grpo_ds.distributed.ranks import Dist, device_type, end_launched_rank, init_distributed
 from grpo_ds.errors import UserError, exit_on_user_error
 from grpo_ds.model import sequence_parallel
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     except Preempted as signalled:  # SIGTERM / SIGUSR1: 75; Ctrl-C: 130 (grpo_ds/run/preemption.py)
         launcher.say(f"{stop_word(signalled.signal_name)}: {signalled}")
         code, stopped = signalled.exit_code, True
-    except Stalled as stalled:  # split placement: the side that waited in vain says which side stalled
-        launcher.say_on_each_rank(f"error: {stalled}")
+    except BridgeError as failed:  # split placement: a stall or a refused message, naming the other side
+        launcher.say_on_each_rank(f"error: {failed}")
         code = 1
     except SystemExit as leaving:  # exit_on_user_error's one-line error
         code = 0 if leaving.code is None else leaving.code if isinstance(leaving.code, int) else 1

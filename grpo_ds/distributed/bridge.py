@@ -1,37 +1,58 @@
 """The trainer and the rollout ranks of a split placement, over process groups of their own.
 
-Split placement (rollout.placement "split", grpo_ds.config.placement) launches W ranks with one command, as ever, but
-they form two worlds: the first W-K ranks are the trainer's process group (DeepSpeed's, the ZeRO-3 group), the last K
-ranks the rollout ranks' own (vLLM's external launcher and the collection's collectives use it), so that neither side
-ever waits in the other's collectives (DeepSpeed's checkpoint barriers, vLLM's tensor-parallel steps). Both are made
-from one TCP store that the trainer's rank 0 serves at MASTER_PORT + 1. A third group, the bridge, holds the trainer's
-rank 0 (bridge rank 0) and the rollout ranks (bridge ranks 1..K): batches of samples and control messages travel
-between the trainer's rank 0 and the first rollout rank, point to point; weights travel from the trainer's rank 0 to
-every rollout rank, bucket by bucket (one bucket alive), by broadcast. Gloo on a CPU, NCCL on GPUs.
+Split placement (rollout.placement "split", grpo_ds.config.placement) launches W ranks with one
+command, as ever, but they form two worlds: the first W-K ranks are the trainer's process group
+(DeepSpeed's, the ZeRO-3 group), the last K ranks the rollout ranks' own (vLLM's external launcher
+and the collection's collectives use it), so that neither side ever waits in the other's
+collectives (DeepSpeed's checkpoint barriers, vLLM's tensor-parallel steps). Both are made from one
+TCP store that the trainer's rank 0 serves at MASTER_PORT + 1. A third group, the bridge, holds the
+trainer's rank 0 (bridge rank 0) and the rollout ranks (bridge ranks 1..K). What travels over it is
+typed (grpo_ds.distributed.messages: one codec, with a version):
 
-Every transfer waits at most ``timeout_s``; past it the run stops with one line that names the side that stalled
-(``Stalled``), and a peer that died ends the wait at once, with a line that says so. The process groups are built
-directly on the store (torch's ProcessGroupGloo / ProcessGroupNCCL), not registered as torch.distributed groups: the
-bridge's members are in different default worlds.
+- up, from the first rollout rank to the trainer's rank 0, point to point (``send``): the rollout
+  engine's ``Layout`` at the start, then one ``Batch`` of samples per step;
+- down, from the trainer's rank 0 to every rollout rank, by broadcast (``broadcast``): ``Start``,
+  then a ``GoAhead`` per step, and ``Stop`` at the end or on a preemption;
+- the weights, down, after a GoAhead that says so (``send_weights``): per bucket a ``WeightBucket``
+  naming its tensors, then the bucket as one flat buffer of raw bytes (one bucket alive), and a
+  ``WeightsEnd`` after the last.
+
+Each member takes its messages with one ``receive(kinds)``, which refuses any other kind, version
+or malformed payload with one line naming the side that sent it (BridgeError). Gloo on a CPU, NCCL
+on GPUs.
+
+Every transfer waits at most ``timeout_s`` (the start-up's, Layout and Start, START_TIMEOUT_S);
+past it the run stops with one line that names the side that stalled (``Stalled``), and a peer
+that died ends the wait at once, with a line that says so. The process groups are built directly
+on the store (torch's ProcessGroupGloo / ProcessGroupNCCL), not registered as torch.distributed
+groups: the bridge's members are in different default worlds.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import pickle
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import torch
+
+from grpo_ds.distributed import messages
+from grpo_ds.distributed.messages import (
+    BridgeError,
+    Message,
+    WeightBucket,
+    WeightsEnd,
+    decode,
+    encode,
+)
 
 STORE_PORT_OFFSET = 1  # the store of a split launch: MASTER_PORT + this, served by the trainer's rank 0
 START_TIMEOUT_S = 1800.0  # the start-up's waits: one side loads a model (vLLM compiles) while the other waits
 
 
-class Stalled(RuntimeError):
-    """A transfer between the trainer and the rollout ranks that timed out or lost its peer. Its text is one line."""
+class Stalled(BridgeError):
+    """A transfer between the trainer and the rollout ranks that timed out or lost its peer. Its
+    text is one line."""
 
 
 def store_address() -> tuple[str, int]:
@@ -56,78 +77,69 @@ def _process_group(store, prefix: str, rank: int, size: int, device: torch.devic
 
 
 class Bridge:
-    """One member of the bridge group. ``rank`` 0 is the trainer's rank 0, 1..K the rollout ranks in order; objects
-    travel between ranks 0 and 1, weights from rank 0 to all."""
+    """One member of the bridge group: ``rank`` 0 is the trainer's rank 0, 1..K the rollout ranks in
+    order. Messages (grpo_ds.distributed.messages) travel up, from the first rollout rank to the
+    trainer (``send``), and down, from the trainer to every rollout rank (``broadcast``); each
+    member takes its own with ``receive``. Weights travel down, bucket by bucket."""
 
     TRAINER, ROLLOUT_LEAD = 0, 1
 
     def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size, self.device, self.timeout_s = rank, size, device, timeout_s
         self._group = _process_group(store, "bridge", rank, size, device, max(timeout_s, START_TIMEOUT_S))
-        self._starting = False
+        # the side this member waits for
+        self._peer = "rollout ranks" if rank == self.TRAINER else "trainer"
 
-    @contextmanager
-    def starting(self) -> Iterator[None]:
-        """The start-up's transfers wait up to START_TIMEOUT_S (a model loading on the other side), not
-        rollout.transfer_timeout_s."""
-        self._starting = True
-        try:
-            yield
-        finally:
-            self._starting = False
+    # ---- messages
+    def send(self, message: Message) -> None:
+        """The first rollout rank: ``message`` up, to the trainer's rank 0."""
+        if self.rank != self.ROLLOUT_LEAD:
+            raise ValueError(f"bridge rank {self.rank} sends nothing up: only the first rollout "
+                             "rank does (the trainer broadcasts)")
+        self._send_bytes(encode(message), type(message), up=True)
 
-    # ---- waiting, with the side named
-    def _wait(self, work, what: str, peer: str) -> None:
-        limit = START_TIMEOUT_S if self._starting else self.timeout_s
-        try:
-            work.wait(datetime.timedelta(seconds=limit))
-        except RuntimeError as err:
-            text = str(err).lower()
-            if "timed out" in text or "timeout" in text:
-                within = f"the start-up's {limit:g} s" if self._starting else \
-                    f"rollout.transfer_timeout_s = {limit:g} s"
-                raise Stalled(f"the {peer} stalled: no {what} within {within}") from None
-            raise Stalled(f"the {peer} went away while this side waited for {what} ({str(err).splitlines()[0]})"
-                          ) from None
-
-    def _peer(self, rank: int) -> str:
-        return "trainer" if rank == self.TRAINER else "rollout ranks"
-
-    # ---- objects, point to point
-    def send_object(self, obj: Any, dst: int, what: str) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        self._wait(self._group.send([size], dst, 0), what, self._peer(dst))
-        self._wait(self._group.send([payload], dst, 1), what, self._peer(dst))
-
-    def recv_object(self, src: int, what: str) -> Any:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._wait(self._group.recv([size], src, 0), what, self._peer(src))
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._wait(self._group.recv([payload], src, 1), what, self._peer(src))
-        return pickle.loads(payload.cpu().numpy().tobytes())
-
-    # ---- objects and weights, broadcast from the trainer
-    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        self._wait(self._group.broadcast(tensor, self.TRAINER), what,
-                   "trainer" if self.rank != self.TRAINER else "rollout ranks")
-
-    def broadcast_object(self, obj: Any, what: str) -> Any:
-        """The trainer's ``obj`` on every member (the others pass None)."""
-        if self.rank == self.TRAINER:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        else:
-            size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._broadcast(size, what)
+    def broadcast(self, message: Message) -> None:
+        """The trainer's rank 0: ``message`` down, to every rollout rank."""
         if self.rank != self.TRAINER:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._broadcast(payload, what)
-        return obj if self.rank == self.TRAINER else pickle.loads(payload.cpu().numpy().tobytes())
+            raise ValueError(f"bridge rank {self.rank} broadcasts nothing: only the trainer does")
+        self._send_bytes(encode(message), type(message), up=False)
 
-    def send_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
-        """The trainer's rank 0: every (name, tensor) to every rollout rank, in buckets of about ``bucket_bytes``
-        (each bucket one flat buffer, the only one alive); returns the bytes sent."""
+    def receive(self, *kinds: type) -> Message:
+        """The next message for this member, one of ``kinds``: the trainer's rank 0 takes what the
+        first rollout rank sends, a rollout rank what the trainer broadcasts. A message that is not
+        one of ``kinds`` is refused (BridgeError, one line naming the sender)."""
+        up, what = self.rank == self.TRAINER, messages.what(kinds)
+        start_up = any(k.START_UP for k in kinds)
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._carry(size, up, what, start_up, tag=0)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._carry(payload, up, what, start_up, tag=1)
+        return decode(payload.cpu().numpy().tobytes(), f"the {self._peer}", kinds)
+
+    def _send_bytes(self, payload: bytes, kind: type, up: bool) -> None:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        self._carry(size, up, kind.WHAT, kind.START_UP, tag=0)
+        self._carry(data, up, kind.WHAT, kind.START_UP, tag=1)
+
+    def _carry(self, tensor: torch.Tensor, up: bool, what: str, start_up: bool = False,
+               tag: int = 0) -> None:
+        """``tensor`` up (from the first rollout rank to the trainer's rank 0, point to point, with
+        ``tag``) or down (broadcast from the trainer's rank 0 to every rollout rank)."""
+        if not up:
+            work = self._group.broadcast(tensor, self.TRAINER)
+        elif self.rank == self.TRAINER:
+            work = self._group.recv([tensor], self.ROLLOUT_LEAD, tag)
+        else:
+            work = self._group.send([tensor], self.TRAINER, tag)
+        self._wait(work, what, start_up)
+
+    # ---- weights, down
+    def send_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]],
+                     bucket_bytes: int) -> int:
+        """The trainer's rank 0: every (name, tensor) to every rollout rank, in buckets of about
+        ``bucket_bytes`` (each bucket one flat buffer, the only one alive); returns the bytes
+        sent."""
         sent, bucket, size = 0, [], 0
         for name, tensor in named_tensors:
             flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
@@ -137,26 +149,40 @@ class Bridge:
                 sent += self._send_bucket(bucket)
                 bucket, size = [], 0
         sent += self._send_bucket(bucket)
-        self.broadcast_object(None, "the end of the weights")
+        self.broadcast(WeightsEnd())
         return sent
 
     def _send_bucket(self, bucket: list) -> int:
         if not bucket:
             return 0
-        self.broadcast_object([(name, shape, dtype) for name, shape, dtype, _ in bucket], "weights")
+        self.broadcast(WeightBucket([(name, shape, dtype) for name, shape, dtype, _ in bucket]))
         flat = torch.cat([data for *_, data in bucket])
-        self._broadcast(flat, "weights")
+        self._carry(flat, False, WeightBucket.WHAT)
         return flat.numel()
 
     def receive_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A rollout rank: the trainer's (name, tensor) pairs, bucket by bucket, until the end marker (consume it to
-        the end)."""
-        while (header := self.broadcast_object(None, "weights")) is not None:
-            sizes = [_bytes(shape, dtype) for _, shape, dtype in header]
+        """A rollout rank: the trainer's (name, tensor) pairs, bucket by bucket, until WeightsEnd
+        (consume it to the end)."""
+        while isinstance(bucket := self.receive(WeightBucket, WeightsEnd), WeightBucket):
+            sizes = [_bytes(shape, dtype) for _, shape, dtype in bucket.tensors]
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            self._broadcast(flat, "weights")
-            for (name, shape, dtype), part in zip(header, flat.split(sizes), strict=True):
+            self._carry(flat, False, WeightBucket.WHAT)
+            for (name, shape, dtype), part in zip(bucket.tensors, flat.split(sizes), strict=True):
                 yield name, part.view(dtype).view(shape)
+
+    # ---- waiting, with the side named
+    def _wait(self, work, what: str, start_up: bool) -> None:
+        limit = START_TIMEOUT_S if start_up else self.timeout_s
+        try:
+            work.wait(datetime.timedelta(seconds=limit))
+        except RuntimeError as err:
+            text = str(err).lower()
+            if "timed out" in text or "timeout" in text:
+                within = f"the start-up's {limit:g} s" if start_up else \
+                    f"rollout.transfer_timeout_s = {limit:g} s"
+                raise Stalled(f"the {self._peer} stalled: no {what} within {within}") from None
+            raise Stalled(f"the {self._peer} went away while this side waited for {what} "
+                          f"({str(err).splitlines()[0]})") from None
 
 
 def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

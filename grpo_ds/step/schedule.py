@@ -5,23 +5,32 @@ changed (``weights_changed``); what happens in between depends on the placement 
 
 - ``Colocated``: every rank generates its slice of the step (grpo_ds.step.collect), trains, and writes the new
   weights into its own rollout engine. Generation and training take turns on the same ranks.
-- ``SplitTrainer`` (the trainer's ranks of a split placement) and ``serve_rollouts`` (the rollout ranks' side of
-  the same schedule): the rollout ranks collect step j's samples with the weights of step ``j-1-S`` or newer
-  (S = rollout.max_staleness) while the trainer trains earlier steps; the trainer's rank 0 receives each batch and
-  gives it to the other trainer ranks, and after its step k sends the rollout ranks the go-ahead for step k+1+S with
-  weights v_k (grpo_ds.distributed.bridge). Both sides run the same sequence of transfers:
+- ``SplitTrainer`` (the trainer's ranks of a split placement) and ``serve_rollouts`` (the rollout
+  ranks' side of the same schedule): the rollout ranks collect step j's samples with the weights of
+  step ``j-1-S`` or newer (S = rollout.max_staleness) while the trainer trains earlier steps. They
+  talk over the bridge (grpo_ds.distributed.bridge) in the typed messages of
+  grpo_ds.distributed.messages, each side through one receive: the trainer's rank 0 in
+  ``SplitTrainer._receive``, the rollout ranks in ``serve_rollouts``'s loop. At the start the first
+  rollout rank sends its engine's ``Layout`` and the trainer answers with ``Start`` (the first step
+  to generate, the prompt sampler's state); then both sides run the same sequence of transfers:
 
-      rollout ranks:  go-ahead j (+ weights when newer ones are due) -> collect j -> batch j -> go-ahead j+1 ...
-      trainer:        ... train k -> receive batches up to k+S -> go-ahead k+1+S with weights v_k -> train k+1 ...
+      rollout ranks:  GoAhead j (+ weights when newer ones are due) -> collect j -> Batch j
+                      -> GoAhead j+1 ...
+      trainer:        ... train k -> receive Batches up to k+S -> GoAhead k+1+S with weights v_k
+                      -> train k+1 ...
 
-  The go-ahead for step j needs the weights of step j-1-S, so the rollout side is never more than S steps ahead,
-  and it waits (nothing is dropped): every prompt is trained once and in the order of S = 0, whatever the timing.
-  At S = 0 the sides take turns and train exactly the samples of a colocated run on the same trainer ranks (a sample
-  is drawn with the step's seed and its place in the batch, whatever generates it). A batch carries the weight version
-  it was sampled with (staleness = k-1-version at step k), the prompt sampler's state after its draws, and the rollout
-  ranks' phase spans and busy / idle seconds. The batches received ahead are the checkpoint's in-flight work
-  (``in_flight``): a resume trains them, then goes on from the sampler state the last one carries, so a run
-  killed and resumed matches the run that was not.
+  and a ``Stop`` ends it: with the metrics history at the end, with the trainer's ``Preemption``
+  on a stop signal. The trainer's rank 0 gives each Batch's samples to the other trainer ranks.
+
+  The go-ahead for step j needs the weights of step j-1-S, so the rollout side is never more than S
+  steps ahead, and it waits (nothing is dropped): every prompt is trained once and in the order of
+  S = 0, whatever the timing. At S = 0 the sides take turns and train exactly the samples of a
+  colocated run on the same trainer ranks (a sample is drawn with the step's seed and its place in
+  the batch, whatever generates it). A Batch carries the weight version it was sampled with
+  (staleness = k-1-version at step k), the prompt sampler's state after its draws, and the rollout
+  ranks' phase spans and busy / idle seconds. The batches received ahead are the checkpoint's
+  in-flight work (``in_flight``): a resume trains them, then goes on from the sampler state the
+  last one carries, so a run killed and resumed matches the run that was not.
 """
 
 from __future__ import annotations
@@ -29,10 +38,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_ds.distributed.bridge import Bridge
+from grpo_ds.distributed.messages import Batch, GoAhead, Layout, Preemption, Start, Stop
 from grpo_ds.rollout.base import Rollouts, SamplerSettings
 from grpo_ds.run.folder import trim_log
 from grpo_ds.run.preemption import Preempted, StopRequest
@@ -91,20 +100,6 @@ def sync_weights(policy, rollout, bucket_bytes: int) -> None:
 
 # ------------------------------------------------------------------------------------------ split: the trainer
 
-@dataclass
-class Produced:
-    """One step's samples as the rollout ranks send them."""
-
-    step: int
-    version: int  # the weights they were sampled with: those after optimizer step ``version`` (0: the initial ones)
-    batch: StepBatch
-    sampler: dict  # the prompt sampler's state after this step's draws
-    stop: str | None = None  # a stop signal a rollout rank received (grpo_ds.run.preemption)
-    busy_s: float = 0.0  # the rollout ranks' seconds collecting this step
-    idle_s: float = 0.0  # their seconds waiting for the go-ahead (and its weights) before it
-    spans: list = field(default_factory=list)  # the lead rollout rank's [phase, start, end] (time.time())
-
-
 class SplitTrainer:
     """The trainer's side of split placement; every trainer rank holds one, rank 0 the bridge."""
 
@@ -114,7 +109,7 @@ class SplitTrainer:
         recipe = ctx.recipe
         self.ctx, self.dist, self.bridge, self.bucket_bytes = ctx, ctx.dist, bridge, ctx.bucket_bytes
         self.staleness, self.steps = ctx.inputs.placement.max_staleness, recipe.train.steps
-        self.received: dict[int, Produced] = {}  # rank 0: batches received ahead of training
+        self.received: dict[int, Batch] = {}  # rank 0: batches received ahead of training
         self.whole_layers = None  # the vLLM engine's fused layers (a LoRA sync completes them: Policy.rollout_weights)
         self.sampler_state: dict | None = None  # the sampler after the last step trained (rank 0)
         r = recipe.rollout
@@ -130,17 +125,16 @@ class SplitTrainer:
         self.resumed_after = resumed_after
         state, plan = trainer_state or {}, None
         if self.dist.is_main:
-            with self.bridge.starting():  # the rollout ranks may still be loading their engine
-                layout = self.bridge.recv_object(Bridge.ROLLOUT_LEAD, "the rollout engine's layout")
+            layout = self._receive(Layout)  # waits as long as the rollout engine takes to load
             flight = state.get("in_flight") or {}
             kept = [] if data_changed or flight.get("staleness") != self.staleness else \
-                [_produced(record) for record in flight.get("batches", [])]
-            self.received = {p.step: p for p in kept}
+                [_from_record(record) for record in flight.get("batches", [])]
+            self.received = {b.step: b for b in kept}
             self.sampler_state = state.get("sampler")
             first = resumed_after + 1 + len(kept)
-            self.bridge.broadcast_object({"first": first, "sampler": kept[-1].sampler if kept else self.sampler_state,
-                                          "data_changed": data_changed}, "the start")
-            plan = (layout, first)
+            sampler = kept[-1].sampler if kept else self.sampler_state
+            self.bridge.broadcast(Start(first, sampler, data_changed))
+            plan = (layout.whole_layers, first)
         self.whole_layers, first = self.dist.broadcast(plan)
         self.next_go, self.last_received, self.sent_version = first, first - 1, None
         self._go_ahead(resumed_after, policy, {}, [])
@@ -154,7 +148,7 @@ class SplitTrainer:
             produced = self.received.pop(step)
             self.sampler_state = produced.sampler
         produced = self.dist.broadcast(produced)
-        data = produced.batch
+        data = produced.samples
         # drawn by other processes, or before a resume: with what the trainer's log-probs replay, or refused
         data.rollouts.check_drawn_with(self.sampler_settings, f"step {step}")
         # the trainer's step time is its own; the rollout ranks' phase times and spans ride along
@@ -192,8 +186,7 @@ class SplitTrainer:
             version = weights_needed(self.next_go, self.staleness, self.resumed_after)
             send = version != self.sent_version  # the same answer on every trainer rank
             if self.dist.is_main:
-                self.bridge.broadcast_object({"step": self.next_go, "version": version if send else None},
-                                             "the go-ahead")
+                self.bridge.broadcast(GoAhead(self.next_go, version if send else None))
             if send:
                 with Phase("sync", times, spans):
                     weights = policy.rollout_weights(self.bucket_bytes, self.whole_layers)
@@ -205,10 +198,14 @@ class SplitTrainer:
                 self.sent_version = version
             self.next_go += 1
 
-    def _receive(self) -> None:
-        produced = self.bridge.recv_object(Bridge.ROLLOUT_LEAD, "batch of samples")
-        self.received[produced.step] = produced
-        self.last_received = produced.step
+    def _receive(self, kind: type[Layout] | type[Batch] = Batch) -> Layout | Batch:
+        """Rank 0's one receive from the rollout ranks: their Layout at the start, then a Batch per
+        step, kept until its step trains."""
+        message = self.bridge.receive(kind)
+        if isinstance(message, Batch):
+            self.received[message.step] = message
+            self.last_received = message.step
+        return message
 
     def in_flight(self) -> dict:
         """The checkpoint's part: the sampler after the last trained step, and the batches received ahead."""
@@ -216,7 +213,7 @@ class SplitTrainer:
             return {}
         return {"sampler": self.sampler_state, "in_flight": {
             "staleness": self.staleness,
-            "batches": [_produced_record(self.received[s]) for s in sorted(self.received)]}}
+            "batches": [_record(self.received[s]) for s in sorted(self.received)]}}
 
     def stop(self, stopped: Preempted) -> None:
         """The run stops early (preemption, ``stopped``): the batch the rollout ranks are making is taken and dropped
@@ -224,68 +221,81 @@ class SplitTrainer:
         if self.dist.is_main:
             if self.last_received < self.next_go - 1:
                 self._receive()
-            self.bridge.broadcast_object({"stop": True, "preempted": (stopped.signal_name, stopped.step,
-                                                                      stopped.total_steps, stopped.checkpoint)},
-                                         "the stop")
+            self.bridge.broadcast(Stop([], Preemption(stopped.signal_name, stopped.step,
+                                                      stopped.total_steps, stopped.checkpoint)))
 
     def finish(self, history: list[dict]) -> None:
         """The end of the run: the rollout ranks, done with the last step, get the history and leave."""
         if self.dist.is_main:
-            self.bridge.broadcast_object({"stop": True, "history": history}, "the end")
+            self.bridge.broadcast(Stop(history))
 
 
-def _produced_record(p: Produced) -> dict:
-    record = dataclasses.asdict(p)
-    record["batch"] = {"prompt_index": p.batch.prompt_index, "rollouts": dataclasses.asdict(p.batch.rollouts),
-                       "rewards": p.batch.rewards, "metrics": p.batch.metrics, "times": p.batch.times,
-                       "spans": p.batch.spans}
+def _record(b: Batch) -> dict:
+    """A batch received ahead, as the checkpoint holds it (trainer_state.json's in_flight), its
+    samples under "batch"."""
+    record = {("batch" if k == "samples" else k): v
+              for k, v in dataclasses.asdict(dataclasses.replace(b, samples=None)).items()}
+    s = b.samples
+    record["batch"] = {"prompt_index": s.prompt_index, "rollouts": dataclasses.asdict(s.rollouts),
+                       "rewards": s.rewards, "metrics": s.metrics, "times": s.times,
+                       "spans": s.spans}
     return record
 
 
-def _produced(record: dict) -> Produced:
+def _from_record(record: dict) -> Batch:
     b = record["batch"]
-    batch = StepBatch(b["prompt_index"], Rollouts.from_record(b["rollouts"]), b["rewards"], b["metrics"], b["times"],
-                      spans=b["spans"])
-    return Produced(**{**record, "batch": batch, "stop": None})  # the stop it carried was this attempt's, not the next
+    samples = StepBatch(b["prompt_index"], Rollouts.from_record(b["rollouts"]), b["rewards"],
+                        b["metrics"], b["times"], spans=b["spans"])
+    fields = {k: v for k, v in record.items() if k != "batch"}
+    # the stop it carried was this attempt's, not the next
+    return Batch(**{**fields, "samples": samples, "stop": None})
 
 
 # ------------------------------------------------------------------------------------------ split: the rollout ranks
 
 def serve_rollouts(ctx: StepContext, bridge: Bridge, stop: StopRequest, rank_log: Path) -> list[dict]:
-    """The rollout ranks' side of split placement, from the start to the end of the run: wait for the go-ahead of a
-    step (and the weights it brings), collect the step's samples over the rollout ranks (grpo_ds.step.collect), and
-    the first of them sends them to the trainer. Returns the run's metrics history the trainer sends at the end."""
-    recipe, dist, engine = ctx.recipe, ctx.dist, ctx.rollout
-    lead = dist.is_main
-    with bridge.starting():  # the trainer may still be loading its model, or a checkpoint
-        if lead:
-            bridge.send_object(engine.whole_layers, Bridge.TRAINER, "the rollout engine's layout")
-        start = bridge.broadcast_object(None, "the start")  # the trainer has prepared the run folder by now
-    rank_log.parent.mkdir(parents=True, exist_ok=True)
-    trim_log(rank_log, start["first"] - 1)  # what a stopped attempt generated past the checkpoint is drawn again
-    sampler = PromptSampler(len(ctx.inputs.prompts), recipe.run.seed, recipe.data.shuffle)
-    if start["sampler"] is not None:
-        sampler.load_state_dict(start["sampler"], data_changed=start["data_changed"])
-    version, sent_idle = None, 0.0
-    while True:
+    """The rollout ranks' side of split placement, from the start to the end of the run: wait for
+    the go-ahead of a step (and the weights it brings), collect the step's samples over the
+    rollout ranks (grpo_ds.step.collect), and the first of them sends them to the trainer. Returns
+    the run's metrics history the trainer sends at the end."""
+    engine, lead = ctx.rollout, ctx.dist.is_main
+    if lead:  # the trainer may still be loading its model, or a checkpoint: a start-up wait
+        bridge.send(Layout(engine.whole_layers))
+    sampler, version, sent_idle, expected = None, None, 0.0, (Start,)
+    while True:  # the rollout ranks' one receive loop: the start, then go-aheads until the stop
         waited, wall = time.perf_counter(), time.time()
-        go = bridge.broadcast_object(None, "the go-ahead")
-        if go.get("version") is not None:
-            engine.update_weights(bridge.receive_weights())
-            version = go["version"]
-        idle = time.perf_counter() - waited
-        if go.get("stop"):
-            if go.get("preempted") is not None:  # every rank leaves with the trainer's exit code
-                raise Preempted(*go["preempted"])
-            return go.get("history", [])
-        data = collect(go["step"], ctx, sampler)
+        match message := bridge.receive(*expected):
+            case Start():
+                sampler, expected = _start_drawing(message, ctx, rank_log), (GoAhead, Stop)
+                continue
+            case Stop(preempted=None):
+                return message.history
+            case Stop(preempted=p):  # every rank leaves with the trainer's exit code
+                raise Preempted(p.signal_name, p.step, p.total_steps, p.checkpoint)
+            case GoAhead() if message.version is not None:  # new weights come with it
+                engine.update_weights(bridge.receive_weights())
+                version = message.version
+        step, idle = message.step, time.perf_counter() - waited
+        data = collect(step, ctx, sampler)
         phases = [["wait", wall, wall + idle]] + data.spans
         if lead:
-            produced = Produced(go["step"], version, data, sampler.state_dict(), stop.signal_name,
-                                sum(data.times.values()), idle + sent_idle, phases)
-            with Phase("send") as sending:  # waits while the trainer is busy: idle time, counted with the next step
-                bridge.send_object(produced, Bridge.TRAINER, "batch of samples")
+            batch = Batch(step, version, data, sampler.state_dict(), stop.signal_name,
+                          sum(data.times.values()), idle + sent_idle, phases)
+            # the send waits while the trainer is busy: idle time, counted with the next step
+            with Phase("send") as sending:
+                bridge.send(batch)
             sent_idle = sending.seconds
             phases.append(["send", time.time() - sending.seconds, time.time()])
-        append_line(rank_log, json.dumps({"step": go["step"], "role": "rollout", "weight_version": version,
-                                          "phases": phases}))
+        append_line(rank_log, json.dumps({"step": step, "role": "rollout",
+                                          "weight_version": version, "phases": phases}))
+
+
+def _start_drawing(start: Start, ctx: StepContext, rank_log: Path) -> PromptSampler:
+    """The prompt sampler the Start message sets up; what a stopped attempt logged past the
+    checkpoint goes from this rank's log (it is drawn again)."""
+    rank_log.parent.mkdir(parents=True, exist_ok=True)  # the trainer has made the run folder
+    trim_log(rank_log, start.first_step - 1)
+    sampler = PromptSampler(len(ctx.inputs.prompts), ctx.recipe.run.seed, ctx.recipe.data.shuffle)
+    if start.sampler is not None:
+        sampler.load_state_dict(start.sampler, data_changed=start.data_changed)
+    return sampler
