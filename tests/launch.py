@@ -36,12 +36,27 @@ def clean_env() -> dict:
     return env
 
 
+def deepspeed_program() -> str:
+    """The `deepspeed` launcher of the Python running the tests (its environment's bin), else the
+    one on PATH."""
+    found = Path(sys.executable).parent / "deepspeed"
+    return str(found) if found.exists() else "deepspeed"
+
+
+def launch_command(num_ranks: int, args: list, master_port: int,
+                   program: str | Path | None = None) -> list[str]:
+    """`deepspeed --num_gpus N --master_port PORT ARGS...` as an argument list: how every test
+    launches ranks on one node. ``program`` is another environment's launcher (the vLLM
+    environment's), by default ``deepspeed_program()``. The caller draws the port (``free_port()``)
+    and removes the launch's shared-memory buffers by it afterwards (``remove_shm_buffers``)."""
+    return [str(program or deepspeed_program()), "--num_gpus", str(num_ranks),
+            "--master_port", str(master_port), *map(str, args)]
+
+
 def deepspeed_launch(num_ranks: int, args: list[str], cwd: Path = REPO, timeout: int = 600) -> str:
     """`deepspeed --num_gpus N ARGS...`; fails the test with the output when it fails."""
-    launcher = Path(sys.executable).parent / "deepspeed"
     port = free_port()
-    cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(num_ranks),
-           "--master_port", str(port), *args]
+    cmd = launch_command(num_ranks, args, port)
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
     finally:

@@ -10,14 +10,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
+from tests.launch import REPO, clean_env, deepspeed_program, free_port, remove_shm_buffers
 from tests.test_resume import STEPS, reference_run
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
@@ -30,16 +29,11 @@ ARGS = ["rollout.prompts_per_step=8", "train.micro_batch_samples_per_gpu=32", "t
 EXIT_PREEMPTED = 75
 
 
-def launcher() -> str:
-    found = Path(sys.executable).parent / "deepspeed"
-    return str(found) if found.exists() else "deepspeed"
-
-
 def node_commands(out: Path, port: int, hostfile: Path, *extra: str) -> list[list[str]]:
     """One launcher command per node: the shared hostfile, no ssh, the node's rank, the first node's address."""
-    return [[launcher(), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
-             "127.0.0.1", "--master_port", str(port), "--module", "grpo_ds.train", TINY, f"run.output_dir={out}",
-             *ARGS, *extra] for node in range(2)]
+    return [[deepspeed_program(), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+             "--master_addr", "127.0.0.1", "--master_port", str(port), "--module", "grpo_ds.train",
+             TINY, f"run.output_dir={out}", *ARGS, *extra] for node in range(2)]
 
 
 def start_nodes(out: Path, *extra: str) -> tuple[list[subprocess.Popen], int]:

@@ -14,9 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_ds.run import checkpoint
-from tests.launch import REPO, clean_env, free_port, rank_log_records, remove_shm_buffers
+from tests.launch import (
+    REPO,
+    clean_env,
+    free_port,
+    launch_command,
+    rank_log_records,
+    remove_shm_buffers,
+)
 
 # reference_run() caches its runs in this module for the session; its users here, in tests/run/test_preemption.py
 # and tests/test_clusters.py share one worker under pytest-xdist, so each run is made once (tests/conftest.py)
@@ -92,10 +100,9 @@ def _command(world: int, out: Path, deepspeed: str | None = None) -> list[str]:
     module, extra = ("grpo_ds.train", []) if deepspeed is None else ("tests.test_resume", [f"deepspeed={deepspeed}"])
     if world == 1:
         return [sys.executable, "-m", module, TINY, f"run.output_dir={out}", *ARGS, *extra]
-    launcher = Path(sys.executable).parent / "deepspeed"
     PORTS.append(free_port())
-    return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(world), "--master_port",
-            str(PORTS[-1]), "--module", module, TINY, f"run.output_dir={out}", *ARGS, *extra]
+    return launch_command(world, ["--module", module, TINY, f"run.output_dir={out}", *ARGS, *extra],
+                          PORTS[-1])
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
@@ -103,6 +110,45 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
     steps = [r["step"] for r in records]
     assert steps == list(range(1, len(records) + 1)), f"steps logged {steps}"
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records}
+
+
+def _optimizer_state(run_dir: Path) -> dict[str, object]:
+    """Every value in the optimizer shards (ds/*_optim_states.pt) of the run's newest checkpoint,
+    by file and key path: Adam's moments and step count, ZeRO's fp32 master weights, the layout's
+    numbers."""
+    newest = checkpoint.complete_checkpoints(run_dir)[0]
+    values: dict[str, object] = {"checkpoint": newest.name}
+
+    def walk(obj, path: str) -> None:
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(value, f"{path}/{key}")
+        elif isinstance(obj, list | tuple):
+            for i, value in enumerate(obj):
+                walk(value, f"{path}/{i}")
+        elif isinstance(obj, torch.Tensor | int | float | str):
+            values[path] = obj
+
+    for shard in sorted((newest / checkpoint.DS_TAG).glob("*_optim_states.pt")):
+        walk(torch.load(shard, map_location="cpu", weights_only=False), shard.name)
+    return values
+
+
+def _assert_same_optimizer_state(run_dir: Path, reference_dir: Path) -> None:
+    """The newest checkpoint's optimizer state equals the uninterrupted run's, bit for bit."""
+    got, expected = _optimizer_state(run_dir), _optimizer_state(reference_dir)
+    assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+    differ = []
+    for path, want in expected.items():
+        have = got[path]
+        if isinstance(want, torch.Tensor):
+            if torch.equal(have, want):
+                continue
+            differ.append(f"{path} = {have.item()}, not {want.item()}" if want.numel() == 1
+                          else f"{path}: {(have != want).sum().item()} of {want.numel()} differ")
+        elif have != want:
+            differ.append(f"{path} = {have!r}, not {want!r}")
+    assert not differ, "the optimizer state is not the uninterrupted run's: " + "; ".join(differ)
 
 
 def _logged_steps(run_dir: Path) -> int:
@@ -179,6 +225,10 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, 
         assert "resuming after step" in err, err[-4000:]  # the finishing run continued a checkpoint
         break
     assert kills["in_step"] >= 1 and kills["in_checkpoint_write"] >= 1, kills
+    # The optimizer's state first, from the newest checkpoints: Adam's moments and step count
+    # are the uninterrupted run's. A resume that loses them changes the metrics only through
+    # the updates after it; this names the cause, whatever the recipe's updates are.
+    _assert_same_optimizer_state(run_dir, reference / "tiny_cpu")
     got = _metrics(run_dir)
     assert got == expected
     for rank in range(world):  # each rank's log holds every step once (trimmed on resume), as uninterrupted

@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from grpo_ds.rollout import vllm_shm
-from tests.launch import REPO, clean_env, free_port, remove_shm_buffers, vllm_ident
+from tests.launch import (
+    REPO,
+    clean_env,
+    free_port,
+    launch_command,
+    remove_shm_buffers,
+    vllm_ident,
+)
 
 # One worker runs these under pytest-xdist (tests/conftest.py), one vLLM launch at a time, as without it: a launch
 # holds up to 4 ranks (two vLLM engines of VLLM_CPU_KVCACHE_SPACE 1 GiB each, recipes/tiny_vllm_cpu.json, and two
@@ -64,7 +71,7 @@ def launch_venv(ranks: int, args: list, timeout: int = 600) -> str:
     of its own (TMPDIR), which it must leave empty: the ranks leave by os._exit, which runs no exit handler, so
     whatever a rank writes there (the builtin model's folder for its engine) is removed by the code that wrote it."""
     port, ident = free_port(), vllm_ident()
-    cmd = [str(VENV_PYTHON.parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port), *map(str, args)]
+    cmd = launch_command(ranks, args, port, program=VENV_PYTHON.parent / "deepspeed")
     with tempfile.TemporaryDirectory(prefix="grpo_ds-test-tmp-") as tmp:
         try:
             proc = subprocess.run(cmd, cwd=REPO, env={**venv_env(), "VLLM_DIST_IDENT": ident, "TMPDIR": tmp},

@@ -14,7 +14,7 @@ from grpo_ds.errors import UserError
 from grpo_ds.run import folder as run_folder
 from grpo_ds.run import lock as run_lock
 from grpo_ds.run.lock import LOCK, Holder, RunLock, read_holder
-from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
+from tests.launch import REPO, clean_env, free_port, launch_command, remove_shm_buffers
 
 
 def test_the_holder_is_written_and_removed_on_release(tmp_path):
@@ -112,10 +112,9 @@ def test_overwriting_a_run_keeps_the_lock_of_the_launch_that_overwrites(tmp_path
 
 
 def _launcher(tmp_path, port, *extra):
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return [launcher if os.path.exists(launcher) else "deepspeed", "--num_gpus", "2", "--master_port", str(port),
-            "--module", "grpo_ds.train", str(REPO / "recipes" / "tiny_cpu.json"), f"run.output_dir={tmp_path}",
-            "logging.progress_bar=false", *extra]
+    return launch_command(2, ["--module", "grpo_ds.train", REPO / "recipes" / "tiny_cpu.json",
+                              f"run.output_dir={tmp_path}", "logging.progress_bar=false", *extra],
+                          port)
 
 
 GATED_REWARD = """

@@ -25,7 +25,7 @@ from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError
 from grpo_ds.run import output_paths, writes
 from grpo_ds.step.profiling import PROFILE_DIR
-from tests.launch import REPO, clean_env, remove_shm_buffers
+from tests.launch import REPO, clean_env, launch_command, remove_shm_buffers
 from tests.scripts.cli_forks import run_forked
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -165,10 +165,8 @@ def test_two_ranks_stop_with_one_line(tmp_path):
     """Through the deepspeed launcher, 2 ranks: rank 0 probes, and both ranks stop with its line (exit 2). With a mount
     of its own the place is a full file system, which only rank 0's probe finds (the other rank learns it through
     Dist.decide); without one, a file on the way, which every rank's inspection finds."""
-    launcher = Path(sys.executable).parent / "deepspeed"
     port = free_port()
-    command = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", "2", "--master_port", str(port),
-               "--module", "grpo_ds.train", TINY]
+    command = launch_command(2, ["--module", "grpo_ds.train", TINY], port)
     try:
         if _can_mount():
             mount = tmp_path / "full"

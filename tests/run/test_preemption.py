@@ -16,7 +16,7 @@ import pytest
 
 from grpo_ds.run import checkpoint
 from grpo_ds.run.preemption import ABANDON_LEAD_S, EXIT_PREEMPTED
-from tests.launch import REPO, clean_env, gone, rank_log_records
+from tests.launch import REPO, clean_env, free_port, gone, launch_command, rank_log_records
 from tests.test_resume import PORTS, _logged_steps, _metrics, reference_run
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
@@ -34,12 +34,8 @@ def _command(world: int, out: Path, *extra: str) -> list[str]:
     args = [TINY, f"run.output_dir={out}", *ARGS, *extra]
     if world == 1:
         return [sys.executable, "-m", "grpo_ds.train", *args]
-    from tests.launch import free_port
-
-    launcher = Path(sys.executable).parent / "deepspeed"
     PORTS.append(free_port())
-    return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(world), "--master_port",
-            str(PORTS[-1]), "--module", "grpo_ds.train", *args]
+    return launch_command(world, ["--module", "grpo_ds.train", *args], PORTS[-1])
 
 
 def _wait_for(condition, proc: subprocess.Popen, limit_s: float = 300) -> None:

@@ -20,7 +20,7 @@ import grpo_ds
 from grpo_ds import export
 from grpo_ds.errors import UserError
 from grpo_ds.run import checkpoint, writes
-from tests.launch import REPO, clean_env, free_port, remove_shm_buffers
+from tests.launch import REPO, clean_env, free_port, launch_command, remove_shm_buffers
 from tests.scripts.write_fault import Fault, install
 
 pytestmark = pytest.mark.slow
@@ -254,14 +254,13 @@ def test_the_command_line_gives_one_line_and_exit_code_2_then_resumes(tmp_path):
 def test_a_failure_on_one_rank_stops_both_ranks_with_one_line(tmp_path):
     """Rank 1's optimizer shard cannot be written; rank 0's writes succeed. Neither rank may wait for the other."""
     port = free_port()
-    launcher = Path(sys.executable).parent / "deepspeed"
     env = {**clean_env(), "GRPO_DS_WRITE_FAULT": f"torch.save:{STEP4}/ds/zero_pp_rank_1_mp_rank_00_optim_states.pt:"
                                                  "ENOSPC"}
     try:
-        proc = subprocess.run([str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", "2",
-                               "--master_port", str(port), "--module", "tests.scripts.write_fault", TINY,
-                               f"run.output_dir={tmp_path}", *CLI_OVERRIDES],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        command = launch_command(2, ["--module", "tests.scripts.write_fault", TINY,
+                                     f"run.output_dir={tmp_path}", *CLI_OVERRIDES], port)
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600)
     finally:
         remove_shm_buffers(port)
     ckpts = tmp_path / "tiny_cpu" / "checkpoints"

@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,14 @@ import pytest
 from grpo_ds.reward_models.tiny import write_digit_reward_model
 from grpo_ds.run import checkpoint
 from grpo_ds.run.preemption import EXIT_PREEMPTED
-from tests.launch import REPO, clean_env, free_port, rank_log_records, remove_shm_buffers
+from tests.launch import (
+    REPO,
+    clean_env,
+    free_port,
+    launch_command,
+    rank_log_records,
+    remove_shm_buffers,
+)
 from tests.run.test_preemption import _wait_for
 from tests.test_resume import _logged_steps
 
@@ -105,9 +111,8 @@ ENV = clean_env()
 
 def _command(ranks: int, out: Path, *extra: str) -> tuple[list[str], int]:
     port = free_port()
-    launcher = Path(sys.executable).parent / "deepspeed"
-    return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(ranks), "--master_port", str(port),
-            "--module", "grpo_ds.train", TINY, f"run.output_dir={out}", *SHAPE, *extra], port
+    args = ["--module", "grpo_ds.train", TINY, f"run.output_dir={out}", *SHAPE, *extra]
+    return launch_command(ranks, args, port), port
 
 
 def _run(ranks: int, out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
