@@ -16,8 +16,9 @@ Generated, never edited by hand:
   curves and memory timeline drawn by grpo_ds.plot from a run's files kept in docs/img/tiny_cpu/, the parts of the
   package from the import rules of tests/test_layout.py, and the phases of a 3-rank split placement run (2 trainer
   ranks, 1 rollout rank, staleness 1) drawn by grpo_ds.plot --timeline's function from its rank logs kept in
-  docs/img/placement/. Each PNG carries the sha256 of what it is drawn from, so the check tells new data from another
-  matplotlib (whose pixels it cannot compare, and says so);
+  docs/img/placement/, and the processes of a run with what travels between them (docs/runtime_picture.py: the
+  ranks of an example recipe's two placements). Each PNG carries the sha256 of what it is drawn from, so the check
+  tells new data from another matplotlib (whose pixels it cannot compare, and says so);
 - docs/transcripts/*.txt: the consoles of real runs of the commands shown in the docs, run from a scratch folder
   that holds the repository's recipes/ and ds_configs/ (so the commands are the ones a user types at the repository
   root). Timings, versions and the step at which a signal landed differ from run to run: the check compares the
@@ -826,6 +827,17 @@ def draw_architecture() -> Figure:
     return fig
 
 
+@functools.cache
+def _runtime_picture():
+    """docs/runtime_picture.py: the runtime picture's facts (``sources``) and its drawing (``draw``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("runtime_picture", REPO / "docs" / "runtime_picture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class Picture(NamedTuple):
     """A PNG under docs/img/ and what it is drawn from: ``draw`` makes the figure, ``sources`` the bytes it depends
     on (their hash is written into the PNG, so a check can tell new data from a new matplotlib)."""
@@ -854,6 +866,7 @@ PICTURES: dict[str, Picture] = {
     "tiny_cpu_memory.png": Picture(draw_tiny_memory, _tiny_sources),
     "architecture.png": Picture(draw_architecture, _architecture_sources),
     "placement_timeline.png": Picture(draw_placement_timeline, _placement_sources),
+    "runtime.png": Picture(lambda: _runtime_picture().draw(), lambda: _runtime_picture().sources()),
 }
 
 

@@ -248,3 +248,78 @@ def test_no_file_names_a_retired_module():
 def test_the_name_rule(text, stale):
     """The rule above finds what moved and passes what is there."""
     assert [line.split(": ", 1)[1] for line in _stale("example.md", text)] == stale
+
+
+# ---------------------------------------------------------------------------- the architecture page
+
+ARCHITECTURE = REPO / "docs" / "concepts" / "architecture.md"
+RUNTIME_PICTURE = "../img/runtime.png"  # drawn by docs/runtime_picture.py (docs/generate.py)
+
+
+def _module_paths() -> list[str]:
+    """Every module file of the package (not ``__init__.py``) as the page names it: its path under
+    grpo_ds/, ``step/plan.py`` or ``train.py``."""
+    return sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                  if p.name != "__init__.py")
+
+
+def _literal_paths(page: str) -> set[str]:
+    """The ``.py`` paths the page writes as code literals, without a leading ``grpo_ds/``."""
+    return set(re.findall(r"`(?:grpo_ds/)?([\w/]+\.py)`", page))
+
+
+def _unnamed(page: str, modules: list[str]) -> list[str]:
+    """The modules the page does not name as a literal `step/plan.py` or `grpo_ds/step/plan.py`."""
+    named = _literal_paths(page)
+    return [m for m in modules if m not in named]
+
+
+def _not_modules(page: str, modules: list[str]) -> list[str]:
+    """The modules of a sub-package that the page names and the package does not hold (moved?)."""
+    return sorted(p for p in _literal_paths(page)
+                  if p.split("/")[0] in SUBPACKAGES and p not in modules)
+
+
+def _opens_with(page: str, image: str) -> bool:
+    """The page's first picture is ``image``, shown before its first heading after the title."""
+    title, _, body = page.partition("\n")
+    section = re.search(r"^#{1,6} ", body, re.M)
+    opening = body[:section.start()] if section else body
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page)
+    return title.startswith("# ") and pictures[:1] == [image] and f"]({image})" in opening
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/concepts/architecture.md names every module of the package, and only modules that are
+    there."""
+    page, modules = ARCHITECTURE.read_text(), _module_paths()
+    assert {"train.py", "step/schedule.py", "distributed/bridge.py"} <= set(modules)
+    missing = _unnamed(page, modules)
+    assert not missing, f"docs/concepts/architecture.md does not name {missing}"
+    moved = _not_modules(page, modules)
+    assert not moved, f"docs/concepts/architecture.md names modules that are not there: {moved}"
+
+
+def test_the_architecture_page_opens_with_the_runtime_picture():
+    assert _opens_with(ARCHITECTURE.read_text(), RUNTIME_PICTURE), \
+        f"docs/concepts/architecture.md's first picture, before its first section, is not " \
+        f"{RUNTIME_PICTURE}"
+
+
+def test_the_architecture_rules_see_a_missing_module_and_a_late_picture():
+    """The rules above are not vacuous: a bare word, a longer name or another folder does not name
+    a module; a picture after the first section, or after another picture, does not open the
+    page."""
+    modules = ["train.py", "step/plan.py"]
+    assert _unnamed("`train.py` and `grpo_ds/step/plan.py`", modules) == []
+    assert _unnamed("`train.py`, `step/plan.py`", modules) == []
+    assert _unnamed("`train.py`, step/plan.py, `step/planner.py`, `plan.py`, `run/plan.py`",
+                    modules) == ["step/plan.py"]
+    assert _not_modules("`step/plan.py`, `step/planner.py`, `docs/generate.py`, `x_gpu.py`",
+                        modules) == ["step/planner.py"]
+    shown = "![the runtime](../img/runtime.png)"
+    assert _opens_with(f"# T\n\nText.\n\n{shown}\n\n## Parts\n\n![b](../img/b.png)\n",
+                       RUNTIME_PICTURE)
+    assert not _opens_with(f"# T\n\nText.\n\n## Parts\n\n{shown}\n", RUNTIME_PICTURE)
+    assert not _opens_with(f"# T\n\n![b](../img/b.png)\n\n{shown}\n\n## Parts\n", RUNTIME_PICTURE)
+    assert not _opens_with("# T\n\nNo picture.\n", RUNTIME_PICTURE)
