@@ -3,10 +3,11 @@
     python benchmarks/bench_reward_pool.py [--samples 1024] [--work-ms 20] [--repeats 3] [--record]
     python benchmarks/bench_reward_pool.py --tiny-before REV [--pairs 3] [--record]
 
-The first form scores ``--samples`` completions (groups of 8) with a verifier that spends ``--work-ms`` of CPU time
-per sample (a busy loop on the process's CPU clock: no sleep), through ``grpo_ds.rewards.score`` exactly as a step
-does: in the trainer's process (``reward.processes=0``), with 1 worker, and with one worker per core. It also times
-a function that does nothing, to measure what one chunk's round trip to a worker costs, and from that estimates the
+The first form scores ``--samples`` completions (groups of 8) with a verifier that spends
+``--work-ms`` of CPU time per sample (a busy loop on the process's CPU clock: no sleep), through
+``grpo_ds.rewards.score_functions`` exactly as a step does: in the trainer's process
+(``reward.processes=0``), with 1 worker, and with one worker per core. It also times a function that
+does nothing, to measure what one chunk's round trip to a worker costs, and from that estimates the
 time on a 32-core node.
 
 The second form runs the tiny recipe (``python -m grpo_ds.train recipes/tiny_cpu.json``) alternately from a checkout
@@ -49,23 +50,26 @@ def noop(*, completions, **kwargs):
 
 def _score_seconds(name: str, processes: int, chunk_samples: int, n: int, work_ms: float, repeats: int
                    ) -> tuple[float, list[float]]:
-    from grpo_ds.rewards import load_reward_functions, score
+    from grpo_ds.config.reward_specs import RewardFunctionSpec
+    from grpo_ds.rewards import load_reward_functions, score_functions
     from grpo_ds.rewards.pool import RewardPool
 
-    spec = [{"name": f"bench_reward_pool:{name}"}]
+    spec = [RewardFunctionSpec(f"bench_reward_pool:{name}", 1.0)]
     pool = RewardPool(spec, processes) if processes else None
     batch = dict(prompts=[f"p{i // GROUP}" for i in range(n)], completions=[f"answer {i}" for i in range(n)],
                  completion_ids=[[i] for i in range(n)], columns={"work_ms": [work_ms] * n}, on_error="fail",
                  timeout_s=600, chunk_samples=chunk_samples, group_size=GROUP, pool=pool)
     functions = load_reward_functions(spec)
     try:
-        score(functions, **{**batch, "completions": batch["completions"][:GROUP],
-                            "prompts": batch["prompts"][:GROUP], "completion_ids": batch["completion_ids"][:GROUP],
-                            "columns": {"work_ms": [work_ms] * GROUP}})  # the workers are up
+        first_group = {**batch, "completions": batch["completions"][:GROUP],
+                       "prompts": batch["prompts"][:GROUP],
+                       "completion_ids": batch["completion_ids"][:GROUP],
+                       "columns": {"work_ms": [work_ms] * GROUP}}
+        score_functions(functions, **first_group)  # the workers are up
         times, totals = [], None
         for _ in range(repeats):
             began = time.perf_counter()
-            totals = score(functions, **batch).total
+            totals = score_functions(functions, **batch).total
             times.append(time.perf_counter() - began)
     finally:
         if pool is not None:

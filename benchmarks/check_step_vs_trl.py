@@ -9,11 +9,12 @@ every prompt of the dataset with ``group_size`` completions of 1-2 tokens (the a
 wrong digit + EOS, a lone EOS, two wrong characters cut by the length limit), with a number of right answers
 that varies by prompt, so most groups have mixed rewards.
 
-grpo_ds: the trainer's own functions on that batch: rewards (grpo_ds.step.collect.score_rewards), advantages and the
-micro-batch plan (grpo_ds.train._advantages and grpo_ds.step.plan.plan_recipe_step), and
-grpo_ds.step.update.optimizer_step on a DeepSpeed engine built as grpo_ds.train builds it (world size 1: ZeRO stage 1
-from the recipe's stage-3 file, grpo_ds.config.deepspeed.one_rank_stage). The accumulated gradient is read just before
-the engine steps, the weights just after.
+grpo_ds: the trainer's own functions on that batch: rewards (grpo_ds.step.collect.score_functions),
+advantages and the micro-batch plan (grpo_ds.step.advantage.advantages and
+grpo_ds.step.plan.plan_recipe_step), and grpo_ds.step.update.optimizer_step on a DeepSpeed engine
+built as grpo_ds.train builds it (world size 1: ZeRO stage 1 from the recipe's stage-3 file,
+grpo_ds.config.deepspeed.one_rank_stage). The accumulated gradient is read just before the engine
+steps, the weights just after.
 
 TRL: a GRPOTrainer built as bench_vs_trl_runner.run_trl builds it, trained for one optimizer step (max_steps=1)
 with its sampling replaced by the fixed completions (``_generate_single_turn``); the rest is TRL's own path:
@@ -66,7 +67,7 @@ from grpo_ds.rollout.base import Rollouts  # noqa: E402
 from grpo_ds.run.preflight import Inputs, prepare_inputs  # noqa: E402
 from grpo_ds.step.advantage import advantages as step_advantages  # noqa: E402
 from grpo_ds.step.batch import StepBatch  # noqa: E402
-from grpo_ds.step.collect import score_rewards  # noqa: E402
+from grpo_ds.step.collect import score_functions  # noqa: E402
 from grpo_ds.step.context import StepContext  # noqa: E402
 from grpo_ds.step.plan import plan_recipe_step  # noqa: E402
 from grpo_ds.step.update import UpdateSettings, optimizer_step  # noqa: E402
@@ -152,10 +153,11 @@ class PlainEngine:
 
 
 def grpo_ds_advantages(inputs: Inputs, rollouts: Rollouts) -> list[float]:
-    """The trainer's rewards and advantages (grpo_ds.step.collect.score_rewards, grpo_ds.step.advantage.advantages)."""
+    """The trainer's rewards and advantages (grpo_ds.step.collect.score_functions,
+    grpo_ds.step.advantage.advantages)."""
     G = inputs.recipe.rollout.group_size
     prompts = [inputs.prompts[i // G] for i in range(0, len(rollouts), G)]
-    rewards = score_rewards(inputs, prompts, rollouts, G).total
+    rewards = score_functions(inputs, prompts, rollouts, G).total
     ctx = StepContext(inputs, Dist(0, 1, 0, torch.device("cpu")))
     advantages, _ = step_advantages(ctx, StepBatch([], rollouts, rewards))
     return advantages

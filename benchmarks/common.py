@@ -162,7 +162,8 @@ def naive_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperat
 
 def loss_config(entropy_coef: float) -> LossConfig:
     """The per-token loss every benchmark uses: DAPO clip-higher (0.2 / 0.28) and a k3 KL with coefficient 0.04."""
-    return LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.04, kl_estimator="k3", entropy_coef=entropy_coef)
+    return LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=0.04, kl_estimator="k3",
+                      entropy_coef=entropy_coef, policy_loss="ppo_clip")
 
 
 def weighted_loss(logprobs: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor, ref: torch.Tensor,

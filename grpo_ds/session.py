@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from grpo_ds.config.deepspeed import rollout_shares_policy
+from grpo_ds.config.reward_specs import reward_specs
 from grpo_ds.distributed import launcher
 from grpo_ds.distributed.bridge import Bridge
 from grpo_ds.distributed.ranks import Dist
@@ -164,7 +165,7 @@ class Session:
         r = inputs.recipe.reward
         processes = worker_count(r.processes)
         if processes and r.functions:
-            inputs.reward_pool = RewardPool(r.functions, processes, r.worker_memory_gib)
+            inputs.reward_pool = RewardPool(reward_specs(r).functions, processes, r.worker_memory_gib)
             self._parts.callback(inputs.reward_pool.close)
 
     def _start_logger(self) -> MetricsLogger:

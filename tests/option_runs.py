@@ -296,8 +296,9 @@ def reference_step(run: Run, opt: OptimizerStep) -> Reference:
     weight = torch.cat([token_weights[i] for i in ids])  # (N,)
     old_flat = torch.cat([old[i] for i in ids])
     token_advantage = advantages[torch.tensor(ids)[seq_index]]
-    cfg = LossConfig(a.clip_low, a.clip_high, a.dual_clip, 0.0 if a.kl_in_reward else a.kl_coef, a.kl_estimator,
-                     a.entropy_coef, a.policy_loss)
+    cfg = LossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+                     kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator,
+                     entropy_coef=a.entropy_coef, policy_loss=a.policy_loss)
     per_token, kl, clipped = token_losses(logprobs, old_flat, token_advantage,
                                           torch.cat([ref[i] for i in ids]) if cfg.kl_coef > 0 else None, entropy,
                                           cfg, (seq_index, weight))

@@ -1,10 +1,10 @@
 """The package's shape (docs/concepts/architecture.md): its parts, what each may import, no circles, no long modules.
 
 A part is a sub-package (config, distributed, model, step, run, algo, kernels, rewards, reward_models, envs, rollout)
-or a top-level module (the CLIs train, check, export, plot; errors; and session, the run's parts). Imports are read from the source (inside
-functions too); imports under ``if TYPE_CHECKING:`` are annotations only: they do not count for what a part may
-import, but they do for circles between modules (a module that needs another's types for its annotations depends on
-it).
+or a top-level module (the CLIs train, check, export, plot; errors; and session, the run's parts). Imports are read
+from the source (inside functions too); imports under ``if TYPE_CHECKING:`` are annotations only: they do not count
+for what a part may import, but they do for circles between modules (a module that needs another's types for its
+annotations depends on it).
 """
 
 import ast
@@ -28,7 +28,7 @@ LONG_FUNCTIONS = {
     "grpo_ds.rewards.sandbox_runner.main": "the sandbox's child process, in the order it locks itself down",
     "grpo_ds.rewards.sandbox.run_python": "the sandbox's parent side: start, feed, time out, reap, in one place",
     "grpo_ds.config.rules.validate": "the recipe's cross-key rules, in the order the docs list them",
-    "grpo_ds.rewards.scoring.score": "placeholder",
+    "grpo_ds.rewards.scoring.score_functions": "placeholder",
 }
 PARTS = ("config", "distributed", "model", "step", "run", "algo", "kernels", "rewards", "reward_models", "envs",
          "rollout")
@@ -204,6 +204,7 @@ def test_what_each_lower_part_imports(part):
 # What a part never imports (prefixes). With MAY_IMPORT, the table docs/generate.py draws the architecture from.
 NEVER_IMPORT = (
     ("grpo_ds.model", ("grpo_ds.step", "grpo_ds.run")),  # the model is built and used, it does not drive
+    ("grpo_ds.reward_models", ("grpo_ds.step", "grpo_ds.run")),  # below the step, which holds them
     ("grpo_ds.run", ("grpo_ds.step",)),  # the run's files know nothing of a step's phases
     ("grpo_ds.run.preflight", ("grpo_ds.model.engine", "grpo_ds.model.policy")),  # loads no model
     ("grpo_ds.step.loss", ("grpo_ds.distributed", "grpo_ds.model", "grpo_ds.step.plan", "grpo_ds.step.update")),

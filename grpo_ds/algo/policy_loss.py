@@ -26,11 +26,15 @@ The training loss of one token adds the KL penalty and subtracts the entropy bon
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpo_ds.algo.kl import kl_penalty
 from grpo_ds.algo.names import POLICY_LOSSES
+
+if TYPE_CHECKING:  # read, never imported: the formulas import nothing of the recipe
+    from grpo_ds.config.recipe import AlgorithmConfig
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -85,17 +89,29 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     return per_token_loss, is_clipped.to(per_token_loss.dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """Everything that shapes the per-token loss l_t (see the module docstring)."""
+    """Everything that shapes the per-token loss l_t (see the module docstring). No field has a
+    default: the recipe's schema holds them (grpo_ds.config.recipe.AlgorithmConfig), and
+    ``from_recipe`` reads them from it."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    policy_loss: str = "ppo_clip"  # or "gspo" (needs the sequence layout: see token_losses)
+    clip_low: float  # ratio >= 1 - clip_low
+    clip_high: float  # ratio <= 1 + clip_high
+    dual_clip: float | None  # None: no dual clip
+    kl_coef: float  # the KL term's weight in l_t (0 where the KL goes into the reward instead)
+    kl_estimator: str  # "k1", "k2" or "k3" (grpo_ds.algo.kl)
+    entropy_coef: float
+    policy_loss: str  # "ppo_clip" or "gspo" (needs the sequence layout: see token_losses)
+
+    @classmethod
+    def from_recipe(cls, algorithm: AlgorithmConfig) -> LossConfig:
+        """The loss the recipe's ``algorithm`` section asks for. With ``kl_in_reward`` the KL is
+        subtracted from the reward before the advantages (grpo_ds.algo.shaping), so the loss has no
+        KL term."""
+        a = algorithm
+        return cls(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+                   kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator,
+                   entropy_coef=a.entropy_coef, policy_loss=a.policy_loss)
 
 
 def token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from grpo_ds.config.reward_specs import parse_reward_model_specs, parse_reward_specs
+from grpo_ds.config.reward_specs import reward_specs
 from grpo_ds.errors import UserError
 
 if TYPE_CHECKING:
@@ -89,9 +89,7 @@ def validate(recipe: Recipe) -> None:
     if a.advantage == "dr_grpo" and a.scale_rewards not in (None, "none"):
         raise UserError("algorithm.scale_rewards", f'"{a.scale_rewards}" contradicts advantage "dr_grpo", which is '
                         "defined by not scaling the centred rewards", 'use advantage "grpo" to scale, or null')
-    _validate_reward_specs(recipe.reward.functions, scored_by_env=recipe.rollout.engine == "agent"
-                           or bool(recipe.reward.models))
-    _validate_reward_model_names(recipe.reward.functions, recipe.reward.models)
+    _validate_rewards(recipe)
 
 
 def _validate_sequence_parallel(recipe: Recipe) -> None:
@@ -181,17 +179,9 @@ def _validate_algorithm(recipe: Recipe) -> None:
                         f"use at most {limit - 1}")
 
 
-def _validate_reward_specs(functions: list, scored_by_env: bool) -> None:
-    if not functions and not scored_by_env:
+def _validate_rewards(recipe: Recipe) -> None:
+    """Each reward entry (parsed here, once: grpo_ds.config.reward_specs), and something to score
+    the samples: a reward function, a reward model, or the agent engine's environment."""
+    rewards = reward_specs(recipe.reward)
+    if not rewards.functions and not rewards.models and recipe.rollout.engine != "agent":
         raise UserError("reward.functions", "is empty", 'add one, e.g. [{"name": "exact_match", "weight": 1.0}]')
-    parse_reward_specs(functions)  # each entry's keys, types and default weight, as loading reads them
-
-
-def _validate_reward_model_names(functions: list, models: list) -> None:
-    """Each reward model's entry (keys, types, ranges, distinct names; its folder is checked before loading, by
-    grpo_ds.model.reward_model_checks), and a name no reward function has: their metrics (reward/NAME) must not mix."""
-    functions = {spec.name for spec in parse_reward_specs(functions)}
-    for i, spec in enumerate(parse_reward_model_specs(models)):
-        if spec.name in functions:
-            raise UserError(f"reward.models[{i}].name", f'"{spec.name}" is the name of a reward function too (their '
-                            "metrics reward/NAME would mix)", 'give the model another "name"')

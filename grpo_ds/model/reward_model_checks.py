@@ -2,17 +2,19 @@
 setting, each problem one ``UserError`` line (exit 2 through the command lines). Only config.json and the tokenizer
 files are read (the tokenizer is built from its local files, nothing is downloaded); no weight is loaded.
 
-grpo_ds.run.preflight.prepare_inputs calls ``check_reward_models``, so ``python -m grpo_ds.train`` and the dry run
-``python -m grpo_ds.check`` refuse the same folders the same way.
+grpo_ds.run.preflight.prepare_inputs calls ``check_reward_models`` with the recipe's parsed specs
+(grpo_ds.config.reward_specs), so ``python -m grpo_ds.train`` and the dry run ``python -m
+grpo_ds.check`` refuse the same folders the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from grpo_ds.config.parse import printable
 from grpo_ds.config.recipe import ModelConfig
-from grpo_ds.config.reward_specs import RewardModelSpec, parse_reward_model_specs
+from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.model.loading import TOKENIZER_FILES, context_length
 
@@ -20,13 +22,10 @@ _HEAD = "ForSequenceClassification"  # the architectures' suffix of a model with
 _SAVE = "save it with AutoModelForSequenceClassification (num_labels=1) and its tokenizer's save_pretrained"
 
 
-def check_reward_models(entries: list) -> list[RewardModelSpec]:
-    """The recipe's ``reward.models`` entries parsed (grpo_ds.config.reward_specs) and each folder checked; the
-    specs, in the recipe's order."""
-    specs = parse_reward_model_specs(entries)
+def check_reward_models(specs: Sequence[RewardModelSpec]) -> None:
+    """Each reward model's folder checked (``check_reward_model``), in the recipe's order."""
     for i, spec in enumerate(specs):
         check_reward_model(f"reward.models[{i}]", spec)
-    return specs
 
 
 def check_reward_model(where: str, spec: RewardModelSpec) -> None:

@@ -4,8 +4,9 @@ One step, per reward model (every rank runs the same code):
 
     rank r's contiguous share of the samples (Dist.dp_slice: by data-parallel rank)
       -> rendered as text and tokenized by the model's own tokenizer (grpo_ds.reward_models.render)
-      -> token micro-batches (grpo_ds.step.plan.pack_micro_batches, budget ``micro_tokens``): one packed row with
-         position ids restarting per sequence where the model allows it, else right-padded rows with a mask
+      -> token micro-batches (grpo_ds.model.batching.pack_micro_batches, budget ``micro_tokens``):
+         one packed row with position ids restarting per sequence where the model allows it, else
+         right-padded rows with a mask
       -> the forward of the whole model; the score head's output is read at each sequence's last token
       -> every rank's scores all-gathered, so each rank holds the whole batch's
 
@@ -31,6 +32,7 @@ module moves to the CPU after scoring and back before. On a CPU machine both run
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +44,10 @@ from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError, first_line
+from grpo_ds.model.batching import pack_micro_batches
 from grpo_ds.model.engine import create_reference_engine
 from grpo_ds.model.loading import partitioned_loading
 from grpo_ds.reward_models.render import render
-from grpo_ds.step.plan import pack_micro_batches
 
 _HEADS = ("score", "classifier")  # where sequence classifiers keep their head (Llama, Qwen2, Mistral...: score)
 
@@ -94,14 +96,15 @@ class Scored:
 
 
 class RewardModels:
-    """The run's reward models, loaded; ``score`` is collective (every rank calls it with the same batch)."""
+    """The run's reward models, loaded; ``score_models`` is collective (every rank calls it with the
+    same batch)."""
 
     def __init__(self, models: list[_Model], micro_tokens: int, packing: bool, device: torch.device):
         self.models, self.micro_tokens, self.packing, self.device = models, micro_tokens, packing, device
 
     @staticmethod
-    def build(specs: list[RewardModelSpec], ds_config: dict, dist: Dist, micro_tokens: int, packing: bool = True,
-              announce: bool = False) -> RewardModels:
+    def build(specs: Sequence[RewardModelSpec], ds_config: dict, dist: Dist, micro_tokens: int,
+              packing: bool = True, announce: bool = False) -> RewardModels:
         """Load each model (partitioned under ZeRO-3: ``zero.Init`` through transformers' DeepSpeed integration, as
         grpo_ds.model.loading loads the policy) with its tokenizer, and wrap it in an engine with no optimizer.
         ``micro_tokens``: the token budget of one micro-batch (real tokens packed, rows x longest padded);
@@ -141,7 +144,7 @@ class RewardModels:
             models.append(model)
         return RewardModels(models, micro_tokens, packing, dist.device)
 
-    def score(self, prompts: list[str], completions: list[str], dist: Dist) -> Scored:
+    def score_models(self, prompts: list[str], completions: list[str], dist: Dist) -> Scored:
         """Every model's normalised score of every sample (``prompts[i] + completions[i]``), on every rank."""
         lo, hi = dist.dp_slice(len(prompts))
         rendered, status = [], []

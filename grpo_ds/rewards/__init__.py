@@ -1,10 +1,11 @@
 """Reward functions: how completions are scored.
 
-Modules: the recipe's specs turned into callables (``loading``), a batch scored with them (``scoring``), in worker
-processes (``pool``, each one ``worker``), a per-sample failure (``item_error``); the built-ins (``builtin``), with the
-final-answer extraction they share (``final_answer``), ``math_equivalence`` (``math_answer``) and ``code_exec``
-(``code_exec``), which runs untrusted code in a confined process (``sandbox``, whose child side is
-``sandbox_runner``).
+Modules: the recipe's specs turned into callables (``loading``), a batch scored with them and the
+reward models' scores added (``scoring``: ``score_functions``, ``add_model_scores``), in worker
+processes (``pool``, each one ``worker``), a per-sample failure (``item_error``); the built-ins
+(``builtin``), with the final-answer extraction they share (``final_answer``), ``math_equivalence``
+(``math_answer``) and ``code_exec`` (``code_exec``), which runs untrusted code in a confined process
+(``sandbox``, whose child side is ``sandbox_runner``).
 
 A recipe lists weighted reward functions; a sample's reward is the weighted sum of their scores::
 
@@ -66,9 +67,17 @@ keyword arguments) are reported as one-line errors before any model is loaded.
 from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 from grpo_ds.rewards.item_error import RewardError
 from grpo_ds.rewards.loading import RewardFn, RewardFunction, load_reward_functions
-from grpo_ds.rewards.scoring import RewardFailure, RewardResult, check_columns, score, unique_names
+from grpo_ds.rewards.scoring import (
+    RewardFailure,
+    RewardResult,
+    add_model_scores,
+    check_columns,
+    score_functions,
+    unique_names,
+)
 
 __all__ = [
+    "add_model_scores",
     "check_columns",
     "BUILTIN_REWARDS",
     "RewardError",
@@ -77,6 +86,6 @@ __all__ = [
     "RewardFunction",
     "RewardResult",
     "load_reward_functions",
-    "score",
+    "score_functions",
     "unique_names",
 ]

@@ -1,4 +1,5 @@
-"""Turn the recipe's ``reward.functions`` specs into callables, reporting every mistake as a UserError.
+"""Turn the recipe's ``reward.functions`` specs (parsed: grpo_ds.config.reward_specs) into
+callables, reporting every mistake as a UserError.
 
 Everything here runs at recipe load time, before any model is loaded, so a misspelt name or a
 module that does not import stops the run at once with one line saying what to fix.
@@ -9,11 +10,11 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from grpo_ds.config.reward_specs import parse_reward_specs
+from grpo_ds.config.reward_specs import RewardFunctionSpec
 from grpo_ds.errors import UserError
 from grpo_ds.rewards.builtin import BUILTIN_REWARDS
 
@@ -39,10 +40,12 @@ class RewardFunction:
     fn: RewardFn
 
 
-def load_reward_functions(specs: list[dict]) -> list[RewardFunction]:
-    """Resolve ``[{"name": ..., "weight": ...}, ...]`` (see ``parse_reward_specs``); raise UserError if any is bad."""
+def load_reward_functions(specs: Sequence[RewardFunctionSpec]) -> list[RewardFunction]:
+    """Resolve each spec's name (a built-in, or package.module:function) and check that its
+    signature takes the reward keyword arguments; raise UserError at ``reward.functions[i].name``
+    for the first that fails."""
     functions = []
-    for i, spec in enumerate(parse_reward_specs(specs)):
+    for i, spec in enumerate(specs):
         where = f"reward.functions[{i}].name"
         fn = _resolve(where, spec.name)
         _check_signature(where, spec.name, fn)

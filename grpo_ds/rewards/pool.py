@@ -19,10 +19,12 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from grpo_ds.config.reward_specs import RewardFunctionSpec
 from grpo_ds.errors import UserError
 
 # One thread per worker for the libraries that start a thread per core (numpy's BLAS, OpenMP): N workers on N cores
@@ -73,7 +75,8 @@ def _exit_text(returncode: int | None) -> str:
 class RewardPool:
     """``processes`` workers that load ``specs`` (the recipe's ``reward.functions``) as the trainer did."""
 
-    def __init__(self, specs: list[dict], processes: int, memory_gib: float | None = None) -> None:
+    def __init__(self, specs: Sequence[RewardFunctionSpec], processes: int, memory_gib: float | None = None
+                 ) -> None:
         self._init = {"sys_path": list(sys.path), "specs": specs,
                       "memory_bytes": int(memory_gib * 2**30) if memory_gib else None}
         self._workers = [self._start() for _ in range(processes)]

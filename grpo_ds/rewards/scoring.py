@@ -1,4 +1,6 @@
-"""Score a batch with weighted reward functions, containing each function's failures.
+"""Score a batch with weighted reward functions (``score_functions``), containing each function's
+failures, and add the reward models' scores to theirs (``add_model_scores``, the one rule that
+combines the two sources).
 
 total[i] = sum_k weight_k * score_k[i], where score_k[i] is function k's value for sample i, and
 0.0 when it returned None or failed (raised, timed out, ended its worker process, returned a bad
@@ -21,10 +23,11 @@ import math
 import numbers
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_ds.config.reward_specs import ON_ERROR_CHOICES
+from grpo_ds.config.reward_specs import ON_ERROR_CHOICES, RewardModelSpec
 from grpo_ds.errors import UserError
 from grpo_ds.rewards.item_error import RewardError
 from grpo_ds.rewards.loading import RewardFunction
@@ -93,7 +96,7 @@ def chunks_of(n: int, chunk_samples: int | None, group_size: int = 1) -> list[tu
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
-def score(
+def score_functions(
     functions: list[RewardFunction],
     *,
     prompts: list[str],
@@ -158,13 +161,20 @@ def score(
     return result
 
 
-def add_model_scores(result: RewardResult, models: list[tuple[str, float, list[float]]]) -> RewardResult:
-    """The reward models' scores (grpo_ds.reward_models, already normalised), as (name, weight, score per sample),
-    join the functions': ``total[i] += weight * score[i]``, and ``per_function[name]`` holds the unweighted score, so
-    the metrics treat a model like a function (a model neither fails nor returns None: no errors, no nones)."""
+# The reward models' scores of a batch: each model's spec and its score of every sample
+# (grpo_ds.reward_models).
+ModelScores = Sequence[tuple[RewardModelSpec, Sequence[float]]]
+
+
+def add_model_scores(result: RewardResult, models: ModelScores) -> RewardResult:
+    """The reward models' scores (grpo_ds.reward_models, already normalised), as (spec, score per
+    sample), join the functions': ``total[i] += spec.weight * score[i]``, and
+    ``per_function[spec.name]`` holds the unweighted score, so the metrics treat a model like a
+    function (a model neither fails nor returns None: no errors, no nones)."""
     total = list(result.total)
     per_function, errors, nones = dict(result.per_function), dict(result.errors), dict(result.nones)
-    for name, weight, scores in models:
+    for spec, scores in models:
+        name, weight = spec.name, spec.weight
         if len(scores) != len(total):
             raise ValueError(f"reward model {name!r} scored {len(scores)} samples of {len(total)}")
         per_function[name], errors[name], nones[name] = list(scores), 0, 0

@@ -20,7 +20,7 @@ from grpo_ds.config.deepspeed_check import check_precision_supported
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.placement import Placement, resolve_placement
 from grpo_ds.config.recipe import Recipe
-from grpo_ds.config.reward_specs import RewardModelSpec
+from grpo_ds.config.reward_specs import RewardModelSpec, reward_specs
 from grpo_ds.config.software import resolve_backend
 from grpo_ds.envs.loading import load_env_factory
 from grpo_ds.errors import UserError
@@ -47,7 +47,7 @@ class Inputs:
     data_identity: dict  # what data.train holds: source, prompts, fingerprint (grpo_ds.run.prompts.data_identity)
     placement: Placement  # which ranks train and which generate (rollout.placement)
     reward_pool: Any = None  # rank 0's reward worker processes (grpo_ds.rewards.pool), started by the driver
-    reward_models: list[RewardModelSpec] = dataclasses.field(default_factory=list)  # reward.models, folders checked
+    reward_models: tuple[RewardModelSpec, ...] = ()  # reward.models, parsed, their folders checked
 
 
 def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | dict | None, world_size: int,
@@ -69,8 +69,9 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
     check_router_aux_loss(recipe.model)  # an MoE's load-balancing loss: refused for a dense model
     _check_tensor_parallel(recipe)
-    reward_functions = load_reward_functions(recipe.reward.functions)
-    reward_models = check_reward_models(recipe.reward.models)  # their folders, heads, tokenizers and lengths
+    rewards = reward_specs(recipe.reward)  # parsed when the recipe was loaded
+    reward_functions = load_reward_functions(rewards.functions)
+    check_reward_models(rewards.models)  # their folders, heads, tokenizers and lengths
     check_logging_extras(recipe.logging)
     env_factory = load_env_factory(recipe.rollout.env, recipe.rollout.env_options) \
         if recipe.rollout.engine == "agent" else None
@@ -81,7 +82,7 @@ def prepare_inputs(recipe: str | Path | dict | Recipe, overrides: list[str] | di
     _check_context_length(recipe, prompts, eval_prompts)
     identity = data_identity(recipe.data.train, recipe.source_dir, prompts)
     return Inputs(recipe, ds_config, tokenizer, reward_functions, prompts, skipped, backend, env_factory, eval_prompts,
-                  identity, placement, reward_models=reward_models)
+                  identity, placement, reward_models=rewards.models)
 
 
 def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
+from grpo_ds.reward_models.scorer import RewardModels
 from grpo_ds.rollout.base import RolloutEngine
+from grpo_ds.run.metrics import MetricsLogger
 from grpo_ds.run.preflight import Inputs
 from grpo_ds.step.update import UpdateSettings
 
@@ -25,9 +26,9 @@ class StepContext:
     inputs: Inputs  # everything checked before load: recipe, tokenizer, prompts, reward functions, placement
     dist: Dist  # this rank's place in the layout
     rollout: RolloutEngine | None = None  # this rank's rollout engine (None: a trainer rank of a split placement)
-    reward_models: Any = None  # the learned reward models this rank holds (grpo_ds.reward_models), or None
+    reward_models: RewardModels | None = None  # the learned reward models this rank holds, or None
     settings: UpdateSettings | None = None  # the update phases' settings (None on a rollout rank)
-    logger: Any = None  # the metrics logger (grpo_ds.run.metrics.MetricsLogger; None on a rollout rank)
+    logger: MetricsLogger | None = None  # rank 0 writes metrics.jsonl; None on a rollout rank
     run_dir: Path | None = None  # the run folder
 
     @property

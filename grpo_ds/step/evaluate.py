@@ -15,9 +15,10 @@ from math import comb
 
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import Dist
+from grpo_ds.rewards.scoring import add_model_scores
 from grpo_ds.rollout.base import RolloutEngine, Rollouts, SamplingParams
 from grpo_ds.run.prompts import PromptRow
-from grpo_ds.step.collect import score_models, score_samples
+from grpo_ds.step.collect import score_functions, score_models, with_env_rewards
 from grpo_ds.step.context import StepContext
 
 
@@ -44,11 +45,8 @@ def evaluate(step: int, ctx: StepContext) -> dict:
     n = e.samples_per_prompt
     greedy = _answers(recipe, prompts, engine, dist, 1, 0.0, seed=step)
     sampled = _answers(recipe, prompts, engine, dist, n, e.temperature, seed=step)
-    unused: dict = {}  # the models' scoring time is the eval phase's; their metrics describe the training batch
-    greedy_models = score_models(ctx, prompts, greedy, 1, unused, [], unused)
-    sampled_models = score_models(ctx, prompts, sampled, n, unused, [], unused)
-    greedy_rewards = dist.decide(score_samples, inputs, prompts, greedy, 1, greedy_models)
-    rewards = dist.decide(score_samples, inputs, prompts, sampled, n, sampled_models)
+    greedy_rewards = _rewards(ctx, prompts, greedy, 1)
+    rewards = _rewards(ctx, prompts, sampled, n)
     out = {"eval/greedy_accuracy": sum(r >= e.correct_at for r in greedy_rewards) / len(prompts),
            "eval/greedy_reward_mean": sum(greedy_rewards) / len(prompts),
            "eval/reward_mean": sum(rewards) / len(rewards)}
@@ -56,6 +54,16 @@ def evaluate(step: int, ctx: StepContext) -> dict:
     for k in e.pass_at:
         out[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(prompts)
     return out
+
+
+def _rewards(ctx: StepContext, prompts: list[PromptRow], answers: Rollouts, group_size: int
+             ) -> list[float]:
+    """Each answer's total reward, on every rank: the reward models' scores (where the rank holds
+    them), plus the reward functions' (rank 0's, sent to every rank), plus the environment's."""
+    unused: dict = {}  # their time is the eval phase's; their metrics describe the training batch
+    models = score_models(ctx, prompts, answers, group_size, unused, [], unused)
+    functions = ctx.dist.decide(score_functions, ctx.inputs, prompts, answers, group_size)
+    return with_env_rewards(add_model_scores(functions, models).total, answers)
 
 
 def _answers(recipe: Recipe, prompts: list[PromptRow], engine: RolloutEngine, dist: Dist, group_size: int,

@@ -48,7 +48,7 @@ from grpo_ds.run.preemption import Preempted, StopRequest
 from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.run.writes import append_line
 from grpo_ds.step.batch import StepBatch
-from grpo_ds.step.collect import add_model_rewards, collect
+from grpo_ds.step.collect import collect, score_models_on_trainer
 from grpo_ds.step.context import StepContext
 from grpo_ds.step.profiling import Phase
 
@@ -162,7 +162,7 @@ class SplitTrainer:
                              "placement/rollout_busy_s": produced.busy_s, "placement/rollout_idle_s": produced.idle_s})
         self.rollout_stop = produced.stop
         if self.ctx.reward_models is not None:  # scored here, on the trainer ranks, which hold the models
-            add_model_rewards(data, self.ctx)
+            score_models_on_trainer(data, self.ctx)
         return data
 
     def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:

@@ -63,9 +63,7 @@ class UpdateSettings:
         the model can take (grpo_ds.model.policy)."""
         a = recipe.algorithm
         sp = recipe.train.sequence_parallel_size
-        kl_in_loss = 0.0 if a.kl_in_reward else a.kl_coef
-        config = LossConfig(a.clip_low, a.clip_high, a.dual_clip, kl_in_loss, a.kl_estimator, a.entropy_coef,
-                            a.policy_loss)
+        config = LossConfig.from_recipe(a)
         k = recipe.kernels
         r = recipe.rollout  # the trainer's log-probs replay the sampler's distribution (grpo_ds.algo.truncation)
         loss = LossSettings(config, r.temperature, backend, k.logprob_chunk_tokens,

@@ -1,9 +1,12 @@
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from grpo_ds.algo.policy_loss import LossConfig, gspo_loss, ppo_clip_loss, token_losses
+from grpo_ds.config.recipe import AlgorithmConfig
+from tests.algo.loss_configs import loss_config
 
 # All tensors are float64 and the ratio is rebuilt from exp(log(ratio) + c - c), exact to ~1e-16 relative, so
 # assert_close's float64 defaults (rtol 1e-7, atol 1e-7) are ample yet far below any hand-value difference.
@@ -114,9 +117,27 @@ def test_gspo_unclipped_gradient_is_the_sequence_ratio():
     torch.testing.assert_close(grad, torch.tensor([-s, -s], dtype=F64))
 
 
+def test_the_loss_config_is_the_recipes_algorithm_section():
+    """LossConfig keeps no default of its own and takes keywords only: the recipe's schema holds
+    the defaults, and ``from_recipe`` reads every field from it; with kl_in_reward the KL is in the
+    reward, not the loss."""
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(LossConfig))
+    with pytest.raises(TypeError):
+        LossConfig(0.2, 0.2, None, 0.0, "k3", 0.0, "ppo_clip")
+    keys = dict(clip_low=0.1, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, kl_estimator="k2",
+                entropy_coef=0.01, policy_loss="gspo")
+    assert LossConfig.from_recipe(AlgorithmConfig(**keys)) == LossConfig(**keys)
+    assert LossConfig.from_recipe(AlgorithmConfig(**keys, kl_in_reward=True)).kl_coef == 0.0
+    default = AlgorithmConfig()
+    assert loss_config() == LossConfig.from_recipe(default)
+    assert (loss_config().clip_low, loss_config().kl_estimator) == \
+        (default.clip_low, default.kl_estimator)
+
+
 def test_token_losses_needs_the_sequences_for_gspo():
     with pytest.raises(ValueError, match="sequences"):
-        token_losses(torch.zeros(2), None, torch.zeros(2), None, None, LossConfig(policy_loss="gspo"))
+        token_losses(torch.zeros(2), None, torch.zeros(2), None, None,
+                     loss_config(policy_loss="gspo"))
 
 
 def test_extreme_ratios_stay_finite_and_clip():

@@ -12,6 +12,7 @@ from grpo_ds.algo.logprobs import token_logprobs_and_entropy
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
 from grpo_ds.algo.truncation import NO_TRUNCATION, Truncation
 from grpo_ds.kernels import LossInputs
+from tests.algo.loss_configs import loss_config
 from tests.kernels.test_logprobs import TRUNCATIONS, sampled_targets
 from tests.kernels.tolerances import assert_close, compare
 
@@ -160,10 +161,11 @@ def compare_policy_loss(backend: str, dtype: torch.dtype, cfg: LossConfig, has_o
 # (old, ref) presences rotated so each estimator meets all four and each (dual clip, entropy) pair meets three.
 # clip_high 0.28: DAPO's asymmetric clip.
 PRESENCE = list(itertools.product((True, False), (True, False)))  # (has_old, has_ref)
-CONFIGS = [(LossConfig(clip_high=0.28, dual_clip=dual, kl_coef=0.1, kl_estimator=kl, entropy_coef=ent),
-            *PRESENCE[(i + i // 4) % 4])
+CONFIGS = [(loss_config(clip_high=0.28, dual_clip=dual, kl_coef=0.1, kl_estimator=kl,
+                        entropy_coef=ent), *PRESENCE[(i + i // 4) % 4])
            for i, (kl, dual, ent) in enumerate(itertools.product(("k1", "k2", "k3"), (None, 3.0), (0.0, 0.01)))]
-ALL_TERMS = LossConfig(clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+ALL_TERMS = loss_config(clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_estimator="k3",
+                        entropy_coef=0.01)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
@@ -199,7 +201,8 @@ def test_policy_loss_every_config(backend):
 
 @pytest.mark.parametrize(("vocab", "cfg", "has_old", "has_ref"), [
     (1000, ALL_TERMS, True, True),  # every term of the loss
-    (5003, LossConfig(kl_coef=0.1, kl_estimator="k2"), False, True),  # on-policy, no dual clip, no entropy bonus
+    # on-policy, no dual clip, no entropy bonus
+    (5003, loss_config(kl_coef=0.1, kl_estimator="k2"), False, True),
 ])
 def test_policy_loss_bf16(backend, vocab, cfg, has_old, has_ref):
     compare_policy_loss(backend, BF16, cfg, has_old, has_ref, num_tokens=10, hidden=32, vocab=vocab,
@@ -242,8 +245,8 @@ def test_policy_loss_single_token(backend):
 def test_policy_loss_branches_occur():
     # The inputs really exercise the branches: tokens inside the clip range, ratio-clipped, and dual-clipped.
     inputs = loss_inputs(hidden_inputs(10, 16, 103), 1.0, True, True)
-    no_dual = loss_reference(LossConfig(), 1.0)(**inputs)["clipped"]
-    dual = loss_reference(LossConfig(dual_clip=3.0), 1.0)(**inputs)["clipped"]
+    no_dual = loss_reference(loss_config(), 1.0)(**inputs)["clipped"]
+    dual = loss_reference(loss_config(dual_clip=3.0), 1.0)(**inputs)["clipped"]
     assert 0 < int(no_dual.sum()) < int(dual.sum()) < 10
 
 
@@ -301,4 +304,5 @@ def test_loss_inputs_shapes_checked(backend):
     inputs = loss_inputs(hidden_inputs(4, 16, 103), 1.0, True, True)
     bad = LossInputs(inputs["targets"], inputs["advantages"][:3], inputs["weights"])
     with pytest.raises(ValueError, match="advantages"):
-        kernels.policy_loss_from_hidden(inputs["hidden"], inputs["weight"], bad, LossConfig(), backend=backend)
+        kernels.policy_loss_from_hidden(inputs["hidden"], inputs["weight"], bad, loss_config(),
+                                        backend=backend)

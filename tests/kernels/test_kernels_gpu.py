@@ -11,8 +11,8 @@ The fp32 runs use chunks of 200 tokens (a partial last chunk).
 import pytest
 import torch
 
-from grpo_ds.algo.policy_loss import LossConfig
 from grpo_ds.config.software import triton_problem
+from tests.algo.loss_configs import loss_config
 from tests.kernels.test_advantages import compare_advantages
 from tests.kernels.test_fused_linear import ALL_TERMS, compare_logprobs, compare_policy_loss
 from tests.kernels.test_logprobs import compare_logits
@@ -57,8 +57,8 @@ def test_logprobs_from_hidden(backend, dtype, vocab):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("cfg", "has_old", "has_ref"), [
     (ALL_TERMS, True, True),
-    (LossConfig(kl_coef=0.1, kl_estimator="k1"), False, True),
-    (LossConfig(), False, False),
+    (loss_config(kl_coef=0.1, kl_estimator="k1"), False, True),
+    (loss_config(), False, False),
 ], ids=["all-terms", "on-policy-k1", "plain"])
 def test_policy_loss_from_hidden(backend, dtype, cfg, has_old, has_ref):
     compare_policy_loss(backend, dtype, cfg, has_old, has_ref, num_tokens=N, hidden=H, vocab=151936,
@@ -68,8 +68,8 @@ def test_policy_loss_from_hidden(backend, dtype, cfg, has_old, has_ref):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_masked_policy_loss(backend, dtype):
     compare_masked(backend, dtype, ALL_TERMS, True, True, has_entropy=True, num_seqs=64, width=2048, device="cuda")
-    compare_masked(backend, dtype, LossConfig(kl_coef=0.1, kl_estimator="k2"), False, True, has_entropy=False,
-                   num_seqs=64, width=2048, device="cuda")
+    compare_masked(backend, dtype, loss_config(kl_coef=0.1, kl_estimator="k2"), False, True,
+                   has_entropy=False, num_seqs=64, width=2048, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])

@@ -7,6 +7,7 @@ import torch
 
 from grpo_ds import kernels
 from grpo_ds.algo.policy_loss import LossConfig, token_losses
+from tests.algo.loss_configs import loss_config
 from tests.kernels.test_fused_linear import CONFIGS, LOG_RATIOS, REF_LOG_RATIOS, cycled
 from tests.kernels.tolerances import assert_close, compare, evaluate
 
@@ -138,5 +139,5 @@ def test_masked_positions_never_leak(backend):
 
 def test_empty_batch(backend):
     empty = torch.zeros(0, 7)
-    sums = kernels.masked_policy_loss(empty, torch.zeros(0), empty, LossConfig(), backend=backend)
+    sums = kernels.masked_policy_loss(empty, torch.zeros(0), empty, loss_config(), backend=backend)
     assert all(value.shape == (0,) for value in sums)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaForCausalLM
 
+from grpo_ds.config.reward_specs import RewardModelSpec, parse_rewards
 from grpo_ds.errors import UserError
 from grpo_ds.model.reward_model_checks import check_reward_models
 from grpo_ds.run.preflight import prepare_inputs
@@ -39,25 +40,29 @@ def _edit_json(path: Path, edit) -> None:
     path.write_text(json.dumps(data))
 
 
+def specs(entries: list) -> tuple[RewardModelSpec, ...]:
+    """The entries parsed as the recipe's are (grpo_ds.config.reward_specs)."""
+    return parse_rewards([], entries).models
+
+
 def refusal(entries: list) -> UserError:
     with pytest.raises(UserError) as info:
-        check_reward_models(entries)
+        check_reward_models(specs(entries))
     text = str(info.value)
     assert "\n" not in text and text.endswith("."), text  # one line, the fix a complete sentence
     return info.value
 
 
-def test_a_good_folder_passes_and_gives_the_specs(good):
-    (spec,) = check_reward_models([{"path": str(good), "max_length": CONTEXT}])
-    assert (spec.path, spec.name, spec.max_length) == (str(good), "good_rm", CONTEXT)
-    assert check_reward_models([]) == []
+def test_a_good_folder_passes(good):
+    check_reward_models(specs([{"path": str(good), "max_length": CONTEXT}]))
+    check_reward_models(())
 
 
 def test_no_weight_is_read(tmp_path, good):
     folder = _copy(good, tmp_path)
     for weights in folder.glob("*.safetensors"):
         weights.unlink()
-    check_reward_models([{"path": str(folder)}])  # config.json and the tokenizer files are all the checks read
+    check_reward_models(specs([{"path": str(folder)}]))  # config.json and the tokenizer files alone
 
 
 def test_a_missing_folder(tmp_path):
@@ -113,7 +118,7 @@ def test_a_null_max_length_needs_a_context_length_in_the_config(tmp_path, good):
     assert not any(key in config for key in ("n_positions", "max_seq_len", "seq_length", "n_ctx"))
     err = refusal([{"path": str(folder)}])
     assert err.where == "reward.models[0].max_length" and "names none" in err.what
-    check_reward_models([{"path": str(folder), "max_length": 64}])  # a length given: fine
+    check_reward_models(specs([{"path": str(folder), "max_length": 64}]))  # a length given: fine
 
 
 def test_a_max_length_below_two_is_refused_with_the_recipe(good):
@@ -147,7 +152,7 @@ def test_chat_template_true_needs_a_template(tmp_path, good):
     err = refusal([{"path": str(folder)}])
     assert err.where == "reward.models[0].chat_template" and "has no chat template" in err.what
     assert "set chat_template false" in err.fix
-    check_reward_models([{"path": str(folder), "chat_template": False}])  # the plain text needs none
+    check_reward_models(specs([{"path": str(folder), "chat_template": False}]))  # plain: needs none
 
 
 def test_preflight_runs_the_checks_and_hands_over_the_specs(good, tmp_path):

@@ -110,7 +110,7 @@ def test_a_reward_model_with_its_own_vocabulary_scores_a_policys_completions(fol
     spec = RewardModelSpec(path=folder, name="plain", chat_template=False)
     dist = init_distributed()
     models = RewardModels.build([spec], ds_config(1, False), dist, MICRO_TOKENS)
-    got = torch.tensor(models.score(prompts, completions, dist).scores["plain"])
+    got = torch.tensor(models.score_models(prompts, completions, dist).scores["plain"])
     expected = torch.tensor(reference(folder, spec))
     assert (got - expected).abs().max() <= TOLERANCE
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
@@ -132,7 +132,8 @@ def test_a_model_and_tokenizer_without_a_pad_token_score_in_padded_rows(tmp_path
     spec = RewardModelSpec(path=folder, name="no_pad", chat_template=False)
     dist = init_distributed()
     models = RewardModels.build([spec], ds_config(1, False), dist, MICRO_TOKENS, packing=False)
-    got = torch.tensor(models.score([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist).scores["no_pad"])
+    scored = models.score_models([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist)
+    got = torch.tensor(scored.scores["no_pad"])
     assert (got - torch.tensor(reference(folder, spec))).abs().max() <= TOLERANCE
 
 
@@ -141,7 +142,7 @@ def test_overflow_error_stops_scoring_with_one_line(folder):
     spec = RewardModelSpec(path=folder, name="strict", chat_template=False, max_length=SHORT, overflow="error")
     models = RewardModels.build([spec], ds_config(1, False), dist, MICRO_TOKENS)
     with pytest.raises(UserError) as err:
-        models.score([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist)
+        models.score_models([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist)
     assert "\n" not in str(err.value)
     assert "max_length 24" in str(err.value) and "truncate_left" in str(err.value)
 

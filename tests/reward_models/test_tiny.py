@@ -69,5 +69,5 @@ def test_the_documented_command_writes_a_folder_the_scorer_reads(tmp_path, capsy
     dist = init_distributed()
     models = RewardModels.build([RewardModelSpec(path=str(folder), name="threes")], ds_config(1, False), dist, 64)
     completions = ["3" * k + "x" * (6 - k) for k in range(7)]
-    scores = models.score(["Say 3."] * 7, completions, dist).scores["threes"]
+    scores = models.score_models(["Say 3."] * 7, completions, dist).scores["threes"]
     assert all(b > a for a, b in zip(scores, scores[1:], strict=False))

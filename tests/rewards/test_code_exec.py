@@ -6,7 +6,15 @@ import time
 
 import pytest
 
-from grpo_ds.rewards import RewardError, RewardFailure, RewardFunction, load_reward_functions, score, scoring
+from grpo_ds.config.reward_specs import RewardFunctionSpec
+from grpo_ds.rewards import (
+    RewardError,
+    RewardFailure,
+    RewardFunction,
+    load_reward_functions,
+    score_functions,
+    scoring,
+)
 from grpo_ds.rewards.builtin import format_reward
 from grpo_ds.rewards.code_exec import build_program, extract_code, make_code_exec
 
@@ -94,7 +102,7 @@ def test_each_abuse_is_a_per_sample_reward_error(name):
 
 def run_score(completions, on_error, fn=fast):
     n = len(completions)
-    return score(
+    return score_functions(
         [RewardFunction("code_exec", 1.0, fn), RewardFunction("format", 0.5, format_reward)],
         prompts=["p"] * n,
         completions=completions,
@@ -127,11 +135,11 @@ def test_abuse_with_on_error_fail_stops_the_run(name):
 
 
 def test_loads_by_name_and_runs_concurrently_with_the_batch_timeout():
-    (func,) = load_reward_functions([{"name": "code_exec"}])
+    (func,) = load_reward_functions([RewardFunctionSpec("code_exec", 1.0)])
     slow = make_code_exec(wall_s=30, max_parallel=4)
     sleeper = "```python\nimport time\ntime.sleep(8)\n```"
     start = time.monotonic()
-    res = score(
+    res = score_functions(
         [RewardFunction("code_exec", 1.0, slow)],
         prompts=["p"] * 4,
         completions=[sleeper] * 4,

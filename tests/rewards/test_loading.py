@@ -1,22 +1,35 @@
-"""load_reward_functions: built-ins, package.module:function, and a UserError for every mistake."""
+"""load_reward_functions: built-ins, package.module:function, and a UserError for every mistake.
+The entries are parsed first, by the recipe's one parser (grpo_ds.config.reward_specs), as the
+preflight does."""
 
 
 import pytest
 
 from grpo_ds.config.loading import load_recipe
+from grpo_ds.config.reward_specs import RewardFunctionSpec, parse_rewards
 from grpo_ds.errors import UserError
 from grpo_ds.rewards import RewardFunction, load_reward_functions
 from grpo_ds.rewards.builtin import exact_match, format_reward
 
 
-def load_error(specs) -> UserError:
+def load(entries: list) -> list[RewardFunction]:
+    """The recipe's ``reward.functions`` entries parsed and loaded, as the preflight does."""
+    return load_reward_functions(parse_rewards(entries, ()).functions)
+
+
+def load_error(entries: list) -> UserError:
     with pytest.raises(UserError) as info:
-        load_reward_functions(specs)
+        load(entries)
     return info.value
 
 
+def test_the_parsed_specs_load():
+    (func,) = load_reward_functions([RewardFunctionSpec("format", 0.5)])
+    assert func == RewardFunction("format", 0.5, format_reward)
+
+
 def test_builtins_by_name_with_default_weight():
-    funcs = load_reward_functions([{"name": "exact_match", "weight": 2}, {"name": "format"}])
+    funcs = load([{"name": "exact_match", "weight": 2}, {"name": "format"}])
     assert funcs == [RewardFunction("exact_match", 2.0, exact_match), RewardFunction("format", 1.0, format_reward)]
     assert isinstance(funcs[0].weight, float)
 
@@ -29,7 +42,7 @@ def test_user_function_by_module_path(user_module):
             return [float(len(c)) for c in completions]
     """,
     )
-    (func,) = load_reward_functions([{"name": f"{mod}:length", "weight": 0.5}])
+    (func,) = load([{"name": f"{mod}:length", "weight": 0.5}])
     assert func.name == "rw_ok_mod:length" and func.weight == 0.5
     assert func.fn(prompts=["p"], completions=["abc"], completion_ids=[[1]]) == [3.0]
 
@@ -42,7 +55,7 @@ def test_async_user_function_loads(user_module):
             return [1.0 for c in completions]
     """,
     )
-    (func,) = load_reward_functions([{"name": f"{mod}:judge"}])
+    (func,) = load([{"name": f"{mod}:judge"}])
     assert func.name == "rw_async_mod:judge"
 
 
@@ -53,7 +66,7 @@ def test_async_function_with_a_bad_signature_is_caught(user_module):
 
 def test_new_builtins_load_by_name():
     names = ["math_equivalence", "length_penalty", "code_exec"]
-    assert [f.name for f in load_reward_functions([{"name": n} for n in names])] == names
+    assert [f.name for f in load([{"name": n} for n in names])] == names
 
 
 def test_unknown_builtin_suggests_the_nearest():

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from grpo_ds.config.reward_specs import RewardFunctionSpec
 from grpo_ds.errors import UserError
-from grpo_ds.rewards import RewardFailure, load_reward_functions, score, scoring
+from grpo_ds.rewards import RewardFailure, load_reward_functions, score_functions, scoring
 from grpo_ds.rewards.pool import RewardPool, worker_count
 from tests.launch import REPO, gone, stat_fields
 
@@ -20,18 +21,19 @@ COMPLETIONS = ["7", "12", "7 ", "x", "exit", "3", "3", "hang", "crash", "big", "
 ANSWERS = [str(i % 13) for i in range(len(COMPLETIONS))]
 
 
-def specs(*names: str) -> list[dict]:
-    return [{"name": name if ":" not in name and name in ("exact_match",) else f"{HERE}:{name}", "weight": 1.0}
+def specs(*names: str) -> list[RewardFunctionSpec]:
+    return [RewardFunctionSpec(name if name == "exact_match" else f"{HERE}:{name}", 1.0)
             for name in names]
 
 
-def run(spec: list[dict], pool: RewardPool | None, completions=None, on_error="zero", timeout_s=20.0,
-        chunk_samples=G):
+def run(spec: list[RewardFunctionSpec], pool: RewardPool | None, completions=None, on_error="zero",
+        timeout_s=20.0, chunk_samples=G):
     completions = COMPLETIONS if completions is None else completions
     n = len(completions)
-    return score(load_reward_functions(spec), prompts=[f"p{i // G}" for i in range(n)], completions=completions,
-                 completion_ids=[[i] for i in range(n)], columns={"answer": ANSWERS[:n]}, on_error=on_error,
-                 timeout_s=timeout_s, chunk_samples=chunk_samples, group_size=G, pool=pool)
+    return score_functions(load_reward_functions(spec), prompts=[f"p{i // G}" for i in range(n)],
+                           completions=completions, completion_ids=[[i] for i in range(n)],
+                           columns={"answer": ANSWERS[:n]}, on_error=on_error, timeout_s=timeout_s,
+                           chunk_samples=chunk_samples, group_size=G, pool=pool)
 
 
 def children() -> list[int]:
@@ -160,13 +162,14 @@ def test_memory_per_worker_is_bounded(pools):
 
 def test_sandboxed_code_keeps_its_own_confinement_in_a_worker(pools):
     """code_exec in a worker: the good program passes its tests, and the sandbox still blocks a network call."""
-    spec = [{"name": "code_exec", "weight": 1.0}]
+    spec = [RewardFunctionSpec("code_exec", 1.0)]
     good = "```python\ndef add(a, b):\n    return a + b\n```"
     network = "```python\nimport socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)\n```"
     tests = "assert add(2, 3) == 5"
-    result = score(load_reward_functions(spec), prompts=["p", "p"], completions=[good, network],
-                   completion_ids=[[1], [2]], columns={"tests": [tests, tests]}, on_error="zero", timeout_s=60,
-                   chunk_samples=1, pool=pools(spec, 2))
+    result = score_functions(load_reward_functions(spec), prompts=["p", "p"],
+                             completions=[good, network], completion_ids=[[1], [2]],
+                             columns={"tests": [tests, tests]}, on_error="zero", timeout_s=60,
+                             chunk_samples=1, pool=pools(spec, 2))
     assert result.per_function["code_exec"] == [1.0, 0.0] and result.errors["code_exec"] == 1
 
 
@@ -176,12 +179,12 @@ def test_a_function_that_does_not_load_in_a_worker_is_one_line(pools, tmp_path, 
     module.write_text(f"import pathlib\nm = pathlib.Path({str(marker)!r})\nif m.exists():\n"
                       "    raise RuntimeError('second import')\nm.touch()\n\ndef f(**kw):\n    return [1.0]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    spec = [{"name": "loads_once:f"}]
+    spec = [RewardFunctionSpec("loads_once:f", 1.0)]
     functions = load_reward_functions(spec)  # the trainer's import succeeds; the worker's raises
     pool = pools(spec, 1)
     with pytest.raises(UserError, match="a reward worker process could not load the reward functions .*second import"):
-        score(functions, prompts=["p"], completions=["c"], completion_ids=[[1]], columns={}, on_error="zero",
-              timeout_s=10, pool=pool)
+        score_functions(functions, prompts=["p"], completions=["c"], completion_ids=[[1]],
+                        columns={}, on_error="zero", timeout_s=10, pool=pool)
 
 
 def test_the_default_is_one_worker_per_usable_core_at_most_eight():

@@ -1,4 +1,5 @@
-"""score(): weighted totals, None handling, and containment of failing reward functions."""
+"""score_functions(): weighted totals, None handling, and containment of failing reward
+functions."""
 
 import asyncio
 import functools
@@ -10,7 +11,7 @@ import time
 import pytest
 
 from grpo_ds.errors import UserError
-from grpo_ds.rewards import RewardError, RewardFailure, RewardFunction, score, scoring
+from grpo_ds.rewards import RewardError, RewardFailure, RewardFunction, score_functions, scoring
 from grpo_ds.rewards.builtin import exact_match, format_reward
 
 COMPLETIONS = ["#### 1", "#### 2", "no answer"]
@@ -27,7 +28,7 @@ def fresh_warnings():
 
 def run(functions, on_error="zero", timeout_s=5.0, completions=COMPLETIONS, **columns):
     n = len(completions)
-    return score(
+    return score_functions(
         functions,
         prompts=["p"] * n,
         completions=completions,
@@ -182,7 +183,7 @@ def test_misaligned_inputs_and_reserved_column_names():
     with pytest.raises(ValueError, match="answer has 2 entries"):
         run([fn("format", 1.0, format_reward)], answer=["1", "2"])
     with pytest.raises(UserError, match="'completions'"):
-        score(
+        score_functions(
             [fn("format", 1.0, format_reward)],
             prompts=["p"],
             completions=["1"],

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from grpo_ds import kernels
-from grpo_ds.algo.policy_loss import LossConfig
 from grpo_ds.envs import CalculatorEnv, StepResult
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.rollout import agent
 from grpo_ds.rollout.agent import AgentRolloutEngine
 from grpo_ds.rollout.base import Rollouts, SamplingParams
 from grpo_ds.step.micro_batch import collate
+from tests.algo.loss_configs import loss_config
 from tests.rollout.test_hf import SAMPLINGS, all_steps_generate_left_padded, favour_eos
 
 TOK = build_tiny_tokenizer()
@@ -337,7 +337,8 @@ def test_observation_tokens_get_exactly_zero_gradient():
     advantages = torch.linspace(-1.0, 1.0, len(order))[mb.seq_index]  # (N_tok,) non-zero for every sample
     sequence_weight = torch.full((mb.num_tokens,), 1.0 / mb.num_tokens)
     inputs = kernels.LossInputs(mb.target_ids, advantages, sequence_weight * loss_mask)  # how the driver masks
-    loss = kernels.policy_loss_from_hidden(scored, model.lm_head.weight, inputs, LossConfig(), backend="torch").loss
+    loss = kernels.policy_loss_from_hidden(scored, model.lm_head.weight, inputs, loss_config(),
+                                           backend="torch").loss
     loss.backward()
     observation = loss_mask == 0
     assert observation.any() and (~observation).any()
@@ -348,8 +349,8 @@ def test_observation_tokens_get_exactly_zero_gradient():
     model.zero_grad()
     keep = ~observation
     model_only = kernels.LossInputs(mb.target_ids[keep], advantages[keep], sequence_weight[keep])
-    kernels.policy_loss_from_hidden(scored.detach()[keep], model.lm_head.weight, model_only, LossConfig(),
-                                    backend="torch").loss.backward()
+    kernels.policy_loss_from_hidden(scored.detach()[keep], model.lm_head.weight, model_only,
+                                    loss_config(), backend="torch").loss.backward()
     torch.testing.assert_close(model.lm_head.weight.grad, head_grad, rtol=1e-6, atol=1e-9)
 
 

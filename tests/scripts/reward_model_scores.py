@@ -55,7 +55,7 @@ def score_variants(folder: str, dist: Dist, zero3: bool = True) -> dict:
     out = {}
     for name, packing, offload in VARIANTS:
         models = RewardModels.build(specs(folder, offload), cfg, dist, MICRO_TOKENS, packing=packing)
-        scored = models.score(prompts, completions, dist)
+        scored = models.score_models(prompts, completions, dist)
         engine = models.models[0].engine
         out[name] = {"scores": scored.scores, "metrics": scored.metrics, "stage": engine.zero_optimization_stage(),
                      "param_offload": bool(engine.zero_offload_param()),
@@ -64,7 +64,7 @@ def score_variants(folder: str, dist: Dist, zero3: bool = True) -> dict:
     if dist.world_size == 2:  # sequence parallelism: both ranks form one group and score the same (whole) batch
         sp = replace(dist, sp_size=2)
         models = RewardModels.build(specs(folder, False), cfg, sp, MICRO_TOKENS, packing=True)
-        scored = models.score(prompts, completions, sp)
+        scored = models.score_models(prompts, completions, sp)
         out["packed_sp2"] = {"scores": scored.scores, "metrics": scored.metrics}
     return out
 

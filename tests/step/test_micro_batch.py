@@ -4,15 +4,16 @@ packed forward needs use_cache=False."""
 import pytest
 import torch
 
-from grpo_ds.algo.policy_loss import LossConfig
 from grpo_ds.model.policy import packing_problem
 from grpo_ds.model.tiny import build_tiny_model
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.step.loss import LossSettings, token_logprobs
 from grpo_ds.step.micro_batch import MicroBatch, collate, shard_sequences
+from tests.algo.loss_configs import loss_config
 from tests.scripts.one_step import fixed_rollouts
 
-SETTINGS = LossSettings(LossConfig(), temperature=1.0, backend="torch", chunk_tokens=16, fused_lm_head=True)
+LOSS = loss_config()  # the recipe's defaults
+SETTINGS = LossSettings(LOSS, temperature=1.0, backend="torch", chunk_tokens=16, fused_lm_head=True)
 
 
 def _model(attn: str):
@@ -33,7 +34,7 @@ def test_packed_and_padded_layouts_score_every_token_as_each_sequence_alone(attn
     rollouts, _ = fixed_rollouts()
     ids = [4, 0, 7, 2, 8]  # lengths differ: the padded rows hold padding, the packed row none
     model = _model(attn)
-    settings = LossSettings(LossConfig(), 1.0, "torch", 16, fused)
+    settings = LossSettings(LOSS, 1.0, "torch", 16, fused)
     alone = _alone(model, rollouts, ids)
     for packed in (True, False):
         mb = collate(rollouts, ids, 0, torch.device("cpu"), packed=packed)
@@ -99,11 +100,13 @@ def test_rows_for_eager_and_sdpa_hold_whole_sequences_and_flash_gets_one_row():
 
 
 def test_the_chunk_follows_the_budget_unless_tokens_are_given():
-    budget = LossSettings(LossConfig(), 1.0, "torch", None, True, chunk_mib=64)
+    budget = LossSettings(LOSS, 1.0, "torch", None, True, chunk_mib=64)
     assert budget.chunk(151_936, torch.float32) == 55
     assert budget.chunk(151_936, torch.bfloat16) == 44  # 2 + 8 bytes an entry on the torch path
-    assert LossSettings(LossConfig(), 1.0, "triton", None, True, chunk_mib=64).chunk(151_936, torch.bfloat16) == 220
-    assert LossSettings(LossConfig(), 1.0, "torch", 512, True, chunk_mib=64).chunk(151_936, torch.float32) == 512
+    triton = LossSettings(LOSS, 1.0, "triton", None, True, chunk_mib=64)
+    assert triton.chunk(151_936, torch.bfloat16) == 220
+    given = LossSettings(LOSS, 1.0, "torch", 512, True, chunk_mib=64)
+    assert given.chunk(151_936, torch.float32) == 512
 
 
 def test_a_chunked_micro_batch_scores_the_same_as_one_chunk():
@@ -112,9 +115,9 @@ def test_a_chunked_micro_batch_scores_the_same_as_one_chunk():
     model = _model("sdpa")
     mb = collate(rollouts, [4, 0, 7], 0, torch.device("cpu"), packed=True)
     row_bytes = 64 * 8  # the tiny model's vocabulary of 64, float32 on the torch path
-    tiny_budget = LossSettings(LossConfig(), 1.0, "torch", None, True, chunk_mib=3 * row_bytes / 2**20)
+    tiny_budget = LossSettings(LOSS, 1.0, "torch", None, True, chunk_mib=3 * row_bytes / 2**20)
     assert tiny_budget.chunk(64, torch.float32) == 3
-    whole = LossSettings(LossConfig(), 1.0, "torch", 10_000, True)
+    whole = LossSettings(LOSS, 1.0, "torch", 10_000, True)
     torch.testing.assert_close(token_logprobs(model, mb, tiny_budget), token_logprobs(model, mb, whole), rtol=0,
                                atol=1e-6)
 
