@@ -1,4 +1,5 @@
-"""Benchmark grpo_ds.kernels.group_advantages (grpo_ds/kernels/advantages.py): rewards (P*G,) -> advantages.
+"""Benchmark grpo_ds.kernels.group_advantages (grpo_ds/kernels/advantages.py): rewards (P*G,) ->
+advantages.
 
 Forward only (advantages carry no gradient).
 Variants:
@@ -26,12 +27,15 @@ def variant_names(args: argparse.Namespace) -> list[str]:
 
 
 def setup(args: argparse.Namespace) -> Case:
-    rewards = torch.randint(0, 2, (args.prompts * args.group_size,), device=args.device).float()  # (P*G,)
+    # (P*G,)
+    rewards = torch.randint(0, 2, (args.prompts * args.group_size,), device=args.device).float()
     rewards += 0.1 * torch.rand_like(rewards)  # some groups all-correct / all-wrong, most mixed
 
     variants = {
         "eager": lambda: reference_advantages(rewards, args.group_size, args.baseline, args.scale),
-        "triton": lambda: group_advantages(rewards, args.group_size, args.baseline, args.scale, backend="triton"),
+        "triton": lambda: group_advantages(
+            rewards, args.group_size, args.baseline, args.scale, backend="triton"
+        ),
     }
     return Case(variants)
 
@@ -49,8 +53,10 @@ def main() -> None:
     args = finish_args(args)
     args.dtype = "float32"
     results, notes = run(setup, variant_names(args), args)
-    shape = (f"{args.prompts:,} prompts x {args.group_size} completions, baseline {args.baseline}, scale "
-             f"{args.scale}, {args.device}")
+    shape = (
+        f"{args.prompts:,} prompts x {args.group_size} completions, baseline {args.baseline}, "
+        f"scale {args.scale}, {args.device}"
+    )
     report("bench_advantages", shape, args.device, table(results), notes, args.record)
 
 

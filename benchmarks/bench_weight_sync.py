@@ -1,18 +1,25 @@
-"""Benchmark the weight sync (grpo_ds/model/weight_gather.py): ZeRO-3 shards -> full weights -> a rollout engine.
+"""Benchmark the weight sync (grpo_ds/model/weight_gather.py): ZeRO-3 shards -> full weights -> a
+rollout engine.
 
-Runs itself on N CPU ranks through the real `deepspeed` launcher (gloo), with a Llama-style model of a few
-hundred tensors partitioned by ZeRO-3, and times one full sync into a rollout engine, the same consumer for every
-variant: the hf engine's policy copy (``--consumer hf``), or a vLLM engine per rank (``--consumer vllm``: vLLM's CPU
-build reloading its weights in place; run it with the vLLM test environment's interpreter, e.g.
+Runs itself on N CPU ranks through the real `deepspeed` launcher (gloo), with a Llama-style model of
+a few hundred tensors partitioned by ZeRO-3, and times one full sync into a rollout engine, the same
+consumer for every variant: the hf engine's policy copy (``--consumer hf``), or a vLLM engine per
+rank (``--consumer vllm``: vLLM's CPU build reloading its weights in place; run it with the vLLM
+test environment's interpreter, e.g.
 ``.venv-vllm/bin/python benchmarks/bench_weight_sync.py --consumer vllm``). Variants:
-    per-tensor        one GatheredParameters per parameter: a blocking collective per tensor (TRL, OpenRLHF)
-    ds-bucket/<MB>    DeepSpeed's GatheredParameters on a bucket of parameters (grpo_ds's exporter before this
-                      one): DeepSpeed still launches one all_gather per parameter, then waits for them all
-    grpo_ds/<MB>      grpo_ds's exporter: the bucket's shards packed into one buffer, ONE all_gather per bucket
-Columns: median time of a sync, collectives per sync (counted in deepspeed.comm, which both DeepSpeed and
-grpo_ds call), and the peak of gathered bytes alive at once (buffers of the collectives plus handed-out copies).
+    per-tensor        one GatheredParameters per parameter: a blocking collective per tensor (TRL,
+                      OpenRLHF)
+    ds-bucket/<MB>    DeepSpeed's GatheredParameters on a bucket of parameters (grpo_ds's exporter
+                      before this one): DeepSpeed still launches one all_gather per parameter, then
+                      waits for them all
+    grpo_ds/<MB>      grpo_ds's exporter: the bucket's shards packed into one buffer, ONE all_gather
+                      per bucket
+Columns: median time of a sync, collectives per sync (counted in deepspeed.comm, which both
+DeepSpeed and grpo_ds call), and the peak of gathered bytes alive at once (buffers of the
+collectives plus handed-out copies).
 
-    python benchmarks/bench_weight_sync.py [--ranks 2] [--layers 32] [--hidden 128] [--bucket-mb 1,4,16]
+    python benchmarks/bench_weight_sync.py [--ranks 2] [--layers 32] [--hidden 128] [--bucket-mb
+        1,4,16]
                                            [--consumer hf|vllm] [--record]
 """
 
@@ -30,15 +37,18 @@ import weakref
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # this checkout's grpo_ds in the launched ranks too, whatever is installed
+# this checkout's grpo_ds in the launched ranks too, whatever is installed
+sys.path.insert(0, str(REPO))
 
 MIB = 2**20
 
 
-# ------------------------------------------------------------------------------------ worker (one rank)
+# -------------------------------------------------------------------------------- worker (one rank)
+
 
 class _Watch:
-    """Counts deepspeed.comm all-gathers and tracks the storages of gathered buffers and handed-out tensors."""
+    """Counts deepspeed.comm all-gathers and tracks the storages of gathered buffers and handed-out
+    tensors."""
 
     def __init__(self):
         import deepspeed.comm as ds_comm
@@ -53,6 +63,7 @@ class _Watch:
             for t in output if isinstance(output, list) else [output]:
                 self.track(t)
             return real(output, *args, **kwargs)
+
         return wrapper
 
     def track(self, tensor) -> None:
@@ -98,18 +109,34 @@ def worker(args: argparse.Namespace) -> None:
     from grpo_ds.rollout.hf import HFRolloutEngine
 
     dist = init_distributed()
-    model = build_tiny_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=0)
-    consumer = build_tiny_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=1)
+    model = build_tiny_model(
+        args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=0
+    )
+    consumer = build_tiny_model(
+        args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=1
+    )
     if args.consumer == "vllm":
         from grpo_ds.model.tiny import build_tiny_tokenizer
         from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
 
-        settings = VLLMSettings("builtin:tiny", "float32", 1, 0.05, 64, False, 0, False, enforce_eager=True,
-                                kv_cache_gib=1)
+        settings = VLLMSettings(
+            "builtin:tiny",
+            "float32",
+            1,
+            0.05,
+            64,
+            False,
+            0,
+            False,
+            enforce_eager=True,
+            kv_cache_gib=1,
+        )
         rollout = VLLMRolloutEngine(settings, build_tiny_tokenizer(), lambda: consumer)
     else:
         rollout = HFRolloutEngine(consumer, 0, 1, 1)
-    recipe = load_recipe({"deepspeed": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}})
+    recipe = load_recipe(
+        {"deepspeed": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}}
+    )
     engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
     module = engine.module
     watch = _Watch()
@@ -138,23 +165,37 @@ def worker(args: argparse.Namespace) -> None:
                 times.append((time.perf_counter() - t0) * 1e3)
                 collectives.append(watch.collectives)
                 peaks.append(peak[0])
-        results.append({"variant": name, "ms": times, "collectives": collectives, "peak_bytes": max(peaks),
-                        "tensors": count})
+        results.append(
+            {
+                "variant": name,
+                "ms": times,
+                "collectives": collectives,
+                "peak_bytes": max(peaks),
+                "tensors": count,
+            }
+        )
     if dist.is_main:
         params = list(module.parameters())
-        info = {"tensors": len(params), "param_bytes": sum(p.ds_numel * p.element_size() for p in params),
-                "largest_bytes": max(p.ds_numel * p.element_size() for p in params), "world": dist.world_size,
-                "consumer": args.consumer}
+        info = {
+            "tensors": len(params),
+            "param_bytes": sum(p.ds_numel * p.element_size() for p in params),
+            "largest_bytes": max(p.ds_numel * p.element_size() for p in params),
+            "world": dist.world_size,
+            "consumer": args.consumer,
+        }
         Path(args.worker_out).write_text(json.dumps({"info": info, "results": results}))
     dist.barrier()
-    if hasattr(rollout, "close"):  # vLLM's shutdown takes the process group down: after the last collective
+    # vLLM's shutdown takes the process group down: after the last collective
+    if hasattr(rollout, "close"):
         rollout.close()
 
 
-# ------------------------------------------------------------------------------------------ the launcher
+# ------------------------------------------------------------------------------------- the launcher
+
 
 def launch(args: argparse.Namespace, argv: list[str]) -> dict:
-    """Run this script on ``args.ranks`` CPU ranks with the deepspeed launcher; returns rank 0's figures."""
+    """Run this script on ``args.ranks`` CPU ranks with the deepspeed launcher; returns rank 0's
+    figures."""
     import socket
 
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
@@ -162,15 +203,32 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict:
         port = s.getsockname()[1]
         out = Path(tmp) / "figures.json"
         launcher = Path(sys.executable).parent / "deepspeed"
-        cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(args.ranks), "--master_port",
-               str(port), __file__, *argv, "--worker-out", str(out)]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                                "MASTER_PORT")}
+        cmd = [
+            str(launcher) if launcher.exists() else "deepspeed",
+            "--num_gpus",
+            str(args.ranks),
+            "--master_port",
+            str(port),
+            __file__,
+            *argv,
+            "--worker-out",
+            str(out),
+        ]
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
         env.update(DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
         s.close()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout
+        )
         if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+            raise SystemExit(
+                f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                f"{(proc.stdout + proc.stderr)[-4000:]}"
+            )
         return json.loads(out.read_text())
 
 
@@ -181,35 +239,67 @@ def render(figures: dict) -> tuple[str, list[str]]:
     for r in figures["results"]:
         ms = statistics.median(r["ms"])
         base = ms if r["variant"] == "per-tensor" else base
-        rows.append([r["variant"], fmt(ms, 1), f"{statistics.median(r['collectives']):g}",
-                     fmt(r["peak_bytes"] / MIB, 2), fmt(base / ms, 2) + "x" if base else "-"])
-    headers = ["variant", "sync ms (median)", "collectives per sync", "peak gathered MiB", "speedup vs per-tensor"]
+        rows.append(
+            [
+                r["variant"],
+                fmt(ms, 1),
+                f"{statistics.median(r['collectives']):g}",
+                fmt(r["peak_bytes"] / MIB, 2),
+                fmt(base / ms, 2) + "x" if base else "-",
+            ]
+        )
+    headers = [
+        "variant",
+        "sync ms (median)",
+        "collectives per sync",
+        "peak gathered MiB",
+        "speedup vs per-tensor",
+    ]
     table = markdown_table(headers, rows)
     info = figures["info"]
-    notes = [f"{info['tensors']} tensors, {info['param_bytes'] / MIB:,.1f} MiB of fp32 weights (largest tensor "
-             f"{info['largest_bytes'] / MIB:,.2f} MiB), ZeRO-3 over {info['world']} CPU ranks (gloo)",
-             ("a sync: every full tensor copied into the hf engine's policy copy" if info.get("consumer", "hf") == "hf"
-              else "a sync: every full tensor loaded into a vLLM engine per rank (vLLM's CPU build: reload_weights, "
-              "which rebuilds and repacks each layer, then a prefix-cache reset)")
-             + "; time from a barrier to a barrier on rank 0, median of the repeats after the warmup",
-             "peak gathered: the most bytes of collective buffers and handed-out copies alive at once during a sync"]
+    notes = [
+        f"{info['tensors']} tensors, {info['param_bytes'] / MIB:,.1f} MiB of fp32 weights (largest "
+        f"tensor {info['largest_bytes'] / MIB:,.2f} MiB), "
+        f"ZeRO-3 over {info['world']} CPU ranks (gloo)",
+        (
+            "a sync: every full tensor copied into the hf engine's policy copy"
+            if info.get("consumer", "hf") == "hf"
+            else "a sync: every full tensor loaded into a vLLM engine per rank (vLLM's CPU build: "
+            "reload_weights, which rebuilds and repacks each layer, then a prefix-cache reset)"
+        )
+        + "; time from a barrier to a barrier on rank 0, median of the repeats after the warmup",
+        "peak gathered: the most bytes of collective buffers "
+        "and handed-out copies alive at once during a sync",
+    ]
     return table, notes
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=32, help="decoder layers (9 tensors each, plus 3)")
+    parser.add_argument(
+        "--layers", type=int, default=32, help="decoder layers (9 tensors each, plus 3)"
+    )
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--bucket-mb", default="1,4,16", help="comma-separated bucket sizes in MiB")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--timeout", type=int, default=600, help="seconds the launched ranks may take")
-    parser.add_argument("--consumer", choices=("hf", "vllm"), default="hf", help="the rollout engine synced into")
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
-    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)  # set when launched as a rank
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
+    parser.add_argument(
+        "--timeout", type=int, default=600, help="seconds the launched ranks may take"
+    )
+    parser.add_argument(
+        "--consumer", choices=("hf", "vllm"), default="hf", help="the rollout engine synced into"
+    )
+    parser.add_argument(
+        "--record", action="store_true", help="append the table to benchmarks/RESULTS.md"
+    )
+    # set when launched as a rank
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    # set by `deepspeed`
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.bucket_mb = [float(v) for v in args.bucket_mb.split(",") if v.strip()]
     if args.worker_out is not None:
@@ -221,8 +311,10 @@ def main() -> None:
     forwarded = [a for a in sys.argv[1:] if a != "--record"]
     figures = launch(args, forwarded)
     table, notes = render(figures)
-    shape = (f"{figures['info']['tensors']} tensors, {args.layers} layers x hidden {args.hidden}, vocab {args.vocab}, "
-             f"{args.ranks} CPU ranks")
+    shape = (
+        f"{figures['info']['tensors']} tensors, {args.layers} layers x hidden {args.hidden}, vocab "
+        f"{args.vocab}, {args.ranks} CPU ranks"
+    )
     report("bench_weight_sync", shape, "cpu", table, notes, args.record)
 
 

@@ -2,12 +2,13 @@
 
     [deepspeed --num_gpus N] benchmarks/memory_probe.py OUT_JSON RECIPE.json [section.key=value ...]
 
-A thread samples /proc/self/status (RssAnon) every 5 ms. The baseline is taken after the imports, before the run
-(the libraries); the driver's phases are marked by wrapping grpo_ds.train's phase functions (the rollout engine's
-construction, Policy.build, collect, logprob_pass, optimizer_step), so each phase's peak is known; the rest (weight
-sync, logging, checkpoints) counts as "start". Each rank writes OUT_JSON with ``.rank<r>`` appended:
-{"baseline_mib", "peak_mib", "phases": {phase: peak MiB}, "after_build_mib"} (all RssAnon, MiB). Run it with
-MALLOC_MMAP_THRESHOLD_=131072 so freed buffers go back to the OS (glibc's mallopt M_MMAP_THRESHOLD).
+A thread samples /proc/self/status (RssAnon) every 5 ms. The baseline is taken after the imports,
+before the run (the libraries); the driver's phases are marked by wrapping grpo_ds.train's phase
+functions (the rollout engine's construction, Policy.build, collect, logprob_pass, optimizer_step),
+so each phase's peak is known; the rest (weight sync, logging, checkpoints) counts as "start". Each
+rank writes OUT_JSON with ``.rank<r>`` appended: {"baseline_mib", "peak_mib", "phases": {phase: peak
+MiB}, "after_build_mib"} (all RssAnon, MiB). Run it with MALLOC_MMAP_THRESHOLD_=131072 so freed
+buffers go back to the OS (glibc's mallopt M_MMAP_THRESHOLD).
 """
 
 from __future__ import annotations
@@ -77,8 +78,15 @@ def main(out: str, recipe: str, overrides: list[str]) -> None:
     peaks = {k: round(v - baseline, 1) for k, v in sampler.peaks.items()}
     marks = {k: [round(v - baseline, 1) for v in vs] for k, vs in sampler.marks.items()}
     with open(f"{out}.rank{rank}", "w") as f:
-        json.dump({"baseline_mib": round(baseline, 1), "peak_mib": max(peaks.values()), "phases": peaks,
-                   "after": marks}, f)
+        json.dump(
+            {
+                "baseline_mib": round(baseline, 1),
+                "peak_mib": max(peaks.values()),
+                "phases": peaks,
+                "after": marks,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

@@ -1,58 +1,74 @@
-"""A model of the steady-state step time of colocated and split placement (issue 35), from measured phase costs.
+"""A model of the steady-state step time of colocated and split placement (issue 35), from measured
+phase costs.
 
-    python benchmarks/simulate_placement.py --inputs IN.json [--world W] [--rollout-ranks K ...] [--staleness S]
-    python benchmarks/simulate_placement.py --inputs IN.json --measured RUNS.json   # exit 1 if a row is off > 15%
-    python benchmarks/simulate_placement.py --published   # NeMo-RL's Llama-3.1-8B on 16 x H100, beside the model
+    python benchmarks/simulate_placement.py --inputs IN.json [--world W] [--rollout-ranks K ...]
+        [--staleness S]
+    python benchmarks/simulate_placement.py --inputs IN.json --measured RUNS.json   # exit 1 if a
+        row is off > 15%
+    python benchmarks/simulate_placement.py --published   # NeMo-RL's Llama-3.1-8B on 16 x H100,
+                                                            beside the model
 
-Pure Python, no torch; ``predict(inputs, placement, world, rollout_ranks, staleness) -> Prediction``.
+Pure Python, no torch; ``predict(inputs, placement, world, rollout_ranks, staleness) ->
+Prediction``.
 Phases of one step of N = samples_per_step samples, on n ranks:
-  gen(n)   = generate_overhead_s + token_steps * t_token(b_active) on each generating rank: b = ceil(N / n) samples
-             decode at once, and b_active = b * mean_new_tokens / token_steps is the batch a decode step sees on
-             average (finished samples leave a continuously batched engine; b when every sample runs to the limit).
-             t_token is piecewise-linear over the measured (batch, seconds per token step) points: flat below the
-             first point (a GPU), the last segment extended above the last (a CPU is ~linear).
-  train(n) = N * (train_s_per_sample + logprob_s_per_sample) / (n * e), e = train_efficiency if n > 1 else 1.
-  reward_s, sync_s: per step (sync_s colocated: into the rank's own engine; split_sync_s: trainer -> rollout).
-Colocated (every rank generates its share, then all train, in turn): step = gen(W) + reward + train(W) + sync.
-Split, K rollout ranks and W-K trainer ranks; G = gen(K), T = train(W-K), the reward added to the side that scores
-(``reward_side``, "rollout": the rollout ranks score before sending), X = split_sync_s:
+  gen(n)   = generate_overhead_s + token_steps * t_token(b_active) on each generating rank: b =
+             ceil(N / n) samples decode at once, and b_active = b * mean_new_tokens / token_steps is
+             the batch a decode step sees on average (finished samples leave a continuously batched
+             engine; b when every sample runs to the limit). t_token is piecewise-linear over the
+             measured (batch, seconds per token step) points: flat below the first point (a GPU),
+             the last segment extended above the last (a CPU is ~linear).
+  train(n) = N * (train_s_per_sample + logprob_s_per_sample) / (n * e), e = train_efficiency if n >
+             1 else 1.
+  reward_s, sync_s: per step (sync_s colocated: into the rank's own engine; split_sync_s: trainer ->
+      rollout).
+Colocated (every rank generates its share, then all train, in turn): step = gen(W) + reward +
+train(W) + sync. Split, K rollout ranks and W-K trainer ranks; G = gen(K), T = train(W-K), the
+reward added to the side that scores (``reward_side``, "rollout": the rollout ranks score before
+sending), X = split_sync_s:
   S = 0: batch k is generated with v_{k-1}, which exists only after train k-1: the sides take turns,
          step = G + T + X.
-  S >= 1: trainer: train k -> receive batch k+S -> broadcast v_k; rollout: generate k+S (with v_{k-1}) -> send
-         batch k+S -> receive v_k. The broadcast of v_k is a collective both sides are in: it starts when the later
-         side is ready (trainer: train k done and batch k+S received; rollout: batch k+S sent), both leave it
-         together and start step k+1 at the same instant, so
-         step = max(G, T) + X.
-         All of X is unhidden: hiding it would need the rollout ranks to receive v_k while still generating with
-         v_{k-1} (a second weight buffer), which this schedule has not. Every S >= 1 gives the same steady state;
-         a deeper pipeline only absorbs step-to-step jitter, which a steady-state model does not see.
-Idle fraction = time a side waits for the other / step (the transfer counts as busy on both sides): split S = 0
-trainer G/step, rollout T/step; S >= 1 trainer (max - T)/step, rollout (max - G)/step; colocated, the ranks are
-the trainer idle while they generate and score ((gen + reward)/step) and the rollout engine idle while they train.
+  S >= 1: trainer: train k -> receive batch k+S -> broadcast v_k; rollout: generate k+S (with
+         v_{k-1}) -> send batch k+S -> receive v_k. The broadcast of v_k is a collective both sides
+         are in: it starts when the later side is ready (trainer: train k done and batch k+S
+         received; rollout: batch k+S sent), both leave it together and start step k+1 at the same
+         instant, so step = max(G, T) + X.
+         All of X is unhidden: hiding it would need the rollout ranks to receive v_k while still
+         generating with v_{k-1} (a second weight buffer), which this schedule has not. Every S >= 1
+         gives the same steady state; a deeper pipeline only absorbs step-to-step jitter, which a
+         steady-state model does not see.
+Idle fraction = time a side waits for the other / step (the transfer counts as busy on both sides):
+split S = 0 trainer G/step, rollout T/step; S >= 1 trainer (max - T)/step, rollout (max - G)/step;
+colocated, the ranks are the trainer idle while they generate and score ((gen + reward)/step) and
+the rollout engine idle while they train.
 
---inputs FILE (JSON object): samples_per_step, token_steps (decode steps per generate call: max_new_tokens),
-t_token ([[batch, s], ...]) and train_s_per_sample are required; mean_new_tokens (token_steps), generate_overhead_s
-(0), logprob_s_per_sample (0, the old/ref log-prob passes), train_efficiency (1.0), reward_s (0), reward_side
-("rollout" | "trainer"), sync_s (0), split_sync_s (sync_s), world (2), rollout_ranks (1) and staleness (1, the split
-row besides S = 0) are optional; the command line's --world/--rollout-ranks/--staleness override the last three.
+--inputs FILE (JSON object): samples_per_step, token_steps (decode steps per generate call:
+max_new_tokens), t_token ([[batch, s], ...]) and train_s_per_sample are required; mean_new_tokens
+(token_steps), generate_overhead_s (0), logprob_s_per_sample (0, the old/ref log-prob passes),
+train_efficiency (1.0), reward_s (0), reward_side ("rollout" | "trainer"), sync_s (0), split_sync_s
+(sync_s), world (2), rollout_ranks (1) and staleness (1, the split row besides S = 0) are optional;
+the command line's --world/--rollout-ranks/--staleness override the last three.
 
---measured FILE, as benchmarks/bench_placement.py writes it (``inputs``, optional, is used without --inputs):
+--measured FILE, as benchmarks/bench_placement.py writes it (``inputs``, optional, is used without
+--inputs):
   {"machine": "...", "commit": "...", "inputs": {...},
    "runs": [{"placement": "colocated" | "split", "world": 2, "rollout_ranks": 0, "staleness": 0, "step_s": 12.3,
              "samples_per_step": 8, "phases": {"rollout": 5.0, "reward": 0.1, "logprob": 1.0, "update": 5.5,
              "sync": 0.4}}, ...]}
-step_s is the mean of the steady steps (leave out the first ones: warm-up and the pipeline's fill, which the model
-does not see); phases are grpo_ds's phase names (StepBatch.times), for a look at which phase the model misses. Each
-run is predicted at its own W, K, S (and samples_per_step when given); the error per row is (predicted - measured)
-/ measured step_s, and the command exits 1 when any is beyond +-15%.
+step_s is the mean of the steady steps (leave out the first ones: warm-up and the pipeline's fill,
+which the model does not see); phases are grpo_ds's phase names (StepBatch.times), for a look at
+which phase the model misses. Each run is predicted at its own W, K, S (and samples_per_step when
+given); the error per row is (predicted - measured) / measured step_s, and the command exits 1 when
+any is beyond +-15%.
 
---published: NeMo-RL v0.5's GRPO on Llama-3.1-8B-Instruct, 16 x H100, BF16, Megatron-core: on policy (colocated)
-92.8 s a step, 1,581 tokens/s/GPU; one step off (8 generation + 8 training GPUs) 64.8 s, 2,478 tokens/s/GPU.
-Source: https://docs.nvidia.com/nemo/rl/0.5.0/about/performance-summary.html (docs/about/performance-summary.md of
-github.com/NVIDIA-NeMo/RL at r0.5.0); layout and batch from that repository's recipes
-examples/configs/recipes/llm/performance/{grpo,async-grpo}-llama3.1-8b-instruct-2n8g.yaml. Each input is marked
-measured (with its source) or assumed; no input is fitted to the published step times.
-"""
+--published: NeMo-RL v0.5's GRPO on Llama-3.1-8B-Instruct, 16 x H100, BF16, Megatron-core: on policy
+(colocated) 92.8 s a step, 1,581 tokens/s/GPU; one step off (8 generation + 8 training GPUs) 64.8 s,
+2,478 tokens/s/GPU. Source: https://docs.nvidia.com/nemo/rl/0.5.0/about/performance-summary.html
+(docs/about/performance-summary.md of github.com/NVIDIA-NeMo/RL at r0.5.0); layout and batch from
+that repository's recipes
+examples/configs/recipes/llm/performance/{grpo,async-grpo}-llama3.1-8b-instruct-2n8g.yaml. Each
+input is marked measured (with its source) or assumed; no input is fitted to the published step
+times.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -64,10 +80,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REQUIRED = ("samples_per_step", "token_steps", "t_token", "train_s_per_sample")
-DEFAULTS = {"mean_new_tokens": None, "generate_overhead_s": 0.0, "logprob_s_per_sample": 0.0,
-            "train_efficiency": 1.0, "reward_s": 0.0, "reward_side": "rollout", "sync_s": 0.0,
-            "split_sync_s": None, "world": 2, "rollout_ranks": 1, "staleness": 1}
-TOLERANCE = 0.15  # --measured: the largest |predicted - measured| / measured step time accepted (issue 35)
+DEFAULTS = {
+    "mean_new_tokens": None,
+    "generate_overhead_s": 0.0,
+    "logprob_s_per_sample": 0.0,
+    "train_efficiency": 1.0,
+    "reward_s": 0.0,
+    "reward_side": "rollout",
+    "sync_s": 0.0,
+    "split_sync_s": None,
+    "world": 2,
+    "rollout_ranks": 1,
+    "staleness": 1,
+}
+# --measured: the largest |predicted - measured| / measured step time accepted (issue 35)
+TOLERANCE = 0.15
 
 
 @dataclass(frozen=True)
@@ -80,51 +107,82 @@ class Prediction:
     samples_per_s: float
     trainer_idle: float  # fraction of the step the trainer waits for the rollout side
     rollout_idle: float  # fraction of the step the rollout side waits for the trainer
-    phases: dict = field(default_factory=dict)  # seconds per phase: rollout, reward, logprob, update, sync
+    # seconds per phase: rollout, reward, logprob, update, sync
+    phases: dict = field(default_factory=dict)
 
 
 def check_inputs(raw: dict) -> dict:
-    """The inputs with defaults filled in; ValueError naming the key for a missing, unknown or bad one."""
+    """The inputs with defaults filled in; ValueError naming the key for a missing, unknown or bad
+    one."""
     unknown = sorted(set(raw) - set(REQUIRED) - set(DEFAULTS))
     if unknown:
-        raise ValueError(f"inputs: unknown key {unknown[0]!r}; known: {', '.join([*REQUIRED, *DEFAULTS])}")
+        raise ValueError(
+            f"inputs: unknown key {unknown[0]!r}; known: {', '.join([*REQUIRED, *DEFAULTS])}"
+        )
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
-        raise ValueError(f"inputs: {missing[0]!r} is required (see the docstring of {Path(__file__).name})")
+        raise ValueError(
+            f"inputs: {missing[0]!r} is required (see the docstring of {Path(__file__).name})"
+        )
     out = {**DEFAULTS, **raw}
     out["mean_new_tokens"] = out["mean_new_tokens"] or out["token_steps"]
     out["split_sync_s"] = out["sync_s"] if out["split_sync_s"] is None else out["split_sync_s"]
     for key, value in out.items():
-        above_0 = key in ("samples_per_step", "token_steps", "mean_new_tokens", "train_efficiency", "world")
-        if key not in ("t_token", "reward_side") and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                                      or value < 0 or (above_0 and value == 0)):
-            raise ValueError(f"inputs: {key} is {value!r}; it must be a number {'> 0' if above_0 else '>= 0'}")
+        above_0 = key in (
+            "samples_per_step",
+            "token_steps",
+            "mean_new_tokens",
+            "train_efficiency",
+            "world",
+        )
+        if key not in ("t_token", "reward_side") and (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value < 0
+            or (above_0 and value == 0)
+        ):
+            raise ValueError(
+                f"inputs: {key} is {value!r}; it must be a number {'> 0' if above_0 else '>= 0'}"
+            )
     if out["mean_new_tokens"] > out["token_steps"]:
-        raise ValueError(f"inputs: mean_new_tokens {out['mean_new_tokens']} is more than token_steps")
+        raise ValueError(
+            f"inputs: mean_new_tokens {out['mean_new_tokens']} is more than token_steps"
+        )
     try:
         points = sorted((float(b), float(s)) for b, s in out["t_token"])
     except (TypeError, ValueError):
         points = []
-    if not points or points[0][0] <= 0 or min(s for _, s in points) < 0 or len({b for b, _ in points}) < len(points):
-        raise ValueError("inputs: t_token must be [[batch > 0, seconds >= 0], ...], one point a batch")
+    if (
+        not points
+        or points[0][0] <= 0
+        or min(s for _, s in points) < 0
+        or len({b for b, _ in points}) < len(points)
+    ):
+        raise ValueError(
+            "inputs: t_token must be [[batch > 0, seconds >= 0], ...], one point a batch"
+        )
     out["t_token"] = points
     if out["reward_side"] not in ("rollout", "trainer"):
-        raise ValueError(f"inputs: reward_side {out['reward_side']!r} is not \"rollout\" or \"trainer\"")
+        raise ValueError(
+            f'inputs: reward_side {out["reward_side"]!r} is not "rollout" or "trainer"'
+        )
     return out
 
 
 def t_token(points: list, batch: float) -> float:
-    """Seconds per decode step at ``batch`` sequences: piecewise-linear over sorted (batch, seconds) points, flat
-    below the first, the last segment extended above the last."""
+    """Seconds per decode step at ``batch`` sequences: piecewise-linear over sorted (batch, seconds)
+    points, flat below the first, the last segment extended above the last."""
     if batch <= points[0][0] or len(points) == 1:
         return points[0][1]
-    i = next((i for i in range(1, len(points)) if batch <= points[i][0]), len(points) - 1)  # past the end: extended
+    # past the end: extended
+    i = next((i for i in range(1, len(points)) if batch <= points[i][0]), len(points) - 1)
     (b0, s0), (b1, s1) = points[i - 1], points[i]
     return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
 
 
 def generate_s(inp: dict, ranks: int) -> float:
-    """One generate call on each of ``ranks`` ranks, the samples split evenly (the fullest rank sets the pace)."""
+    """One generate call on each of ``ranks`` ranks, the samples split evenly (the fullest rank sets
+    the pace)."""
     per_rank = math.ceil(inp["samples_per_step"] / ranks)
     active = per_rank * inp["mean_new_tokens"] / inp["token_steps"]
     return inp["generate_overhead_s"] + inp["token_steps"] * t_token(inp["t_token"], active)
@@ -135,17 +193,29 @@ def train_s(inp: dict, ranks: int, per_sample: float) -> float:
     return inp["samples_per_step"] * per_sample / (ranks * efficiency)
 
 
-def predict(inputs: dict, placement: str, world: int, rollout_ranks: int = 0, staleness: int = 0) -> Prediction:
-    """The steady-state step of ``placement`` ("colocated" or "split") on ``world`` ranks; the module docstring
-    gives the formulas."""
+def predict(
+    inputs: dict, placement: str, world: int, rollout_ranks: int = 0, staleness: int = 0
+) -> Prediction:
+    """The steady-state step of ``placement`` ("colocated" or "split") on ``world`` ranks; the
+    module docstring gives the formulas."""
     inp = check_inputs(inputs)
     trainers = world if placement == "colocated" else world - rollout_ranks
     generators = world if placement == "colocated" else rollout_ranks
-    if placement not in ("colocated", "split") or not 1 <= trainers <= world or generators < 1 or staleness < 0:
-        raise ValueError(f"no {placement} layout with W = {world}, K = {rollout_ranks}, S = {staleness}")
-    phases = {"rollout": generate_s(inp, generators), "reward": inp["reward_s"],
-              "logprob": train_s(inp, trainers, inp["logprob_s_per_sample"]),
-              "update": train_s(inp, trainers, inp["train_s_per_sample"])}
+    if (
+        placement not in ("colocated", "split")
+        or not 1 <= trainers <= world
+        or generators < 1
+        or staleness < 0
+    ):
+        raise ValueError(
+            f"no {placement} layout with W = {world}, K = {rollout_ranks}, S = {staleness}"
+        )
+    phases = {
+        "rollout": generate_s(inp, generators),
+        "reward": inp["reward_s"],
+        "logprob": train_s(inp, trainers, inp["logprob_s_per_sample"]),
+        "update": train_s(inp, trainers, inp["train_s_per_sample"]),
+    }
     gen, train = phases["rollout"] + phases["reward"], phases["logprob"] + phases["update"]
     if placement == "colocated":
         phases["sync"] = inp["sync_s"]
@@ -159,98 +229,223 @@ def predict(inputs: dict, placement: str, world: int, rollout_ranks: int = 0, st
         step = busy + phases["sync"]
         idle_t, idle_r = (gen, train) if staleness == 0 else (busy - train, busy - gen)
     n = inp["samples_per_step"]
-    return Prediction(placement, world, rollout_ranks, staleness, step, n / step, idle_t / step, idle_r / step, phases)
+    return Prediction(
+        placement,
+        world,
+        rollout_ranks,
+        staleness,
+        step,
+        n / step,
+        idle_t / step,
+        idle_r / step,
+        phases,
+    )
 
 
 def table(rows: list[list], header: list[str]) -> str:
     """Columns of numbers (and percentages) right-aligned, of words left-aligned."""
     cells = [header, *[[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(isinstance(r[i], (int, float)) or str(r[i]).endswith("%") for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric, strict=True))
-                     .rstrip() for r in cells)
+    numeric = [
+        all(isinstance(r[i], (int, float)) or str(r[i]).endswith("%") for r in rows)
+        for i in range(len(header))
+    ]
+    return "\n".join(
+        "  ".join(
+            c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric, strict=True)
+        ).rstrip()
+        for r in cells
+    )
 
 
 HEADER = ["placement", "W", "K", "S", "step s", "samples/s", "trainer idle", "rollout idle"]
 
 
 def row(p: Prediction) -> list:
-    return [p.placement, p.world, p.rollout_ranks, p.staleness, p.step_s, p.samples_per_s,
-            f"{p.trainer_idle:.0%}", f"{p.rollout_idle:.0%}"]
+    return [
+        p.placement,
+        p.world,
+        p.rollout_ranks,
+        p.staleness,
+        p.step_s,
+        p.samples_per_s,
+        f"{p.trainer_idle:.0%}",
+        f"{p.rollout_idle:.0%}",
+    ]
 
 
 def compare(inputs: dict, measured: dict) -> tuple[str, bool]:
-    """The per-row comparison table of a --measured file's runs and whether every row is within TOLERANCE."""
+    """The per-row comparison table of a --measured file's runs and whether every row is within
+    TOLERANCE."""
     rows, ok = [], True
     for run in measured["runs"]:
-        given = {**inputs, **({"samples_per_step": run["samples_per_step"]} if "samples_per_step" in run else {})}
-        p = predict(given, run["placement"], run["world"], run.get("rollout_ranks", 0), run.get("staleness", 0))
+        given = {
+            **inputs,
+            **({"samples_per_step": run["samples_per_step"]} if "samples_per_step" in run else {}),
+        }
+        p = predict(
+            given,
+            run["placement"],
+            run["world"],
+            run.get("rollout_ranks", 0),
+            run.get("staleness", 0),
+        )
         error = (p.step_s - run["step_s"]) / run["step_s"]
         ok &= abs(error) <= TOLERANCE
-        phases = " ".join(f"{k} {p.phases.get(k, 0):.3g}/{v:.3g}" for k, v in run.get("phases", {}).items())
-        rows.append([p.placement, p.world, p.rollout_ranks, p.staleness, p.step_s, float(run["step_s"]),
-                     f"{error:+.1%}", "ok" if abs(error) <= TOLERANCE else "OFF", phases])
-    header = ["placement", "W", "K", "S", "predicted s", "measured s", "error", f"±{TOLERANCE:.0%}",
-              "phases predicted/measured s"]
+        phases = " ".join(
+            f"{k} {p.phases.get(k, 0):.3g}/{v:.3g}" for k, v in run.get("phases", {}).items()
+        )
+        rows.append(
+            [
+                p.placement,
+                p.world,
+                p.rollout_ranks,
+                p.staleness,
+                p.step_s,
+                float(run["step_s"]),
+                f"{error:+.1%}",
+                "ok" if abs(error) <= TOLERANCE else "OFF",
+                phases,
+            ]
+        )
+    header = [
+        "placement",
+        "W",
+        "K",
+        "S",
+        "predicted s",
+        "measured s",
+        "error",
+        f"±{TOLERANCE:.0%}",
+        "phases predicted/measured s",
+    ]
     return table(rows, header), ok
 
 
-# --published (sources in the module docstring). The derived inputs use Llama-3.1-8B's 8.03e9 parameters, the H100
-# SXM's 989e12 dense bf16 FLOP/s (datasheet) at an assumed MFU, and 1,071 tokens a sample.
+# --published (sources in the module docstring). The derived inputs use Llama-3.1-8B's 8.03e9
+# parameters, the H100 SXM's 989e12 dense bf16 FLOP/s (datasheet) at an assumed MFU, and
+# 1,071 tokens a sample.
 NEMO = "NeMo-RL v0.5 performance summary"
 RECIPE = "NeMo-RL recipe grpo-llama3.1-8b-instruct-2n8g"
 _PARAMS, _TOKENS, _MFU = 8.03e9, 1071, 0.40
 _FLOPS = 989e12 * _MFU
 PUBLISHED_INPUTS = [  # (key, value, provenance, how)
     ("world", 16, f"measured ({NEMO})", "16 GPUs in both rows"),
-    ("rollout_ranks", 8, "measured (NeMo-RL recipe async-grpo-llama3.1-8b-instruct-2n8g)",
-     "generation not colocated: 1 node of 8 GPUs"),
+    (
+        "rollout_ranks",
+        8,
+        "measured (NeMo-RL recipe async-grpo-llama3.1-8b-instruct-2n8g)",
+        "generation not colocated: 1 node of 8 GPUs",
+    ),
     ("staleness", 1, f"measured ({NEMO})", "1-step off"),
     ("samples_per_step", 2048, f"measured ({RECIPE})", "64 prompts x 32 generations (G-GBS 2,048)"),
-    ("token_steps", 4096, f"measured ({RECIPE})", "max_new_tokens 4,096: some sample of a rank reaches it"),
-    ("mean_new_tokens", _TOKENS, f"measured ({NEMO})", "mean of G-average seq len 1,019 and 1,123, prompt included"),
-    ("t_token", [[1, 0.007], [8, 0.007], [512, 0.007 + 504 * 6e-5]], "assumed",
-     "7 ms a decode step up to 8 sequences (16 GB of weights at 3.35 TB/s, plus vLLM's overhead), +0.06 ms a "
-     "sequence (16 GFLOP at ~50% of 989 TFLOP/s, ~600 tokens of KV cache at 128 KiB a token)"),
+    (
+        "token_steps",
+        4096,
+        f"measured ({RECIPE})",
+        "max_new_tokens 4,096: some sample of a rank reaches it",
+    ),
+    (
+        "mean_new_tokens",
+        _TOKENS,
+        f"measured ({NEMO})",
+        "mean of G-average seq len 1,019 and 1,123, prompt included",
+    ),
+    (
+        "t_token",
+        [[1, 0.007], [8, 0.007], [512, 0.007 + 504 * 6e-5]],
+        "assumed",
+        "7 ms a decode step up to 8 sequences (16 GB of weights at 3.35 TB/s, plus vLLM's "
+        "overhead), +0.06 ms a sequence (16 GFLOP at ~50% of 989 "
+        "TFLOP/s, ~600 tokens of KV cache at 128 KiB a token)",
+    ),
     ("generate_overhead_s", 1.0, "assumed", "prefill and scheduling per generate call"),
-    ("train_s_per_sample", 6 * _PARAMS * _TOKENS * 4 / 3 / _FLOPS, "assumed",
-     f"6 x params x tokens x 4/3 (activation checkpointing, in the recipe) at {_MFU:.0%} MFU"),
-    ("logprob_s_per_sample", 2 * 2 * _PARAMS * _TOKENS / _FLOPS, "assumed",
-     f"2 forward passes (previous and reference policy) of 2 x params x tokens at {_MFU:.0%} MFU"),
+    (
+        "train_s_per_sample",
+        6 * _PARAMS * _TOKENS * 4 / 3 / _FLOPS,
+        "assumed",
+        f"6 x params x tokens x 4/3 (activation checkpointing, in the recipe) at {_MFU:.0%} MFU",
+    ),
+    (
+        "logprob_s_per_sample",
+        2 * 2 * _PARAMS * _TOKENS / _FLOPS,
+        "assumed",
+        "2 forward passes (previous and reference policy) "
+        f"of 2 x params x tokens at {_MFU:.0%} MFU",
+    ),
     ("train_efficiency", 1.0, "assumed", "data parallel over 8 or 16 GPUs at the same MFU"),
-    ("reward_s", 1.0, "assumed", "math answer checks of 2,048 samples, scored on the generation side"),
+    (
+        "reward_s",
+        1.0,
+        "assumed",
+        "math answer checks of 2,048 samples, scored on the generation side",
+    ),
     ("sync_s", 2.0, "assumed", "16 GB of bf16 weights into the colocated vLLM engine"),
-    ("split_sync_s", 2.0, "assumed", "16 GB broadcast from the training node to the generation node"),
+    (
+        "split_sync_s",
+        2.0,
+        "assumed",
+        "16 GB broadcast from the training node to the generation node",
+    ),
 ]
-PUBLISHED_STEPS = {"colocated": (92.8, 1581), "split": (64.8, 2478)}  # NEMO's step s and tokens/s/GPU
+# NEMO's step s and tokens/s/GPU
+PUBLISHED_STEPS = {"colocated": (92.8, 1581), "split": (64.8, 2478)}
 
 
 def published() -> str:
     inputs = {k: v for k, v, _, _ in PUBLISHED_INPUTS}
-    lines = [table([[k, json.dumps(v) if isinstance(v, list) else v, src, how] for k, v, src, how in PUBLISHED_INPUTS],
-                   ["input", "value", "provenance", "how"]), ""]
+    lines = [
+        table(
+            [
+                [k, json.dumps(v) if isinstance(v, list) else v, src, how]
+                for k, v, src, how in PUBLISHED_INPUTS
+            ],
+            ["input", "value", "provenance", "how"],
+        ),
+        "",
+    ]
     rows, ours = [], [predict(inputs, "colocated", 16), predict(inputs, "split", 16, 8, 1)]
     for p in ours:
         step, tokens = PUBLISHED_STEPS[p.placement]
-        rows.append([*row(p), step, f"{(p.step_s - step) / step:+.0%}", round(p.samples_per_s * _TOKENS / 16), tokens])
+        rows.append(
+            [
+                *row(p),
+                step,
+                f"{(p.step_s - step) / step:+.0%}",
+                round(p.samples_per_s * _TOKENS / 16),
+                tokens,
+            ]
+        )
     lines.append(table(rows, [*HEADER, "published s", "error", "tokens/s/GPU", "published"]))
     speedup = PUBLISHED_STEPS["colocated"][0] / PUBLISHED_STEPS["split"][0]
-    lines += [f"split over colocated: predicted {ours[0].step_s / ours[1].step_s:.2f}x, published {speedup:.2f}x. "
-              "No input is fitted to the published step times.",
-              f"tokens/s/GPU here = samples/s x {_TOKENS:,} tokens / 16 GPUs; the published ones do not follow from "
-              f"the page's step times this way (2,048 x 1,019 / 92.8 / 16 = {2048 * 1019 / 92.8 / 16:,.0f}, not 1,581: "
-              "the page averages 5 steps)."]
+    lines += [
+        f"split over colocated: predicted {ours[0].step_s / ours[1].step_s:.2f}x, published "
+        f"{speedup:.2f}x. No input is fitted to the published step times.",
+        f"tokens/s/GPU here = samples/s x {_TOKENS:,} tokens / 16 GPUs; the published ones do not "
+        "follow from the page's step times this way (2,048 x 1,019 / 92.8 / 16 = "
+        f"{2048 * 1019 / 92.8 / 16:,.0f}, not 1,581: the page averages 5 steps).",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--inputs", type=Path, help="JSON file of the model's inputs (keys in the text above)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--inputs", type=Path, help="JSON file of the model's inputs (keys in the text above)"
+    )
     parser.add_argument("--world", type=int, help="W, every launched rank")
-    parser.add_argument("--rollout-ranks", type=int, nargs="+", help="K, the ranks that only generate (split)")
+    parser.add_argument(
+        "--rollout-ranks", type=int, nargs="+", help="K, the ranks that only generate (split)"
+    )
     parser.add_argument("--staleness", type=int, help="S of the split row printed besides S = 0")
-    parser.add_argument("--measured", type=Path, help="compare with bench_placement.py's JSON; exit 1 beyond ±15%%")
-    parser.add_argument("--published", action="store_true", help="the published GPU setup beside the model")
+    parser.add_argument(
+        "--measured", type=Path, help="compare with bench_placement.py's JSON; exit 1 beyond ±15%%"
+    )
+    parser.add_argument(
+        "--published", action="store_true", help="the published GPU setup beside the model"
+    )
     args = parser.parse_args(argv)
     try:
         if args.published:
@@ -259,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = json.loads(args.measured.read_text()) if args.measured else None
         raw = json.loads(args.inputs.read_text()) if args.inputs else (measured or {}).get("inputs")
         if raw is None:
-            parser.error("--inputs is needed (or a --measured file with an \"inputs\" object)")
+            parser.error('--inputs is needed (or a --measured file with an "inputs" object)')
         inp = check_inputs(raw)
         if measured is not None:
             text, ok = compare(raw, measured)
@@ -273,7 +468,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows, HEADER))
         return 0
     except (ValueError, KeyError, OSError) as e:
-        print(f"error: simulate_placement: {'a run lacks ' if isinstance(e, KeyError) else ''}{e}", file=sys.stderr)
+        print(
+            f"error: simulate_placement: {'a run lacks ' if isinstance(e, KeyError) else ''}{e}",
+            file=sys.stderr,
+        )
         return 2
 
 

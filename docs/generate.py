@@ -1,28 +1,35 @@
 """Generate the docs pages that come from the code and from real runs, or check that they are fresh.
 
-    python docs/generate.py                  # the reference pages, the benchmarks pages and the pictures
-    python docs/generate.py --transcripts    # also run the commands the docs show and record their consoles (minutes)
-    python docs/generate.py --pictures       # also run the tiny recipe again for the data of its pictures
-    python docs/generate.py --placement      # also run the 3-rank split placement again for its timeline's data
+    python docs/generate.py                  # the reference pages, the benchmarks pages and the
+                                               pictures
+    python docs/generate.py --transcripts    # also run the commands the docs show and record their
+                                               consoles (minutes)
+    python docs/generate.py --pictures       # also run the tiny recipe again for the data of its
+                                               pictures
+    python docs/generate.py --placement      # also run the 3-rank split placement again for its
+                                               timeline's data
     python docs/generate.py --check [--transcripts]   # exit 1 naming each page or picture not fresh
 
 Generated, never edited by hand:
 - docs/reference/recipe.md: every recipe key from the schema (grpo_ds.config.reference);
 - docs/reference/cli.md: each command line's ``--help``;
-- docs/benchmarks.md: a summary of benchmarks/RESULTS.md (whose blocks the benchmark scripts append), one row per
-  question from its latest block, and the pictures; docs/benchmarks-archive.md: every block;
-  docs/snippets/sampler_replay.md: the latest sampler_replay tables, which docs/concepts/truncated-sampling.md shows;
-- docs/img/*.png: matplotlib pictures (``PICTURES``): grpo_ds's and TRL's reward from RESULTS.md, the tiny recipe's
-  curves and memory timeline drawn by grpo_ds.plot from a run's files kept in docs/img/tiny_cpu/, the parts of the
-  package from the import rules of tests/test_layout.py, and the phases of a 3-rank split placement run (2 trainer
-  ranks, 1 rollout rank, staleness 1) drawn by grpo_ds.plot --timeline's function from its rank logs kept in
-  docs/img/placement/, and the processes of a run with what travels between them (docs/runtime_picture.py: the
-  ranks of an example recipe's two placements). Each PNG carries the sha256 of what it is drawn from, so the check
-  tells new data from another matplotlib (whose pixels it cannot compare, and says so);
-- docs/transcripts/*.txt: the consoles of real runs of the commands shown in the docs, run from a scratch folder
-  that holds the repository's recipes/ and ds_configs/ (so the commands are the ones a user types at the repository
-  root). Timings, versions and the step at which a signal landed differ from run to run: the check compares the
-  transcripts with those masked (``mask``), everything else to the character.
+- docs/benchmarks.md: a summary of benchmarks/RESULTS.md (whose blocks the benchmark scripts
+  append), one row per question from its latest block, and the pictures; docs/benchmarks-archive.md:
+  every block; docs/snippets/sampler_replay.md: the latest sampler_replay tables, which
+  docs/concepts/truncated-sampling.md shows;
+- docs/img/*.png: matplotlib pictures (``PICTURES``): grpo_ds's and TRL's reward from RESULTS.md,
+  the tiny recipe's curves and memory timeline drawn by grpo_ds.plot from a run's files kept in
+  docs/img/tiny_cpu/, the parts of the package from the import rules of tests/test_layout.py, and
+  the phases of a 3-rank split placement run (2 trainer ranks, 1 rollout rank, staleness 1) drawn by
+  grpo_ds.plot --timeline's function from its rank logs kept in docs/img/placement/, and the
+  processes of a run with what travels between them (docs/runtime_picture.py: the ranks of an
+  example recipe's two placements). Each PNG carries the sha256 of what it is drawn from, so the
+  check tells new data from another matplotlib (whose pixels it cannot compare, and says so);
+- docs/transcripts/*.txt: the consoles of real runs of the commands shown in the docs, run from a
+  scratch folder that holds the repository's recipes/ and ds_configs/ (so the commands are the ones
+  a user types at the repository root). Timings, versions and the step at which a signal landed
+  differ from run to run: the check compares the transcripts with those masked (``mask``),
+  everything else to the character.
 """
 
 from __future__ import annotations
@@ -58,15 +65,19 @@ HELP_COLUMNS = "100"  # argparse wraps --help to the terminal's width; the pages
 sys.path.insert(0, str(REPO))  # this checkout's grpo_ds, whatever is installed
 
 
-# ------------------------------------------------------------------------------------------ reference pages
+# ---------------------------------------------------------------------------------- reference pages
+
 
 def recipe_page() -> str:
     from grpo_ds.config.reference import definitions
 
-    return (f"{GENERATED}\n# Recipe keys\n\nEvery key of a recipe: its meaning, then its type, default and allowed "
-            "values, generated from the schema (grpo_ds/config/recipe.py), which is the only place a default is "
-            "written. A key is set in the recipe's JSON (`{\"train\": {\"lr\": 1e-5}}`) or overridden on the command "
-            "line (`train.lr=1e-5`); see [Writing recipes](../guides/recipes.md).\n\n" + definitions())
+    return (
+        f"{GENERATED}\n# Recipe keys\n\nEvery key of a recipe: its meaning, then its type, default "
+        "and allowed values, generated from the schema (grpo_ds/config/recipe.py), which is the "
+        'only place a default is written. A key is set in the recipe\'s JSON (`{"train": {"lr": '
+        "1e-5}}`) or overridden on the command line (`train.lr=1e-5`); "
+        "see [Writing recipes](../guides/recipes.md).\n\n" + definitions()
+    )
 
 
 CLIS = ("train", "check", "export", "plot")
@@ -84,15 +95,17 @@ def _help(name: str) -> str:
 
 
 def cli_page() -> str:
-    parts = [f"{GENERATED}\n# Command line\n\nEach command's `--help`, as it prints it. Every command reports a "
-             "problem a user can fix as one line `error: <where>: <what>. <fix>` with exit code 2 "
-             "([Exit codes](../operations/exit-codes.md)).\n"]
+    parts = [
+        f"{GENERATED}\n# Command line\n\nEach command's `--help`, as it prints it. Every command "
+        "reports a problem a user can fix as one line `error: <where>: <what>. <fix>` with exit "
+        "code 2 ([Exit codes](../operations/exit-codes.md)).\n"
+    ]
     for name in CLIS:
         parts.append(f"\n## python -m grpo_ds.{name}\n\n```text\n{_help(name)}```\n")
     return "".join(parts)
 
 
-# ------------------------------------------------------------------------------------------------- benchmarks
+# --------------------------------------------------------------------------------------- benchmarks
 
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 ARCHIVE = "benchmarks-archive.md"
@@ -106,7 +119,8 @@ class Target(NamedTuple):
 
 
 class Block(NamedTuple):
-    """One ``## ...`` section of RESULTS.md, as a benchmark's ``--record`` appended it (benchmarks/common.py)."""
+    """One ``## ...`` section of RESULTS.md, as a benchmark's ``--record`` appended it
+    (benchmarks/common.py)."""
 
     index: int  # 1 for the first block of the file
     heading: str  # the heading's text, without "## "
@@ -118,21 +132,30 @@ class Block(NamedTuple):
         return self.heading.split(":", 1)[0].strip()
 
     def field(self, key: str) -> str | None:
-        """The value of the ``- key: value`` line under the heading (machine, command, commit), None if absent."""
+        """The value of the ``- key: value`` line under the heading (machine, command, commit), None
+        if absent."""
         found = re.search(rf"^- {key}: (.+)$", self.text, re.M)
         return found.group(1).strip().strip("`") if found else None
 
     @property
     def problems(self) -> list[str]:
         """What the parser did not find that every recorded block has."""
-        return [f"no '- {key}:' line" for key in ("machine", "command", "commit") if self.field(key) is None]
+        return [
+            f"no '- {key}:' line"
+            for key in ("machine", "command", "commit")
+            if self.field(key) is None
+        ]
 
     def tables(self) -> list[list[dict[str, str]]]:
         """Each markdown table of the block, as rows of {header: cell}."""
         found, lines = [], self.text.splitlines()
         i = 0
         while i < len(lines):
-            if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|[\s|:-]+\|$", lines[i + 1]):
+            if (
+                lines[i].startswith("|")
+                and i + 1 < len(lines)
+                and re.match(r"^\|[\s|:-]+\|$", lines[i + 1])
+            ):
                 headers = _cells(lines[i])
                 i += 2
                 rows = []
@@ -145,7 +168,8 @@ class Block(NamedTuple):
         return found
 
     def row(self, **where: str) -> dict[str, str]:
-        """The first table row whose cells equal ``where`` (a header's spaces written as "_"); KeyError if none."""
+        """The first table row whose cells equal ``where`` (a header's spaces written as "_");
+        KeyError if none."""
         for table in self.tables():
             for row in table:
                 if all(row.get(k.replace("_", " ")) == v for k, v in where.items()):
@@ -161,8 +185,9 @@ class Block(NamedTuple):
 
     @property
     def targets(self) -> list[Target]:
-        """The block's verdicts: a bullet clause ending ": met" / ": NOT met", each item of a "target (...): a met,
-        b NOT met" list, and each "met" / "NOT met" cell of a table (named by the row's first cell and the column)."""
+        """The block's verdicts: a bullet clause ending ": met" / ": NOT met", each item of a
+        "target (...): a met, b NOT met" list, and each "met" / "NOT met" cell of a table (named by
+        the row's first cell and the column)."""
         found = []
         for line in re.findall(r"^- (.+)$", self.text, re.M):
             for clause in line.split("; "):
@@ -170,19 +195,30 @@ class Block(NamedTuple):
                 if listed and listed.group(2) in ("met", "NOT met"):
                     found.append(Target(listed.group(1), listed.group(2) == "met"))
                 elif listed:
-                    items = [re.match(r"^(.+?), (met|NOT met)$", listed.group(2))]  # one: "target (x): y 0.4x, met"
+                    # one: "target (x): y 0.4x, met"
+                    items = [re.match(r"^(.+?), (met|NOT met)$", listed.group(2))]
                     if not items[0]:  # a list: "target (x): a met, b NOT met"
-                        items = [re.match(r"^(.+?) (met|NOT met)$", item) for item in listed.group(2).split(", ")]
+                        items = [
+                            re.match(r"^(.+?) (met|NOT met)$", item)
+                            for item in listed.group(2).split(", ")
+                        ]
                     if not any(items):
                         raise ValueError(f"a target line states no verdict: {clause!r}")
-                    found += [Target(f"{listed.group(1)}: {v.group(1)}", v.group(2) == "met") for v in items if v]
+                    found += [
+                        Target(f"{listed.group(1)}: {v.group(1)}", v.group(2) == "met")
+                        for v in items
+                        if v
+                    ]
                 elif verdict := re.match(r"^(.+): (met|NOT met)$", clause):
                     found.append(Target(verdict.group(1), verdict.group(2) == "met"))
         for table in self.tables():
             for row in table:
                 cells = list(row.items())
-                found += [Target(f"{cells[0][1]}: {header}", cell == "met") for header, cell in cells[1:]
-                          if cell in ("met", "NOT met")]
+                found += [
+                    Target(f"{cells[0][1]}: {header}", cell == "met")
+                    for header, cell in cells[1:]
+                    if cell in ("met", "NOT met")
+                ]
         return found
 
 
@@ -202,15 +238,17 @@ def blocks(text: str) -> tuple[str, list[Block]]:
 
 
 def _anchor(heading: str, used: set[str]) -> str:
-    """The id Python-Markdown's toc gives the heading on the archive page (slugify, then _1, _2 for repeats)."""
+    """The id Python-Markdown's toc gives the heading on the archive page (slugify, then _1, _2 for
+    repeats)."""
     from markdown.extensions.toc import slugify, unique
 
     return unique(slugify(html.unescape(heading), "-"), used)
 
 
 class Question(NamedTuple):
-    """One row of the summary: the blocks that answer it (``asks``, on the heading) and the figure a reader wants
-    from the latest of them (``figure``; a KeyError or ValueError there marks the block unreadable)."""
+    """One row of the summary: the blocks that answer it (``asks``, on the heading) and the figure a
+    reader wants from the latest of them (``figure``; a KeyError or ValueError there marks the block
+    unreadable)."""
 
     title: str
     asks: Callable[[str], bool]
@@ -231,33 +269,50 @@ def _logprobs(block: Block) -> str:
 
 
 def _fused_linear(block: Block) -> str:
-    row = next(r for t in block.tables() for r in t if r.get("variant", "").startswith("triton/")
-               and r.get("mode") == "full")
-    return (f"{row['variant']} full: {row['speedup vs eager']} eager, {row['speedup vs liger']} Liger, "
-            f"{row['mem / liger']} of Liger's memory")
+    row = next(
+        r
+        for t in block.tables()
+        for r in t
+        if r.get("variant", "").startswith("triton/") and r.get("mode") == "full"
+    )
+    return (
+        f"{row['variant']} full: {row['speedup vs eager']} eager, {row['speedup vs liger']} Liger, "
+        f"{row['mem / liger']} of Liger's memory"
+    )
 
 
 def _kernel(variant: str, mode: str) -> Callable[[Block], str]:
     def figure(block: Block) -> str:
         row = block.row(variant=variant, mode=mode)
-        return f"{variant} {mode}: {row['speedup vs eager']} eager, {row['mem / eager']} of its memory"
+        return (
+            f"{variant} {mode}: {row['speedup vs eager']} eager, {row['mem / eager']} of its memory"
+        )
+
     return figure
 
 
 def _memory_estimate(block: Block) -> str:
     rows = block.tables()[0]
     worst = max(rows, key=lambda r: abs(float(r["estimate / measured - 1"].rstrip("%"))))
-    return (f"{sum(r['within 25%'] == 'met' for r in rows)} of {len(rows)} configurations within 25%; widest "
-            f"{worst['estimate / measured - 1']} ({worst['configuration']})")
+    return (
+        f"{sum(r['within 25%'] == 'met' for r in rows)} of {len(rows)} configurations within 25%; "
+        f"widest {worst['estimate / measured - 1']} ({worst['configuration']})"
+    )
 
 
 def _rollout(block: Block) -> str:
     def wall(row: dict[str, str]) -> str:  # the column's name until 2026-11-26, and since
-        return row["wall vs plain generate"] if "wall vs plain generate" in row else row["wall vs generate"]
+        return (
+            row["wall vs plain generate"]
+            if "wall vs plain generate" in row
+            else row["wall vs generate"]
+        )
 
-    shown = [f"{name}: {wall(block.row(variant=variant))}"
-             for name, variant in (("hf", "grpo_ds"), ("hf compiled", "compiled"), ("vLLM", "vllm"))
-             if any(r.get("variant") == variant for t in block.tables() for r in t)]
+    shown = [
+        f"{name}: {wall(block.row(variant=variant))}"
+        for name, variant in (("hf", "grpo_ds"), ("hf compiled", "compiled"), ("vLLM", "vllm"))
+        if any(r.get("variant") == variant for t in block.tables() for r in t)
+    ]
     return "wall time vs plain generate: " + ", ".join(shown)
 
 
@@ -269,45 +324,67 @@ def _reward_pool(block: Block) -> str:
 def _weight_sync(block: Block) -> str:
     rows = [r for r in block.tables()[0] if r["variant"].startswith("grpo_ds/")]
     best = max(rows, key=lambda r: float(r["speedup vs per-tensor"].rstrip("x")))
-    return (f"{best['variant']}: {best['speedup vs per-tensor']} per-tensor, {best['collectives per sync']} "
-            f"collectives per sync")
+    return (
+        f"{best['variant']}: {best['speedup vs per-tensor']} per-tensor, "
+        f"{best['collectives per sync']} collectives per sync"
+    )
 
 
 def _seeds(block: Block) -> str:
     rows = block.tables()[0]
     rewards = [float(r["reward, last 10 steps"]) for r in rows]
     seconds = max(float(r["training s"]) for r in rows)
-    return f"last-10 reward {min(rewards):.3f}-{max(rewards):.3f} over {len(rows)} seeds, <= {seconds:.1f} s training"
+    return (
+        f"last-10 reward {min(rewards):.3f}-{max(rewards):.3f} "
+        f"over {len(rows)} seeds, <= {seconds:.1f} s training"
+    )
 
 
 def _placement(block: Block) -> str:
     step = lambda **where: block.row(**where)["step s (median)"]  # noqa: E731
     s1 = block.row(placement="split", S="1")
-    return (f"step s: split S=1 {s1['step s (median)']}, split S=0 {step(placement='split', S='0')}, colocated "
-            f"{step(placement='colocated')}; trainer idle at S=1 {s1['trainer idle']}")
+    return (
+        f"step s: split S=1 {s1['step s (median)']}, split S=0 {step(placement='split', S='0')}, "
+        f"colocated {step(placement='colocated')}; trainer idle at S=1 {s1['trainer idle']}"
+    )
 
 
 def _first_note(prefix: str) -> Callable[[Block], str]:
     """The line that starts with ``prefix``, its targets and verdicts left to the target column."""
+
     def figure(block: Block) -> str:
         line = re.sub(r"; target .*$", "", prefix + block.note(prefix))
         return re.sub(r" \(target [^)]*\)|: (NOT )?met\b", "", line)
+
     return figure
 
 
 def _replay(block: Block) -> str:
-    """The importance weights over the sampler's set and over the whole vocabulary (grpo_ds.algo.truncation)."""
+    """The importance weights over the sampler's set and over the whole vocabulary
+    (grpo_ds.algo.truncation)."""
     cut = [r for t in block.tables() for r in t if r["sampling"] != "none"]
     over = [float(r["is_weight_mean"]) for r in cut if r["trainer's log-probs"] == "over the set"]
-    whole = [float(r["is_weight_mean"]) for r in cut if r["trainer's log-probs"] == "whole vocabulary"]
-    return (f"is_weight_mean over the set {min(over):.6g}-{max(over):.6g}, over the whole vocabulary (before) "
-            f"{min(whole):.3g}-{max(whole):.3g}")
+    whole = [
+        float(r["is_weight_mean"]) for r in cut if r["trainer's log-probs"] == "whole vocabulary"
+    ]
+    return (
+        f"is_weight_mean over the set {min(over):.6g}-{max(over):.6g}, over the whole vocabulary "
+        f"(before) {min(whole):.3g}-{max(whole):.3g}"
+    )
 
 
 def _support(block: Block) -> str:
-    rows = [r for t in block.tables() for r in t if r["mode"] == "forward" and r["sampler's set"].startswith("top_k")
-            and "top_p" in r["sampler's set"]]
-    return "log-prob pass, " + ", ".join(f"{r['path']}: {r['vs untruncated']} untruncated" for r in rows)
+    rows = [
+        r
+        for t in block.tables()
+        for r in t
+        if r["mode"] == "forward"
+        and r["sampler's set"].startswith("top_k")
+        and "top_p" in r["sampler's set"]
+    ]
+    return "log-prob pass, " + ", ".join(
+        f"{r['path']}: {r['vs untruncated']} untruncated" for r in rows
+    )
 
 
 def _check_step(block: Block) -> str:
@@ -318,63 +395,156 @@ def _check_step(block: Block) -> str:
 
 
 QUESTIONS = (
-    Question("Speed and memory vs TRL, CPU, tiny model", _heading(r"^bench_vs_trl: builtin:tiny.*, cpu \("), _vs_trl),
-    Question("Speed and memory vs TRL, CPU, vocabulary 151,936",
-             _heading(r"^bench_vs_trl: (?!.*with a reward model).*vocabulary 151,936.*, cpu \("), _vs_trl),
-    Question("Speed and memory vs TRL, GPU, 0.5 B", _heading(r"^bench_vs_trl: (?!.*with a reward model).*, cuda \("),
-             _vs_trl),
-    Question("Same loss and step as TRL (one fixed batch)", _heading(r"^check_step_vs_trl:"), _check_step),
-    Question("Log-prob kernel vs eager (op logprobs)", _heading(r"^bench_logprobs: op logprobs"), _logprobs),
-    Question("Log-prob loss kernel vs eager (op loss)", _heading(r"^bench_logprobs: op loss"), _logprobs),
-    Question("Fused linear + loss vs eager and Liger", _heading(r"^bench_fused_linear:"), _fused_linear),
-    Question("Policy-loss kernel vs eager", _heading(r"^bench_policy_loss:"), _kernel("triton", "full")),
-    Question("Advantage kernel vs eager", _heading(r"^bench_advantages:"), _kernel("triton", "forward")),
-    Question("Memory estimate vs measured", _heading(r"^Memory estimate vs measured: (?!mixture of experts)"),
-             _memory_estimate),
-    Question("Memory estimate vs measured, mixture of experts",
-             _heading(r"^Memory estimate vs measured: mixture of experts"), _memory_estimate),
+    Question(
+        "Speed and memory vs TRL, CPU, tiny model",
+        _heading(r"^bench_vs_trl: builtin:tiny.*, cpu \("),
+        _vs_trl,
+    ),
+    Question(
+        "Speed and memory vs TRL, CPU, vocabulary 151,936",
+        _heading(r"^bench_vs_trl: (?!.*with a reward model).*vocabulary 151,936.*, cpu \("),
+        _vs_trl,
+    ),
+    Question(
+        "Speed and memory vs TRL, GPU, 0.5 B",
+        _heading(r"^bench_vs_trl: (?!.*with a reward model).*, cuda \("),
+        _vs_trl,
+    ),
+    Question(
+        "Same loss and step as TRL (one fixed batch)", _heading(r"^check_step_vs_trl:"), _check_step
+    ),
+    Question(
+        "Log-prob kernel vs eager (op logprobs)",
+        _heading(r"^bench_logprobs: op logprobs"),
+        _logprobs,
+    ),
+    Question(
+        "Log-prob loss kernel vs eager (op loss)", _heading(r"^bench_logprobs: op loss"), _logprobs
+    ),
+    Question(
+        "Fused linear + loss vs eager and Liger", _heading(r"^bench_fused_linear:"), _fused_linear
+    ),
+    Question(
+        "Policy-loss kernel vs eager", _heading(r"^bench_policy_loss:"), _kernel("triton", "full")
+    ),
+    Question(
+        "Advantage kernel vs eager", _heading(r"^bench_advantages:"), _kernel("triton", "forward")
+    ),
+    Question(
+        "Memory estimate vs measured",
+        _heading(r"^Memory estimate vs measured: (?!mixture of experts)"),
+        _memory_estimate,
+    ),
+    Question(
+        "Memory estimate vs measured, mixture of experts",
+        _heading(r"^Memory estimate vs measured: mixture of experts"),
+        _memory_estimate,
+    ),
     Question("Rollout: hf and vLLM vs plain generate", _heading(r"^bench_rollout:"), _rollout),
     Question("Reward worker pool", _heading(r"^bench_reward_pool: \d+ completions"), _reward_pool),
-    Question("Reward worker pool: the tiny recipe's cost", _heading(r"^bench_reward_pool: the tiny recipe"),
-             _first_note("after / before: ")),
+    Question(
+        "Reward worker pool: the tiny recipe's cost",
+        _heading(r"^bench_reward_pool: the tiny recipe"),
+        _first_note("after / before: "),
+    ),
     Question("Weight sync to the rollout engine", _heading(r"^bench_weight_sync:"), _weight_sync),
-    Question("Tiny recipe learns (tiny_cpu.json)", _heading(r"^tiny_recipe_seeds: tiny_cpu\.json, seeds"), _seeds),
-    Question("Tiny recipe learns with top_k 8", _heading(
-        r"^tiny_recipe_seeds: tiny_cpu\.json with rollout\.top_k=8 algorithm\.rollout_is_cap=2, seeds"), _seeds),
-    Question("Tiny recipe learns with top_p 0.9", _heading(
-        r"^tiny_recipe_seeds: tiny_cpu\.json with rollout\.top_p=0\.9 algorithm\.rollout_is_cap=2, seeds"), _seeds),
-    Question("Tiny recipe learns with vLLM (tiny_vllm_cpu.json)",
-             _heading(r"^tiny_recipe_seeds: tiny_vllm_cpu\.json, seeds"), _seeds),
-    Question("Tiny multi-turn recipe learns", _heading(r"^tiny_recipe_seeds: multiturn_tiny_cpu\.json"), _seeds),
-    Question("Tiny LoRA recipe learns", _heading(r"^tiny_recipe_seeds: lora_tiny_cpu\.json"), _seeds),
-    Question("End to end on a GPU, 0.5 B", _heading(r"^grpo_ds end to end:"),
-             _first_note("after the first step (median): ")),
-    Question("Packed vs padded micro-batches", _heading(r"^Packed vs padded"), _first_note("packed is ")),
-    Question("Partitioned loading at scale", _heading(r"^Partitioned loading at scale"), _first_note("1/dp: ")),
-    Question("One rank: ZeRO stage 1 vs 3", _heading(r"^bench_one_rank_stage:"),
-             _first_note("step time stage 1 / stage 3: ")),
-    Question("Large models: estimated fit in 8 x 80 GiB", _heading(r"^Large-model memory estimates"),
-             lambda block: f"{sum(r['in 80 GiB'] == 'yes' for r in block.tables()[0])} of "
-                           f"{len(block.tables()[0])} layouts fit (estimates, not measured)"),
-    Question("Placement: colocated vs split S=0 vs S=1 (CPU, real vLLM)",
-             _heading(r"^bench_placement: colocated vs split"), _placement),
-    Question("Split placement learns (tiny_vllm_cpu.json, S=1)",
-             _heading(r"^bench_placement: learns, \S+ split K=1 S=1, seeds"), _seeds),
-    Question("Split placement learns with top_p 0.9 (S=1)",
-             _heading(r"^bench_placement: learns, \S+ split K=1 S=1 with rollout\.top_p=0\.9, seeds"), _seeds),
-    *(Question(f"Truncated sampling: importance weights at staleness 0, {engine}, {placement}",
-               _heading(rf"^sampler_replay: .*{engine} engine, {placement}"), lambda block: _replay(block))
-      for engine, placement in (("hf", "colocated"), ("hf", "split"), ("vllm", "colocated"))),
-    Question("Log-probs over the sampler's top-k / top-p set vs untruncated", _heading(r"^bench_support:"),
-             lambda block: _support(block)),
-    # bench_vs_trl --reward-model (issue 36): its blocks say "with a reward model" (the other vs-TRL rows skip them)
+    Question(
+        "Tiny recipe learns (tiny_cpu.json)",
+        _heading(r"^tiny_recipe_seeds: tiny_cpu\.json, seeds"),
+        _seeds,
+    ),
+    Question(
+        "Tiny recipe learns with top_k 8",
+        _heading(
+            r"^tiny_recipe_seeds: tiny_cpu\.json with "
+            r"rollout\.top_k=8 algorithm\.rollout_is_cap=2, seeds"
+        ),
+        _seeds,
+    ),
+    Question(
+        "Tiny recipe learns with top_p 0.9",
+        _heading(
+            r"^tiny_recipe_seeds: tiny_cpu\.json with "
+            r"rollout\.top_p=0\.9 algorithm\.rollout_is_cap=2, seeds"
+        ),
+        _seeds,
+    ),
+    Question(
+        "Tiny recipe learns with vLLM (tiny_vllm_cpu.json)",
+        _heading(r"^tiny_recipe_seeds: tiny_vllm_cpu\.json, seeds"),
+        _seeds,
+    ),
+    Question(
+        "Tiny multi-turn recipe learns",
+        _heading(r"^tiny_recipe_seeds: multiturn_tiny_cpu\.json"),
+        _seeds,
+    ),
+    Question(
+        "Tiny LoRA recipe learns", _heading(r"^tiny_recipe_seeds: lora_tiny_cpu\.json"), _seeds
+    ),
+    Question(
+        "End to end on a GPU, 0.5 B",
+        _heading(r"^grpo_ds end to end:"),
+        _first_note("after the first step (median): "),
+    ),
+    Question(
+        "Packed vs padded micro-batches", _heading(r"^Packed vs padded"), _first_note("packed is ")
+    ),
+    Question(
+        "Partitioned loading at scale",
+        _heading(r"^Partitioned loading at scale"),
+        _first_note("1/dp: "),
+    ),
+    Question(
+        "One rank: ZeRO stage 1 vs 3",
+        _heading(r"^bench_one_rank_stage:"),
+        _first_note("step time stage 1 / stage 3: "),
+    ),
+    Question(
+        "Large models: estimated fit in 8 x 80 GiB",
+        _heading(r"^Large-model memory estimates"),
+        lambda block: (
+            f"{sum(r['in 80 GiB'] == 'yes' for r in block.tables()[0])} of "
+            f"{len(block.tables()[0])} layouts fit (estimates, not measured)"
+        ),
+    ),
+    Question(
+        "Placement: colocated vs split S=0 vs S=1 (CPU, real vLLM)",
+        _heading(r"^bench_placement: colocated vs split"),
+        _placement,
+    ),
+    Question(
+        "Split placement learns (tiny_vllm_cpu.json, S=1)",
+        _heading(r"^bench_placement: learns, \S+ split K=1 S=1, seeds"),
+        _seeds,
+    ),
+    Question(
+        "Split placement learns with top_p 0.9 (S=1)",
+        _heading(r"^bench_placement: learns, \S+ split K=1 S=1 with rollout\.top_p=0\.9, seeds"),
+        _seeds,
+    ),
+    *(
+        Question(
+            f"Truncated sampling: importance weights at staleness 0, {engine}, {placement}",
+            _heading(rf"^sampler_replay: .*{engine} engine, {placement}"),
+            lambda block: _replay(block),
+        )
+        for engine, placement in (("hf", "colocated"), ("hf", "split"), ("vllm", "colocated"))
+    ),
+    Question(
+        "Log-probs over the sampler's top-k / top-p set vs untruncated",
+        _heading(r"^bench_support:"),
+        lambda block: _support(block),
+    ),
+    # bench_vs_trl --reward-model (issue 36): its blocks say "with a reward model" (the other vs-TRL
+    # rows skip them)
     Question("Reward models", _heading(r"^bench_vs_trl: .*with a reward model"), _vs_trl),
 )
 
 
 class Row(NamedTuple):
-    """A summary row: the question, the latest block that answers it (None: not measured yet), its figure and
-    targets, or what made the block unreadable."""
+    """A summary row: the question, the latest block that answers it (None: not measured yet), its
+    figure and targets, or what made the block unreadable."""
 
     question: Question
     block: Block | None
@@ -384,7 +554,8 @@ class Row(NamedTuple):
 
 
 def summary(all_blocks: list[Block]) -> tuple[list[Row], list[Block]]:
-    """One row per question from its latest block, and the blocks no question asks for (listed, not dropped)."""
+    """One row per question from its latest block, and the blocks no question asks for (listed, not
+    dropped)."""
     rows = []
     for question in QUESTIONS:
         answers = [b for b in all_blocks if question.asks(b.heading)]
@@ -403,7 +574,8 @@ def summary(all_blocks: list[Block]) -> tuple[list[Row], list[Block]]:
 
 
 def short_machine(machine: str | None) -> str:
-    """"AMD EPYC, 2 cores", "Intel Xeon Processor, 16 cores, NVIDIA H200" from a block's machine line."""
+    """ "AMD EPYC, 2 cores", "Intel Xeon Processor, 16 cores, NVIDIA H200" from a block's machine
+    line."""
     if not machine:
         return "?"
     cpu = re.sub(r"\(R\)|\(TM\)| Processor", "", machine.split(";")[0]).split(" (")[0]
@@ -416,14 +588,21 @@ def _target_cell(targets: tuple[Target, ...]) -> str:
         return "no target stated"
     missed = [t.what for t in targets if not t.met]
     if not missed:
-        return f"met ({len(targets)} of {len(targets)})" if len(targets) > 1 else f"met: {targets[0].what}"
-    return (f"**NOT met**: {'; '.join(missed)}" + (f" (met: {len(targets) - len(missed)} of {len(targets)})"
-                                                  if len(targets) > len(missed) else ""))
+        return (
+            f"met ({len(targets)} of {len(targets)})"
+            if len(targets) > 1
+            else f"met: {targets[0].what}"
+        )
+    return f"**NOT met**: {'; '.join(missed)}" + (
+        f" (met: {len(targets) - len(missed)} of {len(targets)})"
+        if len(targets) > len(missed)
+        else ""
+    )
 
 
 def summary_table(rows: list[Row]) -> str:
-    """The summary: question, latest figure, target, and where and when (the block's date, linked to it on the
-    archive page, its machine and its commit)."""
+    """The summary: question, latest figure, target, and where and when (the block's date, linked to
+    it on the archive page, its machine and its commit)."""
     lines = ["| question | latest figure | target | measured |", "|---|---|---|---|"]
     for row in rows:
         block = row.block
@@ -434,8 +613,10 @@ def summary_table(rows: list[Row]) -> str:
         commit = (block.field("commit") or "?").split(" ")[0]
         date = re.search(r"\((\d{4}-\d\d-\d\d)[^)]*\)\s*$", block.heading)
         link = f"[#{block.index}{', ' + date.group(1) if date else ''}]({ARCHIVE}#{block.anchor})"
-        lines.append(f"| {row.question.title} | {_escape(figure)} | {_escape(_target_cell(row.targets))} | "
-                     f"{link}, {_escape(short_machine(block.field('machine')))}, `{commit}` |")
+        lines.append(
+            f"| {row.question.title} | {_escape(figure)} | {_escape(_target_cell(row.targets))} | "
+            f"{link}, {_escape(short_machine(block.field('machine')))}, `{commit}` |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -448,35 +629,49 @@ def benchmarks_page() -> str:
     rows, unasked = summary(found)
     unread = [r for r in rows if r.unreadable]
     parts = [
-        f"{GENERATED}\n# Benchmarks\n\nWhere grpo_ds stands against TRL, eager PyTorch and Liger-Kernel today, one "
-        "row per question. A row shows the **latest block** that answers its question in benchmarks/RESULTS.md (the "
-        "last one a benchmark's `--record` appended; nothing here is typed by hand): its headline figure, the "
-        "targets the block states, met or NOT met, and where it was measured: the block (linked to it in the "
-        f"[archive]({ARCHIVE}), which holds all {len(found)} blocks with their commands and tables), the machine "
-        "and the commit.\n\n",
+        f"{GENERATED}\n# Benchmarks\n\nWhere grpo_ds stands against TRL, eager PyTorch and "
+        "Liger-Kernel today, one row per question. A row shows the **latest block** that answers "
+        "its question in benchmarks/RESULTS.md (the last one a benchmark's `--record` appended; "
+        "nothing here is typed by hand): its headline figure, the targets the block states, met or "
+        f"NOT met, and where it was measured: the block (linked to it in the [archive]({ARCHIVE}), "
+        f"which holds all {len(found)} blocks with their "
+        "commands and tables), the machine and the commit.\n\n",
         summary_table(rows),
     ]
     if unread:
-        parts.append("\n!!! warning \"Blocks the page could not read\"\n" + "".join(
-            f"    - {r.question.title}: block #{r.block.index} ({r.unreadable})\n" for r in unread))
+        parts.append(
+            '\n!!! warning "Blocks the page could not read"\n'
+            + "".join(
+                f"    - {r.question.title}: block #{r.block.index} ({r.unreadable})\n"
+                for r in unread
+            )
+        )
     if unasked:
-        parts.append("\nBlocks no row asks for (see the archive): " + ", ".join(
-            f"[#{b.index} {b.name}]({ARCHIVE}#{b.anchor})" for b in unasked) + ".\n")
+        parts.append(
+            "\nBlocks no row asks for (see the archive): "
+            + ", ".join(f"[#{b.index} {b.name}]({ARCHIVE}#{b.anchor})" for b in unasked)
+            + ".\n"
+        )
     parts.append(
-        "\n## Reward against TRL\n\n![Reward of grpo_ds and TRL at equal samples](img/reward_vs_trl.png)\n\n"
-        "The mean reward at equal samples of grpo_ds and TRL's GRPOTrainer on the same tiny model, task, reward and "
-        "settings, from the latest CPU tiny-model bench_vs_trl block (the points its table reports, averaged over "
-        "its runs).\n\n"
-        "## The tiny recipe, step by step\n\n![Reward, groups without signal and entropy of the tiny recipe]"
-        "(img/tiny_cpu_curves.png)\n\n![Memory of the tiny recipe's profiled steps](img/tiny_cpu_memory.png)\n\n"
-        f"`python -m grpo_ds.train {TINY} {' '.join(_quoted(a) for a in TINY_OVERRIDES)}`, drawn by "
-        "`python -m grpo_ds.plot` from the "
+        "\n## Reward against TRL\n\n"
+        "![Reward of grpo_ds and TRL at equal samples](img/reward_vs_trl.png)\n\n"
+        "The mean reward at equal samples of grpo_ds and TRL's GRPOTrainer on the same tiny model, "
+        "task, reward and settings, from the latest CPU tiny-model bench_vs_trl block (the points "
+        "its table reports, averaged over its runs).\n\n"
+        "## The tiny recipe, step by step\n\n![Reward, groups without signal and entropy of the "
+        "tiny recipe](img/tiny_cpu_curves.png)\n\n"
+        "![Memory of the tiny recipe's profiled steps](img/tiny_cpu_memory.png)\n\n"
+        f"`python -m grpo_ds.train {TINY} {' '.join(_quoted(a) for a in TINY_OVERRIDES)}`, drawn "
+        "by `python -m grpo_ds.plot` from the "
         "run's own files, kept beside the pictures: [metrics.jsonl](img/tiny_cpu/metrics.jsonl), "
         "[rank0.memory.csv](img/tiny_cpu/profile/rank0.memory.csv) (`logging.profile_steps`) and "
-        f"[recipe.json](img/tiny_cpu/recipe.json). Its time axis is that run's: a median step of {_tiny_step_s()} s "
-        "on the machine that ran it (a shared 2-core CPU). Later steps follow the CPU's BLAS rounding, so a rerun "
-        "on another CPU draws a curve of the same shape, not the same points.\n\n"
-        "## Running the benchmarks\n\n" + "\n\n".join(p for p in preamble.split("\n\n") if " below " not in p))
+        "[recipe.json](img/tiny_cpu/recipe.json). Its time axis is that run's: a median step of "
+        f"{_tiny_step_s()} s on the machine that ran it (a shared 2-core CPU). Later steps follow "
+        "the CPU's BLAS rounding, so a rerun on another CPU draws a curve of the same shape, not "
+        "the same points.\n\n"
+        "## Running the benchmarks\n\n"
+        + "\n\n".join(p for p in preamble.split("\n\n") if " below " not in p)
+    )
     return "".join(parts)
 
 
@@ -493,30 +688,48 @@ def _quoted(arg: str) -> str:
 
 def benchmarks_archive_page() -> str:
     preamble, found = blocks(RESULTS.read_text())
-    return (f"{GENERATED}\n# Benchmarks archive\n\nEvery block of benchmarks/RESULTS.md, oldest first, as the "
-            "benchmark scripts appended it: each names its machine, its command and its commit. The "
-            "[summary](benchmarks.md) shows the latest block per question.\n\n" + preamble + "\n"
-            + "\n".join(b.text for b in found))
+    return (
+        f"{GENERATED}\n# Benchmarks archive\n\nEvery block of benchmarks/RESULTS.md, oldest first, "
+        "as the benchmark scripts appended it: each names its machine, its command and its commit. "
+        "The [summary](benchmarks.md) shows the latest block per question.\n\n"
+        + preamble
+        + "\n"
+        + "\n".join(b.text for b in found)
+    )
 
 
 def replay_snippet() -> str:
-    """The before / after table of docs/concepts/truncated-sampling.md: the latest sampler_replay block of each engine
-    (benchmarks/sampler_replay.py), its table and its notes, linked to the block in the archive."""
+    """The before / after table of docs/concepts/truncated-sampling.md: the latest sampler_replay
+    block of each engine (benchmarks/sampler_replay.py), its table and its notes, linked to the
+    block in the archive."""
     _, found = blocks(RESULTS.read_text())
     parts = ["<!-- generated by docs/generate.py from benchmarks/RESULTS.md -->\n"]
     for engine, placement in (("hf", "colocated"), ("hf", "split"), ("vllm", "colocated")):
-        latest = [b for b in found if re.search(rf"^sampler_replay: .*{engine} engine, {placement}", b.heading)]
+        latest = [
+            b
+            for b in found
+            if re.search(rf"^sampler_replay: .*{engine} engine, {placement}", b.heading)
+        ]
         if not latest:
-            parts.append(f"\nThe {engine} engine, {placement}: not measured yet (`benchmarks/sampler_replay.py`).\n")
+            parts.append(
+                f"\nThe {engine} engine, {placement}: not measured "
+                "yet (`benchmarks/sampler_replay.py`).\n"
+            )
             continue
         block = latest[-1]
         table = "\n".join(line for line in block.text.splitlines() if line.startswith("|"))
-        notes = "\n".join(line for line in block.text.splitlines() if line.startswith("- ")
-                          and not line.startswith(("- machine:", "- command:", "- commit:")))
+        notes = "\n".join(
+            line
+            for line in block.text.splitlines()
+            if line.startswith("- ")
+            and not line.startswith(("- machine:", "- command:", "- commit:"))
+        )
         commit = (block.field("commit") or "?").split(" ")[0]
-        parts.append(f"\n**{block.heading}**, [block #{block.index}](../{ARCHIVE}#{block.anchor}) of the benchmark "
-                     f"results, {short_machine(block.field('machine'))}, commit `{commit}`: "
-                     f"`{block.field('command')}`\n\n{table}\n\n{notes}\n")
+        parts.append(
+            f"\n**{block.heading}**, [block #{block.index}](../{ARCHIVE}#{block.anchor}) of the "
+            f"benchmark results, {short_machine(block.field('machine'))}, commit `{commit}`: "
+            f"`{block.field('command')}`\n\n{table}\n\n{notes}\n"
+        )
     return "".join(parts)
 
 
@@ -529,11 +742,12 @@ PAGES: dict[str, Callable[[], str]] = {
 }
 
 
-# ------------------------------------------------------------------------------------------------ transcripts
+# -------------------------------------------------------------------------------------- transcripts
+
 
 def _scratch() -> Path:
-    """A new folder holding the repository's recipes/ and ds_configs/, where a run writes its runs/ folder (one per
-    transcript: each starts with no run folder)."""
+    """A new folder holding the repository's recipes/ and ds_configs/, where a run writes its runs/
+    folder (one per transcript: each starts with no run folder)."""
     folder = Path(tempfile.mkdtemp(prefix="grpo_ds-docs-"))
     for name in ("recipes", "ds_configs"):
         (folder / name).symlink_to(REPO / name)
@@ -541,22 +755,35 @@ def _scratch() -> Path:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRITON_INTERPRET")}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
-               COLUMNS=HELP_COLUMNS)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRITON_INTERPRET")
+    }
+    env.update(
+        PYTHONPATH=str(REPO),
+        PYTHONUNBUFFERED="1",
+        DS_ACCELERATOR="cpu",
+        PYTHONWARNINGS="ignore",
+        COLUMNS=HELP_COLUMNS,
+    )
     return env
 
 
-_BAR = re.compile(r"grpo_ds:\s+\d+%\|[^|]*\|[^\]]*\]")  # one progress-bar frame (tqdm, carriage-returned)
+# one progress-bar frame (tqdm, carriage-returned)
+_BAR = re.compile(r"grpo_ds:\s+\d+%\|[^|]*\|[^\]]*\]")
 
 
 def console(raw: str) -> str:
-    """What a user reads, from stdout and stderr interleaved: progress-bar frames and one-time build messages left
-    out (a line that held only those, or a bar's clearing, goes), the repository's absolute path shown as the relative
-    path a user at its root sees."""
+    """What a user reads, from stdout and stderr interleaved: progress-bar frames and one-time build
+    messages left out (a line that held only those, or a bar's clearing, goes), the repository's
+    absolute path shown as the relative path a user at its root sees."""
     lines = []
     for line in raw.split("\n"):
-        pieces = [_BAR.sub("", piece).strip() if _BAR.search(piece) else piece.rstrip() for piece in line.split("\r")]
+        pieces = [
+            _BAR.sub("", piece).strip() if _BAR.search(piece) else piece.rstrip()
+            for piece in line.split("\r")
+        ]
         text = " ".join(piece for piece in pieces if piece.strip())
         if (not text and (line.strip() or "\r" in line)) or "built successfully" in line:
             continue
@@ -565,9 +792,17 @@ def console(raw: str) -> str:
 
 
 def run_raw(args: list[str], cwd: Path) -> tuple[int, str]:
-    """``python ARGS`` run from ``cwd``: its exit code and its raw stdout and stderr, interleaved."""
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=900)  # bytes: text mode would turn the bar's \r into \n
+    """``python ARGS`` run from ``cwd``: its exit code and its raw stdout and stderr,
+    interleaved."""
+    # bytes: text mode would turn the bar's \r into \n
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=900,
+    )
     return proc.returncode, proc.stdout.decode(errors="replace")
 
 
@@ -587,21 +822,27 @@ def _shown(arg: str) -> str:
 
 
 TINY = "recipes/tiny_cpu.json"
-BAD_INPUTS = (["train.lrr=1"], ["train.samples_per_optimizer_step=7"], ["algorithm.loss_agg=token_mean"],
-              ["model.path=/models/nope"])
+BAD_INPUTS = (
+    ["train.lrr=1"],
+    ["train.samples_per_optimizer_step=7"],
+    ["algorithm.loss_agg=token_mean"],
+    ["model.path=/models/nope"],
+)
 MISMATCH = 'deepspeed={"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}}'
 PREEMPTED_STEPS = "train.steps=60"
 
 
-TRAIN_TINY = ["-m", "grpo_ds.train", TINY]  # the README's run (tests/shared_runs.py runs it once for two tests)
+# the README's run (tests/shared_runs.py runs it once for two tests)
+TRAIN_TINY = ["-m", "grpo_ds.train", TINY]
 
 
 def transcript_train_tiny(cwd: Path) -> str:
     return _run(TRAIN_TINY, cwd, expect=0)
 
 
-# The transcripts that are commands and their consoles alone: each command (after `python`) with its exit code.
-# tests/test_docs.py runs them as forks of one process that has imported the libraries (tests/scripts/cli_forks.py).
+# The transcripts that are commands and their consoles alone: each command (after `python`) with its
+# exit code. tests/test_docs.py runs them as forks of one process that has imported the libraries
+# (tests/scripts/cli_forks.py).
 COMMANDS: dict[str, list[tuple[list[str], int]]] = {
     "check_tiny": [(["-m", "grpo_ds.check", TINY, "--world-size", "2"], 0)],
     "bad_input": [(["-m", "grpo_ds.train", TINY, *override], 2) for override in BAD_INPUTS],
@@ -609,25 +850,38 @@ COMMANDS: dict[str, list[tuple[list[str], int]]] = {
 }
 
 
-def commands_transcript(name: str, cwd: Path, run: Callable[[list[str], Path], tuple[int, str]] = run_raw) -> str:
-    """The transcript of COMMANDS[name], each command run by ``run`` (``run_raw``: a process of its own)."""
-    return "\n".join(transcript(args, *run(args, cwd), expect=expect) for args, expect in COMMANDS[name])
+def commands_transcript(
+    name: str, cwd: Path, run: Callable[[list[str], Path], tuple[int, str]] = run_raw
+) -> str:
+    """The transcript of COMMANDS[name], each command run by ``run`` (``run_raw``: a process of its
+    own)."""
+    return "\n".join(
+        transcript(args, *run(args, cwd), expect=expect) for args, expect in COMMANDS[name]
+    )
 
 
 def transcript_preemption(cwd: Path) -> str:
     """A run stopped by SIGTERM once its first step line is out, then the same command again."""
     args = ["-m", "grpo_ds.train", TINY, PREEMPTED_STEPS]
-    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # bytes, as in _run
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # bytes, as in _run
     out, deadline = [], time.monotonic() + 600
     for raw in proc.stdout:  # stderr is merged in; the first step line comes after step 1
         line = raw.decode(errors="replace")
         out.append(line)
-        if re.search(r"step +\d+ reward_mean=", line) and time.monotonic() < deadline:  # after bar frames, maybe
+        # after bar frames, maybe
+        if re.search(r"step +\d+ reward_mean=", line) and time.monotonic() < deadline:
             proc.send_signal(signal.SIGTERM)
             deadline = 0
     if proc.wait(timeout=600) != 75:
-        raise SystemExit(f"the preempted run exited {proc.returncode}, not 75:\n{''.join(out)[-3000:]}")
+        raise SystemExit(
+            f"the preempted run exited {proc.returncode}, not 75:\n{''.join(out)[-3000:]}"
+        )
     first = f"$ python {' '.join(args[:-1])} {args[-1]}\n" + console("".join(out))
     return first + "\n" + _run(args, cwd, expect=0)
 
@@ -638,16 +892,26 @@ TRANSCRIPTS: dict[str, Callable[[Path], str]] = {
     "preemption": transcript_preemption,
 }
 
-# What differs between two runs of the same command on the same code: timings and rates, installed versions, the
-# step a signal landed at (and so the checkpoint's name), and the metrics after the first step. Those follow the
-# rounding of MKL's code path, which MKL picks by CPU: an Intel Xeon's and an AMD EPYC's tiny-recipe trajectories part
-# after about a hundred steps, while one machine repeats them bit for bit (MKL_CBWR=COMPATIBLE changes them). The
-# first step's metrics, every line's keys and the step numbers stay compared.
+# What differs between two runs of the same command on the same code: timings and rates, installed
+# versions, the step a signal landed at (and so the checkpoint's name), and the metrics after the
+# first step. Those follow the rounding of MKL's code path, which MKL picks by CPU: an Intel Xeon's
+# and an AMD EPYC's tiny-recipe trajectories part after about a hundred steps, while one machine
+# repeats them bit for bit (MKL_CBWR=COMPATIBLE changes them). The first step's metrics, every
+# line's keys and the step numbers stay compared.
 _MASKS = (
-    (re.compile(r"^(step +(?!1 )\d+ )(.*)$", re.M), lambda line: line[1] + re.sub(r"=\S+", "=*", line[2])),
+    (
+        re.compile(r"^(step +(?!1 )\d+ )(.*)$", re.M),
+        lambda line: line[1] + re.sub(r"=\S+", "=*", line[2]),
+    ),
     (re.compile(r"\b(tokens_per_s|generated_tokens_per_s|time_\w+_s)=\S+"), r"\1=*"),
-    (re.compile(r"^(  (?:python|torch|deepspeed|transformers|accelerate|datasets|triton|peft|vllm|wandb|tensorboard|"
-                r"accelerator|extras|conflicts)\s+).*$", re.M), r"\1*"),
+    (
+        re.compile(
+            r"^(  "
+            r"(?:python|torch|deepspeed|transformers|accelerate|datasets|triton|peft|vllm|wandb|tensorboard|accelerator|extras|conflicts)\s+).*$",
+            re.M,
+        ),
+        r"\1*",
+    ),
     (re.compile(r"(after step |step_)\d+"), r"\1*"),
     (re.compile(r"^step +\d+ (.*)$", re.M), r"step * \1"),
 )
@@ -663,21 +927,36 @@ def transcript_path(name: str) -> Path:
     return DOCS / "transcripts" / f"{name}.txt"
 
 
-# --------------------------------------------------------------------------------------------------- pictures
+# ----------------------------------------------------------------------------------------- pictures
 
 IMG = DOCS / "img"
-TINY_DATA = IMG / "tiny_cpu"  # the files of a run of the tiny recipe that the pictures are drawn from
-TINY_OVERRIDES = ("logging.profile_steps=[2,4]", "logging.profile_trace=false", "logging.progress_bar=false")
+# the files of a run of the tiny recipe that the pictures are drawn from
+TINY_DATA = IMG / "tiny_cpu"
+TINY_OVERRIDES = (
+    "logging.profile_steps=[2,4]",
+    "logging.profile_trace=false",
+    "logging.progress_bar=false",
+)
 TINY_FILES = ("metrics.jsonl", "recipe.json", "profile/rank0.memory.csv")
 
 
-PLACEMENT_DATA = IMG / "placement"  # the rank logs of a split placement run that its timeline is drawn from
+# the rank logs of a split placement run that its timeline is drawn from
+PLACEMENT_DATA = IMG / "placement"
 PLACEMENT_RANKS = 3  # launched through the deepspeed launcher: ranks 0-1 train, rank 2 generates
-PLACEMENT_OVERRIDES = ("run.name=placement", "train.steps=10", "rollout.prompts_per_step=4", "rollout.group_size=4",
-                       "rollout.max_new_tokens=16",
-                       "train.micro_batch_samples_per_gpu=8", "train.logprob_micro_batch_samples_per_gpu=8",
-                       'rollout.placement="split"', "rollout.ranks=1", "rollout.max_staleness=1",
-                       "algorithm.rollout_is_cap=2", "logging.progress_bar=false")
+PLACEMENT_OVERRIDES = (
+    "run.name=placement",
+    "train.steps=10",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=16",
+    "train.micro_batch_samples_per_gpu=8",
+    "train.logprob_micro_batch_samples_per_gpu=8",
+    'rollout.placement="split"',
+    "rollout.ranks=1",
+    "rollout.max_staleness=1",
+    "algorithm.rollout_is_cap=2",
+    "logging.progress_bar=false",
+)
 PLACEMENT_FILES = ("recipe.json", *(f"ranks/rank{r}.jsonl" for r in range(PLACEMENT_RANKS)))
 
 
@@ -689,8 +968,8 @@ def _figure_class():
 
 
 def draw_reward_vs_trl() -> Figure:
-    """grpo_ds's and TRL's reward at equal samples: the "reward @ N" columns of the latest CPU tiny-model
-    bench_vs_trl block."""
+    """grpo_ds's and TRL's reward at equal samples: the "reward @ N" columns of the latest CPU
+    tiny-model bench_vs_trl block."""
     _, found = blocks(RESULTS.read_text())
     block = [b for b in found if QUESTIONS[0].asks(b.heading)][-1]
     figure_class, canvas_class = _figure_class()
@@ -698,8 +977,11 @@ def draw_reward_vs_trl() -> Figure:
     canvas_class(fig)
     ax = fig.add_subplot()
     for row, style in zip(block.tables()[0], ("o-", "s--"), strict=False):
-        points = [(float(k.split("@")[1].replace(",", "")), float(v)) for k, v in row.items()
-                  if k.startswith("reward @") and v not in ("-", "")]
+        points = [
+            (float(k.split("@")[1].replace(",", "")), float(v))
+            for k, v in row.items()
+            if k.startswith("reward @") and v not in ("-", "")
+        ]
         ax.plot(*zip(*points, strict=True), style, label=f"{row['trainer']} ({row['runs']} runs)")
     ax.set_xlabel("samples trained on")
     ax.set_ylabel("mean reward")
@@ -707,9 +989,11 @@ def draw_reward_vs_trl() -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     date = re.search(r"\((\d{4}-\d\d-\d\d)", block.heading)
-    ax.set_title(f"builtin:tiny on builtin:arith: block #{block.index} ({date.group(1) if date else 'undated'}), "
-                 f"{short_machine(block.field('machine'))}",
-                 fontsize="medium")
+    ax.set_title(
+        f"builtin:tiny on builtin:arith: block #{block.index} "
+        f"({date.group(1) if date else 'undated'}), {short_machine(block.field('machine'))}",
+        fontsize="medium",
+    )
     return fig
 
 
@@ -734,7 +1018,8 @@ def draw_placement_timeline() -> Figure:
 
 @functools.cache
 def _layout_rules():
-    """tests/test_layout.py, whose tables MAY_IMPORT and NEVER_IMPORT (and its import graph) the diagram draws."""
+    """tests/test_layout.py, whose tables MAY_IMPORT and NEVER_IMPORT (and its import graph) the
+    diagram draws."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("layout_rules", REPO / "tests" / "test_layout.py")
@@ -744,10 +1029,10 @@ def _layout_rules():
 
 
 def architecture_edges() -> tuple[list[str], dict[tuple[str, str], str]]:
-    """The parts (sub-packages, the CLIs, errors) and the arrows to draw between them: "may" wherever
-    test_layout's MAY_IMPORT lets a lower part import another part; "imports" for an upper part's imports (which only
-    NEVER_IMPORT and "no circles" bound), read from test_layout's import graph, leaving out an arrow a -> c that a
-    path a -> b -> c already shows."""
+    """The parts (sub-packages, the CLIs, errors) and the arrows to draw between them: "may"
+    wherever test_layout's MAY_IMPORT lets a lower part import another part; "imports" for an upper
+    part's imports (which only NEVER_IMPORT and "no circles" bound), read from test_layout's import
+    graph, leaving out an arrow a -> c that a path a -> b -> c already shows."""
     rules = _layout_rules()
     nodes = [*rules.PARTS, *(t for t in rules.TOP_LEVEL if t != "__init__")]
     part = rules._part
@@ -795,8 +1080,14 @@ def draw_architecture() -> Figure:
     top = max(layers)
     where: dict[str, tuple[float, float]] = {}
     for x in sorted(layers):  # columns from the CLIs (left) down to what imports nothing (right)
-        column = sorted(layers[x], key=lambda n: (sum(where[b][1] for (a, b) in edges if a == n and b in where)
-                                                  / max(1, sum(1 for (a, b) in edges if a == n and b in where)), n))
+        column = sorted(
+            layers[x],
+            key=lambda n: (
+                sum(where[b][1] for (a, b) in edges if a == n and b in where)
+                / max(1, sum(1 for (a, b) in edges if a == n and b in where)),
+                n,
+            ),
+        )
         for y, node in enumerate(column):
             where[node] = (float(top - x), (len(column) - 1) / 2 - y)
     figure_class, canvas_class = _figure_class()
@@ -805,21 +1096,58 @@ def draw_architecture() -> Figure:
     canvas_class(fig)
     ax = fig.add_subplot()
     for (a, b), kind in edges.items():
-        ax.annotate("", xy=where[b], xytext=where[a], arrowprops=dict(
-            arrowstyle="-|>", shrinkA=16, shrinkB=16, color="black" if kind == "may" else "0.55",
-            linestyle="-" if kind == "may" else "--", linewidth=1.0,
-            connectionstyle=f"arc3,rad={0.1 + 0.06 * (abs(where[b][0] - where[a][0]) - 1):.2f}"))  # long: bend more
+        # long: bend more
+        ax.annotate(
+            "",
+            xy=where[b],
+            xytext=where[a],
+            arrowprops=dict(
+                arrowstyle="-|>",
+                shrinkA=16,
+                shrinkB=16,
+                color="black" if kind == "may" else "0.55",
+                linestyle="-" if kind == "may" else "--",
+                linewidth=1.0,
+                connectionstyle=f"arc3,rad={0.1 + 0.06 * (abs(where[b][0] - where[a][0]) - 1):.2f}",
+            ),
+        )
     for node, (x, y) in where.items():
-        ax.text(x, y, node, ha="center", va="center", fontsize="medium", family="monospace",
-                bbox=dict(boxstyle="round,pad=0.4", edgecolor="0.3",
-                          facecolor="#dbe6f7" if node in rules.ENTRY_POINTS else "#f4f4f4"))
-    never = "; ".join(f"{p.removeprefix('grpo_ds.')} never imports "
-                      f"{', '.join(n.removeprefix('grpo_ds.') for n in ns)}" for p, ns in rules.NEVER_IMPORT)
-    ax.set_title("grpo_ds's parts, each pointing at what it imports. Solid: allowed by MAY_IMPORT in "
-                 "tests/test_layout.py. Dashed: an upper part's imports\n(an arrow that a path of arrows already "
-                 "shows is left out). Blue: the command lines, which nothing imports. No circles.", fontsize="small")
-    ax.text(0.5, -0.01, "NEVER_IMPORT: " + never, transform=ax.transAxes, ha="center", va="top", fontsize="small",
-            wrap=True)
+        ax.text(
+            x,
+            y,
+            node,
+            ha="center",
+            va="center",
+            fontsize="medium",
+            family="monospace",
+            bbox=dict(
+                boxstyle="round,pad=0.4",
+                edgecolor="0.3",
+                facecolor="#dbe6f7" if node in rules.ENTRY_POINTS else "#f4f4f4",
+            ),
+        )
+    never = "; ".join(
+        f"{p.removeprefix('grpo_ds.')} never imports "
+        f"{', '.join(n.removeprefix('grpo_ds.') for n in ns)}"
+        for p, ns in rules.NEVER_IMPORT
+    )
+    ax.set_title(
+        "grpo_ds's parts, each pointing at what it imports. Solid: allowed by MAY_IMPORT in "
+        "tests/test_layout.py. Dashed: an upper part's imports\n"
+        "(an arrow that a path of arrows already shows is left out). "
+        "Blue: the command lines, which nothing imports. No circles.",
+        fontsize="small",
+    )
+    ax.text(
+        0.5,
+        -0.01,
+        "NEVER_IMPORT: " + never,
+        transform=ax.transAxes,
+        ha="center",
+        va="top",
+        fontsize="small",
+        wrap=True,
+    )
     ys = [y for _, y in where.values()]
     ax.set_xlim(-0.6, top + 0.6)
     ax.set_ylim(min(ys) - 0.6, max(ys) + 0.6)
@@ -829,18 +1157,22 @@ def draw_architecture() -> Figure:
 
 @functools.cache
 def _runtime_picture():
-    """docs/runtime_picture.py: the runtime picture's facts (``sources``) and its drawing (``draw``)."""
+    """docs/runtime_picture.py: the runtime picture's facts (``sources``) and its drawing
+    (``draw``)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("runtime_picture", REPO / "docs" / "runtime_picture.py")
+    spec = importlib.util.spec_from_file_location(
+        "runtime_picture", REPO / "docs" / "runtime_picture.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 class Picture(NamedTuple):
-    """A PNG under docs/img/ and what it is drawn from: ``draw`` makes the figure, ``sources`` the bytes it depends
-    on (their hash is written into the PNG, so a check can tell new data from a new matplotlib)."""
+    """A PNG under docs/img/ and what it is drawn from: ``draw`` makes the figure, ``sources`` the
+    bytes it depends on (their hash is written into the PNG, so a check can tell new data from a new
+    matplotlib)."""
 
     draw: Callable[[], Figure]
     sources: Callable[[], bytes]
@@ -860,8 +1192,12 @@ def _architecture_sources() -> bytes:
 
 
 PICTURES: dict[str, Picture] = {
-    "reward_vs_trl.png": Picture(draw_reward_vs_trl, lambda: [b for b in blocks(RESULTS.read_text())[1]
-                                                              if QUESTIONS[0].asks(b.heading)][-1].text.encode()),
+    "reward_vs_trl.png": Picture(
+        draw_reward_vs_trl,
+        lambda: [b for b in blocks(RESULTS.read_text())[1] if QUESTIONS[0].asks(b.heading)][
+            -1
+        ].text.encode(),
+    ),
     "tiny_cpu_curves.png": Picture(draw_tiny_curves, _tiny_sources),
     "tiny_cpu_memory.png": Picture(draw_tiny_memory, _tiny_sources),
     "architecture.png": Picture(draw_architecture, _architecture_sources),
@@ -871,11 +1207,15 @@ PICTURES: dict[str, Picture] = {
 
 
 def png(picture: Picture) -> bytes:
-    """The PNG of a picture: matplotlib names its version in the file ("Software"), the sources' sha256 go in as
-    "Source"."""
+    """The PNG of a picture: matplotlib names its version in the file ("Software"), the sources'
+    sha256 go in as "Source"."""
     out = io.BytesIO()
-    picture.draw().savefig(out, format="png", dpi=100,
-                           metadata={"Source": hashlib.sha256(picture.sources()).hexdigest()})
+    picture.draw().savefig(
+        out,
+        format="png",
+        dpi=100,
+        metadata={"Source": hashlib.sha256(picture.sources()).hexdigest()},
+    )
     return out.getvalue()
 
 
@@ -883,9 +1223,9 @@ def png_text(data: bytes) -> dict[str, str]:
     """The tEXt entries of a PNG file."""
     found, at = {}, 8
     while at + 8 <= len(data):
-        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        size, kind = struct.unpack(">I4s", data[at : at + 8])
         if kind == b"tEXt":
-            key, _, value = data[at + 8:at + 8 + size].partition(b"\0")
+            key, _, value = data[at + 8 : at + 8 + size].partition(b"\0")
             found[key.decode("latin-1")] = value.decode("latin-1")
         at += 12 + size
     return found
@@ -898,10 +1238,11 @@ def _matplotlib_version() -> str:
 
 
 def stale_pictures() -> tuple[list[str], list[str]]:
-    """(pictures that differ from what their sources draw now, and why a picture could not be compared pixel for
-    pixel). A picture is stale when its PNG is missing, when it was drawn from other sources (the Source hash) or,
-    where this matplotlib is the one that drew it, when a fresh drawing differs; the tiny run's data is stale when it
-    came from another recipe or when its first step differs from the transcript of a real run."""
+    """(pictures that differ from what their sources draw now, and why a picture could not be
+    compared pixel for pixel). A picture is stale when its PNG is missing, when it was drawn from
+    other sources (the Source hash) or, where this matplotlib is the one that drew it, when a fresh
+    drawing differs; the tiny run's data is stale when it came from another recipe or when its first
+    step differs from the transcript of a real run."""
     found, unchecked = [], []
     if problem := tiny_data_problem():
         found.append(f"img/tiny_cpu/ ({problem})")
@@ -909,8 +1250,11 @@ def stale_pictures() -> tuple[list[str], list[str]]:
         found.append(f"img/placement/ ({problem})")
     for name, picture in PICTURES.items():
         path = IMG / name
-        if any(f.startswith(f"img/{folder}/ (missing") for f in found for folder in ("tiny_cpu", "placement")) \
-                and picture.sources in (_tiny_sources, _placement_sources):
+        if any(
+            f.startswith(f"img/{folder}/ (missing")
+            for f in found
+            for folder in ("tiny_cpu", "placement")
+        ) and picture.sources in (_tiny_sources, _placement_sources):
             continue  # its data is missing (said above): nothing to hash
         if not path.is_file():
             found.append(f"img/{name} (missing)")
@@ -919,19 +1263,24 @@ def stale_pictures() -> tuple[list[str], list[str]]:
         text = png_text(committed)
         if text.get("Source") != hashlib.sha256(picture.sources()).hexdigest():
             found.append(f"img/{name} (drawn from other data)")
-        elif text.get("Software", "").removeprefix("Matplotlib version").split(",")[0] != _matplotlib_version():
-            unchecked.append(f"img/{name}: drawn by {text.get('Software', 'an unknown program')}, this is matplotlib "
-                             f"{_matplotlib_version()}, so its pixels are not compared (its data is)")
+        elif (
+            text.get("Software", "").removeprefix("Matplotlib version").split(",")[0]
+            != _matplotlib_version()
+        ):
+            unchecked.append(
+                f"img/{name}: drawn by {text.get('Software', 'an unknown program')}, this is "
+                f"matplotlib {_matplotlib_version()}, so its pixels are not compared (its data is)"
+            )
         elif committed != png(picture):
             found.append(f"img/{name} (differs from a fresh drawing)")
     return found, unchecked
 
 
 def tiny_data_problem() -> str | None:
-    """Why docs/img/tiny_cpu/ is not a run of today's tiny recipe, or None. Its recipe.json must be what the recipe
-    resolves to now (with TINY_OVERRIDES), and its first step's metrics those of the tiny run's transcript
-    (docs/transcripts/train_tiny.txt, itself compared with a real run by the slow docs test): the later steps follow
-    the CPU's BLAS rounding, so they are not compared."""
+    """Why docs/img/tiny_cpu/ is not a run of today's tiny recipe, or None. Its recipe.json must be
+    what the recipe resolves to now (with TINY_OVERRIDES), and its first step's metrics those of the
+    tiny run's transcript (docs/transcripts/train_tiny.txt, itself compared with a real run by the
+    slow docs test): the later steps follow the CPU's BLAS rounding, so they are not compared."""
     from grpo_ds import load_recipe
     from grpo_ds.run.metrics import read_metrics
 
@@ -945,15 +1294,23 @@ def tiny_data_problem() -> str | None:
     console = re.search(r"^step +1 (.*)$", transcript_path("train_tiny").read_text(), re.M)
     first = read_metrics(TINY_DATA)[0]
     shown = dict(pair.split("=", 1) for pair in console.group(1).split()) if console else {}
-    differ = [k for k, v in shown.items() if not re.match(r"tokens_per_s|time_", k)
-              and (f"{first[k]:.4g}" if isinstance(first.get(k), float) else str(first.get(k))) != v]
+    differ = [
+        k
+        for k, v in shown.items()
+        if not re.match(r"tokens_per_s|time_", k)
+        and (f"{first[k]:.4g}" if isinstance(first.get(k), float) else str(first.get(k))) != v
+    ]
     if not console or differ:
-        return f"its first step differs from docs/transcripts/train_tiny.txt in {differ or 'every key'}"
+        return (
+            "its first step differs from docs/transcripts/train_tiny.txt "
+            f"in {differ or 'every key'}"
+        )
     return None
 
 
 def tiny_run() -> None:
-    """Run the tiny recipe with its memory timeline (TINY_OVERRIDES) and keep its files under docs/img/tiny_cpu/."""
+    """Run the tiny recipe with its memory timeline (TINY_OVERRIDES) and keep its files under
+    docs/img/tiny_cpu/."""
     cwd = _scratch()
     _run(["-m", "grpo_ds.train", TINY, *TINY_OVERRIDES], cwd, expect=0)
     run = cwd / "runs" / "tiny_cpu"
@@ -963,11 +1320,12 @@ def tiny_run() -> None:
 
 
 def placement_data_problem() -> str | None:
-    """Why docs/img/placement/ is not a split placement run of today's tiny recipe (PLACEMENT_OVERRIDES), or None: its
-    recipe.json must be what the recipe resolves to now, and its rank logs a complete run of it: every step on every
-    rank, ranks 0-1 the trainer and the last one the rollout rank, each step's samples generated with weights at most
-    rollout.max_staleness steps older than the schedule's newest (grpo_ds.step.schedule), and the same final weights
-    on both trainer ranks. Its timings are that run's own (wall time), so nothing else is compared."""
+    """Why docs/img/placement/ is not a split placement run of today's tiny recipe
+    (PLACEMENT_OVERRIDES), or None: its recipe.json must be what the recipe resolves to now, and its
+    rank logs a complete run of it: every step on every rank, ranks 0-1 the trainer and the last one
+    the rollout rank, each step's samples generated with weights at most rollout.max_staleness steps
+    older than the schedule's newest (grpo_ds.step.schedule), and the same final weights on both
+    trainer ranks. Its timings are that run's own (wall time), so nothing else is compared."""
     from grpo_ds import load_recipe
 
     missing = [name for name in PLACEMENT_FILES if not (PLACEMENT_DATA / name).is_file()]
@@ -977,20 +1335,35 @@ def placement_data_problem() -> str | None:
         now = load_recipe(TINY, list(PLACEMENT_OVERRIDES))
     if json.loads((PLACEMENT_DATA / "recipe.json").read_text()) != now.to_dict():
         return "its recipe.json is not today's recipes/tiny_cpu.json with the placement overrides"
-    trainers, steps, staleness = PLACEMENT_RANKS - now.rollout.ranks, now.train.steps, now.rollout.max_staleness
+    trainers, steps, staleness = (
+        PLACEMENT_RANKS - now.rollout.ranks,
+        now.train.steps,
+        now.rollout.max_staleness,
+    )
     digests = set()
     for rank in range(PLACEMENT_RANKS):
-        records = [json.loads(line) for line in (PLACEMENT_DATA / f"ranks/rank{rank}.jsonl").read_text().splitlines()
-                   if line.strip()]
+        records = [
+            json.loads(line)
+            for line in (PLACEMENT_DATA / f"ranks/rank{rank}.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
         role = "trainer" if rank < trainers else "rollout"
         by_step = {r["step"]: r for r in records if "step" in r}
-        if sorted(by_step) != list(range(1, steps + 1)) or any(r.get("role") != role or not r.get("phases")
-                                                                for r in by_step.values()):
+        if sorted(by_step) != list(range(1, steps + 1)) or any(
+            r.get("role") != role or not r.get("phases") for r in by_step.values()
+        ):
             return f"ranks/rank{rank}.jsonl is not {steps} steps of a {role} rank with their phases"
-        late = [k for k, r in by_step.items() if r.get("weight_version") is None or
-                not max(0, k - 1 - staleness) <= r["weight_version"] <= k - 1]
+        late = [
+            k
+            for k, r in by_step.items()
+            if r.get("weight_version") is None
+            or not max(0, k - 1 - staleness) <= r["weight_version"] <= k - 1
+        ]
         if late:
-            return f"ranks/rank{rank}.jsonl: steps {late} were generated with weights out of the staleness bound"
+            return (
+                f"ranks/rank{rank}.jsonl: steps {late} were "
+                "generated with weights out of the staleness bound"
+            )
         if role == "trainer":
             digests |= {r["final_weights_sha256"] for r in records if "final_weights_sha256" in r}
     if len(digests) != 1:
@@ -999,16 +1372,30 @@ def placement_data_problem() -> str | None:
 
 
 def placement_run() -> None:
-    """The split placement run (PLACEMENT_OVERRIDES) through the deepspeed launcher on PLACEMENT_RANKS CPU ranks; its
-    recipe.json and rank logs go to docs/img/placement/."""
+    """The split placement run (PLACEMENT_OVERRIDES) through the deepspeed launcher on
+    PLACEMENT_RANKS CPU ranks; its recipe.json and rank logs go to docs/img/placement/."""
     import socket
 
     cwd = _scratch()
     with socket.socket() as probe:  # a free port; the split launch's store takes the next one
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    _run(["-m", "deepspeed.launcher.runner", "--num_gpus", str(PLACEMENT_RANKS), "--master_port", str(port),
-          "--module", "grpo_ds.train", TINY, *PLACEMENT_OVERRIDES], cwd, expect=0)
+    _run(
+        [
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(PLACEMENT_RANKS),
+            "--master_port",
+            str(port),
+            "--module",
+            "grpo_ds.train",
+            TINY,
+            *PLACEMENT_OVERRIDES,
+        ],
+        cwd,
+        expect=0,
+    )
     run = cwd / "runs" / "placement"
     shutil.rmtree(PLACEMENT_DATA, ignore_errors=True)
     for name in PLACEMENT_FILES:
@@ -1016,11 +1403,13 @@ def placement_run() -> None:
         shutil.copyfile(run / name, PLACEMENT_DATA / name)
 
 
-# ------------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
+
 
 def stale(transcripts: bool) -> list[str]:
-    """The generated files that differ from what the code (and, with ``transcripts``, real runs) give now: the
-    pages, the pictures and the run data they are drawn from (``stale_pictures``), and the transcripts."""
+    """The generated files that differ from what the code (and, with ``transcripts``, real runs)
+    give now: the pages, the pictures and the run data they are drawn from (``stale_pictures``), and
+    the transcripts."""
     found = [name for name, make in PAGES.items() if (DOCS / name).read_text() != make()]
     found += stale_pictures()[0]
     if transcripts:
@@ -1031,22 +1420,39 @@ def stale(transcripts: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python docs/generate.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--transcripts", action="store_true", help="also run the commands the docs show (minutes)")
-    parser.add_argument("--pictures", action="store_true", help="also run the tiny recipe again for the data its "
-                        "pictures are drawn from, docs/img/tiny_cpu/ (a minute or two)")
-    parser.add_argument("--placement", action="store_true", help="also run the 3-rank split placement (deepspeed "
-                        "launcher, CPU) again for the data its timeline is drawn from, docs/img/placement/ (a minute)")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale page")
+    parser = argparse.ArgumentParser(
+        prog="python docs/generate.py", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--transcripts", action="store_true", help="also run the commands the docs show (minutes)"
+    )
+    parser.add_argument(
+        "--pictures",
+        action="store_true",
+        help="also run the tiny recipe again for the data its "
+        "pictures are drawn from, docs/img/tiny_cpu/ (a minute or two)",
+    )
+    parser.add_argument(
+        "--placement",
+        action="store_true",
+        help="also run the 3-rank split placement (deepspeed "
+        "launcher, CPU) again for the data its timeline "
+        "is drawn from, docs/img/placement/ (a minute)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 naming each stale page"
+    )
     args = parser.parse_args(argv)
     if args.check:
         for note in stale_pictures()[1]:
             print(f"not compared: {note}", file=sys.stderr)
         if found := stale(args.transcripts):
-            raise SystemExit(f"stale generated docs: {', '.join(found)}; run: python docs/generate.py"
-                             + (" --transcripts" if args.transcripts else "")
-                             + (" --pictures" if any(f.startswith("img/tiny_cpu/") for f in found) else "")
-                             + (" --placement" if any(f.startswith("img/placement/") for f in found) else ""))
+            raise SystemExit(
+                f"stale generated docs: {', '.join(found)}; run: python docs/generate.py"
+                + (" --transcripts" if args.transcripts else "")
+                + (" --pictures" if any(f.startswith("img/tiny_cpu/") for f in found) else "")
+                + (" --placement" if any(f.startswith("img/placement/") for f in found) else "")
+            )
         print("generated docs are fresh")
         return
     if args.pictures:
@@ -1059,8 +1465,11 @@ def main(argv: list[str] | None = None) -> None:
         (DOCS / name).write_text(make())
     for row in summary(blocks(RESULTS.read_text())[1])[0]:
         if row.unreadable:
-            print(f"note: {row.question.title}: block #{row.block.index} is unreadable ({row.unreadable})",
-                  file=sys.stderr)
+            print(
+                f"note: {row.question.title}: block "
+                f"#{row.block.index} is unreadable ({row.unreadable})",
+                file=sys.stderr,
+            )
     IMG.mkdir(exist_ok=True)
     for name, picture in PICTURES.items():
         (IMG / name).write_bytes(png(picture))
@@ -1068,8 +1477,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, make in TRANSCRIPTS.items():
             transcript_path(name).write_text(make(_scratch()))
             print(f"wrote docs/transcripts/{name}.txt", file=sys.stderr)
-    print("wrote " + ", ".join(f"docs/{name}" for name in [*PAGES, *(f"img/{p}" for p in PICTURES)]),
-          file=sys.stderr)
+    print(
+        "wrote " + ", ".join(f"docs/{name}" for name in [*PAGES, *(f"img/{p}" for p in PICTURES)]),
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

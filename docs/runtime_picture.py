@@ -21,8 +21,12 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = "recipes/vllm_gsm8k_qwen2.5_7b_8gpu.json"  # 8 GPUs, vLLM tensor parallel 2
 WORLD = 8
-SPLIT = ('rollout.placement="split"', "rollout.ranks=2", "rollout.max_staleness=1",
-         "rollout.vllm_sleep_mode=false")  # split refuses it: a rollout rank holds no trainer
+SPLIT = (
+    'rollout.placement="split"',
+    "rollout.ranks=2",
+    "rollout.max_staleness=1",
+    "rollout.vllm_sleep_mode=false",
+)  # split refuses it: a rollout rank holds no trainer
 
 
 class Message(NamedTuple):
@@ -37,8 +41,15 @@ class Message(NamedTuple):
 
 # How often each kind of message travels, in the order the lanes are drawn (the sender is read from
 # each class's docstring).
-WHEN = {"Layout": "once", "Batch": "each step", "Start": "once", "GoAhead": "each step",
-        "WeightBucket": "bucket by bucket", "WeightsEnd": "", "Stop": "once"}
+WHEN = {
+    "Layout": "once",
+    "Batch": "each step",
+    "Start": "once",
+    "GoAhead": "each step",
+    "WeightBucket": "bucket by bucket",
+    "WeightsEnd": "",
+    "Stop": "once",
+}
 TO_TRAINER_DOC, FROM_TRAINER_DOC = "The first rollout rank -> the trainer", "The trainer -> "
 
 
@@ -47,18 +58,25 @@ def _messages() -> tuple[Message, ...]:
     from grpo_ds.distributed.messages import KINDS
 
     if set(KINDS) != set(WHEN):
-        raise ValueError(f"grpo_ds.distributed.messages has the kinds {sorted(KINDS)}; "
-                         f"docs/runtime_picture.py's WHEN has {sorted(WHEN)}: draw each")
+        raise ValueError(
+            f"grpo_ds.distributed.messages has the kinds {sorted(KINDS)}; "
+            f"docs/runtime_picture.py's WHEN has {sorted(WHEN)}: draw each"
+        )
     lanes: list[Message] = []
     for name in WHEN:
         kind, doc = KINDS[name], KINDS[name].__doc__ or ""
         if not doc.startswith((TO_TRAINER_DOC, FROM_TRAINER_DOC)):
-            raise ValueError(f"{name}'s docstring does not start with who sends it "
-                             f"({TO_TRAINER_DOC!r} or {FROM_TRAINER_DOC!r})")
+            raise ValueError(
+                f"{name}'s docstring does not start with who sends it "
+                f"({TO_TRAINER_DOC!r} or {FROM_TRAINER_DOC!r})"
+            )
         to_trainer = doc.startswith(TO_TRAINER_DOC)
         previous = lanes[-1] if lanes else None
-        if previous and KINDS[previous.name.split("... ")[-1]].WHAT == kind.WHAT \
-                and previous.to_trainer == to_trainer:  # the same words: one lane
+        if (
+            previous
+            and KINDS[previous.name.split("... ")[-1]].WHAT == kind.WHAT
+            and previous.to_trainer == to_trainer
+        ):  # the same words: one lane
             lanes[-1] = previous._replace(name=f"{previous.name}... {name}")
         else:
             said = kind.WHAT.replace("-", "").lower() not in name.lower()
@@ -128,16 +146,31 @@ FIRST_LANE = 1.3
 def _box(ax, x0, y0, x1, y1, text="", face=PROCESS, dashed=False, size=TEXT):
     from matplotlib.patches import FancyBboxPatch
 
-    ax.add_patch(FancyBboxPatch((x0, y0), x1 - x0, y1 - y0,
-                                boxstyle="round,pad=0,rounding_size=0.08", facecolor=face,
-                                edgecolor="0.35", linewidth=1.0, linestyle="--" if dashed else "-"))
+    ax.add_patch(
+        FancyBboxPatch(
+            (x0, y0),
+            x1 - x0,
+            y1 - y0,
+            boxstyle="round,pad=0,rounding_size=0.08",
+            facecolor=face,
+            edgecolor="0.35",
+            linewidth=1.0,
+            linestyle="--" if dashed else "-",
+        )
+    )
     if text:
         ax.text((x0 + x1) / 2, (y0 + y1) / 2, text, ha="center", va="center", fontsize=size)
 
 
 def _arrow(ax, start, end, color="black", width=1.2):
-    ax.annotate("", xy=end, xytext=start, arrowprops=dict(
-        arrowstyle="-|>", color=color, linewidth=width, shrinkA=0, shrinkB=0, mutation_scale=11))
+    ax.annotate(
+        "",
+        xy=end,
+        xytext=start,
+        arrowprops=dict(
+            arrowstyle="-|>", color=color, linewidth=width, shrinkA=0, shrinkB=0, mutation_scale=11
+        ),
+    )
 
 
 def _label(ax, y, text):
@@ -163,11 +196,19 @@ def _draw_panel(ax, panel: Panel, facts: Facts) -> None:
     _label(ax, 5.3, "learned reward models\n(reward.models), if any")
     for r, role in enumerate(roles):
         _box(ax, r + 0.05, 4.7, r + 0.95, 9.75)
-        ax.text(r + 0.5, 9.55, f"rank {r}\n{role}", ha="center", va="top", fontsize=TEXT,
-                weight="bold")
+        ax.text(
+            r + 0.5, 9.55, f"rank {r}\n{role}", ha="center", va="top", fontsize=TEXT, weight="bold"
+        )
         if role == "rollout":
-            ax.text(r + 0.5, 8.25, "no ZeRO-3,\nno\noptimizer", ha="center", va="center",
-                    fontsize=SMALL, color="0.4")
+            ax.text(
+                r + 0.5,
+                8.25,
+                "no ZeRO-3,\nno\noptimizer",
+                ha="center",
+                va="center",
+                fontsize=SMALL,
+                color="0.4",
+            )
         else:
             shard = f"ZeRO-3\nshard\n1/{panel.trainer_ranks}"
             _box(ax, r + 0.12, 7.75, r + 0.88, 8.75, shard, TRAIN)
@@ -185,17 +226,35 @@ def _draw_panel(ax, panel: Panel, facts: Facts) -> None:
     _box(ax, lead + 0.05, 2.85, lead + 0.7, 3.85, "reward\nworkers", REWARD)
     _arrow(ax, (lead + 0.25, 4.7), (lead + 0.25, 3.85))
     _arrow(ax, (lead + 0.5, 3.85), (lead + 0.5, 4.7))
-    ax.text(lead + (0.75 if split else 0.8), 3.35, "completions ↓\nrewards ↑", ha="left",
-            va="center", fontsize=SMALL)
-    _label(ax, 3.35, "reward worker processes\n(reward.processes) score\n"
-           f"rank {lead}'s completions")
+    ax.text(
+        lead + (0.75 if split else 0.8),
+        3.35,
+        "completions ↓\nrewards ↑",
+        ha="left",
+        va="center",
+        fontsize=SMALL,
+    )
+    _label(
+        ax, 3.35, f"reward worker processes\n(reward.processes) score\nrank {lead}'s completions"
+    )
     # the process groups
     if split:
-        groups = [(trainers, "trainer group: ZeRO-3's gathers, each batch from rank 0,\n"
-                   "the reward models' scores"), (rollout, "rollout group:\nsamples gathered")]
+        groups = [
+            (
+                trainers,
+                "trainer group: ZeRO-3's gathers, each batch from rank 0,\n"
+                "the reward models' scores",
+            ),
+            (rollout, "rollout group:\nsamples gathered"),
+        ]
     else:
-        groups = [(trainers, f"one group of {WORLD} ranks: the prompts from rank 0, the samples "
-                   "gathered, the rewards from rank 0,\nZeRO-3's gathers")]
+        groups = [
+            (
+                trainers,
+                f"one group of {WORLD} ranks: the prompts from rank 0, the samples "
+                "gathered, the rewards from rank 0,\nZeRO-3's gathers",
+            )
+        ]
     for ranks, text in groups:
         _box(ax, ranks[0] + 0.05, 1.7, ranks[-1] + 0.95, 2.6, text, size=SMALL)
     _label(ax, 2.15, "process groups\n(NCCL on GPUs)")
@@ -208,8 +267,12 @@ def _draw_bridge(ax, rollout: list[int], messages: tuple[Message, ...]) -> None:
     bottom = FIRST_LANE - LANE * (len(messages) - 1)
     for r in [0, *rollout]:
         ax.plot([r + 0.86, r + 0.86], [4.7, bottom], color="0.25", linewidth=1.0, zorder=1)
-    _label(ax, (FIRST_LANE + bottom) / 2, "the bridge: rank 0 and\n"
-           f"ranks {rollout[0]}-{rollout[-1]}\n(a process group\nof their own)")
+    _label(
+        ax,
+        (FIRST_LANE + bottom) / 2,
+        "the bridge: rank 0 and\n"
+        f"ranks {rollout[0]}-{rollout[-1]}\n(a process group\nof their own)",
+    )
     for i, m in enumerate(messages):
         y = FIRST_LANE - LANE * i
         if m.to_trainer:
@@ -220,9 +283,16 @@ def _draw_bridge(ax, rollout: list[int], messages: tuple[Message, ...]) -> None:
                 _arrow(ax, (0.86, y), (r + 0.86, y), color=FROM_TRAINER)
             who = f"rank 0 → ranks {rollout[0]}-{rollout[-1]}"
         said = f": {m.what}" if m.what else ""
-        ax.text(1.0, y + 0.05, f"{m.name}{said}  ({m.when}; {who})", ha="left", va="bottom",
-                fontsize=TEXT, color=TO_TRAINER if m.to_trainer else FROM_TRAINER,
-                bbox=dict(facecolor="white", edgecolor="none", pad=0.3))
+        ax.text(
+            1.0,
+            y + 0.05,
+            f"{m.name}{said}  ({m.when}; {who})",
+            ha="left",
+            va="bottom",
+            fontsize=TEXT,
+            color=TO_TRAINER if m.to_trainer else FROM_TRAINER,
+            bbox=dict(facecolor="white", edgecolor="none", pad=0.3),
+        )
 
 
 def draw():

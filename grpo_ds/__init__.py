@@ -1,15 +1,20 @@
 """grpo_ds: GRPO-family RL post-training of language models on DeepSpeed ZeRO-3.
 
-The public surface is what this module lists; everything else is internal and may move between releases.
+The public surface is what this module lists; everything else is internal and may move between
+releases.
 
-    grpo_ds.train(recipe, overrides=None) -> list[dict]   run a recipe here, return one metrics dict per step
-    grpo_ds.Recipe, grpo_ds.load_recipe                   the recipe schema, and loading one (path or dict + overrides)
+    grpo_ds.train(recipe, overrides=None) -> list[dict]   run a recipe here, return one metrics dict
+                                                          per step
+    grpo_ds.Recipe, grpo_ds.load_recipe                   the recipe schema, and loading one (path
+                                                          or dict + overrides)
     grpo_ds.UserError                                     the one-line error every bad input raises
-    grpo_ds.RewardFn, grpo_ds.RewardError                 the reward-function protocol, and a per-sample failure
+    grpo_ds.RewardFn, grpo_ds.RewardError                 the reward-function protocol, and a
+                                                          per-sample failure
     grpo_ds.Environment, grpo_ds.StepResult, grpo_ds.EnvFactory
                                                           the multi-turn environment protocol
 
-The command lines are ``python -m grpo_ds.train | check | export | plot`` (and ``deepspeed --module grpo_ds.train``).
+The command lines are ``python -m grpo_ds.train | check | export | plot`` (and
+``deepspeed --module grpo_ds.train``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-# name -> the module that defines it. Imported on first use: `import grpo_ds` stays light (no torch, no DeepSpeed).
+# name -> the module that defines it. Imported on first use: `import grpo_ds` stays light (no torch,
+# no DeepSpeed).
 _PUBLIC = {
     "Recipe": "grpo_ds.config.recipe",
     "load_recipe": "grpo_ds.config.loading",

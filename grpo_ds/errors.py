@@ -34,13 +34,15 @@ class UserError(Exception):
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (library errors can run to pages), for a one-line UserError."""
+    """The first line of an exception's message (library errors can run to pages), for a one-line
+    UserError."""
     lines = str(err).strip().splitlines()
     return lines[0].rstrip(".") if lines else type(err).__name__
 
 
 def suggest(name: str, options: Iterable[str], label: str = "valid keys") -> str:
-    """The fix for a misspelt name: the closest option ("did you mean 'x'?"), else every option after ``label``."""
+    """The fix for a misspelt name: the closest option ("did you mean 'x'?"), else every option
+    after ``label``."""
     options = list(options)
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     return f"did you mean {close[0]!r}?" if close else f"{label}: " + ", ".join(options)
@@ -48,13 +50,21 @@ def suggest(name: str, options: Iterable[str], label: str = "valid keys") -> str
 
 def json_type_name(value: Any) -> str:
     """How a message names the JSON type of ``value``: "a string", "an object", "null"."""
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 @contextmanager
 def exit_on_user_error() -> Iterator[None]:
-    """Turn a UserError into the one-line message and exit code 2 (for command-line entry points)."""
+    """Turn a UserError into the one-line message and exit code 2 (for command-line entry
+    points)."""
     try:
         yield
     except UserError as err:

@@ -1,32 +1,37 @@
 """Export a training checkpoint as a Hugging Face model folder that transformers loads on its own.
 
-    python -m grpo_ds.export RUN_DIR --out DIR [--step N] [--dtype float32|bfloat16|float16] [--merge] [--overwrite]
+    python -m grpo_ds.export RUN_DIR --out DIR [--step N] [--dtype float32|bfloat16|float16]
+        [--merge] [--overwrite]
     python -m grpo_ds.export RUN_DIR --list
 
-A run folder holds ``recipe.json`` and ``checkpoints/step_XXXXXXXX/`` folders (``ds/`` written by DeepSpeed,
-``trainer_state.json``, ``manifest.json`` with the sha256 of every file); ``checkpoints/latest`` names the
-newest complete one, and ``.tmp-*`` folders are unfinished writes, never read. The export:
+A run folder holds ``recipe.json`` and ``checkpoints/step_XXXXXXXX/`` folders (``ds/`` written by
+DeepSpeed, ``trainer_state.json``, ``manifest.json`` with the sha256 of every file);
+``checkpoints/latest`` names the newest complete one, and ``.tmp-*`` folders are unfinished writes,
+never read. The export:
 
 1. picks the checkpoint: ``--step N``, else the one ``latest`` names, else the highest step;
-2. verifies every file against ``manifest.json`` (a damaged checkpoint is reported by file name before any
-   tensor is read);
+2. verifies every file against ``manifest.json`` (a damaged checkpoint is reported by file name
+   before any tensor is read);
 3. consolidates the ZeRO-3 shards into one fp32 state dict with DeepSpeed's own
    ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (any world size);
-4. rebuilds the model from ``recipe.json`` (builtin:tiny, or the local HF folder's config; nothing is
-   downloaded), loads the state dict strictly (a tied ``lm_head.weight`` may be absent), casts it to
-   ``--dtype`` (default: the recipe's ``model.dtype``);
-5. writes ``config.json`` + ``model.safetensors``, the tokenizer and ``generation_config.json`` into a
-   temporary folder beside ``--out`` and renames it into place, so ``--out`` never holds half an export.
+4. rebuilds the model from ``recipe.json`` (builtin:tiny, or the local HF folder's config; nothing
+   is downloaded), loads the state dict strictly (a tied ``lm_head.weight`` may be absent), casts it
+   to ``--dtype`` (default: the recipe's ``model.dtype``);
+5. writes ``config.json`` + ``model.safetensors``, the tokenizer and ``generation_config.json`` into
+   a temporary folder beside ``--out`` and renames it into place, so ``--out`` never holds half an
+   export.
 
-A LoRA run (``model.lora_rank``) checkpoints its adapters only. Its export rebuilds the base model from
-``model.path`` (builtin:tiny from ``run.seed``), puts the adapters on it with peft, and writes either the adapter
-folder in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``, plus the tokenizer: load it with
-``PeftModel.from_pretrained(base, DIR)``), or with ``--merge`` the merged model, which transformers loads alone.
+A LoRA run (``model.lora_rank``) checkpoints its adapters only. Its export rebuilds the base model
+from ``model.path`` (builtin:tiny from ``run.seed``), puts the adapters on it with peft, and writes
+either the adapter folder in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``,
+plus the tokenizer: load it with ``PeftModel.from_pretrained(base, DIR)``), or with ``--merge`` the
+merged model, which transformers loads alone.
 
-Every mistake a user can make (wrong run folder, no checkpoints, unknown step, non-empty ``--out``, damaged
-checkpoint) is a one-line ``error: ...`` with exit code 2, found before any model or tensor is loaded. So is an export
-the free space of ``--out``'s file system cannot hold (refused before writing), and a write that fails (a full disk,
-a read-only file system, a quota: grpo_ds.run.writes), which leaves neither ``--out`` nor the temporary folder behind.
+Every mistake a user can make (wrong run folder, no checkpoints, unknown step, non-empty ``--out``,
+damaged checkpoint) is a one-line ``error: ...`` with exit code 2, found before any model or tensor
+is loaded. So is an export the free space of ``--out``'s file system cannot hold (refused before
+writing), and a write that fails (a full disk, a read-only file system, a quota:
+grpo_ds.run.writes), which leaves neither ``--out`` nor the temporary folder behind.
 """
 
 from __future__ import annotations
@@ -52,10 +57,25 @@ from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import device_type
 from grpo_ds.errors import UserError, exit_on_user_error, first_line
 from grpo_ds.model import lora
-from grpo_ds.model.loading import BUILTIN_TINY, check_model_path, load_model, load_tokenizer, torch_dtype
+from grpo_ds.model.loading import (
+    BUILTIN_TINY,
+    check_model_path,
+    load_model,
+    load_tokenizer,
+    torch_dtype,
+)
 from grpo_ds.model.tiny import build_tiny_model, tiny_shape
 from grpo_ds.run import writes
-from grpo_ds.run.checkpoint import CHECKPOINTS, DS_TAG, LATEST, MANIFEST, StepFolder, latest_name, step_folders, verify
+from grpo_ds.run.checkpoint import (
+    CHECKPOINTS,
+    DS_TAG,
+    LATEST,
+    MANIFEST,
+    StepFolder,
+    latest_name,
+    step_folders,
+    verify,
+)
 from grpo_ds.run.folder import check_output_folder
 
 _MP_RANK = re.compile(r"mp_rank_(\d+)")  # a tensor-parallel rank's files in a DeepSpeed checkpoint
@@ -82,7 +102,8 @@ class ExportSummary:
     adapter_only: bool = False  # a LoRA run's adapter folder (peft format), not a whole model
 
 
-# ------------------------------------------------------------------------------------------- finding checkpoints
+# ------------------------------------------------------------------------------ finding checkpoints
+
 
 def checkpoint_folders(run_dir: str | Path) -> list[StepFolder]:
     """Every checkpoint folder of a run, oldest first (grpo_ds.run.checkpoint.step_folders).
@@ -91,28 +112,38 @@ def checkpoint_folders(run_dir: str | Path) -> list[StepFolder]:
     run = _check_run_dir(run_dir)
     found = step_folders(run)
     if not found:
-        raise UserError(str(run / CHECKPOINTS), "no checkpoints in this run folder",
-                        "the run saved none yet (checkpoints are written every checkpoint.every_steps steps)")
+        raise UserError(
+            str(run / CHECKPOINTS),
+            "no checkpoints in this run folder",
+            "the run saved none yet (checkpoints are written every checkpoint.every_steps steps)",
+        )
     return found
 
 
 def select_checkpoint(run_dir: str | Path, step: int | None = None) -> StepFolder:
-    """``step``'s checkpoint; without one, the checkpoint ``checkpoints/latest`` names, else the highest step."""
+    """``step``'s checkpoint; without one, the checkpoint ``checkpoints/latest`` names, else the
+    highest step."""
     found = checkpoint_folders(run_dir)
     steps = ", ".join(str(c.step) for c in found)
     if step is not None:
         for info in found:
             if info.step == step:
                 return info
-        raise UserError("--step", f"no checkpoint of step {step} in {found[0].path.parent}",
-                        f"available steps: {steps}")
+        raise UserError(
+            "--step",
+            f"no checkpoint of step {step} in {found[0].path.parent}",
+            f"available steps: {steps}",
+        )
     name = latest_name(Path(run_dir))
     if name is not None:
         for info in found:
             if info.path.name == name:
                 return info
-        raise UserError(str(found[0].path.parent / LATEST), f"names {name!r}, which is not a checkpoint folder here",
-                        f"pass --step with one of the available steps: {steps}")
+        raise UserError(
+            str(found[0].path.parent / LATEST),
+            f"names {name!r}, which is not a checkpoint folder here",
+            f"pass --step with one of the available steps: {steps}",
+        )
     return found[-1]
 
 
@@ -120,59 +151,96 @@ def _check_run_dir(run_dir: str | Path) -> Path:
     run = Path(run_dir)
     if not run.is_dir():
         what = "is not a folder" if run.exists() else "no such run folder"
-        raise UserError(str(run), what, "give a run folder (run.output_dir/run.name), the one holding recipe.json "
-                                        "and checkpoints/")
+        raise UserError(
+            str(run),
+            what,
+            "give a run folder (run.output_dir/run.name), the one holding recipe.json "
+            "and checkpoints/",
+        )
     if not (run / "recipe.json").is_file():
-        raise UserError(str(run), "no recipe.json in it, so it is not a grpo_ds run folder",
-                        "give the run folder (run.output_dir/run.name), the one holding recipe.json and checkpoints/")
+        raise UserError(
+            str(run),
+            "no recipe.json in it, so it is not a grpo_ds run folder",
+            "give the run folder (run.output_dir/run.name), "
+            "the one holding recipe.json and checkpoints/",
+        )
     return run
 
 
-# ---------------------------------------------------------------------------------------------------- verifying
+# ---------------------------------------------------------------------------------------- verifying
 
 verify_checkpoint = verify  # the one check, in grpo_ds.run.checkpoint
 
 
 def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
-    """Every checkpoint of a run, oldest first, each verified against its manifest (``problem`` None: good)."""
-    return [CheckpointInfo(c.step, c.path, verify_checkpoint(c.path)) for c in checkpoint_folders(run_dir)]
+    """Every checkpoint of a run, oldest first, each verified against its manifest (``problem``
+    None: good)."""
+    return [
+        CheckpointInfo(c.step, c.path, verify_checkpoint(c.path))
+        for c in checkpoint_folders(run_dir)
+    ]
 
 
-# ---------------------------------------------------------------------------------------------------- exporting
+# ---------------------------------------------------------------------------------------- exporting
 
-def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
-                      overwrite: bool = False, merge: bool = False) -> Path:
-    """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a transformers folder ``out_dir``.
 
-    ``dtype``: "float32", "bfloat16" or "float16" (default: the recipe's model.dtype). Returns ``out_dir``.
-    A LoRA run gives its adapter folder (peft format), or the merged model with ``merge``.
-    Raises UserError for anything the user can fix; ``out_dir`` is untouched unless the export succeeds."""
+def export_checkpoint(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    merge: bool = False,
+) -> Path:
+    """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a transformers folder
+    ``out_dir``.
+
+    ``dtype``: "float32", "bfloat16" or "float16" (default: the recipe's model.dtype). Returns
+    ``out_dir``. A LoRA run gives its adapter folder (peft format), or the merged model with
+    ``merge``. Raises UserError for anything the user can fix; ``out_dir`` is untouched unless the
+    export succeeds."""
     return export(run_dir, out_dir, step, dtype, overwrite, merge).out_dir
 
 
-def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
-           overwrite: bool = False, merge: bool = False) -> ExportSummary:
+def export(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    merge: bool = False,
+) -> ExportSummary:
     """``export_checkpoint`` returning what was done (for the command line's summary)."""
     run = _check_run_dir(run_dir)
     model_cfg, seed = _model_config(run)
     use_lora = lora.enabled(model_cfg)
     if merge and not use_lora:
-        raise UserError("--merge", "this run trained every weight (no model.lora_rank): there is nothing to merge",
-                        "leave --merge out")
+        raise UserError(
+            "--merge",
+            "this run trained every weight (no model.lora_rank): there is nothing to merge",
+            "leave --merge out",
+        )
     if use_lora:
         software.check_peft()
     checkpoint = select_checkpoint(run, step)
     out = _check_out_dir(Path(out_dir).resolve(), run, overwrite)
     dtype = dtype or model_cfg.dtype
     if dtype not in DTYPES:
-        raise UserError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}", "pick one of them")
+        raise UserError(
+            "--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}", "pick one of them"
+        )
     _check_model_source(model_cfg, run)
-    tokenizer = load_tokenizer(model_cfg)  # cheap, and its errors (no tokenizer files) come before the hashing
+    # cheap, and its errors (no tokenizer files) come before the hashing
+    tokenizer = load_tokenizer(model_cfg)
     problem = verify_checkpoint(checkpoint.path)
     if problem:
         older = [str(c.step) for c in checkpoint_folders(run) if c.step < checkpoint.step]
-        fix = (f"export an older checkpoint with --step (steps before it: {', '.join(older)}; --list verifies them)"
-               if older else "there is no older checkpoint to export instead; restore this one from a backup")
+        fix = (
+            "export an older checkpoint with --step (steps before "
+            f"it: {', '.join(older)}; --list verifies them)"
+            if older
+            else "there is no older checkpoint to export instead; restore this one from a backup"
+        )
         raise UserError(str(checkpoint.path), problem, fix)
 
     if use_lora:
@@ -182,7 +250,9 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
             model = model.merge_and_unload()
     else:
         model = _build_model(model_cfg, len(tokenizer))
-        state_dict = _consolidate(checkpoint.path, full_shapes={n: t.shape for n, t in model.state_dict().items()})
+        state_dict = _consolidate(
+            checkpoint.path, full_shapes={n: t.shape for n, t in model.state_dict().items()}
+        )
         _load_strict(model, state_dict, checkpoint.path)
     del state_dict
     model.to(torch_dtype(dtype))
@@ -190,44 +260,77 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
     adapter_only = use_lora and not merge
     generation_config = _generation_config(model_cfg, model, tokenizer)
 
-    saved = [p for p in model.parameters() if p.requires_grad] if adapter_only else list(model.parameters())
-    _write(out, model, tokenizer, None if adapter_only else generation_config, sum(p.nbytes for p in saved))
-    return ExportSummary(checkpoint=checkpoint.path, step=checkpoint.step, out_dir=out,
-                         num_parameters=sum(p.numel() for p in saved), dtype=dtype,
-                         architecture=f"LoRA adapters (rank {model_cfg.lora_rank}) for "
-                                      f"{type(model.get_base_model()).__name__}" if adapter_only
-                         else type(model).__name__, adapter_only=adapter_only)
+    saved = (
+        [p for p in model.parameters() if p.requires_grad]
+        if adapter_only
+        else list(model.parameters())
+    )
+    _write(
+        out,
+        model,
+        tokenizer,
+        None if adapter_only else generation_config,
+        sum(p.nbytes for p in saved),
+    )
+    return ExportSummary(
+        checkpoint=checkpoint.path,
+        step=checkpoint.step,
+        out_dir=out,
+        num_parameters=sum(p.numel() for p in saved),
+        dtype=dtype,
+        architecture=f"LoRA adapters (rank {model_cfg.lora_rank}) for "
+        f"{type(model.get_base_model()).__name__}"
+        if adapter_only
+        else type(model).__name__,
+        adapter_only=adapter_only,
+    )
 
 
 def _write(out: Path, model, tokenizer, generation_config, weight_bytes: int) -> None:
-    """Write the folder beside ``out`` and rename it into place. Too little free space for the weights is refused
-    before writing; a failed write (full disk, read-only, quota) is one UserError, with nothing left behind."""
+    """Write the folder beside ``out`` and rename it into place. Too little free space for the
+    weights is refused before writing; a failed write (full disk, read-only, quota) is one
+    UserError, with nothing left behind."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        writes.check_space("export", out.parent, int(weight_bytes * (1 + writes.SPACE_MARGIN)) + TOKENIZER_BYTES,
-                         f"the model ({writes.gib(weight_bytes)} of weights)", "free space and run the export again")
-        with writes.folder_written(out) as tmp, writes.writing(tmp):  # an existing out: empty, or --overwrite
-            with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
+        writes.check_space(
+            "export",
+            out.parent,
+            int(weight_bytes * (1 + writes.SPACE_MARGIN)) + TOKENIZER_BYTES,
+            f"the model ({writes.gib(weight_bytes)} of weights)",
+            "free space and run the export again",
+        )
+        # an existing out: empty, or --overwrite
+        with writes.folder_written(out) as tmp, writes.writing(tmp):
+            # transformers draws a progress bar per shard
+            with contextlib.redirect_stderr(io.StringIO()):
                 model.save_pretrained(tmp)  # a peft model writes its adapters only
             tokenizer.save_pretrained(tmp)
             if generation_config is not None:
                 generation_config.save_pretrained(tmp)
     except OSError as err:
-        raise UserError("export", f"cannot write {err.filename or out}: {writes.describe(err)}",
-                        f"nothing was written to {out}; {writes.remedy(err)} and run the export again") from None
+        raise UserError(
+            "export",
+            f"cannot write {err.filename or out}: {writes.describe(err)}",
+            f"nothing was written to {out}; {writes.remedy(err)} and run the export again",
+        ) from None
 
 
 def _model_config(run: Path) -> tuple[ModelConfig, int]:
-    """The run's model section and run.seed (builtin:tiny's base weights come from it), read once and validated;
-    only those: the export must not fail on, say, a dataset that has moved since."""
+    """The run's model section and run.seed (builtin:tiny's base weights come from it), read once
+    and validated; only those: the export must not fail on, say, a dataset that has moved since."""
     path = run / "recipe.json"
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{err.lineno}:{err.colno}", f"invalid JSON ({err.msg})",
-                        "restore the recipe.json the run wrote") from None
+        raise UserError(
+            f"{path}:{err.lineno}:{err.colno}",
+            f"invalid JSON ({err.msg})",
+            "restore the recipe.json the run wrote",
+        ) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
-        raise UserError(str(path), 'has no "model" section', "restore the recipe.json the run wrote")
+        raise UserError(
+            str(path), 'has no "model" section', "restore the recipe.json the run wrote"
+        )
     seed = raw["run"].get("seed", 0) if isinstance(raw.get("run"), dict) else 0
     try:
         recipe = load_recipe({"model": raw["model"], "run": {"seed": seed}})
@@ -240,9 +343,12 @@ def _check_model_source(model_cfg: ModelConfig, run: Path) -> None:
     try:
         check_model_path(model_cfg)
     except UserError as err:
-        raise UserError(f"{run / 'recipe.json'}: {err.where}", err.what,
-                        "the export rebuilds the model from it: run the export from the folder training ran in "
-                        "(a relative model.path is read from there), or restore the model folder") from None
+        raise UserError(
+            f"{run / 'recipe.json'}: {err.where}",
+            err.what,
+            "the export rebuilds the model from it: run the export from the folder training ran in "
+            "(a relative model.path is read from there), or restore the model folder",
+        ) from None
 
 
 def _check_out_dir(out: Path, run: Path, overwrite: bool) -> Path:
@@ -251,98 +357,147 @@ def _check_out_dir(out: Path, run: Path, overwrite: bool) -> Path:
     check_output_folder(out, "--out")  # a file on the way, or a folder that cannot be written
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise UserError("--out", f"{out} exists and is not empty", "give a new folder, or pass --overwrite")
+            raise UserError(
+                "--out", f"{out} exists and is not empty", "give a new folder, or pass --overwrite"
+            )
         resolved, run_resolved = out.resolve(), run.resolve()
         if resolved == run_resolved or resolved in run_resolved.parents:
-            raise UserError("--out", f"{out} holds the run folder, which --overwrite would delete",
-                            "give a folder outside the run")
+            raise UserError(
+                "--out",
+                f"{out} holds the run folder, which --overwrite would delete",
+                "give a folder outside the run",
+            )
     return out
 
 
-def _lora_model(model_cfg: ModelConfig, seed: int, vocab_size: int, adapters: dict[str, torch.Tensor],
-                folder: Path) -> torch.nn.Module:
-    """The base model as training loaded it, in fp32, with the checkpoint's adapters on it (a peft model)."""
+def _lora_model(
+    model_cfg: ModelConfig,
+    seed: int,
+    vocab_size: int,
+    adapters: dict[str, torch.Tensor],
+    folder: Path,
+) -> torch.nn.Module:
+    """The base model as training loaded it, in fp32, with the checkpoint's adapters on it (a peft
+    model)."""
     model = lora.apply_lora(load_model(model_cfg, vocab_size, seed).float(), model_cfg)
     expected = {n for n, p in model.named_parameters() if p.requires_grad}
     missing, unexpected = sorted(expected - set(adapters)), sorted(set(adapters) - expected)
     if missing or unexpected:
-        parts = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
-                 for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
-        raise UserError(str(folder), f"its adapters do not fit the LoRA settings in recipe.json: {'; '.join(parts)}",
-                        "export with the recipe.json the run was trained with")
+        parts = [
+            f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
+            for label, names in (("missing", missing), ("unexpected", unexpected))
+            if names
+        ]
+        raise UserError(
+            str(folder),
+            f"its adapters do not fit the LoRA settings in recipe.json: {'; '.join(parts)}",
+            "export with the recipe.json the run was trained with",
+        )
     model.load_state_dict(adapters, strict=False)
     return model
 
 
-def _consolidate(folder: Path, frozen_excluded: bool = False, full_shapes: dict[str, torch.Size] | None = None
-                 ) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own ZeRO consolidation of ``folder/ds`` (any world size) into a full fp32 state dict (only
-    the trainable weights when the checkpoint left the frozen ones out). A tensor-parallel run saved one set of files
-    per tensor-parallel rank (``mp_rank_XX``): each set is consolidated on its own and the layers' slices are joined
-    along the dimension AutoTP split (the one in which they add up to ``full_shapes``)."""
-    mp_ranks = sorted({int(m.group(1)) for f in (folder / DS_TAG).iterdir() if (m := _MP_RANK.search(f.name))})
+def _consolidate(
+    folder: Path, frozen_excluded: bool = False, full_shapes: dict[str, torch.Size] | None = None
+) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own ZeRO consolidation of ``folder/ds`` (any world size) into a full fp32 state
+    dict (only the trainable weights when the checkpoint left the frozen ones out). A
+    tensor-parallel run saved one set of files per tensor-parallel rank (``mp_rank_XX``): each set
+    is consolidated on its own and the layers' slices are joined along the dimension AutoTP split
+    (the one in which they add up to ``full_shapes``)."""
+    mp_ranks = sorted(
+        {int(m.group(1)) for f in (folder / DS_TAG).iterdir() if (m := _MP_RANK.search(f.name))}
+    )
     if len(mp_ranks) <= 1:
         return _zero_consolidate(folder, frozen_excluded)
     parts = []
     for rank in mp_ranks:
         with tempfile.TemporaryDirectory(prefix="grpo_ds_tp_") as tmp:
-            view = Path(tmp) / DS_TAG  # this tensor-parallel rank's files only, as a checkpoint of its own
+            # this tensor-parallel rank's files only, as a checkpoint of its own
+            view = Path(tmp) / DS_TAG
             view.mkdir()
             for f in (folder / DS_TAG).iterdir():
                 if (m := _MP_RANK.search(f.name)) and int(m.group(1)) == rank:
                     (view / f.name).symlink_to(f.resolve())
             parts.append(_zero_consolidate(Path(tmp), frozen_excluded, shown=folder))
-    return {name: _join_tensor_parallel(name, [p[name] for p in parts], (full_shapes or {}).get(name), folder)
-            for name in parts[0]}
+    return {
+        name: _join_tensor_parallel(
+            name, [p[name] for p in parts], (full_shapes or {}).get(name), folder
+        )
+        for name in parts[0]
+    }
 
 
-def _join_tensor_parallel(name: str, slices: list[torch.Tensor], full: torch.Size | None, folder: Path
-                          ) -> torch.Tensor:
+def _join_tensor_parallel(
+    name: str, slices: list[torch.Tensor], full: torch.Size | None, folder: Path
+) -> torch.Tensor:
     if full is None or slices[0].shape == full:  # replicated over the tensor-parallel group
         return slices[0]
     for dim in range(len(full)):
-        others = all(s.shape[:dim] == full[:dim] and s.shape[dim + 1:] == full[dim + 1:] for s in slices)
+        others = all(
+            s.shape[:dim] == full[:dim] and s.shape[dim + 1 :] == full[dim + 1 :] for s in slices
+        )
         if others and sum(s.shape[dim] for s in slices) == full[dim]:
             return torch.cat(slices, dim)
-    raise UserError(str(folder / DS_TAG), f"the tensor-parallel slices of {name} {[tuple(s.shape) for s in slices]} "
-                    f"do not make up its shape {tuple(full)}", "export with the recipe.json the run was trained with")
+    raise UserError(
+        str(folder / DS_TAG),
+        f"the tensor-parallel slices of {name} {[tuple(s.shape) for s in slices]} "
+        f"do not make up its shape {tuple(full)}",
+        "export with the recipe.json the run was trained with",
+    )
 
 
-def _zero_consolidate(folder: Path, frozen_excluded: bool, shown: Path | None = None) -> dict[str, torch.Tensor]:
+def _zero_consolidate(
+    folder: Path, frozen_excluded: bool, shown: Path | None = None
+) -> dict[str, torch.Tensor]:
     if device_type() == "cpu":
         launcher.use_cpu_accelerator()  # read when deepspeed is first imported, hence imported here
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # It prints its progress (and tqdm bars) for a standalone script; the export prints its own summary.
+    # It prints its progress (and tqdm bars) for a standalone script; the export prints its own
+    # summary.
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-            return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=DS_TAG,
-                                                            exclude_frozen_parameters=frozen_excluded)
-    except (OSError, ValueError, RuntimeError, KeyError) as err:  # a checkpoint DeepSpeed cannot read
-        raise UserError(str((shown or folder) / DS_TAG), f"DeepSpeed cannot consolidate it ({first_line(err)})",
-                        "export another checkpoint with --step") from None
+            return get_fp32_state_dict_from_zero_checkpoint(
+                str(folder), tag=DS_TAG, exclude_frozen_parameters=frozen_excluded
+            )
+    # a checkpoint DeepSpeed cannot read
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        raise UserError(
+            str((shown or folder) / DS_TAG),
+            f"DeepSpeed cannot consolidate it ({first_line(err)})",
+            "export another checkpoint with --step",
+        ) from None
 
 
 def _build_model(model_cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
-    """The model's skeleton in fp32, as training built it; weights are left uninitialised (all are loaded)."""
+    """The model's skeleton in fp32, as training built it; weights are left uninitialised (all are
+    loaded)."""
     if model_cfg.path == BUILTIN_TINY:
         return build_tiny_model(vocab_size, dtype=torch.float32, **tiny_shape(model_cfg))
     try:
-        config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code,
-                                            local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            model_cfg.path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True
+        )
     except (OSError, ValueError) as err:
-        raise UserError("model.path", f"cannot read the model config in {model_cfg.path} ({first_line(err)})",
-                        "restore the model folder training used") from None
+        raise UserError(
+            "model.path",
+            f"cannot read the model config in {model_cfg.path} ({first_line(err)})",
+            "restore the model folder training used",
+        ) from None
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code,
-                                                 dtype=torch.float32)
-    model.tie_weights()  # no_init_weights skips tying too; a tied lm_head must share the embedding again
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32
+        )
+    # no_init_weights skips tying too; a tied lm_head must share the embedding again
+    model.tie_weights()
     return model
 
 
 def _load_strict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], folder: Path) -> None:
-    """``load_state_dict(strict=True)``, except that a tied weight DeepSpeed stored once is filled from its twin."""
+    """``load_state_dict(strict=True)``, except that a tied weight DeepSpeed stored once is filled
+    from its twin."""
     expected = model.state_dict()
     by_storage: dict[int, list[str]] = {}
     for name, tensor in expected.items():
@@ -353,19 +508,34 @@ def _load_strict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], fo
             state_dict[name] = state_dict[twin]
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
-    wrong_shape = sorted(n for n in set(expected) & set(state_dict) if expected[n].shape != state_dict[n].shape)
+    wrong_shape = sorted(
+        n for n in set(expected) & set(state_dict) if expected[n].shape != state_dict[n].shape
+    )
     if missing or unexpected or wrong_shape:
-        parts = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
-                 for label, names in (("missing", missing), ("unexpected", unexpected),
-                                      ("different shape", wrong_shape)) if names]
-        raise UserError(str(folder), f"its weights do not fit the model in recipe.json: {'; '.join(parts)}",
-                        "export with the recipe.json and model folder the run was trained with")
+        parts = [
+            f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
+            for label, names in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("different shape", wrong_shape),
+            )
+            if names
+        ]
+        raise UserError(
+            str(folder),
+            f"its weights do not fit the model in recipe.json: {'; '.join(parts)}",
+            "export with the recipe.json and model folder the run was trained with",
+        )
     model.load_state_dict(state_dict, strict=True)
 
 
 def _generation_config(model_cfg: ModelConfig, model, tokenizer):
-    """The model folder's generation_config.json when it has one; else one with the tokenizer's eos/pad ids."""
-    if model_cfg.path != BUILTIN_TINY and (Path(model_cfg.path) / "generation_config.json").is_file():
+    """The model folder's generation_config.json when it has one; else one with the tokenizer's
+    eos/pad ids."""
+    if (
+        model_cfg.path != BUILTIN_TINY
+        and (Path(model_cfg.path) / "generation_config.json").is_file()
+    ):
         return GenerationConfig.from_pretrained(model_cfg.path, local_files_only=True)
     config = GenerationConfig.from_model_config(model.config)
     config.eos_token_id = tokenizer.eos_token_id
@@ -375,7 +545,8 @@ def _generation_config(model_cfg: ModelConfig, model, tokenizer):
     return config
 
 
-# ------------------------------------------------------------------------------------------------ command line
+# ------------------------------------------------------------------------------------- command line
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's two-line usage error becomes the one-line contract
@@ -393,29 +564,50 @@ def _print_list(run_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = _Parser(prog="python -m grpo_ds.export", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="python -m grpo_ds.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("run_dir", help="the run folder (holds recipe.json and checkpoints/)")
-    parser.add_argument("--out", help="folder to write the model into (new or empty, unless --overwrite)")
+    parser.add_argument(
+        "--out", help="folder to write the model into (new or empty, unless --overwrite)"
+    )
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
-    parser.add_argument("--dtype", choices=DTYPES, help="dtype of the saved weights (default: the recipe's "
-                                                        "model.dtype)")
-    parser.add_argument("--merge", action="store_true", help="LoRA runs: write the base model with the adapters "
-                        "merged in (default: the adapter folder, peft format)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="dtype of the saved weights (default: the recipe's model.dtype)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: write the base model with the adapters "
+        "merged in (default: the adapter folder, peft format)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
-    parser.add_argument("--list", action="store_true", help="list the checkpoints and whether each verifies")
+    parser.add_argument(
+        "--list", action="store_true", help="list the checkpoints and whether each verifies"
+    )
     with exit_on_user_error():
         args = parser.parse_args(argv)
         if args.list:
             _print_list(args.run_dir)
             return
         if not args.out:
-            raise UserError(parser.prog, "--out is required", "give the folder to write the model into, or --list")
+            raise UserError(
+                parser.prog,
+                "--out is required",
+                "give the folder to write the model into, or --list",
+            )
         done = export(args.run_dir, args.out, args.step, args.dtype, args.overwrite, args.merge)
         print(f"checkpoint: {done.checkpoint} (step {done.step}, verified against {MANIFEST})")
         print(f"model:      {done.architecture}, {done.num_parameters:,} parameters, {done.dtype}")
-        how = ("PeftModel.from_pretrained(base model, DIR); --merge writes a whole model" if done.adapter_only
-               else "AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained")
+        how = (
+            "PeftModel.from_pretrained(base model, DIR); --merge writes a whole model"
+            if done.adapter_only
+            else "AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained"
+        )
         print(f"written:    {done.out_dir} (load it with {how})")
 
 

@@ -1,9 +1,11 @@
-"""Runs that several slow tests read, made once per test session (each launch costs ~10 s of imports alone).
+"""Runs that several slow tests read, made once per test session (each launch costs ~10 s of imports
+alone).
 
-``tiny_recipe_run()``: the README's command, ``python -m grpo_ds.train recipes/tiny_cpu.json`` (all 260 steps), run
-as docs/generate.py runs it for docs/transcripts/train_tiny.txt (from a scratch folder holding recipes/ and
-ds_configs/, stdout and stderr interleaved). tests/test_docs.py compares its console with the committed transcript;
-tests/test_train.py checks that it learned, what it wrote to disk and that its console is a log.
+``tiny_recipe_run()``: the README's command, ``python -m grpo_ds.train recipes/tiny_cpu.json`` (all
+260 steps), run as docs/generate.py runs it for docs/transcripts/train_tiny.txt (from a scratch
+folder holding recipes/ and ds_configs/, stdout and stderr interleaved). tests/test_docs.py compares
+its console with the committed transcript; tests/test_train.py checks that it learned, what it wrote
+to disk and that its console is a log.
 """
 
 from __future__ import annotations

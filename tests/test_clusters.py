@@ -1,8 +1,9 @@
-"""Several nodes, as a cluster runs them: two "nodes" of one rank each on this machine, each started by DeepSpeed's
-launcher with the shared hostfile, ``--no_ssh`` and its ``--node_rank`` (what docs/guides/clusters.md's sbatch
-script runs on every node through srun). They train as one node with two ranks does; a SIGUSR1 to one rank
-(the scheduler's early warning, forwarded by the batch script) stops both nodes at the same step with a checkpoint,
-and the same commands resume exactly; a node that dies ends the job on the other one within seconds."""
+"""Several nodes, as a cluster runs them: two "nodes" of one rank each on this machine, each started
+by DeepSpeed's launcher with the shared hostfile, ``--no_ssh`` and its ``--node_rank`` (what
+docs/guides/clusters.md's sbatch script runs on every node through srun). They train as one node
+with two ranks does; a SIGUSR1 to one rank (the scheduler's early warning, forwarded by the batch
+script) stops both nodes at the same step with a checkpoint, and the same commands resume exactly; a
+node that dies ends the job on the other one within seconds."""
 
 from __future__ import annotations
 
@@ -20,33 +21,66 @@ from tests.launch import REPO, clean_env, deepspeed_program, free_port, remove_s
 from tests.test_resume import STEPS, reference_run
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
-# reference_run's runs are cached in tests/test_resume.py's module: its users share a worker (tests/conftest.py)
+# reference_run's runs are cached in tests/test_resume.py's module: its users share a worker
+# (tests/conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reference_run")]
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
-ARGS = ["rollout.prompts_per_step=8", "train.micro_batch_samples_per_gpu=32", "train.samples_per_optimizer_step=64",
-        "logging.progress_bar=false", "checkpoint.every_steps=50"]
+ARGS = [
+    "rollout.prompts_per_step=8",
+    "train.micro_batch_samples_per_gpu=32",
+    "train.samples_per_optimizer_step=64",
+    "logging.progress_bar=false",
+    "checkpoint.every_steps=50",
+]
 EXIT_PREEMPTED = 75
 
 
 def node_commands(out: Path, port: int, hostfile: Path, *extra: str) -> list[list[str]]:
-    """One launcher command per node: the shared hostfile, no ssh, the node's rank, the first node's address."""
-    return [[deepspeed_program(), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
-             "--master_addr", "127.0.0.1", "--master_port", str(port), "--module", "grpo_ds.train",
-             TINY, f"run.output_dir={out}", *ARGS, *extra] for node in range(2)]
+    """One launcher command per node: the shared hostfile, no ssh, the node's rank, the first node's
+    address."""
+    return [
+        [
+            deepspeed_program(),
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh",
+            "--node_rank",
+            str(node),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "--module",
+            "grpo_ds.train",
+            TINY,
+            f"run.output_dir={out}",
+            *ARGS,
+            *extra,
+        ]
+        for node in range(2)
+    ]
 
 
 def start_nodes(out: Path, *extra: str) -> tuple[list[subprocess.Popen], int]:
-    """Both nodes' launchers, each in its own session (a node's processes are signalled together); their output goes
-    to <out>.node<i>.log."""
+    """Both nodes' launchers, each in its own session (a node's processes are signalled together);
+    their output goes to <out>.node<i>.log."""
     hostfile = out.parent / f"{out.name}.hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port = free_port()
     procs = []
     for node, cmd in enumerate(node_commands(out, port, hostfile, *extra)):
         with open(out.parent / f"{out.name}.node{node}.log", "w") as log:
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO,
+                    env=clean_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         procs[-1].log = out.parent / f"{out.name}.node{node}.log"
     return procs, port
 
@@ -71,7 +105,10 @@ def finish(procs: list[subprocess.Popen], port: int, timeout: float = 600) -> li
 def metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl without what measures time or memory."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not (k.startswith("time_") or "per_s" in k or "memory" in k)} for r in rows]
+    return [
+        {k: v for k, v in r.items() if not (k.startswith("time_") or "per_s" in k or "memory" in k)}
+        for r in rows
+    ]
 
 
 def rank_process(proc: subprocess.Popen) -> psutil.Process:
@@ -80,7 +117,7 @@ def rank_process(proc: subprocess.Popen) -> psutil.Process:
     while time.monotonic() < deadline:
         for child in psutil.Process(proc.pid).children(recursive=True):
             cmd = child.cmdline()
-            if "-m" in cmd and cmd[cmd.index("-m") + 1:cmd.index("-m") + 2] == ["grpo_ds.train"]:
+            if "-m" in cmd and cmd[cmd.index("-m") + 1 : cmd.index("-m") + 2] == ["grpo_ds.train"]:
                 return child
         time.sleep(0.1)
     raise AssertionError("no rank process")
@@ -97,13 +134,16 @@ def two_nodes(tmp_path_factory) -> list[dict]:
 
 
 def test_two_nodes_train_as_one_node_with_two_ranks(tmp_path_factory, two_nodes):
-    # One node with two ranks: test_resume's uninterrupted 12-step run of the same recipe through `deepspeed
-    # --num_gpus 2` (shared with the tests that resume it; it checkpoints every 2 steps, which changes no step)
+    # One node with two ranks: test_resume's uninterrupted 12-step run of the same recipe through
+    # `deepspeed --num_gpus 2` (shared with the tests that resume it; it checkpoints every 2 steps,
+    # which changes no step)
     one_node = reference_run(tmp_path_factory, 2)
     assert metrics(one_node / "tiny_cpu") == two_nodes
 
 
-def test_a_sigusr1_to_one_rank_stops_both_nodes_with_a_checkpoint_and_they_resume_exactly(tmp_path, two_nodes):
+def test_a_sigusr1_to_one_rank_stops_both_nodes_with_a_checkpoint_and_they_resume_exactly(
+    tmp_path, two_nodes
+):
     procs, port = start_nodes(tmp_path, f"train.steps={STEPS}")
     log = tmp_path / "tiny_cpu" / "metrics.jsonl"
     try:
@@ -111,7 +151,8 @@ def test_a_sigusr1_to_one_rank_stops_both_nodes_with_a_checkpoint_and_they_resum
         while not (log.exists() and len(log.read_text().splitlines()) >= 3):
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
             time.sleep(0.01)
-        rank_process(procs[1]).send_signal(signal.SIGUSR1)  # node 1's rank only: the ranks agree to stop
+        # node 1's rank only: the ranks agree to stop
+        rank_process(procs[1]).send_signal(signal.SIGUSR1)
     finally:
         results = finish(procs, port)
     stopped = len(log.read_text().splitlines())

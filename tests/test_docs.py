@@ -1,6 +1,6 @@
-"""The docs site stays true to the code: it builds with --strict, its generated pages and transcripts are fresh,
-every recipe key is in the reference, every list renders as a list, and no module cites a file outside the
-repository."""
+"""The docs site stays true to the code: it builds with --strict, its generated pages and
+transcripts are fresh, every recipe key is in the reference, every list renders as a list, and no
+module cites a file outside the repository."""
 
 from __future__ import annotations
 
@@ -27,22 +27,25 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 def _docs_tool(module: str):
-    """Import one of the docs tools (the docs extra, which the test extra pulls in); skip without it, except in CI,
-    where a docs test that skips would let a broken site through."""
+    """Import one of the docs tools (the docs extra, which the test extra pulls in); skip without
+    it, except in CI, where a docs test that skips would let a broken site through."""
     try:
         return importlib.import_module(module)
     except ImportError as error:
         if IN_CI:
-            pytest.fail(f"CI=true and {module} is missing ({error}): CI must build the docs; "
-                        "install the docs tools: pip install -e \".[test]\" (it pulls the docs extra)")
-        pytest.skip(f"{module} is not installed: pip install -e \".[docs]\"")
+            pytest.fail(
+                f"CI=true and {module} is missing ({error}): CI must build the docs; "
+                'install the docs tools: pip install -e ".[test]" (it pulls the docs extra)'
+            )
+        pytest.skip(f'{module} is not installed: pip install -e ".[docs]"')
 
 
 def _schema_keys() -> list[str]:
     return [f"{section}.{f.name}" if section else f.name for section, f in iter_fields()]
 
 
-# The reference gives each key a definition: the key alone on a line, in backticks, then its meaning after ":   ".
+# The reference gives each key a definition: the key alone on a line, in backticks, then its meaning
+# after ":   ".
 _DEFINED_KEY = re.compile(r"^`([A-Za-z_][\w.]*)`\n:   \S", flags=re.MULTILINE)
 
 
@@ -59,57 +62,79 @@ def test_every_recipe_key_is_in_the_reference():
 def test_the_reference_names_only_existing_keys():
     defined = _defined_keys()
     stale = sorted(set(defined) - set(_schema_keys()))
-    assert defined and not stale, f"docs/reference/recipe.md documents keys the schema does not have: {stale}"
+    assert defined and not stale, (
+        f"docs/reference/recipe.md documents keys the schema does not have: {stale}"
+    )
     assert len(defined) == len(set(defined)), "docs/reference/recipe.md defines a key twice"
 
 
 def test_generated_pages_are_fresh():
-    """The recipe reference, the command-line reference and the benchmarks page are what the code gives now."""
+    """The recipe reference, the command-line reference and the benchmarks page are what the code
+    gives now."""
     assert not (stale := _generate().stale(transcripts=False)), f"stale: {stale}; {REGENERATE}"
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tiny_recipe_run")  # its run is shared (tests/shared_runs.py): one worker makes it once
+# its run is shared (tests/shared_runs.py): one worker makes it once
+@pytest.mark.xdist_group("tiny_recipe_run")
 def test_transcripts_are_the_consoles_of_real_runs():
-    """Each console shown in the docs is run again (the tiny recipe, the dry run, bad input, a preempted run and its
-    resume) and compared with the committed transcript, timings and versions masked."""
+    """Each console shown in the docs is run again (the tiny recipe, the dry run, bad input, a
+    preempted run and its resume) and compared with the committed transcript, timings and versions
+    masked."""
     generate = _generate()
     cwd = generate._scratch()
-    # the commands alone run as forks of one process that imported the libraries (tests/scripts/cli_forks.py): one
-    # import instead of one per command; stdout and stderr interleaved, as generate.run_raw records them
+    # the commands alone run as forks of one process that imported the libraries
+    # (tests/scripts/cli_forks.py): one import instead of one per command; stdout and stderr
+    # interleaved, as generate.run_raw records them
     commands = [args for listed in generate.COMMANDS.values() for args, _ in listed]
-    forked = run_forked([(args[1:], cwd) for args in commands], generate._env(), cwd / "_forks", merged=True)
-    outputs = {tuple(args): (done.returncode, done.stdout) for args, done in zip(commands, forked, strict=True)}
+    forked = run_forked(
+        [(args[1:], cwd) for args in commands], generate._env(), cwd / "_forks", merged=True
+    )
+    outputs = {
+        tuple(args): (done.returncode, done.stdout)
+        for args, done in zip(commands, forked, strict=True)
+    }
     for name, make in generate.TRANSCRIPTS.items():
         committed = generate.transcript_path(name).read_text()
-        if name == "train_tiny":  # shared with tests/test_train.py (tests/shared_runs.py): the same command, cwd, env
+        # shared with tests/test_train.py (tests/shared_runs.py): the same command, cwd, env
+        if name == "train_tiny":
             fresh = tiny_recipe_run().transcript(expect=0)
         elif name in generate.COMMANDS:
             fresh = generate.commands_transcript(name, cwd, lambda args, _: outputs[tuple(args)])
         else:
             fresh = make(generate._scratch())
-        assert generate.mask(committed) == generate.mask(fresh), \
-            f"docs/transcripts/{name}.txt is stale; run: python docs/generate.py --transcripts\n{fresh}"
+        assert generate.mask(committed) == generate.mask(fresh), (
+            f"docs/transcripts/{name}.txt is stale; run: "
+            f"python docs/generate.py --transcripts\n{fresh}"
+        )
 
 
 def test_masking_hides_only_what_differs_between_runs():
     mask = _generate().mask
-    assert mask("step    1 reward_mean=0.1 tokens_per_s=5478 time_step_s=0.93") == \
-        mask("step    1 reward_mean=0.1 tokens_per_s=12 time_step_s=7.1")
-    assert mask("step    1 reward_mean=0.1") != mask("step    1 reward_mean=0.2")  # a changed number is stale
-    assert mask("step    1 reward_mean=0.1") != mask("step    1 reward_std=0.1")  # so is a changed key
+    assert mask("step    1 reward_mean=0.1 tokens_per_s=5478 time_step_s=0.93") == mask(
+        "step    1 reward_mean=0.1 tokens_per_s=12 time_step_s=7.1"
+    )
+    # a changed number is stale
+    assert mask("step    1 reward_mean=0.1") != mask("step    1 reward_mean=0.2")
+    # so is a changed key
+    assert mask("step    1 reward_mean=0.1") != mask("step    1 reward_std=0.1")
     assert mask("step   25 reward_mean=0.1") != mask("step   25 reward_std=0.1")
-    # later steps follow the rounding of MKL's per-CPU code path (a Xeon's and an EPYC's part after ~100 tiny steps)
-    assert mask("step  125 reward_mean=0.6737 loss=-0.002309") == mask("step  125 reward_mean=0.6875 loss=-0.001394")
+    # later steps follow the rounding of MKL's per-CPU code path (a Xeon's and an EPYC's part after
+    # ~100 tiny steps)
+    assert mask("step  125 reward_mean=0.6737 loss=-0.002309") == mask(
+        "step  125 reward_mean=0.6875 loss=-0.001394"
+    )
     assert mask("step   10 reward_mean=0.1") == mask("step   10 reward_mean=0.2")
     assert mask("  torch         2.13.0+cpu (CPU build)") == mask("  torch         2.14.1+cu130")
-    assert mask("preempted: stopped by SIGTERM after step 3 of 60") == mask("preempted: stopped by SIGTERM after "
-                                                                            "step 2 of 60")
+    assert mask("preempted: stopped by SIGTERM after step 3 of 60") == mask(
+        "preempted: stopped by SIGTERM after step 2 of 60"
+    )
 
 
-# Two ways Python-Markdown turns a list into something else. A list with no blank line before it joins the paragraph
-# above, and each of its markers stays text at the start of a rendered line. A list nested by fewer than four spaces
-# (two, say) is not nested at all: its items join the outer list, so the marker's indent is not a multiple of four.
+# Two ways Python-Markdown turns a list into something else. A list with no blank line before it
+# joins the paragraph above, and each of its markers stays text at the start of a rendered line. A
+# list nested by fewer than four spaces (two, say) is not nested at all: its items join the outer
+# list, so the marker's indent is not a multiple of four.
 _SURVIVING_MARKER = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
 _SHALLOW_NESTING = re.compile(r"^( *)(?:[-*+]|\d+\.)\s+\S")
 _FENCE = re.compile(r"^\s*(```|~~~)")
@@ -118,11 +143,13 @@ _TAG = re.compile(r"<[^>]+>")
 
 
 def _site_markdown():
-    """Python-Markdown with the extensions mkdocs.yml gives the site (and MkDocs' own), snippets read from the root."""
+    """Python-Markdown with the extensions mkdocs.yml gives the site (and MkDocs' own), snippets
+    read from the root."""
     markdown, yaml = _docs_tool("markdown"), _docs_tool("yaml")
     _docs_tool("pymdownx")
 
-    class Loader(yaml.SafeLoader):  # mkdocs.yml may hold !!python/name or !ENV tags; none of them matter here
+    # mkdocs.yml may hold !!python/name or !ENV tags; none of them matter here
+    class Loader(yaml.SafeLoader):
         pass
 
     Loader.add_multi_constructor("", lambda loader, suffix, node: None)
@@ -141,7 +168,8 @@ def _pages() -> list[Path]:
 
 
 def _source_line(source: list[str], text: str) -> int | None:
-    """The number of the source line that a surviving marker's rendered line came from (its first words match)."""
+    """The number of the source line that a surviving marker's rendered line came from (its first
+    words match)."""
     marker, _, rest = text.strip().partition(" ")
     words = re.sub(r"[`*_]", "", rest).split()[:4]
     for n, line in enumerate(source, 1):
@@ -152,22 +180,27 @@ def _source_line(source: list[str], text: str) -> int | None:
 
 
 def broken_lists(page: Path, md) -> list[str]:
-    """Where the page's lists do not render as lists, as 'page:line: text': each rendered line (outside <pre>) that
-    starts with a list marker (a rendered item starts with <li>), and each item (outside code fences) nested by an
-    indent that is not a multiple of four."""
+    """Where the page's lists do not render as lists, as 'page:line: text': each rendered line
+    (outside <pre>) that starts with a list marker (a rendered item starts with <li>), and each item
+    (outside code fences) nested by an indent that is not a multiple of four."""
     source = page.read_text(encoding="utf-8")
     lines, where = source.splitlines(), page.relative_to(ROOT)
     found = []
     for line in _PRE.sub("", md.reset().convert(source)).splitlines():
         if _SURVIVING_MARKER.match(line):
             shown = unescape(_TAG.sub("", line)).strip()
-            found.append(f"{where}:{_source_line(lines, shown) or '?'}: marker inside a paragraph: {shown[:80]}")
+            found.append(
+                f"{where}:{_source_line(lines, shown) or '?'}: "
+                f"marker inside a paragraph: {shown[:80]}"
+            )
     fenced = False
     for n, line in enumerate(lines, 1):
         if _FENCE.match(line):
             fenced = not fenced
         elif not fenced and (item := _SHALLOW_NESTING.match(line)) and len(item.group(1)) % 4:
-            found.append(f"{where}:{n}: nested by {len(item.group(1))} spaces, not 4: {line.strip()[:80]}")
+            found.append(
+                f"{where}:{n}: nested by {len(item.group(1))} spaces, not 4: {line.strip()[:80]}"
+            )
     return found
 
 
@@ -180,21 +213,32 @@ def _broken(md, text: str) -> list[str]:
 
 def test_the_list_checker_sees_a_list_rendered_as_text():
     md = _site_markdown()
-    broken = {"no blank line": "Intro:\n- one\n- two\n", "two-space nesting": "- one\n  - inner\n- two\n",
-              "numbered": "Steps:\n1. one\n2. two\n", "in an admonition": "!!! note\n    Intro:\n    - one\n",
-              "nested in an admonition": "!!! note\n    - one\n      - inner\n"}
+    broken = {
+        "no blank line": "Intro:\n- one\n- two\n",
+        "two-space nesting": "- one\n  - inner\n- two\n",
+        "numbered": "Steps:\n1. one\n2. two\n",
+        "in an admonition": "!!! note\n    Intro:\n    - one\n",
+        "nested in an admonition": "!!! note\n    - one\n      - inner\n",
+    }
     for what, text in broken.items():
         assert _broken(md, text), what
-    good = "Intro:\n\n- one\n    - inner\n- two\n\n1. first\n\n```\n- in a code block\n  - nested\n```\n"
+    good = (
+        "Intro:\n\n- one\n    - inner\n- two\n\n1. first\n"
+        "\n```\n- in a code block\n  - nested\n```\n"
+    )
     assert md.reset().convert(good).count("<li>") == 4 and not _broken(md, good)
 
 
 def test_every_list_renders_as_a_list():
-    """Every page (docs/ and the README), rendered with the site's Markdown extensions, has no list marker left in a
-    paragraph or item: a list needs a blank line before it and four-space nesting."""
+    """Every page (docs/ and the README), rendered with the site's Markdown extensions, has no list
+    marker left in a paragraph or item: a list needs a blank line before it and four-space
+    nesting."""
     md = _site_markdown()
     found = [hit for page in _pages() for hit in broken_lists(page, md)]
-    assert not found, "a list renders as text (add a blank line before it; nest by four spaces):\n" + "\n".join(found)
+    assert not found, (
+        "a list renders as text (add a blank line before it; nest by four spaces):\n"
+        + "\n".join(found)
+    )
 
 
 LAUNCH = {"docs/snippets/launch.txt": "```\n{}```", "docs/snippets/launch.py": "```python\n{}```"}
@@ -202,40 +246,59 @@ LAUNCH = {"docs/snippets/launch.txt": "```\n{}```", "docs/snippets/launch.py": "
 
 @pytest.mark.parametrize("snippet", LAUNCH)
 def test_the_ways_to_launch_have_one_source(snippet):
-    """The launch commands (and the Python call) live in docs/snippets/; the home page and getting-started include
-    them, and the README, which GitHub shows without snippets, holds a verbatim copy."""
+    """The launch commands (and the Python call) live in docs/snippets/; the home page and
+    getting-started include them, and the README, which GitHub shows without snippets, holds a
+    verbatim copy."""
     text = (ROOT / snippet).read_text(encoding="utf-8")
     assert text.strip(), snippet
     block = LAUNCH[snippet]
-    assert block.format(text) in (ROOT / "README.md").read_text(encoding="utf-8"), \
-        f"README.md's launch block differs from {snippet}: copy the file's text into the README's block"
+    assert block.format(text) in (ROOT / "README.md").read_text(encoding="utf-8"), (
+        f"README.md's launch block differs from {snippet}: "
+        "copy the file's text into the README's block"
+    )
     for page in ("docs/index.md", "docs/getting-started.md"):
-        assert block.format(f'--8<-- "{snippet}"\n') in (ROOT / page).read_text(encoding="utf-8"), \
+        assert block.format(f'--8<-- "{snippet}"\n') in (ROOT / page).read_text(encoding="utf-8"), (
             f"{page} should include {snippet} as a code block"
+        )
 
 
 def test_the_docs_build_with_strict(tmp_path):
-    """mkdocs build --strict: a broken link, a missing anchor, a snippet that is not there or a docstring that does
-    not render fails the build."""
+    """mkdocs build --strict: a broken link, a missing anchor, a snippet that is not there or a
+    docstring that does not render fails the build."""
     _docs_tool("mkdocs")
     _docs_tool("material")
     _docs_tool("mkdocstrings_handlers.python")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 def test_no_file_cites_a_document_outside_the_repository():
-    """The project's own docs hold its design; nothing points a reader at a file they do not have."""
+    """The project's own docs hold its design; nothing points a reader at a file they do not
+    have."""
     outside = re.compile(r"DESIGN\.md|STYLE\.md|\.\./shared|shared/notes")
     found = []
     for folder in ("grpo_ds", "tests", "benchmarks", "docs", "recipes", "notebooks"):
         for path in (ROOT / folder).rglob("*"):
-            if path.is_file() and path.suffix in (".py", ".md", ".json", ".ipynb", ".sh", ".txt", ".yml") \
-                    and path != Path(__file__).resolve():
-                found += [f"{path.relative_to(ROOT)}:{n}" for n, line in
-                          enumerate(path.read_text(errors="ignore").splitlines(), 1) if outside.search(line)]
-    found += [f"README.md:{n}" for n, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1)
-              if outside.search(line)]
+            if (
+                path.is_file()
+                and path.suffix in (".py", ".md", ".json", ".ipynb", ".sh", ".txt", ".yml")
+                and path != Path(__file__).resolve()
+            ):
+                found += [
+                    f"{path.relative_to(ROOT)}:{n}"
+                    for n, line in enumerate(path.read_text(errors="ignore").splitlines(), 1)
+                    if outside.search(line)
+                ]
+    found += [
+        f"README.md:{n}"
+        for n, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1)
+        if outside.search(line)
+    ]
     assert not found, f"cites a file outside the repository: {found}"

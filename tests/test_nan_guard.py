@@ -1,5 +1,5 @@
-"""The NaN guard: a non-finite loss skips the update (logged, no checkpoint of that step); K in a row stop the
-run with one clear line and the last good checkpoint intact."""
+"""The NaN guard: a non-finite loss skips the update (logged, no checkpoint of that step); K in a
+row stop the run with one clear line and the last good checkpoint intact."""
 
 import pytest
 
@@ -26,17 +26,26 @@ def reward_module(tmp_path, monkeypatch):
 
 
 def _small(tmp_path, **overrides):
-    base = {"run.output_dir": str(tmp_path), "run.name": "nan", "train.steps": 4, "rollout.prompts_per_step": 4,
-            "reward.functions": [{"name": "nan_rewards:parity"}],
-            "rollout.group_size": 4, "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False,
-            "checkpoint.every_steps": 1, "checkpoint.keep": 10}
+    base = {
+        "run.output_dir": str(tmp_path),
+        "run.name": "nan",
+        "train.steps": 4,
+        "rollout.prompts_per_step": 4,
+        "reward.functions": [{"name": "nan_rewards:parity"}],
+        "rollout.group_size": 4,
+        "train.micro_batch_samples_per_gpu": 4,
+        "logging.progress_bar": False,
+        "checkpoint.every_steps": 1,
+        "checkpoint.keep": 10,
+    }
     return {**base, **overrides}
 
 
 @pytest.fixture
 def inject(monkeypatch):
-    """Make the loss NaN in the given steps (counted by driver step); record the policy's weights' hash at each
-    step's weight sync (which runs whether or not the rollout engine shares the policy's module)."""
+    """Make the loss NaN in the given steps (counted by driver step); record the policy's weights'
+    hash at each step's weight sync (which runs whether or not the rollout engine shares the
+    policy's module)."""
     state = {"step": 0, "nan_steps": set(), "hashes": []}
     real_loss, real_sync = update_module.micro_batch_loss, schedule_module.sync_weights
 
@@ -55,7 +64,8 @@ def inject(monkeypatch):
         return real_collect(step, *args, **kwargs)
 
     monkeypatch.setattr(update_module, "micro_batch_loss", loss)
-    monkeypatch.setattr(schedule_module, "sync_weights", sync)  # the colocated schedule's weight sync
+    # the colocated schedule's weight sync
+    monkeypatch.setattr(schedule_module, "sync_weights", sync)
     monkeypatch.setattr(schedule_module, "collect", collect)
     return state
 
@@ -66,7 +76,8 @@ def test_a_nan_loss_skips_the_update_and_the_run_goes_on(tmp_path, inject):
     metrics = grpo_ds.train(TINY, _small(tmp_path))
     assert [m["nonfinite_optimizer_steps"] for m in metrics] == [0, 1, 0, 0]
     assert metrics[1]["grad_norm"] != metrics[1]["grad_norm"]  # NaN: no update to measure
-    assert all(m["reward_std"] > 0 for m in metrics)  # every step has signal, so every update moves the weights
+    # every step has signal, so every update moves the weights
+    assert all(m["reward_std"] > 0 for m in metrics)
     h = inject["hashes"]
     assert h[0] == h[1] != h[2] != h[3]  # synced after steps 1-4: step 2 changed nothing
     saved = sorted(p.name for p in (tmp_path / "nan" / "checkpoints").glob("step_*"))
@@ -81,4 +92,6 @@ def test_nan_losses_in_a_row_stop_the_run_with_the_last_good_checkpoint(tmp_path
     message = str(err.value)
     assert message.startswith("step 3: 2 optimizer steps in a row had a non-finite loss")
     assert "the last good checkpoint is " in message and message.count("step_00000001") == 1
-    assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").glob("step_*")) == ["step_00000001"]
+    assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").glob("step_*")) == [
+        "step_00000001"
+    ]

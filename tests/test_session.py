@@ -1,9 +1,9 @@
 """grpo_ds/session.py: a rank's parts close in reverse order of opening on every exit path.
 
-Each case runs the tiny recipe for real (one rank, two steps) and records the calls that close its parts: the
-rollout engine (opened after the logger), the metrics logger, the reward workers and the run lock (opened first).
-A phase is made to end the run in step 1 in each way a run can end: the last step, a stop signal (preemption), a
-UserError and a KeyboardInterrupt.
+Each case runs the tiny recipe for real (one rank, two steps) and records the calls that close its
+parts: the rollout engine (opened after the logger), the metrics logger, the reward workers and the
+run lock (opened first). A phase is made to end the run in step 1 in each way a run can end: the
+last step, a stop signal (preemption), a UserError and a KeyboardInterrupt.
 """
 
 import pytest
@@ -25,8 +25,12 @@ CLOSED_IN_ORDER = ["rollout engine", "logger", "reward workers", "run lock"]
 def closes(monkeypatch):
     """The names of the parts closed, in the order their close ran."""
     calls = []
-    for owner, method, name in ((HFRolloutEngine, "close", "rollout engine"), (MetricsLogger, "close", "logger"),
-                                (RewardPool, "close", "reward workers"), (RunLock, "release", "run lock")):
+    for owner, method, name in (
+        (HFRolloutEngine, "close", "rollout engine"),
+        (MetricsLogger, "close", "logger"),
+        (RewardPool, "close", "reward workers"),
+        (RunLock, "release", "run lock"),
+    ):
         real = getattr(owner, method)
 
         def recording(self, *args, _real=real, _name=name, **kwargs):
@@ -38,14 +42,20 @@ def closes(monkeypatch):
 
 
 def _overrides(tmp_path):
-    return {"run.output_dir": str(tmp_path / "runs"), "train.steps": 2, "rollout.prompts_per_step": 4,
-            "rollout.group_size": 4, "train.micro_batch_samples_per_gpu": 4, "logging.progress_bar": False,
-            "reward.processes": 1}
+    return {
+        "run.output_dir": str(tmp_path / "runs"),
+        "train.steps": 2,
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "train.micro_batch_samples_per_gpu": 4,
+        "logging.progress_bar": False,
+        "reward.processes": 1,
+    }
 
 
 def _last_closes(calls: list[str]) -> list[str]:
-    """The session's closing sequence: the last call of each part, in order (a preempted run closes its logger once
-    before the session does)."""
+    """The session's closing sequence: the last call of each part, in order (a preempted run closes
+    its logger once before the session does)."""
     last = {name: i for i, name in enumerate(calls)}
     return sorted(last, key=last.get)
 
@@ -69,8 +79,11 @@ def test_a_preempted_run_closes_its_parts_in_reverse(tmp_path, closes, monkeypat
     assert _last_closes(closes) == CLOSED_IN_ORDER
 
 
-@pytest.mark.parametrize("error", [UserError("train.lr", "a planted failure"), KeyboardInterrupt()],
-                         ids=["user-error", "keyboard-interrupt"])
+@pytest.mark.parametrize(
+    "error",
+    [UserError("train.lr", "a planted failure"), KeyboardInterrupt()],
+    ids=["user-error", "keyboard-interrupt"],
+)
 def test_a_failed_run_closes_its_parts_in_reverse(tmp_path, closes, monkeypatch, error):
     _fail_in_the_update(monkeypatch, error)
     with pytest.raises(type(error)):

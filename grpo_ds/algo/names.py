@@ -1,7 +1,9 @@
-"""The names a recipe chooses among, one tuple per formula family: the formulas are in the modules beside this one.
+"""The names a recipe chooses among, one tuple per formula family: the formulas are in the modules
+beside this one.
 
-This module imports nothing (no torch), so that the recipe schema (grpo_ds.config, which imports no torch) can
-declare these names as the choices of its keys, and the formulas can check their arguments against the same tuples.
+This module imports nothing (no torch), so that the recipe schema (grpo_ds.config, which imports no
+torch) can declare these names as the choices of its keys, and the formulas can check their
+arguments against the same tuples.
 """
 
 from __future__ import annotations
@@ -21,5 +23,9 @@ KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 # grpo_ds.algo.policy_loss: ppo_clip_loss, gspo_loss.
 POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo")
 # grpo_ds.algo.aggregation: how token losses are summed into the step loss.
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                   "seq-mean-token-sum-norm")
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)

@@ -1,7 +1,9 @@
-"""Plain reads of a DeepSpeed config dict that every layer asks: the ZeRO stage and whether a part is offloaded.
+"""Plain reads of a DeepSpeed config dict that every layer asks: the ZeRO stage and whether a part
+is offloaded.
 
-A leaf (no grpo_ds import, no DeepSpeed import): the model layer, the memory estimate and the dry run read a
-resolved config through these, and grpo_ds.config.deepspeed / deepspeed_check use them while resolving it.
+A leaf (no grpo_ds import, no DeepSpeed import): the model layer, the memory estimate and the dry
+run read a resolved config through these, and grpo_ds.config.deepspeed / deepspeed_check use them
+while resolving it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from typing import Any
 
 
 def offloaded(zero: Any, section: str) -> bool:
-    """Whether ``zero`` (a zero_optimization section) offloads ``section`` ("offload_optimizer", "offload_param"): a
-    section with a device other than "none" (DeepSpeed reads a missing or null section, or a missing device, as off)."""
+    """Whether ``zero`` (a zero_optimization section) offloads ``section`` ("offload_optimizer",
+    "offload_param"): a section with a device other than "none" (DeepSpeed reads a missing or null
+    section, or a missing device, as off)."""
     part = zero.get(section) if isinstance(zero, dict) else None
     return isinstance(part, dict) and part.get("device", "none") not in (None, "none")
 

@@ -1,9 +1,10 @@
-"""Loading a recipe: read it, apply the overrides, build the schema's dataclasses, then run the cross-key rules.
+"""Loading a recipe: read it, apply the overrides, build the schema's dataclasses, then run the
+cross-key rules.
 
-Load order (nothing touches a model): JSON file or dict -> ``section.key=value`` overrides -> type, choice and range
-checks per field while building the frozen ``Recipe`` (grpo_ds.config.parse, from grpo_ds.config.recipe's
-declarations) -> cross-key checks, above all the batch algebra (grpo_ds.config.rules). Every mistake is one
-UserError.
+Load order (nothing touches a model): JSON file or dict -> ``section.key=value`` overrides -> type,
+choice and range checks per field while building the frozen ``Recipe`` (grpo_ds.config.parse, from
+grpo_ds.config.recipe's declarations) -> cross-key checks, above all the batch algebra
+(grpo_ds.config.rules). Every mistake is one UserError.
 """
 
 from __future__ import annotations
@@ -11,14 +12,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpo_ds.config.parse import apply_override, build, normalise_overrides, printable, read_json_object
+from grpo_ds.config.parse import (
+    apply_override,
+    build,
+    normalise_overrides,
+    printable,
+    read_json_object,
+)
 from grpo_ds.config.recipe import SECTIONS, TOP_LEVEL_VALUES, Recipe
 from grpo_ds.config.rules import validate
 from grpo_ds.errors import UserError
 
 
 def load_recipe(source: str | Path | dict, overrides: list[str] | dict | None = None) -> Recipe:
-    """Read a recipe (JSON path or dict), apply overrides, validate everything; raise UserError if bad."""
+    """Read a recipe (JSON path or dict), apply overrides, validate everything; raise UserError if
+    bad."""
     if isinstance(source, dict):
         raw, where, source_dir = json.loads(json.dumps(source)), "recipe", "."
     else:

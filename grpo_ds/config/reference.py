@@ -1,11 +1,12 @@
-"""The recipe reference, generated from the schema: a heading per section and, under it, one definition per key (the
-key whole on its own line; below it, its meaning, then its type, default and allowed values) from the field
-declarations in grpo_ds/config/recipe.py; after its section, each key of a list's entries (``reward.models[]``),
-from its entry's dataclass (``ENTRIES``), declared the same way. A definition per key, not a table, so that a key
-never wraps in a narrow column and its meaning is read without scrolling sideways on a phone.
+"""The recipe reference, generated from the schema: a heading per section and, under it, one
+definition per key (the key whole on its own line; below it, its meaning, then its type, default and
+allowed values) from the field declarations in grpo_ds/config/recipe.py; after its section, each key
+of a list's entries (``reward.models[]``), from its entry's dataclass (``ENTRIES``), declared the
+same way. A definition per key, not a table, so that a key never wraps in a narrow column and its
+meaning is read without scrolling sideways on a phone.
 
-docs/generate.py writes it into docs/reference/recipe.md, and tests/test_docs.py checks that the page holds exactly
-this text; ``python -m grpo_ds.config.reference`` prints it.
+docs/generate.py writes it into docs/reference/recipe.md, and tests/test_docs.py checks that the
+page holds exactly this text; ``python -m grpo_ds.config.reference`` prints it.
 """
 
 from __future__ import annotations
@@ -18,16 +19,27 @@ import typing
 from grpo_ds.config.recipe import iter_fields
 from grpo_ds.config.reward_specs import RewardModelSpec
 
-# A list key whose entries are objects of declared keys -> the entry's dataclass (its fields declared with opt)
+# A list key whose entries are objects of declared keys -> the entry's dataclass (its fields
+# declared with opt)
 ENTRIES: dict[str, type] = {"reward.models": RewardModelSpec}
 
-_TYPE_NAMES = {str: "string", bool: "bool", int: "int", float: "float", list: "list", dict: "object"}
+_TYPE_NAMES = {
+    str: "string",
+    bool: "bool",
+    int: "int",
+    float: "float",
+    list: "list",
+    dict: "object",
+}
 
 
 def _type_name(annotation) -> str:
     hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation  # noqa: S307 - our schema
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+    args = (
+        typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
         else (hint,)
+    )
     if hint is typing.Any:
         return "string or object"
     names = [_TYPE_NAMES.get(typing.get_origin(a) or a, "any") for a in args if a is not type(None)]
@@ -50,21 +62,28 @@ def _escape(text: str) -> str:
 
 
 def definitions() -> str:
-    """Markdown (with the def_list extension): a ``## `section``` heading per section, then per key::
+    """Markdown (with the def_list extension): a ``## `section``` heading per section, then per
+    key::
 
         `section.key`
         :   Its meaning
 
             type · default `value` · allowed values
 
-    and after the section, for each of its list keys in ``ENTRIES``, a ``### `section.key[]` `` heading and the same
-    per key of an entry (`` `section.key[].entry_key` ``; "required" for a key without a default)."""
+    and after the section, for each of its list keys in ``ENTRIES``, a ``### `section.key[]` ``
+    heading and the same per key of an entry (`` `section.key[].entry_key` ``; "required" for a key
+    without a default)."""
     out, current = [], object()
     for section, f in iter_fields():
         if section != current:
             out += _entries(current)
             current = section
-            out += ["", f"## `{section}`" if section else f"## `{f.name}` (a top-level value, not a section)"]
+            out += [
+                "",
+                f"## `{section}`"
+                if section
+                else f"## `{f.name}` (a top-level value, not a section)",
+            ]
         out += _definition(f"{section}.{f.name}" if section else f.name, f)
     out += _entries(current)
     return "\n".join(out[1:]) + "\n"

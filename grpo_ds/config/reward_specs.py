@@ -17,7 +17,8 @@ from grpo_ds.config.options import REQUIRED, opt
 from grpo_ds.config.parse import check_field, check_finite, printable
 from grpo_ds.errors import UserError, json_type_name, suggest
 
-ON_ERROR_CHOICES = ("zero", "fail")  # reward.on_error: score a failed sample 0 and count it, or stop the run
+# reward.on_error: score a failed sample 0 and count it, or stop the run
+ON_ERROR_CHOICES = ("zero", "fail")
 DEFAULT_WEIGHT = 1.0  # the weight of a reward function whose spec gives none
 _FUNCTION_KEYS = ("name", "weight")
 
@@ -35,28 +36,59 @@ OVERFLOW_CHOICES = ("truncate_left", "error")  # a reward model's input longer t
 
 @dataclass(frozen=True)
 class RewardModelSpec:
-    """One checked entry of the recipe's ``reward.models``: a sequence-classification model with one label. Its score
-    of a sample is ``(logit - mean) / std``, and the step's reward adds ``weight`` times it. Each field's declaration
-    is the entry key's whole definition: its check (``parse_rewards``) and its page in the recipe
-    reference (grpo_ds.config.reference) read it."""
+    """One checked entry of the recipe's ``reward.models``: a sequence-classification model with one
+    label. Its score of a sample is ``(logit - mean) / std``, and the step's reward adds ``weight``
+    times it. Each field's declaration is the entry key's whole definition: its check
+    (``parse_rewards``) and its page in the recipe reference (grpo_ds.config.reference) read it."""
 
-    path: str = opt(REQUIRED, "A local Hugging Face folder (relative to the working directory, as model.path) "
-                    "holding a sequence-classification model with one label (config.json, the weights) and its "
-                    "tokenizer", example="models/my_rm")
-    name: str | None = opt(None, "The name of its metrics (reward/NAME); distinct from the other reward models' "
-                           "(null = the folder's name)", example="helpfulness")
-    weight: float = opt(DEFAULT_WEIGHT, "Its score's weight in the step's reward, a weighted sum over the functions "
-                        "and the models (negative: a penalty)")
-    chat_template: bool = opt(True, "Render prompt + completion as a user and an assistant message with the reward "
-                              "model's own chat template (false = the plain text prompt + completion)")
-    max_length: int | None = opt(None, "Most tokens of one scored text, in the reward model's tokenizer (null = its "
-                                 "max_position_embeddings; at most that)", low=2, example=1024)
-    overflow: str = opt("truncate_left", "A text longer than max_length: keep its last max_length tokens (counted in "
-                        "the metrics), or stop the run", choices=OVERFLOW_CHOICES)
-    mean: float = opt(0.0, "Affine normalisation: score = (logit - mean) / std; the logit's offset (0 = none)")
-    std: float = opt(1.0, "Affine normalisation: score = (logit - mean) / std; the logit's scale (1 = none)", low=0.0,
-                     low_open=True)
-    offload: bool = opt(False, "Its weights leave the accelerator between steps (back only while it scores)")
+    path: str = opt(
+        REQUIRED,
+        "A local Hugging Face folder (relative to the working directory, as model.path) "
+        "holding a sequence-classification model with one label (config.json, the weights) and its "
+        "tokenizer",
+        example="models/my_rm",
+    )
+    name: str | None = opt(
+        None,
+        "The name of its metrics (reward/NAME); distinct from the other reward models' "
+        "(null = the folder's name)",
+        example="helpfulness",
+    )
+    weight: float = opt(
+        DEFAULT_WEIGHT,
+        "Its score's weight in the step's reward, a weighted sum over the functions "
+        "and the models (negative: a penalty)",
+    )
+    chat_template: bool = opt(
+        True,
+        "Render prompt + completion as a user and an assistant message with the reward "
+        "model's own chat template (false = the plain text prompt + completion)",
+    )
+    max_length: int | None = opt(
+        None,
+        "Most tokens of one scored text, in the reward model's tokenizer (null = its "
+        "max_position_embeddings; at most that)",
+        low=2,
+        example=1024,
+    )
+    overflow: str = opt(
+        "truncate_left",
+        "A text longer than max_length: keep its last max_length tokens (counted in "
+        "the metrics), or stop the run",
+        choices=OVERFLOW_CHOICES,
+    )
+    mean: float = opt(
+        0.0, "Affine normalisation: score = (logit - mean) / std; the logit's offset (0 = none)"
+    )
+    std: float = opt(
+        1.0,
+        "Affine normalisation: score = (logit - mean) / std; the logit's scale (1 = none)",
+        low=0.0,
+        low_open=True,
+    )
+    offload: bool = opt(
+        False, "Its weights leave the accelerator between steps (back only while it scores)"
+    )
 
     def __post_init__(self):
         if self.name is None:  # the folder's name; the spec always holds a name
@@ -100,51 +132,77 @@ def parse_rewards(functions: Sequence, models: Sequence) -> RewardSpecs:
     (their metrics reward/NAME must not mix). Raise UserError at the first bad entry. Reads no
     file."""
     parsed = RewardSpecs(
-        functions=tuple(_parse_function(f"reward.functions[{i}]", entry)
-                        for i, entry in enumerate(functions)),
-        models=tuple(_parse_model(f"reward.models[{i}]", entry) for i, entry in enumerate(models)))
+        functions=tuple(
+            _parse_function(f"reward.functions[{i}]", entry) for i, entry in enumerate(functions)
+        ),
+        models=tuple(_parse_model(f"reward.models[{i}]", entry) for i, entry in enumerate(models)),
+    )
     names = [spec.name for spec in parsed.models]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise UserError(f"reward.models[{i}].name", f"{json.dumps(name)} is the name of reward.models"
-                            f"[{names.index(name)}] too (each model's metrics are logged under its name)",
-                            'give each a distinct "name"')
+            raise UserError(
+                f"reward.models[{i}].name",
+                f"{json.dumps(name)} is the name of reward.models"
+                f"[{names.index(name)}] too (each model's metrics are logged under its name)",
+                'give each a distinct "name"',
+            )
     function_names = {spec.name for spec in parsed.functions}
     for i, name in enumerate(names):
         if name in function_names:
-            raise UserError(f"reward.models[{i}].name", f'"{name}" is the name of a reward '
-                            "function too (their metrics reward/NAME would mix)",
-                            'give the model another "name"')
+            raise UserError(
+                f"reward.models[{i}].name",
+                f'"{name}" is the name of a reward '
+                "function too (their metrics reward/NAME would mix)",
+                'give the model another "name"',
+            )
     return parsed
 
 
 def _parse_function(where: str, spec: Any) -> RewardFunctionSpec:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise UserError(where, "must be an object with a string name",
-                        '{"name": "exact_match", "weight": 1.0}')
+        raise UserError(
+            where, "must be an object with a string name", '{"name": "exact_match", "weight": 1.0}'
+        )
     unknown = sorted(set(spec) - set(_FUNCTION_KEYS))
     if unknown:
         raise UserError(f"{where}.{unknown[0]}", "unknown key", suggest(unknown[0], _FUNCTION_KEYS))
     if not spec["name"].strip():
-        raise UserError(f"{where}.name", "is empty",
-                        'a built-in such as "exact_match", or package.module:function')
+        raise UserError(
+            f"{where}.name",
+            "is empty",
+            'a built-in such as "exact_match", or package.module:function',
+        )
     weight = spec.get("weight", DEFAULT_WEIGHT)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise UserError(f"{where}.weight", f"expected a number, got {json_type_name(weight)}",
-                        "e.g. 1.0")
+        raise UserError(
+            f"{where}.weight", f"expected a number, got {json_type_name(weight)}", "e.g. 1.0"
+        )
     check_finite(f"{where}.weight", weight)  # the recipe's message for a NaN or an infinity
     return RewardFunctionSpec(name=spec["name"].strip(), weight=float(weight))
 
 
 def _parse_model(where: str, spec: Any) -> RewardModelSpec:
-    if not isinstance(spec, dict) or not isinstance(spec.get("path"), str) or not spec["path"].strip():
-        raise UserError(where, "must be an object with a string path", '{"path": "models/my_rm", "weight": 1.0}')
+    if (
+        not isinstance(spec, dict)
+        or not isinstance(spec.get("path"), str)
+        or not spec["path"].strip()
+    ):
+        raise UserError(
+            where, "must be an object with a string path", '{"path": "models/my_rm", "weight": 1.0}'
+        )
     declared = {f.name: f for f in fields(RewardModelSpec)}
     unknown = sorted(set(spec) - set(declared))
     if unknown:
-        raise UserError(f"{where}.{printable(unknown[0])}", "unknown key", suggest(unknown[0], declared))
-    values = {key: check_field(f"{where}.{key}", value, declared[key], RewardModelSpec) for key, value in spec.items()}
+        raise UserError(
+            f"{where}.{printable(unknown[0])}", "unknown key", suggest(unknown[0], declared)
+        )
+    values = {
+        key: check_field(f"{where}.{key}", value, declared[key], RewardModelSpec)
+        for key, value in spec.items()
+    }
     values["path"] = values["path"].strip()
     if values.get("name") is not None and not values["name"].strip():
-        raise UserError(f"{where}.name", "is empty", "give the name its metrics are logged under, or null")
+        raise UserError(
+            f"{where}.name", "is empty", "give the name its metrics are logged under, or null"
+        )
     return RewardModelSpec(**values)

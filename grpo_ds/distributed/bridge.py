@@ -46,8 +46,10 @@ from grpo_ds.distributed.messages import (
     encode,
 )
 
-STORE_PORT_OFFSET = 1  # the store of a split launch: MASTER_PORT + this, served by the trainer's rank 0
-START_TIMEOUT_S = 1800.0  # the start-up's waits: one side loads a model (vLLM compiles) while the other waits
+# the store of a split launch: MASTER_PORT + this, served by the trainer's rank 0
+STORE_PORT_OFFSET = 1
+# the start-up's waits: one side loads a model (vLLM compiles) while the other waits
+START_TIMEOUT_S = 1800.0
 
 
 class Stalled(BridgeError):
@@ -56,17 +58,28 @@ class Stalled(BridgeError):
 
 
 def store_address() -> tuple[str, int]:
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")) + STORE_PORT_OFFSET
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(
+        os.environ.get("MASTER_PORT", "29500")
+    ) + STORE_PORT_OFFSET
 
 
 def open_store(serve: bool, timeout_s: float) -> torch.distributed.Store:
-    """The split launch's TCP store: served by the trainer's rank 0, joined by every rollout rank."""
+    """The split launch's TCP store: served by the trainer's rank 0, joined by every rollout
+    rank."""
     host, port = store_address()
-    return torch.distributed.TCPStore(host, port, None, serve, timeout=datetime.timedelta(seconds=timeout_s),
-                                      wait_for_workers=False)
+    return torch.distributed.TCPStore(
+        host,
+        port,
+        None,
+        serve,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
-def _process_group(store, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float):
+def _process_group(
+    store, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float
+):
     prefixed = torch.distributed.PrefixStore(prefix, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -86,7 +99,9 @@ class Bridge:
 
     def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size, self.device, self.timeout_s = rank, size, device, timeout_s
-        self._group = _process_group(store, "bridge", rank, size, device, max(timeout_s, START_TIMEOUT_S))
+        self._group = _process_group(
+            store, "bridge", rank, size, device, max(timeout_s, START_TIMEOUT_S)
+        )
         # the side this member waits for
         self._peer = "rollout ranks" if rank == self.TRAINER else "trainer"
 
@@ -94,8 +109,10 @@ class Bridge:
     def send(self, message: Message) -> None:
         """The first rollout rank: ``message`` up, to the trainer's rank 0."""
         if self.rank != self.ROLLOUT_LEAD:
-            raise ValueError(f"bridge rank {self.rank} sends nothing up: only the first rollout "
-                             "rank does (the trainer broadcasts)")
+            raise ValueError(
+                f"bridge rank {self.rank} sends nothing up: only the first rollout "
+                "rank does (the trainer broadcasts)"
+            )
         self._send_bytes(encode(message), type(message), up=True)
 
     def broadcast(self, message: Message) -> None:
@@ -122,8 +139,9 @@ class Bridge:
         self._carry(size, up, kind.WHAT, kind.START_UP, tag=0)
         self._carry(data, up, kind.WHAT, kind.START_UP, tag=1)
 
-    def _carry(self, tensor: torch.Tensor, up: bool, what: str, start_up: bool = False,
-               tag: int = 0) -> None:
+    def _carry(
+        self, tensor: torch.Tensor, up: bool, what: str, start_up: bool = False, tag: int = 0
+    ) -> None:
         """``tensor`` up (from the first rollout rank to the trainer's rank 0, point to point, with
         ``tag``) or down (broadcast from the trainer's rank 0 to every rollout rank)."""
         if not up:
@@ -135,15 +153,18 @@ class Bridge:
         self._wait(work, what, start_up)
 
     # ---- weights, down
-    def send_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]],
-                     bucket_bytes: int) -> int:
+    def send_weights(
+        self, named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
+    ) -> int:
         """The trainer's rank 0: every (name, tensor) to every rollout rank, in buckets of about
         ``bucket_bytes`` (each bucket one flat buffer, the only one alive); returns the bytes
         sent."""
         sent, bucket, size = 0, [], 0
         for name, tensor in named_tensors:
             flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-            bucket.append((name, tuple(tensor.shape), tensor.dtype, flat.to(self.device, copy=True)))
+            bucket.append(
+                (name, tuple(tensor.shape), tensor.dtype, flat.to(self.device, copy=True))
+            )
             size += flat.numel()
             if size >= bucket_bytes:
                 sent += self._send_bucket(bucket)
@@ -178,11 +199,16 @@ class Bridge:
         except RuntimeError as err:
             text = str(err).lower()
             if "timed out" in text or "timeout" in text:
-                within = f"the start-up's {limit:g} s" if start_up else \
-                    f"rollout.transfer_timeout_s = {limit:g} s"
+                within = (
+                    f"the start-up's {limit:g} s"
+                    if start_up
+                    else f"rollout.transfer_timeout_s = {limit:g} s"
+                )
                 raise Stalled(f"the {self._peer} stalled: no {what} within {within}") from None
-            raise Stalled(f"the {self._peer} went away while this side waited for {what} "
-                          f"({str(err).splitlines()[0]})") from None
+            raise Stalled(
+                f"the {self._peer} went away while this side waited for {what} "
+                f"({str(err).splitlines()[0]})"
+            ) from None
 
 
 def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -41,6 +41,7 @@ class BridgeError(RuntimeError):
 
 # ---------------------------------------------------------------------------------- the messages
 
+
 @dataclass(frozen=True)
 class Layout:
     """The first rollout rank -> the trainer, at the start: what the rollout engine needs of a
@@ -147,6 +148,7 @@ _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
 
 # ------------------------------------------------------------------------------------- the codec
 
+
 def encode(message: Message) -> bytes:
     """``message`` as the bytes that travel (the wire format in the module's docstring)."""
     kind = type(message)
@@ -163,22 +165,29 @@ def decode(payload: bytes, sender: str, expected: tuple[type, ...] = ()) -> Mess
     it refuses."""
     head = len(MAGIC) + _HEADER.size
     if len(payload) < head or not payload.startswith(MAGIC):
-        raise BridgeError(f"{sender} sent {len(payload)} bytes that are not a bridge message "
-                          f"(they do not start with {MAGIC!r})")
+        raise BridgeError(
+            f"{sender} sent {len(payload)} bytes that are not a bridge message "
+            f"(they do not start with {MAGIC!r})"
+        )
     version, length = _HEADER.unpack_from(payload, len(MAGIC))
     if version != BRIDGE_VERSION:
-        raise BridgeError(f"{sender} sent a message of version {version}; this side speaks "
-                          f"version {BRIDGE_VERSION} (grpo_ds.distributed.messages."
-                          "BRIDGE_VERSION): run the same grpo_ds on every rank")
-    name = payload[head:head + length].decode("ascii", errors="replace")
+        raise BridgeError(
+            f"{sender} sent a message of version {version}; this side speaks "
+            f"version {BRIDGE_VERSION} (grpo_ds.distributed.messages."
+            "BRIDGE_VERSION): run the same grpo_ds on every rank"
+        )
+    name = payload[head : head + length].decode("ascii", errors="replace")
     kind = KINDS.get(name)
     if kind is None:
-        raise BridgeError(f"{sender} sent a message of unknown kind {name!r} (this side knows "
-                          f"{', '.join(KINDS)})")
+        raise BridgeError(
+            f"{sender} sent a message of unknown kind {name!r} (this side knows {', '.join(KINDS)})"
+        )
     if expected and kind not in expected:
-        raise BridgeError(f"{sender} sent a {kind.WHAT} ({name}) where this side expected a "
-                          f"{what(expected)} ({' or '.join(k.__name__ for k in expected)})")
-    return kind(**_body(payload[head + length:], kind, sender))
+        raise BridgeError(
+            f"{sender} sent a {kind.WHAT} ({name}) where this side expected a "
+            f"{what(expected)} ({' or '.join(k.__name__ for k in expected)})"
+        )
+    return kind(**_body(payload[head + length :], kind, sender))
 
 
 def _body(body: bytes, kind: type, sender: str) -> dict[str, Any]:
@@ -186,17 +195,23 @@ def _body(body: bytes, kind: type, sender: str) -> dict[str, Any]:
     try:
         values = pickle.loads(body)
     except Exception as err:  # whatever unpickling raises: the bytes are the sender's
-        raise BridgeError(f"{sender} sent a {kind.__name__} message whose body does not decode "
-                          f"({type(err).__name__}: {_first_line(err)})") from None
+        raise BridgeError(
+            f"{sender} sent a {kind.__name__} message whose body does not decode "
+            f"({type(err).__name__}: {_first_line(err)})"
+        ) from None
     names = _FIELDS[kind]
     if not isinstance(values, tuple) or len(values) != len(names):
-        raise BridgeError(f"{sender} sent a {kind.__name__} message whose body is not its "
-                          f"{len(names)} fields ({', '.join(names) or 'none'})")
+        raise BridgeError(
+            f"{sender} sent a {kind.__name__} message whose body is not its "
+            f"{len(names)} fields ({', '.join(names) or 'none'})"
+        )
     for name, value in zip(names, values, strict=True):
         if not _fits(value, _HINTS[kind][name]):
             hint = _HINTS[kind][name]
-            raise BridgeError(f"{sender} sent a {kind.__name__} message whose {name} is a "
-                              f"{type(value).__name__}, not {getattr(hint, '__name__', hint)}")
+            raise BridgeError(
+                f"{sender} sent a {kind.__name__} message whose {name} is a "
+                f"{type(value).__name__}, not {getattr(hint, '__name__', hint)}"
+            )
     return dict(zip(names, values, strict=True))
 
 

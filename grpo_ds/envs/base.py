@@ -1,8 +1,9 @@
-"""The environment protocol of multi-turn (agent) rollouts: what an environment is and what one step returns.
+"""The environment protocol of multi-turn (agent) rollouts: what an environment is and what one step
+returns.
 
-The agent rollout engine (grpo_ds.rollout.agent) drives environments through this protocol; the built-ins
-(grpo_ds.envs) and user environments (``package.module:Class``) implement it. It imports nothing of grpo_ds, so
-environments never depend on the engine that runs them.
+The agent rollout engine (grpo_ds.rollout.agent) drives environments through this protocol; the
+built-ins (grpo_ds.envs) and user environments (``package.module:Class``) implement it. It imports
+nothing of grpo_ds, so environments never depend on the engine that runs them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ class StepResult:
 class Environment(Protocol):
     """One episode's environment. A fresh instance is made for every sample (so it may keep state).
 
-    ``turn_stop``: strings that end a model turn as soon as the turn's text contains one (EOS always ends it).
-    ``reset(row)``: start an episode for a data row (a dict of the dataset's columns); return text placed after
-    the prompt before the model's first turn (usually ""). ``step(model_turn)``: react to the text of one model
-    turn (decoded alone, special tokens skipped).
+    ``turn_stop``: strings that end a model turn as soon as the turn's text contains one (EOS always
+    ends it). ``reset(row)``: start an episode for a data row (a dict of the dataset's columns);
+    return text placed after the prompt before the model's first turn (usually "").
+    ``step(model_turn)``: react to the text of one model turn (decoded alone, special tokens
+    skipped).
     """
 
     turn_stop: tuple[str, ...]

@@ -2,17 +2,20 @@
 
 Row math (one token position, s = logits / temperature over the vocabulary V, target y):
 
-    lse = logsumexp(s)               computed online over vocabulary blocks (running max m, running sum d)
+    lse = logsumexp(s)               computed online over vocabulary blocks (running max m, running
+                                     sum d)
     E   = sum_v p_v s_v              carried online alongside d, so the row is read once
     logprob = s_y - lse,  entropy = lse - E
-    d logprob / d s_v = [v == y] - p_v,   d entropy / d s_v = -p_v (s_v - E),   d s / d logits = 1 / temperature
+    d logprob / d s_v = [v == y] - p_v,   d entropy / d s_v = -p_v (s_v - E),   d s / d logits = 1 /
+                                          temperature
 
-Under truncated sampling (TRUNCATED) the sums run over the sampler's set: the tokens whose logit is not below the row's
-``threshold`` (grpo_ds.kernels.support), and the target; p_v is 0 outside it (grpo_ds.algo.truncation).
+Under truncated sampling (TRUNCATED) the sums run over the sampler's set: the tokens whose logit is
+not below the row's ``threshold`` (grpo_ds.kernels.support), and the target; p_v is 0 outside it
+(grpo_ds.algo.truncation).
 
-Per-token loss: grpo_ds.algo.policy_loss (PPO clip with low/high and dual clip, k1/k2/k3 KL, entropy bonus);
-the functions here return its value and its derivative with respect to the log-prob in closed form.
-All arithmetic is float32 whatever the storage dtype.
+Per-token loss: grpo_ds.algo.policy_loss (PPO clip with low/high and dual clip, k1/k2/k3 KL, entropy
+bonus); the functions here return its value and its derivative with respect to the log-prob in
+closed form. All arithmetic is float32 whatever the storage dtype.
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3}
 
 @triton.jit
 def in_support(x, cols, target, threshold):
-    """The lanes of the sampler's set: logits ``x`` not below ``threshold`` (NaN included, so that it reaches the loss),
-    and the target."""
+    """The lanes of the sampler's set: logits ``x`` not below ``threshold`` (NaN included, so that
+    it reaches the loss), and the target."""
     return (x >= threshold) | (x != x) | (cols == target)
 
 
 @triton.jit
-def row_logprob_entropy(row_ptr, target, V, inv_temp, threshold, TRUNCATED: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Return (logprob, entropy, lse) of one row of V logits at ``row_ptr`` (contiguous); with TRUNCATED, over the
-    sampler's set (``threshold``, see in_support)."""
+def row_logprob_entropy(
+    row_ptr, target, V, inv_temp, threshold, TRUNCATED: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """Return (logprob, entropy, lse) of one row of V logits at ``row_ptr`` (contiguous); with
+    TRUNCATED, over the sampler's set (``threshold``, see in_support)."""
     offs = tl.arange(0, BLOCK_V)
     m = float("-inf")
     d = 0.0
@@ -45,7 +50,8 @@ def row_logprob_entropy(row_ptr, target, V, inv_temp, threshold, TRUNCATED: tl.c
         cols = start + offs
         mask = cols < V
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        if TRUNCATED:  # a block may hold no token of the set: its maximum is then -inf, and so may m be
+        # a block may hold no token of the set: its maximum is then -inf, and so may m be
+        if TRUNCATED:
             mask = mask & in_support(x, cols, target, threshold)
         s = tl.where(mask, x * inv_temp, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
@@ -61,10 +67,22 @@ def row_logprob_entropy(row_ptr, target, V, inv_temp, threshold, TRUNCATED: tl.c
 
 
 @triton.jit
-def row_grad(row_ptr, grad_ptr, target, V, inv_temp, lse, entropy, g_logprob, g_entropy, threshold,
-             TRUNCATED: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Write d(g_logprob * logprob + g_entropy * entropy) / d logits of one row to ``grad_ptr`` (may alias); with
-    TRUNCATED, 0 outside the sampler's set."""
+def row_grad(
+    row_ptr,
+    grad_ptr,
+    target,
+    V,
+    inv_temp,
+    lse,
+    entropy,
+    g_logprob,
+    g_entropy,
+    threshold,
+    TRUNCATED: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Write d(g_logprob * logprob + g_entropy * entropy) / d logits of one row to ``grad_ptr`` (may
+    alias); with TRUNCATED, 0 outside the sampler's set."""
     offs = tl.arange(0, BLOCK_V)
     mean_s = lse - entropy  # E
     for start in range(0, V, BLOCK_V):
@@ -80,9 +98,22 @@ def row_grad(row_ptr, grad_ptr, target, V, inv_temp, lse, entropy, g_logprob, g_
 
 
 @triton.jit
-def token_loss(logprob, old_logprob, ref_logprob, advantage, entropy, clip_low, clip_high, dual_clip, kl_coef,
-               entropy_coef, KL: tl.constexpr, DUAL_CLIP: tl.constexpr):
-    """Return (loss, kl, clipped, d loss / d logprob) of tokens; d loss / d entropy is -entropy_coef."""
+def token_loss(
+    logprob,
+    old_logprob,
+    ref_logprob,
+    advantage,
+    entropy,
+    clip_low,
+    clip_high,
+    dual_clip,
+    kl_coef,
+    entropy_coef,
+    KL: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+):
+    """Return (loss, kl, clipped, d loss / d logprob) of tokens; d loss / d entropy is
+    -entropy_coef."""
     ratio = tl.exp(logprob - old_logprob)
     unclipped = -advantage * ratio
     clipped_loss = -advantage * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
@@ -121,10 +152,11 @@ def block_size(width: int, cap: int = 4096) -> int:
 
 @dataclass(frozen=True)
 class Launch:
-    """How a row kernel (one program per token row, looping over the vocabulary) is launched. ``block_v``: vocabulary
-    elements per loop step (None: ``block_size(V)``, at most 4096); ``num_warps``: warps per program (None: Triton's
-    default, 4). The defaults ran on the H200 (benchmarks/RESULTS.md, 2026-11-26); the benchmarks' ``--sweep`` times
-    others at the GPU shapes, so a better pair becomes the default here, with its measurement."""
+    """How a row kernel (one program per token row, looping over the vocabulary) is launched.
+    ``block_v``: vocabulary elements per loop step (None: ``block_size(V)``, at most 4096);
+    ``num_warps``: warps per program (None: Triton's default, 4). The defaults ran on the H200
+    (benchmarks/RESULTS.md, 2026-11-26); the benchmarks' ``--sweep`` times others at the GPU shapes,
+    so a better pair becomes the default here, with its measurement."""
 
     block_v: int | None = None
     num_warps: int | None = None

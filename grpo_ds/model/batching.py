@@ -13,9 +13,14 @@ from grpo_ds.errors import UserError
 MicroBatch = tuple[int, ...]  # sample ids; () is a padding micro-batch
 
 
-def pack_micro_batches(sample_ids: list[int], tokens: dict[int, int], *,
-                       max_samples: int | None = None, max_tokens: int | None = None,
-                       packed: bool = False) -> list[MicroBatch]:
+def pack_micro_batches(
+    sample_ids: list[int],
+    tokens: dict[int, int],
+    *,
+    max_samples: int | None = None,
+    max_tokens: int | None = None,
+    packed: bool = False,
+) -> list[MicroBatch]:
     """Cut one rank's shard into micro-batches of at most ``max_samples`` samples, or (dynamic
     batching) of at most ``max_tokens`` tokens: the sum of the sequences' lengths when they are
     ``packed`` into one row, else len(micro-batch) x its longest sequence (the padded rows).
@@ -27,18 +32,21 @@ def pack_micro_batches(sample_ids: list[int], tokens: dict[int, int], *,
     ordered = sorted(sample_ids, key=lambda s: (-tokens[s], s))
     if max_tokens is None:
         assert max_samples is not None and max_samples > 0
-        return [tuple(ordered[i:i + max_samples]) for i in range(0, len(ordered), max_samples)]
+        return [tuple(ordered[i : i + max_samples]) for i in range(0, len(ordered), max_samples)]
     bins: list[list[int]] = []
     for sid in ordered:
         if tokens[sid] > max_tokens:
-            raise UserError("train.max_tokens_per_micro_batch",
-                            f"a sequence of {tokens[sid]} tokens (prompt + completion) is longer "
-                            f"than the cap {max_tokens}",
-                            f"raise the cap to at least {tokens[sid]} (max_prompt_tokens + "
-                            "max_new_tokens is safe)")
+            raise UserError(
+                "train.max_tokens_per_micro_batch",
+                f"a sequence of {tokens[sid]} tokens (prompt + completion) is longer "
+                f"than the cap {max_tokens}",
+                f"raise the cap to at least {tokens[sid]} (max_prompt_tokens + "
+                "max_new_tokens is safe)",
+            )
         for b in bins:  # b[0] is the longest in its bin (longest-first order)
-            cost = sum(tokens[x] for x in b) + tokens[sid] if packed else \
-                (len(b) + 1) * tokens[b[0]]
+            cost = (
+                sum(tokens[x] for x in b) + tokens[sid] if packed else (len(b) + 1) * tokens[b[0]]
+            )
             if cost <= max_tokens:
                 b.append(sid)
                 break

@@ -1,72 +1,88 @@
-"""Per-rank memory estimate of a recipe, before anything loads: model states, buffers and the largest phase.
+"""Per-rank memory estimate of a recipe, before anything loads: model states, buffers and the
+largest phase.
 
-Everything is per rank, in bytes, for a model of P parameters (T of them trained; W bytes each in model.dtype)
-split over dp data-parallel and tp tensor-parallel ranks. The model-state terms are DeepSpeed's own allocations
-(deepspeed/runtime/zero/stage3.py: the low-precision parameter partition, an fp32 master partition, a gradient
-partition in the parameters' dtype, and AdamW's two fp32 moments), which measure at 20 bytes per trained parameter
-in float32 and 16 in bfloat16 (benchmarks/bench_memory_estimate.py). Lean bf16 mode (train.lean_bf16: DeepSpeed's
-bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states, read from the resolved config) keeps the master
-and the moments in bf16, M = 2 bytes instead of 4: 10 bytes per trained parameter under ZeRO-3, 8 at one rank.
+Everything is per rank, in bytes, for a model of P parameters (T of them trained; W bytes each in
+model.dtype) split over dp data-parallel and tp tensor-parallel ranks. The model-state terms are
+DeepSpeed's own allocations (deepspeed/runtime/zero/stage3.py: the low-precision parameter
+partition, an fp32 master partition, a gradient partition in the parameters' dtype, and AdamW's two
+fp32 moments), which measure at 20 bytes per trained parameter in float32 and 16 in bfloat16
+(benchmarks/bench_memory_estimate.py). Lean bf16 mode (train.lean_bf16: DeepSpeed's
+bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states, read from the resolved config)
+keeps the master and the moments in bf16, M = 2 bytes instead of 4: 10 bytes per trained parameter
+under ZeRO-3, 8 at one rank.
 
-    policy weights     P x W / shard            ZeRO-3: shard = dp x tp; ZeRO 0-2: tp (the TP-split part)
-    master weights     T x M / opt shard        opt shard = dp x tp from ZeRO-1 on; none where the weights are as
-                                                wide as the master and the rank's partition is the whole model
-                                                (ZeRO 0, or one data-parallel rank:
+    policy weights     P x W / shard            ZeRO-3: shard = dp x tp; ZeRO 0-2: tp (the TP-split
+                       part)
+    master weights     T x M / opt shard        opt shard = dp x tp from ZeRO-1 on; none where the
+                                                weights are as wide as the master and the rank's
+                                                partition is the whole model (ZeRO 0, or one
+                                                data-parallel rank:
                                                 grpo_ds.model.engine.share_fp32_master)
     gradients          T x W / grad shard       grad shard = dp x tp from ZeRO-2 on
     Adam moments       T x 2M / opt shard
     reference model    P x W / shard            only with algorithm.kl_coef > 0 and full fine-tuning
-    reward model       R x W / shard            each of reward.models (R of its parameters, from its config.json
-                                                on the meta device: ``reward_model_shape``), loaded like the
-                                                reference (model.dtype, no optimizer, no gradients); its
-                                                ``offload``: in host memory, and back on the device only in the
-                                                scoring phase below (all of them at once: an upper bound)
-    rollout copy       P x W                    the hf and agent engines' unsharded copy (none where they generate
-                                                with the policy's own module:
+    reward model       R x W / shard            each of reward.models (R of its parameters, from its
+                                                config.json on the meta device:
+                                                ``reward_model_shape``), loaded like the reference
+                                                (model.dtype, no optimizer, no gradients); its
+                                                ``offload``: in host memory, and back on the device
+                                                only in the scoring phase below (all of them at
+                                                once: an upper bound)
+    rollout copy       P x W                    the hf and agent engines' unsharded copy (none where
+                                                they generate with the policy's own module:
                                                 grpo_ds.config.deepspeed.rollout_shares_policy)
-    vLLM               gpu_memory_utilization x the GPU's memory (--gpu-memory-gib); with sleep mode only while
-                       it generates, its weights in host memory (P x W / vllm tp) otherwise
-    static KV caches   S x L x layers x 2 x kv x head_dim x W: rollout.hf_compile's caches (grpo_ds.rollout.
-                       hf_compile), kept between steps so that the CUDA graphs keep their addresses: S sequences
-                       over the distinct generate-call sizes of a step, L = prompt width + max_new_tokens rounded
-                       up as the engine rounds it (hf_compile.cache_length); the generation phase then holds no
-                       KV cache of its own
-    reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained parameters);
-                                                ZeRO-3 keeps it from the first backward on, ZeRO 0-2 only during
-                                                a backward (stage_1_and_2.py releases it at the backward's end,
-                                                _release_ipg_buffers): there it counts in the update phase below
+    vLLM               gpu_memory_utilization x the GPU's memory (--gpu-memory-gib); with sleep mode
+                       only while it generates, its weights in host memory (P x W / vllm tp)
+                       otherwise
+    static KV caches   S x L x layers x 2 x kv x head_dim x W: rollout.hf_compile's caches
+                       (grpo_ds.rollout. hf_compile), kept between steps so that the CUDA graphs
+                       keep their addresses: S sequences over the distinct generate-call sizes of a
+                       step, L = prompt width + max_new_tokens rounded up as the engine rounds it
+                       (hf_compile.cache_length); the generation phase then holds no KV cache of its
+                       own
+    reduce bucket      reduce_bucket_size x W   DeepSpeed's gradient bucket (capped at the trained
+                                                parameters); ZeRO-3 keeps it from the first backward
+                                                on, ZeRO 0-2 only during a backward
+                                                (stage_1_and_2.py releases it at the backward's end,
+                                                _release_ipg_buffers): there it counts in the update
+                                                phase below
 
-Under split placement (rollout.placement "split", grpo_ds.config.placement) a trainer rank holds no rollout engine:
-no rollout copy, no vLLM share and no generation phase (``estimate(..., rollout=False)``), and dp counts the trainer's
-ranks only. A rollout rank holds the engine alone (``rollout_rank``): the hf and agent engines' plain copy (P x W,
-LoRA: the base, the adapters merged in) plus the generation phase, or vLLM's share of its GPU.
+Under split placement (rollout.placement "split", grpo_ds.config.placement) a trainer rank holds no
+rollout engine: no rollout copy, no vLLM share and no generation phase
+(``estimate(..., rollout=False)``), and dp counts the trainer's ranks only. A rollout rank holds the
+engine alone (``rollout_rank``): the hf and agent engines' plain copy (P x W, LoRA: the base, the
+adapters merged in) plus the generation phase, or vLLM's share of its GPU.
 
-Offload moves the master weights and the Adam moments (offload_optimizer), or the weights (offload_param), to
-host memory: they are listed under ``host``. Then the largest phase on top:
+Offload moves the master weights and the Adam moments (offload_optimizer), or the weights
+(offload_param), to host memory: they are listed under ``host``. Then the largest phase on top:
 
-    update          one micro-batch's activations (without activation checkpointing: every layer's saved
-                    tensors, 8h + 3kv + 4i values a token, plus heads x T attention probabilities; with it: one
-                    value of h a layer, plus one layer's worth; a mixture-of-experts layer saves k(4i' + 3h) + 2E
-                    instead of 4i: each of the token's k experts (intermediate size i') holds its gathered input,
-                    gate and up projections, their product and its weighted output, and the router its logits
-                    and probabilities over the E experts), the lm_head's logits (the fused head: two fp32
-                    chunks of chunk x vocab; full logits: the logits and their gradient) and, under ZeRO-3, the
-                    gathered parameters (the prefetch bucket plus the largest layer, capped at the rank's
-                    parameters) and one layer's full gradient: DeepSpeed's gradient hook copies each parameter's
-                    gradient into the reduce bucket (counted above; at ZeRO 0-2 here) as soon as it is computed
-    optimizer step  temporaries of the master's width (M) the size of the trained partition with torch's AdamW
-                    (DeepSpeed's torch_adam, on the CPU): from ZeRO-1 on, the flat gradient partition DeepSpeed
-                    builds in the master's dtype while the gradients are still held, and with bf16/fp16 weights
-                    at ZeRO 1-2 a second one (an empirical rule from whole one-rank runs, RSS: the estimate is
-                    off the measured peak by +7% at 56 M bf16 parameters with the fp32 master, and by -3% at
-                    17 M and 56 M in lean bf16 mode; float32 weights hold one); two more (the square root and
-                    the denominator) unless AdamW is fused, as grpo_ds.config.deepspeed makes it on the CPU;
-                    DeepSpeed's fused and CPU Adam work in place (counted as 0)
-    reward scoring  the weights of the offloaded reward models, back on the device (like the reference's
-                    log-prob pass, the scoring forward's own activations are not counted: no gradients are kept)
-    generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position; none of
-                    its own with rollout.hf_compile, whose static caches are counted above) and two fp32
-                    (batch x vocab) score tensors
+    update          one micro-batch's activations (without activation checkpointing: every layer's
+                    saved tensors, 8h + 3kv + 4i values a token, plus heads x T attention
+                    probabilities; with it: one value of h a layer, plus one layer's worth; a
+                    mixture-of-experts layer saves k(4i' + 3h) + 2E instead of 4i: each of the
+                    token's k experts (intermediate size i') holds its gathered input, gate and up
+                    projections, their product and its weighted output, and the router its logits
+                    and probabilities over the E experts), the lm_head's logits (the fused head: two
+                    fp32 chunks of chunk x vocab; full logits: the logits and their gradient) and,
+                    under ZeRO-3, the gathered parameters (the prefetch bucket plus the largest
+                    layer, capped at the rank's parameters) and one layer's full gradient:
+                    DeepSpeed's gradient hook copies each parameter's gradient into the reduce
+                    bucket (counted above; at ZeRO 0-2 here) as soon as it is computed
+    optimizer step  temporaries of the master's width (M) the size of the trained partition with
+                    torch's AdamW (DeepSpeed's torch_adam, on the CPU): from ZeRO-1 on, the flat
+                    gradient partition DeepSpeed builds in the master's dtype while the gradients
+                    are still held, and with bf16/fp16 weights at ZeRO 1-2 a second one (an
+                    empirical rule from whole one-rank runs, RSS: the estimate is off the measured
+                    peak by +7% at 56 M bf16 parameters with the fp32 master, and by -3% at 17 M and
+                    56 M in lean bf16 mode; float32 weights hold one); two more (the square root and
+                    the denominator) unless AdamW is fused, as grpo_ds.config.deepspeed makes it on
+                    the CPU; DeepSpeed's fused and CPU Adam work in place (counted as 0)
+    reward scoring  the weights of the offloaded reward models, back on the device (like the
+                    reference's log-prob pass, the scoring forward's own activations are not
+                    counted: no gradients are kept)
+    generation      the KV cache of one generate call (layers x 2 x kv x head_dim values a position;
+                    none of its own with rollout.hf_compile, whose static caches are counted above)
+                    and two fp32 (batch x vocab) score tensors
 
 The estimate is checked against measured peaks by benchmarks/bench_memory_estimate.py.
 """
@@ -95,7 +111,8 @@ _REDUCE_BUCKET, _PREFETCH_BUCKET, _MAX_LIVE = 500_000_000, 50_000_000, 1_000_000
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs to know of the model, read from its config on the meta device (no weights)."""
+    """What the estimate needs to know of the model, read from its config on the meta device (no
+    weights)."""
 
     params: int  # every parameter (LoRA: base + adapters)
     trainable: int  # the trained ones (LoRA: the adapters)
@@ -107,7 +124,8 @@ class ModelShape:
     heads: int
     kv_heads: int
     vocab: int
-    moe_layers: int = 0  # layers whose MLP is a mixture of experts (their parameters: every expert's, in params)
+    # layers whose MLP is a mixture of experts (their parameters: every expert's, in params)
+    moe_layers: int = 0
     experts: int = 0  # E: experts per MoE layer
     experts_per_token: int = 0  # k: experts each token is routed to
     expert_intermediate: int = 0  # i': an expert's intermediate size
@@ -115,7 +133,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class RewardModelShape:
-    """What the estimate needs to know of a reward model (reward.models): frozen, no optimizer, no gradients."""
+    """What the estimate needs to know of a reward model (reward.models): frozen, no optimizer, no
+    gradients."""
 
     name: str  # its metrics' name, and its lines' in the estimate (``reward_model_line``)
     params: int  # every parameter, the score head included
@@ -124,7 +143,8 @@ class RewardModelShape:
 
 @dataclass
 class MemoryEstimate:
-    device: dict[str, int] = field(default_factory=dict)  # bytes per rank on the accelerator (CPU runs: RAM)
+    # bytes per rank on the accelerator (CPU runs: RAM)
+    device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)  # bytes per rank offloaded to host memory
     phases: dict[str, int] = field(default_factory=dict)  # the transient of each phase (device)
 
@@ -155,30 +175,52 @@ def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
         if m.path == BUILTIN_TINY:
             model = build_tiny_model(vocab_size, **tiny_shape(m))
         else:
-            config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code, local_files_only=True)
+            config = AutoConfig.from_pretrained(
+                m.path, trust_remote_code=m.trust_remote_code, local_files_only=True
+            )
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
         config = model.config
         head = model.get_output_embeddings()
-        split = sum(p.numel() for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
-                    and module is not head for p in module.parameters(recurse=False))
-        largest = max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())
+        split = sum(
+            p.numel()
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not head
+            for p in module.parameters(recurse=False)
+        )
+        largest = max(
+            sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()
+        )
         moe = _moe_shape(model)
         if lora.enabled(m):
             model = lora.apply_lora(model, m)
         params = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     heads = config.num_attention_heads
-    return ModelShape(params, trainable, split, largest, config.hidden_size, config.num_hidden_layers,
-                      getattr(config, "intermediate_size", 4 * config.hidden_size), heads,
-                      getattr(config, "num_key_value_heads", None) or heads, config.vocab_size, *moe)
+    return ModelShape(
+        params,
+        trainable,
+        split,
+        largest,
+        config.hidden_size,
+        config.num_hidden_layers,
+        getattr(config, "intermediate_size", 4 * config.hidden_size),
+        heads,
+        getattr(config, "num_key_value_heads", None) or heads,
+        config.vocab_size,
+        *moe,
+    )
 
 
 def _moe_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
-    """(MoE layers, experts per layer, experts per token, an expert's intermediate size) of a model whose experts are
-    transformers 5's fused modules (``*Experts``: num_experts, intermediate_dim, 3-D weight tensors); zeros for a
-    dense model."""
-    found = [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
-             and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    """(MoE layers, experts per layer, experts per token, an expert's intermediate size) of a model
+    whose experts are transformers 5's fused modules (``*Experts``: num_experts, intermediate_dim,
+    3-D weight tensors); zeros for a dense model."""
+    found = [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "num_experts", None), int)
+        and any(p.dim() == 3 for p in m.parameters(recurse=False))
+    ]
     if not found:
         return 0, 0, 0, 0
     first = found[0]
@@ -187,8 +229,8 @@ def _moe_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
 
 
 def reward_model_shape(spec: RewardModelSpec) -> RewardModelShape:
-    """A reward model's parameters from its config.json, the model built on the meta device (no weights, no
-    memory); the folder was checked before (grpo_ds.model.reward_model_checks)."""
+    """A reward model's parameters from its config.json, the model built on the meta device (no
+    weights, no memory); the folder was checked before (grpo_ds.model.reward_model_checks)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
@@ -207,38 +249,55 @@ def reward_model_line(name: str) -> str:
     return f"reward model {name}"
 
 
-def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int, update_tokens: int,
-             longest_sequence: int, generation_sequences: int, gpu_memory_gib: float | None = None,
-             backend: str = "torch", rollout: bool = True,
-             reward_models: tuple[RewardModelShape, ...] = (), static_cache: tuple[int, int] = (0, 0)
-             ) -> MemoryEstimate:
-    """Per-rank bytes. ``update_tokens``: the model's tokens (packed: the real ones; padded: samples x longest) of the
-    largest update micro-batch;
-    ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``: sequences in one
-    generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes vLLM's share; ``backend``: the
-    resolved kernels backend (it sizes the log-prob chunks); ``rollout``: whether the rank holds the rollout engine
-    (False: a trainer rank of a split placement, whose ``world_size`` is the trainer's ranks); ``reward_models``:
-    the shapes of reward.models, scored on every rank that trains; ``static_cache``: (sequences, length) of the
-    hf engine's compiled-decode caches (rollout.hf_compile; (0, 0) where it decodes eagerly)."""
+def estimate(
+    recipe: Recipe,
+    shape: ModelShape,
+    ds_config: dict,
+    world_size: int,
+    update_tokens: int,
+    longest_sequence: int,
+    generation_sequences: int,
+    gpu_memory_gib: float | None = None,
+    backend: str = "torch",
+    rollout: bool = True,
+    reward_models: tuple[RewardModelShape, ...] = (),
+    static_cache: tuple[int, int] = (0, 0),
+) -> MemoryEstimate:
+    """Per-rank bytes. ``update_tokens``: the model's tokens (packed: the real ones; padded: samples
+    x longest) of the largest update micro-batch;
+    ``longest_sequence``: prompt + completion of its longest sample; ``generation_sequences``:
+    sequences in one generate call (generation_batch_prompts x group_size); ``gpu_memory_gib`` sizes
+    vLLM's share; ``backend``: the resolved kernels backend (it sizes the log-prob chunks);
+    ``rollout``: whether the rank holds the rollout engine (False: a trainer rank of a split
+    placement, whose ``world_size`` is the trainer's ranks); ``reward_models``: the shapes of
+    reward.models, scored on every rank that trains; ``static_cache``: (sequences, length) of the hf
+    engine's compiled-decode caches (rollout.hf_compile; (0, 0) where it decodes eagerly)."""
     w = BYTES[recipe.model.dtype]
     zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
     tp = recipe.train.tensor_parallel_size
     dp = world_size // tp
-    offload_opt, offload_param = offloaded(zero, "offload_optimizer"), offloaded(zero, "offload_param")
-    replicated = shape.params - shape.split  # embeddings, norms, the lm_head: whole on every TP rank
+    offload_opt, offload_param = (
+        offloaded(zero, "offload_optimizer"),
+        offloaded(zero, "offload_param"),
+    )
+    # embeddings, norms, the lm_head: whole on every TP rank
+    replicated = shape.params - shape.split
     per_rank = shape.split / tp + replicated  # parameters a rank's layers hold
     weights_shard = dp if stage == 3 else 1
     est = MemoryEstimate()
-    weights = (est.host if offload_param else est.device)
+    weights = est.host if offload_param else est.device
     weights["policy weights"] = _b(per_rank * w / weights_shard)
-    trained_share = shape.trainable / shape.params  # LoRA: the adapters' share of every rank's parameters
+    # LoRA: the adapters' share of every rank's parameters
+    trained_share = shape.trainable / shape.params
     trained = per_rank * trained_share
     opt_shard = dp if stage >= 1 else 1
     grad_shard = dp if stage >= 2 else 1
     states = est.host if offload_opt else est.device
     m, master = master_width(ds_config)
     if no_second_fp32_copy(w, stage, dp, offload_opt, m):
-        states[f"master weights ({master}): the {'float32' if m == 4 else 'bf16'} weights themselves"] = 0
+        states[
+            f"master weights ({master}): the {'float32' if m == 4 else 'bf16'} weights themselves"
+        ] = 0
     else:
         states[f"master weights ({master})"] = _b(trained * m / opt_shard)
     states[f"Adam moments ({master} m, v)"] = _b(trained * 2 * m / opt_shard)
@@ -254,9 +313,11 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     if scoring:
         est.phases["reward scoring (offloaded weights on the device)"] = scoring
     r = recipe.rollout
-    vllm_share = _b(r.vllm_gpu_memory_utilization * (gpu_memory_gib or 0) * GIB)  # 0 when the GPU is not known
+    # 0 when the GPU is not known
+    vllm_share = _b(r.vllm_gpu_memory_utilization * (gpu_memory_gib or 0) * GIB)
     # (rollout False: split placement's trainer rank, whose rollout ranks hold the engine)
-    if rollout and recipe.uses_vllm and r.vllm_sleep_mode:  # asleep (weights in host memory) except while generating
+    # asleep (weights in host memory) except while generating
+    if rollout and recipe.uses_vllm and r.vllm_sleep_mode:
         est.host["vLLM weights while asleep"] = _b(shape.params * w / r.vllm_tensor_parallel_size)
     elif rollout and recipe.uses_vllm:
         est.device["vLLM (gpu_memory_utilization)"] = vllm_share
@@ -267,52 +328,83 @@ def estimate(recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int
     bucket = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)
     gathered = 0
     if stage == 3:
-        est.device["reduce bucket"] = bucket  # ZeRO-3 keeps it; ZeRO 0-2 only during a backward (the update phase)
+        # ZeRO-3 keeps it; ZeRO 0-2 only during a backward (the update phase)
+        est.device["reduce bucket"] = bucket
         prefetch = zero.get("stage3_prefetch_bucket_size", _PREFETCH_BUCKET)
-        gathered = (min(prefetch + shape.largest_layer, zero.get("stage3_max_live_parameters", _MAX_LIVE), per_rank)
-                    + min(shape.largest_layer, per_rank)) * w
-    update = _update_bytes(recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(gathered)
+        gathered = (
+            min(
+                prefetch + shape.largest_layer,
+                zero.get("stage3_max_live_parameters", _MAX_LIVE),
+                per_rank,
+            )
+            + min(shape.largest_layer, per_rank)
+        ) * w
+    update = _update_bytes(recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(
+        gathered
+    )
     if stage == 3:
         est.phases["update micro-batch (activations, logits, gathers)"] = update
     else:
         est.phases["update micro-batch (activations, logits, reduce bucket)"] = update + bucket
     adam = (ds_config.get("optimizer") or {}).get("params") or {}
     torch_adam = bool(adam.get("torch_adam")) and not offload_opt
-    temporaries = (0 if stage == 0 else 2 if w < 4 and stage < 3 else 1) + (0 if adam.get("fused") else 2)
-    est.phases[f"optimizer step ({master} temporaries)" if torch_adam else "optimizer step (in place)"] = \
-        _b(temporaries * trained * m / opt_shard) if torch_adam else 0
+    temporaries = (0 if stage == 0 else 2 if w < 4 and stage < 3 else 1) + (
+        0 if adam.get("fused") else 2
+    )
+    est.phases[
+        f"optimizer step ({master} temporaries)" if torch_adam else "optimizer step (in place)"
+    ] = _b(temporaries * trained * m / opt_shard) if torch_adam else 0
     if rollout and recipe.uses_vllm:
         if r.vllm_sleep_mode:
             est.phases["generation (vLLM awake: gpu_memory_utilization)"] = vllm_share
     elif rollout and static_cache[0]:
-        est.phases["generation (scores; the KV cache is the static one)"] = _scores(shape, generation_sequences)
+        est.phases["generation (scores; the KV cache is the static one)"] = _scores(
+            shape, generation_sequences
+        )
     elif rollout:
-        est.phases["generation (KV cache, scores)"] = _generation(shape, w, longest_sequence, generation_sequences)
+        est.phases["generation (KV cache, scores)"] = _generation(
+            shape, w, longest_sequence, generation_sequences
+        )
     return est
 
 
-def rollout_rank(recipe: Recipe, shape: ModelShape, longest_sequence: int, generation_sequences: int,
-                 gpu_memory_gib: float | None = None, static_cache: tuple[int, int] = (0, 0)
-                 ) -> dict[str, int] | None:
-    """A split placement's rollout rank, in bytes by part: the hf and agent engines' plain copy and one generate call
-    of ``generation_sequences`` sequences (with ``static_cache``, as in ``estimate``: those caches and the scores);
-    vLLM: its share of the GPU (None when the GPU's memory is not known)."""
+def rollout_rank(
+    recipe: Recipe,
+    shape: ModelShape,
+    longest_sequence: int,
+    generation_sequences: int,
+    gpu_memory_gib: float | None = None,
+    static_cache: tuple[int, int] = (0, 0),
+) -> dict[str, int] | None:
+    """A split placement's rollout rank, in bytes by part: the hf and agent engines' plain copy and
+    one generate call of ``generation_sequences`` sequences (with ``static_cache``, as in
+    ``estimate``: those caches and the scores); vLLM: its share of the GPU (None when the GPU's
+    memory is not known)."""
     w = BYTES[recipe.model.dtype]
     if recipe.uses_vllm:
         if gpu_memory_gib is None:
             return None
-        return {"vLLM (gpu_memory_utilization)": _b(recipe.rollout.vllm_gpu_memory_utilization * gpu_memory_gib * GIB)}
+        return {
+            "vLLM (gpu_memory_utilization)": _b(
+                recipe.rollout.vllm_gpu_memory_utilization * gpu_memory_gib * GIB
+            )
+        }
     parts = {"copy of the weights": _rollout_copy(recipe, shape, w)}
     if static_cache[0]:
-        parts |= {STATIC_CACHE_LINE: _kv_cache(shape, w, *static_cache),
-                  "generation scores": _scores(shape, generation_sequences)}
+        parts |= {
+            STATIC_CACHE_LINE: _kv_cache(shape, w, *static_cache),
+            "generation scores": _scores(shape, generation_sequences),
+        }
     else:
-        parts["generation (KV cache, scores)"] = _generation(shape, w, longest_sequence, generation_sequences)
+        parts["generation (KV cache, scores)"] = _generation(
+            shape, w, longest_sequence, generation_sequences
+        )
     return parts
 
 
 def _rollout_copy(recipe: Recipe, shape: ModelShape, w: int) -> int:
-    """The unsharded copy the hf and agent engines generate with (LoRA: the base, the adapters merged in)."""
+    """The unsharded copy the hf and agent engines generate with (LoRA: the base, the adapters
+    merged in)."""
     return _b((shape.params - (shape.trainable if lora.enabled(recipe.model) else 0)) * w)
 
 
@@ -322,7 +414,15 @@ def _generation(shape: ModelShape, w: int, longest_sequence: int, sequences: int
 
 
 def _kv_cache(shape: ModelShape, w: int, sequences: int, positions: int) -> int:
-    return _b(sequences * positions * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * w)
+    return _b(
+        sequences
+        * positions
+        * shape.layers
+        * 2
+        * shape.kv_heads
+        * (shape.hidden // shape.heads)
+        * w
+    )
 
 
 def _scores(shape: ModelShape, sequences: int) -> int:
@@ -331,28 +431,50 @@ def _scores(shape: ModelShape, sequences: int) -> int:
 
 
 def master_width(ds_config: dict) -> tuple[int, str]:
-    """Bytes of one master weight (and of one Adam moment) and its name: bf16 where the resolved DeepSpeed config
-    keeps bf16 master weights and optimizer states (lean bf16 mode, train.lean_bf16), else fp32."""
+    """Bytes of one master weight (and of one Adam moment) and its name: bf16 where the resolved
+    DeepSpeed config keeps bf16 master weights and optimizer states (lean bf16 mode,
+    train.lean_bf16), else fp32."""
     bf16 = ds_config.get("bf16") or {}
-    lean = bf16.get("enabled") and bf16.get("bf16_master_weights_and_grads") and bf16.get("bf16_optimizer_states")
+    lean = (
+        bf16.get("enabled")
+        and bf16.get("bf16_master_weights_and_grads")
+        and bf16.get("bf16_optimizer_states")
+    )
     return (2, "bf16") if lean else (4, "fp32")
 
 
-def _update_bytes(recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: int, longest: int, backend: str) -> int:
-    h, i, kv = shape.hidden, shape.intermediate / tp, shape.kv_heads * (shape.hidden // shape.heads) / tp
-    heads = shape.heads / tp / recipe.train.sequence_parallel_size  # Ulysses: a rank attends with 1/sp of the heads
-    attention = 8 * h + 3 * kv + heads * longest  # values a token saves in one layer besides its MLP's
-    dense, moe = 4 * i, shape.experts_per_token * (4 * shape.expert_intermediate + 3 * h) + 2 * shape.experts
+def _update_bytes(
+    recipe: Recipe, shape: ModelShape, w: int, tp: int, tokens: int, longest: int, backend: str
+) -> int:
+    h, i, kv = (
+        shape.hidden,
+        shape.intermediate / tp,
+        shape.kv_heads * (shape.hidden // shape.heads) / tp,
+    )
+    # Ulysses: a rank attends with 1/sp of the heads
+    heads = shape.heads / tp / recipe.train.sequence_parallel_size
+    # values a token saves in one layer besides its MLP's
+    attention = 8 * h + 3 * kv + heads * longest
+    dense, moe = (
+        4 * i,
+        shape.experts_per_token * (4 * shape.expert_intermediate + 3 * h) + 2 * shape.experts,
+    )
     mlps = (shape.layers - shape.moe_layers) * dense + shape.moe_layers * moe
     if recipe.model.gradient_checkpointing:
-        largest = attention + max(dense if shape.layers > shape.moe_layers else 0, moe if shape.moe_layers else 0)
+        largest = attention + max(
+            dense if shape.layers > shape.moe_layers else 0, moe if shape.moe_layers else 0
+        )
         activations = tokens * (shape.layers * h + largest) * w
     else:
         activations = tokens * (shape.layers * attention + mlps) * w
     dtype = getattr(torch, recipe.model.dtype)
     k = recipe.kernels
-    chunk = min(tokens, logprob_chunk_tokens(shape.vocab, dtype, backend, k.logprob_chunk_mib,
-                                             k.logprob_chunk_tokens))
+    chunk = min(
+        tokens,
+        logprob_chunk_tokens(
+            shape.vocab, dtype, backend, k.logprob_chunk_mib, k.logprob_chunk_tokens
+        ),
+    )
     head_adapted = lora.enabled(recipe.model) and "lm_head" in recipe.model.lora_target_modules
     fused = k.fused_lm_head and tp == 1 and not head_adapted  # grpo_ds.model.policy's rule
     working_set = chunk * chunk_bytes_per_token(shape.vocab, dtype, backend)

@@ -1,15 +1,18 @@
-"""The policy being trained: its DeepSpeed engine, its KL reference, and what leaves it (rollout weights,
-checkpoints, the final model). Full fine-tuning or LoRA is decided once, here, when it is built.
+"""The policy being trained: its DeepSpeed engine, its KL reference, and what leaves it (rollout
+weights, checkpoints, the final model). Full fine-tuning or LoRA is decided once, here, when it is
+built.
 
                   full fine-tuning                        LoRA (model.lora_rank, grpo_ds.model.lora)
-    engine        ZeRO engine over every weight           ZeRO engine over the peft model; only adapters train
-    reference     a second, frozen ZeRO engine (kl > 0)   the policy's own engine with its adapters disabled
+    engine        ZeRO engine over every weight           ZeRO engine over the peft model; only
+                  adapters train
+    reference     a second, frozen ZeRO engine (kl > 0)   the policy's own engine with its adapters
+                  disabled
     rollout sync  every weight, bucket by bucket          W + scaling * B @ A of each adapted layer
     checkpoint    every weight and its optimizer state    the adapters and their optimizer state
     final model   every weight                            the base with the adapters merged
 
-Under ZeRO-3 the policy and the reference are loaded partitioned (grpo_ds.model.loading.load_model): no rank ever holds
-either whole, except rank 0 while it writes the final model.
+Under ZeRO-3 the policy and the reference are loaded partitioned (grpo_ds.model.loading.load_model):
+no rank ever holds either whole, except rank 0 while it writes the final model.
 """
 
 from __future__ import annotations
@@ -44,30 +47,43 @@ from grpo_ds.model.weight_gather import gathered_named_parameters
 class Policy:
     engine: Any  # the DeepSpeed engine being trained
     lora: bool  # only LoRA adapters train (decided from model.lora_rank when built)
-    reference_engine: Any | None  # scores the KL reference (LoRA: ``engine`` itself, adapters off); None: no KL
-    fused_lm_head_problem: str | None  # why the fused lm_head kernels cannot run on this model (None: they can)
-    packing_problem: str | None = None  # why this model cannot take packed micro-batches (None: it can)
+    # scores the KL reference (LoRA: ``engine`` itself, adapters off); None: no KL
+    reference_engine: Any | None
+    # why the fused lm_head kernels cannot run on this model (None: they can)
+    fused_lm_head_problem: str | None
+    # why this model cannot take packed micro-batches (None: it can)
+    packing_problem: str | None = None
 
     @staticmethod
     def build(recipe: Recipe, ds_config: dict, vocab_size: int, announce: bool) -> Policy:
-        """Load the model (partitioned under ZeRO-3), wrap it in its engine and build its reference. ``announce``:
-        print the one-line notes (LoRA summary, fused-head fallback) on this rank."""
+        """Load the model (partitioned under ZeRO-3), wrap it in its engine and build its reference.
+        ``announce``: print the one-line notes (LoRA summary, fused-head fallback) on this rank."""
         use_lora = lora.enabled(recipe.model)
         model = load_model(recipe.model, vocab_size, recipe.run.seed, ds_config)
         if use_lora:
             model = lora.apply_lora(model, recipe.model)
         sp = recipe.train.sequence_parallel_size
-        mpu = sequence_parallel.register(model, sp, recipe.sequence_parallel_rows) if sp > 1 else None
+        mpu = (
+            sequence_parallel.register(model, sp, recipe.sequence_parallel_rows) if sp > 1 else None
+        )
         engine = create_train_engine(model, ds_config, mpu)
         shared_bytes = share_fp32_master(engine)
         reference = None
         if recipe.algorithm.kl_coef > 0:
-            reference = engine if use_lora else create_reference_engine(
-                load_model(recipe.model, vocab_size, recipe.run.seed, ds_config), ds_config, mpu)
+            reference = (
+                engine
+                if use_lora
+                else create_reference_engine(
+                    load_model(recipe.model, vocab_size, recipe.run.seed, ds_config), ds_config, mpu
+                )
+            )
         packing = None
         if recipe.train.packing:
-            packing = ("sequence parallelism drops attention masks, which packed rows need" if sp > 1
-                       else packing_problem(engine))
+            packing = (
+                "sequence parallelism drops attention masks, which packed rows need"
+                if sp > 1
+                else packing_problem(engine)
+            )
         policy = Policy(engine, use_lora, reference, fused_lm_head_problem(engine.module), packing)
         if announce:
             if stage_note := one_rank_stage_note(recipe, ds_config):
@@ -77,7 +93,10 @@ class Policy:
             if use_lora:
                 launcher.say(lora.summary(engine.module, recipe.model.lora_rank))
             if recipe.kernels.fused_lm_head and policy.fused_lm_head_problem:
-                launcher.say(f"note: kernels.fused_lm_head: {policy.fused_lm_head_problem}; computing full logits")
+                launcher.say(
+                    "note: kernels.fused_lm_head: "
+                    f"{policy.fused_lm_head_problem}; computing full logits"
+                )
             if packing:
                 launcher.say(f"note: train.packing: {packing}; padding each micro-batch instead")
         return policy
@@ -92,13 +111,17 @@ class Policy:
 
     @property
     def packs_one_row(self) -> bool:
-        """Flash attention takes packed sequences' boundaries, so one row holds them all (grpo_ds.step.micro_batch)."""
-        name = getattr(getattr(self.engine.module, "config", None), "_attn_implementation", "") or ""
+        """Flash attention takes packed sequences' boundaries, so one row holds them all
+        (grpo_ds.step.micro_batch)."""
+        name = (
+            getattr(getattr(self.engine.module, "config", None), "_attn_implementation", "") or ""
+        )
         return name.startswith("flash_attention")
 
     @contextmanager
     def reference(self):
-        """The engine that scores the reference policy, for the duration (LoRA: the adapters are off)."""
+        """The engine that scores the reference policy, for the duration (LoRA: the adapters are
+        off)."""
         if self.reference_engine is None:
             raise RuntimeError("this policy has no reference model (algorithm.kl_coef is 0)")
         if self.lora:
@@ -107,28 +130,35 @@ class Policy:
         else:
             yield self.reference_engine
 
-    def rollout_weights(self, bucket_bytes: int, whole_layers: dict[str, list[str]] | None = None
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
-        """What a weight sync sends the rollout engine (every rank must consume it to the end): every weight, or under
-        LoRA the merged adapted layers, plus, where the engine rebuilds each layer whole (``whole_layers``: its fused
-        layer names -> member names), the frozen tensors that complete those layers (lora.layer_companions)."""
+    def rollout_weights(
+        self, bucket_bytes: int, whole_layers: dict[str, list[str]] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends the rollout engine (every rank must consume it to the end):
+        every weight, or under LoRA the merged adapted layers, plus, where the engine rebuilds each
+        layer whole (``whole_layers``: its fused layer names -> member names), the frozen tensors
+        that complete those layers (lora.layer_companions)."""
         if self.lora:
             merged = lora.merged_weights(self.engine.module, bucket_bytes)
             if whole_layers:
-                return itertools.chain(lora.layer_companions(self.engine.module, bucket_bytes, whole_layers), merged)
+                return itertools.chain(
+                    lora.layer_companions(self.engine.module, bucket_bytes, whole_layers), merged
+                )
             return merged
         return gathered_named_parameters(self.engine.module, bucket_bytes)
 
     def full_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight of the model the policy stands for (LoRA: merged), under transformers' names, bucket by
-        bucket (every rank must consume it to the end; each tensor is valid until the next)."""
+        """Every weight of the model the policy stands for (LoRA: merged), under transformers'
+        names, bucket by bucket (every rank must consume it to the end; each tensor is valid until
+        the next)."""
         if self.lora:
             return lora.merged_model_weights(self.engine.module, bucket_bytes)
         return gathered_named_parameters(self.engine.module, bucket_bytes)
 
-    def final_weights(self, bucket_bytes: int, keep: bool) -> tuple[str, dict[str, torch.Tensor] | None]:
-        """(``weights_sha256`` of ``full_weights``, the same on every rank; with ``keep``, those weights as a CPU
-        state dict). Collective: every rank calls it."""
+    def final_weights(
+        self, bucket_bytes: int, keep: bool
+    ) -> tuple[str, dict[str, torch.Tensor] | None]:
+        """(``weights_sha256`` of ``full_weights``, the same on every rank; with ``keep``, those
+        weights as a CPU state dict). Collective: every rank calls it."""
         state: dict[str, torch.Tensor] = {}
         digests = {}
         for name, tensor in self.full_weights(bucket_bytes):
@@ -138,29 +168,37 @@ class Policy:
         return _combine(digests), (state if keep else None)
 
     def save_pretrained(self, folder: Path, state: dict[str, torch.Tensor], tokenizer) -> None:
-        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder into ``folder``: the
-        temporary one of grpo_ds.run.writes.folder_written, which puts it in place once it is complete."""
+        """Write ``state`` (from ``final_weights``) and the tokenizer as a transformers folder into
+        ``folder``: the temporary one of grpo_ds.run.writes.folder_written, which puts it in place
+        once it is complete."""
         module = self.engine.module.get_base_model() if self.lora else self.engine.module
-        with contextlib.redirect_stderr(io.StringIO()):  # transformers draws a progress bar per shard
+        # transformers draws a progress bar per shard
+        with contextlib.redirect_stderr(io.StringIO()):
             module.save_pretrained(folder, state_dict=state)
         tokenizer.save_pretrained(folder)
 
     def save_state(self, folder: Path, tag: str) -> None:
-        """The engine's sharded state into ``folder/tag`` (collective); a LoRA policy's frozen base is left out: it
-        is rebuilt from model.path on resume and export."""
+        """The engine's sharded state into ``folder/tag`` (collective); a LoRA policy's frozen base
+        is left out: it is rebuilt from model.path on resume and export."""
         self.engine.save_checkpoint(str(folder), tag=tag, exclude_frozen_parameters=self.lora)
 
     def load_state(self, folder: Path, tag: str) -> bool:
-        """Restore weights, optimizer and lr schedule from ``folder/tag``; False if DeepSpeed found nothing."""
-        load_path, _ = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True, load_module_strict=not self.lora)
+        """Restore weights, optimizer and lr schedule from ``folder/tag``; False if DeepSpeed found
+        nothing."""
+        load_path, _ = self.engine.load_checkpoint(
+            str(folder),
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=not self.lora,
+        )
         share_fp32_master(self.engine)
         return load_path is not None
 
 
 def fused_lm_head_problem(module: torch.nn.Module) -> str | None:
-    """The fused path computes hidden states x the lm_head weight; a model that changes its logits after that
-    product, or an lm_head that adds its own (a LoRA adapter), would be skipped by it."""
+    """The fused path computes hidden states x the lm_head weight; a model that changes its logits
+    after that product, or an lm_head that adds its own (a LoRA adapter), would be skipped by it."""
     config = getattr(module, "config", None)
     head = module.get_output_embeddings()
     if getattr(config, "final_logit_softcapping", None) is not None:
@@ -173,7 +211,8 @@ def fused_lm_head_problem(module: torch.nn.Module) -> str | None:
 
 
 def weights_sha256(named_tensors) -> str:
-    """One digest of (name, tensor) pairs that does not depend on their order (float32 bytes of each tensor)."""
+    """One digest of (name, tensor) pairs that does not depend on their order (float32 bytes of each
+    tensor)."""
     return _combine({name: _tensor_sha256(tensor) for name, tensor in named_tensors})
 
 
@@ -182,15 +221,18 @@ def _tensor_sha256(tensor: torch.Tensor) -> str:
 
 
 def _combine(digests: dict[str, str]) -> str:
-    return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(digests.items())).encode()).hexdigest()
+    return hashlib.sha256(
+        "".join(f"{n}:{d}\n" for n, d in sorted(digests.items())).encode()
+    ).hexdigest()
 
 
 @torch.no_grad()
 def packing_problem(engine) -> str | None:
-    """Why the model cannot take packed micro-batches (grpo_ds.step.micro_batch), found by trying: two short sequences
-    packed into one row must give the logits each gives alone. A model whose attention ignores the position ids'
-    boundaries (remote code, an attention implementation without packed-sequence support) attends across them.
-    Every rank runs it (ZeRO-3 gathers the weights collectively)."""
+    """Why the model cannot take packed micro-batches (grpo_ds.step.micro_batch), found by trying:
+    two short sequences packed into one row must give the logits each gives alone. A model whose
+    attention ignores the position ids' boundaries (remote code, an attention implementation without
+    packed-sequence support) attends across them. Every rank runs it (ZeRO-3 gathers the weights
+    collectively)."""
     module = getattr(engine, "module", engine)  # a DeepSpeed engine, or a plain model
     config = getattr(module, "config", None)
     vocab = getattr(config, "vocab_size", 2) or 2
@@ -199,17 +241,30 @@ def packing_problem(engine) -> str | None:
     was_training = module.training
     module.eval()
     try:
-        alone = [engine(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float()
-                 for ids in (first, second)]
-        packed = engine(input_ids=torch.tensor([first + second], device=device), use_cache=False,
-                        position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]], device=device)).logits[0].float()
+        alone = [
+            engine(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float()
+            for ids in (first, second)
+        ]
+        packed = (
+            engine(
+                input_ids=torch.tensor([first + second], device=device),
+                use_cache=False,
+                position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]], device=device),
+            )
+            .logits[0]
+            .float()
+        )
     except Exception as err:  # noqa: BLE001 - any failure means: do not pack
-        return f"a packed forward fails ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        return (
+            f"a packed forward fails ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        )
     finally:
         module.train(was_training)
     expected = torch.cat(alone)
     scale = expected.abs().max().clamp(min=1.0)
-    if (packed - expected).abs().max() > 1e-2 * scale:  # attention across sequences changes the logits by far more
+    # attention across sequences changes the logits by far more
+    if (packed - expected).abs().max() > 1e-2 * scale:
         name = getattr(config, "_attn_implementation", "?")
         return f"{type(module).__name__} with attention {name!r} attends across packed sequences"
     return None

@@ -22,13 +22,19 @@ _SIGNATURE = "def my_reward(*, prompts, completions, completion_ids, **columns)"
 
 
 class RewardFn(Protocol):
-    """What a reward function is: called on each chunk of a step's batch (``reward.chunk_samples``), with keyword
-    arguments only; returns one value per completion (a number, None for "no score", or a RewardError for a failed
-    sample), or an awaitable of that list for an ``async def`` function. ``columns`` holds every dataset column,
-    aligned with ``completions``."""
+    """What a reward function is: called on each chunk of a step's batch (``reward.chunk_samples``),
+    with keyword arguments only; returns one value per completion (a number, None for "no score", or
+    a RewardError for a failed sample), or an awaitable of that list for an ``async def`` function.
+    ``columns`` holds every dataset column, aligned with ``completions``."""
 
-    def __call__(self, *, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-                 **columns: list) -> list | Awaitable[list]: ...
+    def __call__(
+        self,
+        *,
+        prompts: list[str],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        **columns: list,
+    ) -> list | Awaitable[list]: ...
 
 
 @dataclass(frozen=True)
@@ -67,19 +73,31 @@ def _resolve(where: str, name: str) -> Callable[..., Any]:
         )
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
-        raise UserError(where, f"{name!r} is not of the form package.module:function", 'e.g. "my_rewards:length"')
+        raise UserError(
+            where,
+            f"{name!r} is not of the form package.module:function",
+            'e.g. "my_rewards:length"',
+        )
     target = import_attribute(where, module_name, attr, "function")
     if not callable(target):
         raise UserError(
-            where, f"{name!r} is a {type(target).__name__}, not a function", f"point at a function: {_SIGNATURE}"
+            where,
+            f"{name!r} is a {type(target).__name__}, not a function",
+            f"point at a function: {_SIGNATURE}",
         )
     return target
 
 
-def import_attribute(where: str, module_name: str, attr: str, noun: str,
-                     brief: Callable[[BaseException], str] | None = None) -> Any:
-    """``module_name`` imported and ``attr`` (dotted) looked up in it; every failure is one UserError at ``where``
-    (``noun``: what the attribute should be, for the hint). Shared by reward functions and agent environments."""
+def import_attribute(
+    where: str,
+    module_name: str,
+    attr: str,
+    noun: str,
+    brief: Callable[[BaseException], str] | None = None,
+) -> Any:
+    """``module_name`` imported and ``attr`` (dotted) looked up in it; every failure is one
+    UserError at ``where`` (``noun``: what the attribute should be, for the hint). Shared by reward
+    functions and agent environments."""
     brief = brief or _brief
     try:
         module = importlib.import_module(module_name)
@@ -98,9 +116,17 @@ def import_attribute(where: str, module_name: str, attr: str, noun: str,
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None)))
+            public = sorted(
+                n
+                for n in dir(module)
+                if not n.startswith("_") and callable(getattr(module, n, None))
+            )
             close = difflib.get_close_matches(part, public, n=1, cutoff=0.5)
-            fix = f"did you mean {module_name}:{close[0]}?" if close else f"check the {noun} name in the module"
+            fix = (
+                f"did you mean {module_name}:{close[0]}?"
+                if close
+                else f"check the {noun} name in the module"
+            )
             raise UserError(where, f"module {module_name!r} has no attribute {attr!r}", fix)
         target = getattr(target, part)
     return target
@@ -115,7 +141,9 @@ def _check_signature(where: str, name: str, fn: Callable[..., Any]) -> None:
     try:
         sig.bind_partial(prompts=[], completions=[], completion_ids=[])
         required_positional = [
-            p.name for p in sig.parameters.values() if p.kind is p.POSITIONAL_ONLY and p.default is p.empty
+            p.name
+            for p in sig.parameters.values()
+            if p.kind is p.POSITIONAL_ONLY and p.default is p.empty
         ]
         if required_positional:
             raise TypeError(f"positional-only parameter {required_positional[0]!r}")

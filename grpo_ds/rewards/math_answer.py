@@ -1,27 +1,32 @@
-"""Built-in reward ``math_equivalence``: is the completion's final answer the same number (or text) as the reference?
+"""Built-in reward ``math_equivalence``: is the completion's final answer the same number (or text)
+as the reference?
 
-Extraction, with the precedence every built-in shares (``grpo_ds.rewards.final_answer``). From the completion:
-the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``; nested braces are matched); else the first line
-after the last ``####`` (GSM8K style; if that line is not a number, the first number in it); else the last
-number anywhere in the text (``-3``, ``1,000``, ``2.5``, ``.5``, ``3/4``, ``\\frac{3}{4}``). A completion with
-none of these has no answer and scores 0.0. The reference (the dataset's answer column) goes through the first
-two steps, else is taken whole, so ``"... #### 72"`` and ``"72"`` both work.
+Extraction, with the precedence every built-in shares (``grpo_ds.rewards.final_answer``). From the
+completion: the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``; nested braces are
+matched); else the first line after the last ``####`` (GSM8K style; if that line is not a number,
+the first number in it); else the last number anywhere in the text (``-3``, ``1,000``, ``2.5``,
+``.5``, ``3/4``, ``\\frac{3}{4}``). A completion with none of these has no answer and scores 0.0.
+The reference (the dataset's answer column) goes through the first two steps, else is taken whole,
+so ``"... #### 72"`` and ``"72"`` both work.
 
-Normalisation (both sides). Math delimiters (``$``, ``\\(``, ``\\[``), ``\\left``/``\\right``, LaTeX spaces
-(``\\!``, ``\\,``, ``\\;``, ``\\quad``), ``\\displaystyle``, dollar signs, percent signs, degree marks
-(``^\\circ``), a trailing period, a leading ``x =``, and all whitespace are removed; ``\\dfrac``/``\\tfrac``
-become ``\\frac``; thousands separators (``1,000``, ``1{,}000``) go when the answer is a number. Text groups
-(``\\text{...}``, ``\\mbox{...}``, ``\\mathrm{...}``) are units when what is left is a number (``5\\text{ cm}``
-is 5), and are unwrapped otherwise (``\\text{(A)}`` is ``(A)``).
+Normalisation (both sides). Math delimiters (``$``, ``\\(``, ``\\[``), ``\\left``/``\\right``, LaTeX
+spaces (``\\!``, ``\\,``, ``\\;``, ``\\quad``), ``\\displaystyle``, dollar signs, percent signs,
+degree marks (``^\\circ``), a trailing period, a leading ``x =``, and all whitespace are removed;
+``\\dfrac``/``\\tfrac`` become ``\\frac``; thousands separators (``1,000``, ``1{,}000``) go when the
+answer is a number. Text groups (``\\text{...}``, ``\\mbox{...}``, ``\\mathrm{...}``) are units when
+what is left is a number (``5\\text{ cm}`` is 5), and are unwrapped otherwise (``\\text{(A)}`` is
+``(A)``).
 
-Comparison. When both answers are numbers — an integer, a decimal (with an optional exponent), ``a/b`` or
-``\\frac{a}{b}`` (``\\frac12`` too), at most 10**1000 in size — they are compared exactly as rationals
-(``fractions.Fraction``), never with a float tolerance: ``0.5 == .50 == 1/2 == \\frac{1}{2}``, but
-``0.333 != 1/3``. Otherwise the normalised strings must be equal (case matters).
+Comparison. When both answers are numbers — an integer, a decimal (with an optional exponent),
+``a/b`` or ``\\frac{a}{b}`` (``\\frac12`` too), at most 10**1000 in size — they are compared exactly
+as rationals (``fractions.Fraction``), never with a float tolerance:
+``0.5 == .50 == 1/2 == \\frac{1}{2}``, but ``0.333 != 1/3``. Otherwise the normalised strings must
+be equal (case matters).
 
-Decisions worth knowing: the percent sign is dropped, not divided by 100, so ``50\\%`` equals ``50`` but not
-``0.5`` (math datasets write the reference as ``50`` for "what percent" questions). Mixed numbers
-(``2\\frac{1}{2}``), ``\\sqrt``, ``\\pi`` and other expressions are compared as strings, not evaluated.
+Decisions worth knowing: the percent sign is dropped, not divided by 100, so ``50\\%`` equals ``50``
+but not ``0.5`` (math datasets write the reference as ``50`` for "what percent" questions). Mixed
+numbers (``2\\frac{1}{2}``), ``\\sqrt``, ``\\pi`` and other expressions are compared as strings, not
+evaluated.
 """
 
 from __future__ import annotations
@@ -33,15 +38,17 @@ from typing import Any
 
 from grpo_ds.rewards.final_answer import extract_answer, marked_answer
 
-_MAX_EXPONENT = 1000  # numbers beyond 10**1000 (or below 10**-1000 in size) are not parsed as numbers
+# numbers beyond 10**1000 (or below 10**-1000 in size) are not parsed as numbers
+_MAX_EXPONENT = 1000
 _PLAIN = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 _PLAIN_RE = re.compile(_PLAIN)
 _SLASH_RE = re.compile(rf"({_PLAIN})/({_PLAIN})")
 _FRAC_ARG = r"(\{[^{}]*\}|\d)"  # \frac{12}{5} or \frac12 (one-digit arguments need no braces)
 _FRAC_RE = re.compile(rf"([+-]?)\\frac{_FRAC_ARG}{_FRAC_ARG}")
 _THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-# Candidates for "the last number in the text": a LaTeX fraction, or a number (thousands separators, decimals,
-# an a/b fraction). A minus sign counts only when it does not follow a word character ("10-5" ends in 5).
+# Candidates for "the last number in the text": a LaTeX fraction, or a number (thousands separators,
+# decimals, an a/b fraction). A minus sign counts only when it does not follow a word character
+# ("10-5" ends in 5).
 _NUMBER_IN_TEXT = re.compile(
     r"-?\\[dt]?frac(?:\{[^{}]*\}|\d)(?:\{[^{}]*\}|\d)"
     r"|(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+(?:\.\d+)?)?"
@@ -57,9 +64,9 @@ _REMOVE = [
 
 
 def extract_final_answer(completion: str) -> str | None:
-    """The completion's final answer: its marked answer (``grpo_ds.rewards.final_answer``), of a ``####`` answer
-    the first line (or the first number on it when that line is not a number); else the last number in the text;
-    None if there is none."""
+    """The completion's final answer: its marked answer (``grpo_ds.rewards.final_answer``), of a
+    ``####`` answer the first line (or the first number on it when that line is not a number); else
+    the last number in the text; None if there is none."""
     marked = marked_answer(completion)
     if marked is None:
         found = list(_NUMBER_IN_TEXT.finditer(completion.replace("\u2212", "-")))
@@ -77,7 +84,8 @@ def extract_final_answer(completion: str) -> str | None:
 
 
 def normalize(answer: str) -> str:
-    """The answer with presentation stripped (see the module docstring); numbers keep their written form."""
+    """The answer with presentation stripped (see the module docstring); numbers keep their written
+    form."""
     s = answer.strip().replace("\u2212", "-")
     s = re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s.strip())
     for pattern in _REMOVE:
@@ -98,7 +106,8 @@ def _drop_thousands(s: str) -> str:
 
 
 def to_number(normalized: str) -> Fraction | None:
-    """The exact value of a normalised answer that is a number (int, decimal, a/b, \\frac{a}{b}), else None."""
+    """The exact value of a normalised answer that is a number (int, decimal, a/b, \\frac{a}{b}),
+    else None."""
     if _PLAIN_RE.fullmatch(normalized):
         return _plain(normalized)
     slash = _SLASH_RE.fullmatch(normalized)
@@ -119,7 +128,8 @@ def _plain(s: str) -> Fraction | None:
         value = Decimal(s)
     except InvalidOperation:
         return None
-    # 1e999999999999 is a few bytes of text but an integer too large to build: no answer is that big.
+    # 1e999999999999 is a few bytes of text but an integer too large to build: no answer is that
+    # big.
     if abs(value.adjusted()) > _MAX_EXPONENT:
         return None
     return Fraction(value)
@@ -130,7 +140,8 @@ def _ratio(num: Fraction | None, den: Fraction | None) -> Fraction | None:
 
 
 def answers_equivalent(completion: str, reference: str) -> bool:
-    """Whether the completion's final answer equals the reference answer (rules in the module docstring)."""
+    """Whether the completion's final answer equals the reference answer (rules in the module
+    docstring)."""
     found = extract_final_answer(completion)
     if found is None:
         return False
@@ -143,15 +154,17 @@ def answers_equivalent(completion: str, reference: str) -> bool:
     return predicted == expected
 
 
-def math_equivalence(*, completions: list[str], answer: list[Any] | None = None, **kwargs: Any) -> list[float | None]:
+def math_equivalence(
+    *, completions: list[str], answer: list[Any] | None = None, **kwargs: Any
+) -> list[float | None]:
     """1.0 when the completion's final answer is mathematically the ``answer`` column's, else 0.0.
 
     A sample whose reference is None gets None (no score). The rules are in this module's docstring.
     """
     if answer is None:
         raise ValueError(
-            "math_equivalence needs a dataset column named 'answer' (set data.answer_key to the column "
-            "holding reference answers)"
+            "math_equivalence needs a dataset column named 'answer' (set data.answer_key to the "
+            "column holding reference answers)"
         )
     return [
         None if ref is None else float(answers_equivalent(text, str(ref)))

@@ -1,14 +1,14 @@
 """Reward worker processes: started once per run (rank 0), fed one (function, chunk) call at a time.
 
-A worker is ``python -m grpo_ds.rewards.worker`` (see there), in a session of its own, talking over two pipes. What
-a call can do to a worker stays in that worker:
-- it dies (a signal such as SIGSEGV, ``os._exit``, the kernel's OOM killer): its call fails with kind ``"died"``,
-  naming the exit, and a new worker takes its place;
-- it runs past ``reward.timeout_s``: the worker's whole process group is killed (whatever it started goes too), the
-  call fails with kind ``"timeout"``, and a new worker takes its place.
-Nothing is abandoned, so a long run keeps the same number of processes and threads whatever its functions do.
-``reward.worker_memory_gib`` bounds each worker's address space; an allocation past it raises MemoryError in the
-function (a failure of kind ``"raised"``).
+A worker is ``python -m grpo_ds.rewards.worker`` (see there), in a session of its own, talking over
+two pipes. What a call can do to a worker stays in that worker:
+- it dies (a signal such as SIGSEGV, ``os._exit``, the kernel's OOM killer): its call fails with
+  kind ``"died"``, naming the exit, and a new worker takes its place;
+- it runs past ``reward.timeout_s``: the worker's whole process group is killed (whatever it started
+  goes too), the call fails with kind ``"timeout"``, and a new worker takes its place.
+Nothing is abandoned, so a long run keeps the same number of processes and threads whatever its
+functions do. ``reward.worker_memory_gib`` bounds each worker's address space; an allocation past it
+raises MemoryError in the function (a failure of kind ``"raised"``).
 """
 
 from __future__ import annotations
@@ -27,25 +27,30 @@ from typing import Any
 from grpo_ds.config.reward_specs import RewardFunctionSpec
 from grpo_ds.errors import UserError
 
-# One thread per worker for the libraries that start a thread per core (numpy's BLAS, OpenMP): N workers on N cores
-# do not each spawn N threads. A variable the user set wins.
+# One thread per worker for the libraries that start a thread per core (numpy's BLAS, OpenMP): N
+# workers on N cores do not each spawn N threads. A variable the user set wins.
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-START_TIMEOUT_S = 300.0  # a worker that has not loaded the reward functions by then is a broken environment
+# a worker that has not loaded the reward functions by then is a broken environment
+START_TIMEOUT_S = 300.0
 DEFAULT_MAX_PROCESSES = 8  # reward.processes=null: one worker per usable core, at most this many
 
 
 def worker_count(processes: int | None) -> int:
-    """``reward.processes`` resolved: null is one worker per CPU core this process may use, at most 8."""
+    """``reward.processes`` resolved: null is one worker per CPU core this process may use, at most
+    8."""
     if processes is not None:
         return processes
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     return max(1, min(DEFAULT_MAX_PROCESSES, cores))
 
 
 class Failed(Exception):
-    """One call's failure: its kind (``"died"``, ``"timeout"``, ``"raised"``, ``"bad_return"``, ``"bad_item"``, or
-    ``"item:<kind>"`` for RewardError items), its message, and the exception behind it where there is one in this
-    process. Returned by the pool, and raised and caught inside grpo_ds.rewards.scoring."""
+    """One call's failure: its kind (``"died"``, ``"timeout"``, ``"raised"``, ``"bad_return"``,
+    ``"bad_item"``, or ``"item:<kind>"`` for RewardError items), its message, and the exception
+    behind it where there is one in this process. Returned by the pool, and raised and caught inside
+    grpo_ds.rewards.scoring."""
 
     def __init__(self, kind: str, message: str, cause: BaseException | None = None) -> None:
         super().__init__(message)
@@ -73,12 +78,17 @@ def _exit_text(returncode: int | None) -> str:
 
 
 class RewardPool:
-    """``processes`` workers that load ``specs`` (the recipe's ``reward.functions``) as the trainer did."""
+    """``processes`` workers that load ``specs`` (the recipe's ``reward.functions``) as the trainer
+    did."""
 
-    def __init__(self, specs: Sequence[RewardFunctionSpec], processes: int, memory_gib: float | None = None
-                 ) -> None:
-        self._init = {"sys_path": list(sys.path), "specs": specs,
-                      "memory_bytes": int(memory_gib * 2**30) if memory_gib else None}
+    def __init__(
+        self, specs: Sequence[RewardFunctionSpec], processes: int, memory_gib: float | None = None
+    ) -> None:
+        self._init = {
+            "sys_path": list(sys.path),
+            "specs": specs,
+            "memory_bytes": int(memory_gib * 2**30) if memory_gib else None,
+        }
         self._workers = [self._start() for _ in range(processes)]
         self.replaced = 0  # workers killed or lost and started again, over the run
 
@@ -86,12 +96,20 @@ class RewardPool:
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
         env = {**_ONE_THREAD, **os.environ}
-        process = subprocess.Popen([sys.executable, "-m", "grpo_ds.rewards.worker", str(to_worker_r),
-                                    str(from_worker_w)], pass_fds=(to_worker_r, from_worker_w), env=env,
-                                   start_new_session=True, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "grpo_ds.rewards.worker", str(to_worker_r), str(from_worker_w)],
+            pass_fds=(to_worker_r, from_worker_w),
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
         os.close(to_worker_r)
         os.close(from_worker_w)
-        worker = _Worker(process, Connection(to_worker_w, readable=False), Connection(from_worker_r, writable=False))
+        worker = _Worker(
+            process,
+            Connection(to_worker_w, readable=False),
+            Connection(from_worker_r, writable=False),
+        )
         worker.inbox.send(self._init)
         return worker
 
@@ -112,7 +130,8 @@ class RewardPool:
         worker.outbox.close()
 
     def run(self, tasks: list[tuple[int, dict[str, Any]]], timeout_s: float) -> list[Any]:
-        """Each task ``(function_index, kwargs)``'s returned value, or a ``Failed``, in the tasks' order."""
+        """Each task ``(function_index, kwargs)``'s returned value, or a ``Failed``, in the tasks'
+        order."""
         if not self._workers:
             raise RuntimeError("the reward pool is closed")
         results: list[Any] = [None] * len(tasks)
@@ -125,7 +144,8 @@ class RewardPool:
                     task_id, (index, kwargs) = queue.popleft()
                     try:
                         worker.inbox.send((task_id, index, kwargs))
-                    except OSError:  # it died while idle (a thread of the user's code exited it): start another
+                    # it died while idle (a thread of the user's code exited it): start another
+                    except OSError:
                         queue.appendleft((task_id, (index, kwargs)))
                         self._replace(worker)
                         continue
@@ -133,7 +153,11 @@ class RewardPool:
                     busy += 1
             waiting = [w for w in self._workers if w.task is not None or not w.ready]
             deadlines = [w.deadline if w.ready else w.started + START_TIMEOUT_S for w in waiting]
-            ready = wait([w.outbox for w in waiting], timeout=max(0.0, min(deadlines) - now)) if waiting else []
+            ready = (
+                wait([w.outbox for w in waiting], timeout=max(0.0, min(deadlines) - now))
+                if waiting
+                else []
+            )
             for worker in [w for w in waiting if w.outbox in ready]:
                 try:
                     message = worker.outbox.recv()
@@ -142,9 +166,13 @@ class RewardPool:
                     continue
                 if message[0] == "init_error":
                     self.close()
-                    raise UserError("reward.functions", f"a reward worker process could not load the reward "
-                                    f"functions ({message[1]})", "make the functions importable in a fresh Python "
-                                    "process started from this one's import path, or set reward.processes=0")
+                    raise UserError(
+                        "reward.functions",
+                        f"a reward worker process could not load the reward "
+                        f"functions ({message[1]})",
+                        "make the functions importable in a fresh Python "
+                        "process started from this one's import path, or set reward.processes=0",
+                    )
                 if message[0] == "ready":
                     worker.ready = True
                     continue
@@ -154,26 +182,40 @@ class RewardPool:
                 busy -= 1
             now = time.monotonic()
             for worker in [w for w in self._workers if w.task is not None and w.deadline <= now]:
-                results[worker.task[0]] = Failed("timeout", f"took longer than reward.timeout_s={timeout_s:g}s (its "
-                                                 "worker process was killed and replaced)")
+                results[worker.task[0]] = Failed(
+                    "timeout",
+                    f"took longer than reward.timeout_s={timeout_s:g}s (its "
+                    "worker process was killed and replaced)",
+                )
                 busy -= 1
                 self._replace(worker)
             if any(not w.ready and w.started + START_TIMEOUT_S <= now for w in self._workers):
                 self.close()
-                raise UserError("reward.processes", f"a reward worker process did not load the reward functions "
-                                f"within {START_TIMEOUT_S:g} s", "check that importing them does not hang")
+                raise UserError(
+                    "reward.processes",
+                    f"a reward worker process did not load the reward functions "
+                    f"within {START_TIMEOUT_S:g} s",
+                    "check that importing them does not hang",
+                )
         return results
 
     def _lost(self, worker: _Worker, results: list[Any]) -> int:
-        """A worker whose pipe ended: it died. Its call fails; a new worker replaces it. Returns the calls lost."""
+        """A worker whose pipe ended: it died. Its call fails; a new worker replaces it. Returns the
+        calls lost."""
         worker.process.wait()
         how = _exit_text(worker.process.returncode)
-        if worker.task is None:  # died while loading the functions (e.g. the import crashed the interpreter)
+        # died while loading the functions (e.g. the import crashed the interpreter)
+        if worker.task is None:
             self.close()
-            raise UserError("reward.functions", f"a reward worker process {how} while loading the reward functions",
-                            "run the functions' imports in a fresh Python process to see why, or set "
-                            "reward.processes=0")
-        results[worker.task[0]] = Failed("died", f"ended its worker process ({how}; the worker was replaced)")
+            raise UserError(
+                "reward.functions",
+                f"a reward worker process {how} while loading the reward functions",
+                "run the functions' imports in a fresh Python process to see why, or set "
+                "reward.processes=0",
+            )
+        results[worker.task[0]] = Failed(
+            "died", f"ended its worker process ({how}; the worker was replaced)"
+        )
         self._replace(worker)
         return 1
 

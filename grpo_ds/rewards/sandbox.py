@@ -1,29 +1,34 @@
-"""Run untrusted Python (a model's completion) in a separate, confined process — never in the training process.
+"""Run untrusted Python (a model's completion) in a separate, confined process — never in the
+training process.
 
-``run_python(code)`` starts ``sys.executable -I -S -B`` on ``sandbox_runner.py`` with an empty environment, in a new
-session (its own process group), with a fresh temporary folder as its working directory, and waits at most
-``wall_s`` seconds; then the whole process group is killed and the folder deleted, whatever happened. Inside, before
-the code runs, the runner confines itself in layers (see ``sandbox_runner``): a new network namespace, a size-
-limited folder (a tmpfs of ``disk_mb``), Landlock file and TCP rules, resource limits (CPU time, address space, file
-size, open files), a seccomp filter against process creation, sockets and other escape hatches, and a Python audit
-hook that refuses the same things (and file access outside the folder) with a clear PermissionError. The kernel
-layers are used where the kernel offers them (``sandbox_layers()`` says which); the audit hook and the resource
-limits are always there.
+``run_python(code)`` starts ``sys.executable -I -S -B`` on ``sandbox_runner.py`` with an empty
+environment, in a new session (its own process group), with a fresh temporary folder as its working
+directory, and waits at most ``wall_s`` seconds; then the whole process group is killed and the
+folder deleted, whatever happened. Inside, before the code runs, the runner confines itself in
+layers (see ``sandbox_runner``): a new network namespace, a size- limited folder (a tmpfs of
+``disk_mb``), Landlock file and TCP rules, resource limits (CPU time, address space, file size, open
+files), a seccomp filter against process creation, sockets and other escape hatches, and a Python
+audit hook that refuses the same things (and file access outside the folder) with a clear
+PermissionError. The kernel layers are used where the kernel offers them (``sandbox_layers()`` says
+which); the audit hook and the resource limits are always there.
 
-Disk. ``disk_mb`` bounds what a program writes, all files together (RLIMIT_FSIZE bounds one file only; a program
-could otherwise write 16 MiB x as many files as it likes). Two layers: where the kernel allows a private mount
-namespace, the folder is a tmpfs of ``disk_mb`` MiB and ``FILES_LIMIT`` inodes, so no byte beyond it is ever
-stored (whether in many files, deleted-but-open files, mmap or fallocate) and nothing reaches the disk; and
-always, the parent checks every ``WATCH_S`` seconds, and once more at the exit, the bytes the process has passed
-to write() in total (/proc/PID/io ``wchar``: deleting and rewriting counts again), the space its folder holds and
-the files in it (a real folder, where there is no tmpfs), and the files it holds open after deleting them; past the
-bound it is killed. Either way the result is ``blocked`` (a tmpfs filled to within 1 MiB of its size counts as
-reached, since a program may catch the ENOSPC). The tmpfs lives in memory: up to ``disk_mb`` per running program.
+Disk. ``disk_mb`` bounds what a program writes, all files together (RLIMIT_FSIZE bounds one file
+only; a program could otherwise write 16 MiB x as many files as it likes). Two layers: where the
+kernel allows a private mount namespace, the folder is a tmpfs of ``disk_mb`` MiB and
+``FILES_LIMIT`` inodes, so no byte beyond it is ever stored (whether in many files, deleted-but-open
+files, mmap or fallocate) and nothing reaches the disk; and always, the parent checks every
+``WATCH_S`` seconds, and once more at the exit, the bytes the process has passed to write() in total
+(/proc/PID/io ``wchar``: deleting and rewriting counts again), the space its folder holds and the
+files in it (a real folder, where there is no tmpfs), and the files it holds open after deleting
+them; past the bound it is killed. Either way the result is ``blocked`` (a tmpfs filled to within
+1 MiB of its size counts as reached, since a program may catch the ENOSPC). The tmpfs lives in
+memory: up to ``disk_mb`` per running program.
 
-What the sandbox does not promise: the audit hook is a Python-level guard, and native code (a C extension
-the program manages to load) is only stopped by the kernel layers; where those are missing, such code could
-read files, open connections or start processes. Nor does it protect a reward from a program written to
-game its tests: the tests run in the same interpreter as the program, which can inspect and patch them.
+What the sandbox does not promise: the audit hook is a Python-level guard, and native code (a C
+extension the program manages to load) is only stopped by the kernel layers; where those are
+missing, such code could read files, open connections or start processes. Nor does it protect a
+reward from a program written to game its tests: the tests run in the same interpreter as the
+program, which can inspect and patch them.
 """
 
 from __future__ import annotations
@@ -43,21 +48,25 @@ from typing import Literal
 
 from grpo_ds.rewards import sandbox_runner
 
-# Defaults for code-execution rewards. A recipe cannot set these yet (reward.* has no sandbox keys): a user who
-# needs other limits binds them in their own reward function with grpo_ds.rewards.code_exec.make_code_exec.
+# Defaults for code-execution rewards. A recipe cannot set these yet (reward.* has no sandbox keys):
+# a user who needs other limits binds them in their own reward function with
+# grpo_ds.rewards.code_exec.make_code_exec.
 DEFAULT_WALL_S = 10.0  # wall-clock seconds per program
 DEFAULT_CPU_S = 10  # CPU seconds per program (RLIMIT_CPU)
 DEFAULT_MEMORY_MB = 1024  # address space per program (RLIMIT_AS), MiB
-FILE_LIMIT_MB = 16  # largest file the program may write, its stdout and stderr included (RLIMIT_FSIZE), MiB
+# largest file the program may write, its stdout and stderr included (RLIMIT_FSIZE), MiB
+FILE_LIMIT_MB = 16
 OPEN_FILES_LIMIT = 64  # RLIMIT_NOFILE
 NPROC_MARGIN = 32  # non-root only: threads the program may add to the user's count (RLIMIT_NPROC)
 OUTPUT_LIMIT_BYTES = 64 * 1024  # stdout and stderr kept per program (the rest is read and dropped)
-DEFAULT_DISK_MB = 64  # what a program may write in total, all its files together (and stdout/stderr), MiB
+# what a program may write in total, all its files together (and stdout/stderr), MiB
+DEFAULT_DISK_MB = 64
 FILES_LIMIT = 4096  # files and folders a program may create in its folder
 WATCH_S = 0.01  # how often the parent checks what a running program has written
 
-# Read-only for the program's native side (the dynamic loader): shared libraries the standard library's
-# extension modules load. The audit hook allows Python-level reads beneath the standard library only.
+# Read-only for the program's native side (the dynamic loader): shared libraries the standard
+# library's extension modules load. The audit hook allows Python-level reads beneath the standard
+# library only.
 _LIB_PATHS = ["/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache"]
 
 Status = Literal["ok", "timeout", "memory", "error", "blocked"]
@@ -65,9 +74,10 @@ Status = Literal["ok", "timeout", "memory", "error", "blocked"]
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """What one program did. ``status``: ok (it finished, exit code 0), timeout (wall or CPU limit), memory
-    (out of address space), blocked (it tried something the sandbox forbids, even if it caught the error),
-    error (anything else: an exception, a non-zero exit, a crash). ``returncode`` is the process's."""
+    """What one program did. ``status``: ok (it finished, exit code 0), timeout (wall or CPU limit),
+    memory (out of address space), blocked (it tried something the sandbox forbids, even if it
+    caught the error), error (anything else: an exception, a non-zero exit, a crash). ``returncode``
+    is the process's."""
 
     status: Status
     stdout: str
@@ -93,17 +103,21 @@ def run_python(
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` of a confined Python process and say what happened.
 
-    ``stdin`` is the program's standard input. ``wall_s`` bounds the wall-clock time, ``cpu_s`` the CPU time
-    (whole seconds, rounded up), ``memory_mb`` the address space, ``disk_mb`` what it writes in total (see the
-    module docstring). ``audit_hook=False`` leaves only the kernel layers, to test them, ``size_limited_folder=False``
-    only the parent's watch of the disk; ``report_layers`` writes the layers in use to the start of stderr.
-    Thread-safe: each call has its own folder and process.
+    ``stdin`` is the program's standard input. ``wall_s`` bounds the wall-clock time, ``cpu_s`` the
+    CPU time (whole seconds, rounded up), ``memory_mb`` the address space, ``disk_mb`` what it
+    writes in total (see the module docstring). ``audit_hook=False`` leaves only the kernel layers,
+    to test them, ``size_limited_folder=False`` only the parent's watch of the disk;
+    ``report_layers`` writes the layers in use to the start of stderr. Thread-safe: each call has
+    its own folder and process.
     """
     if wall_s <= 0 or cpu_s <= 0 or memory_mb <= 0 or disk_mb <= 0:
-        raise ValueError(f"limits must be positive, got wall_s={wall_s}, cpu_s={cpu_s}, memory_mb={memory_mb}, "
-                         f"disk_mb={disk_mb}")
+        raise ValueError(
+            f"limits must be positive, got wall_s={wall_s}, cpu_s={cpu_s}, memory_mb={memory_mb}, "
+            f"disk_mb={disk_mb}"
+        )
     with tempfile.TemporaryDirectory(prefix="grpo_ds_sandbox_") as root:
-        work = os.path.join(root, "work")  # the program's folder; root keeps what the program must not see
+        # the program's folder; root keeps what the program must not see
+        work = os.path.join(root, "work")
         os.mkdir(work)
         config = {
             "code_path": os.path.join(root, "code.py"),
@@ -120,7 +134,9 @@ def run_python(
             "audit_hook": audit_hook,
             "report_layers": report_layers,
         }
-        paths = {name: os.path.join(root, name) for name in ("config.json", "stdin", "stdout", "stderr")}
+        paths = {
+            name: os.path.join(root, name) for name in ("config.json", "stdin", "stdout", "stderr")
+        }
         with open(config["code_path"], "w", encoding="utf-8") as f:
             f.write(code)
         with open(paths["config.json"], "w") as f:
@@ -133,7 +149,16 @@ def run_python(
             open(paths["stderr"], "wb") as ferr,
         ):
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", "-X", "utf8", sandbox_runner.__file__, paths["config.json"]],
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    "-B",
+                    "-X",
+                    "utf8",
+                    sandbox_runner.__file__,
+                    paths["config.json"],
+                ],
                 stdin=fin,
                 stdout=fout,
                 stderr=ferr,
@@ -142,25 +167,34 @@ def run_python(
                 start_new_session=True,
                 close_fds=True,
             )
-            timed_out, overrun = _wait_watching(proc.pid, wall_s, config["work"], int(disk_mb) << 20)
+            timed_out, overrun = _wait_watching(
+                proc.pid, wall_s, config["work"], int(disk_mb) << 20
+            )
             _kill_group(proc.pid)  # before reaping: the group's id cannot have been reused yet
             returncode = proc.wait()
         stdout, stderr = _read(paths["stdout"]), _read(paths["stderr"])
     if returncode == sandbox_runner.EXIT_SETUP:
-        raise SandboxSetupError(stderr.strip().splitlines()[-1] if stderr.strip() else "the sandbox runner failed")
+        raise SandboxSetupError(
+            stderr.strip().splitlines()[-1] if stderr.strip() else "the sandbox runner failed"
+        )
     if overrun is not None:
-        return SandboxResult("blocked", stdout, f"{stderr}\nsandbox: blocked {overrun}\n", returncode)
+        return SandboxResult(
+            "blocked", stdout, f"{stderr}\nsandbox: blocked {overrun}\n", returncode
+        )
     return SandboxResult(_status(returncode, timed_out), stdout, stderr, returncode)
 
 
 @functools.lru_cache(maxsize=1)
 def sandbox_layers() -> dict[str, str]:
-    """Which confinement layers this machine gives a sandboxed program, e.g. ``{"landlock": "on (ABI 7, ...)"}``."""
+    """Which confinement layers this machine gives a sandboxed program, e.g.
+    ``{"landlock": "on (ABI 7, ...)"}``."""
     result = run_python("", wall_s=10.0, report_layers=True)
     for line in result.stderr.splitlines():
         if line.startswith("sandbox layers: "):
             return json.loads(line.removeprefix("sandbox layers: "))
-    raise SandboxSetupError(f"the sandbox did not report its layers: {result.stderr.strip()[-300:]}")
+    raise SandboxSetupError(
+        f"the sandbox did not report its layers: {result.stderr.strip()[-300:]}"
+    )
 
 
 def _status(returncode: int, timed_out: bool) -> Status:
@@ -182,7 +216,8 @@ def _stdlib_dirs() -> list[str]:
 
 
 def _wait_unreaped(pid: int, timeout_s: float) -> bool:
-    """Wait until ``pid`` exits, without reaping it; False if it is still running after ``timeout_s``."""
+    """Wait until ``pid`` exits, without reaping it; False if it is still running after
+    ``timeout_s``."""
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):  # Linux < 5.3 or Python built without it: poll
@@ -202,8 +237,8 @@ def _wait_unreaped(pid: int, timeout_s: float) -> bool:
 
 
 def _wait_watching(pid: int, wall_s: float, work: str, limit: int) -> tuple[bool, str | None]:
-    """Wait (unreaped) until the program exits or ``wall_s`` passes, checking what it has written every WATCH_S
-    seconds and once more after it exits: (timed out, what it overran or None)."""
+    """Wait (unreaped) until the program exits or ``wall_s`` passes, checking what it has written
+    every WATCH_S seconds and once more after it exits: (timed out, what it overran or None)."""
     deadline = time.monotonic() + wall_s
     while True:
         left = deadline - time.monotonic()
@@ -216,11 +251,12 @@ def _wait_watching(pid: int, wall_s: float, work: str, limit: int) -> tuple[bool
 
 
 def _disk_overrun(pid: int, work: str, limit: int) -> str | None:
-    """Why the program is over the disk bound, or None: bytes written in total, bytes held (the folder's allocated
-    blocks and files it deleted but holds open), or files created."""
+    """Why the program is over the disk bound, or None: bytes written in total, bytes held (the
+    folder's allocated blocks and files it deleted but holds open), or files created."""
     mib = limit >> 20
     try:
-        with open(f"/proc/{pid}/io") as f:  # the whole process (every thread, reaped children), unreaped
+        # the whole process (every thread, reaped children), unreaped
+        with open(f"/proc/{pid}/io") as f:
             written = next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
         if written > limit:
             return f"writing {written / 2**20:.0f} MiB (the limit is {mib} MiB in total)"
@@ -249,8 +285,9 @@ def _disk_overrun(pid: int, work: str, limit: int) -> str | None:
 
 
 def _tmpfs_full(pid: int, work: str, limit: int) -> bool:
-    """Whether the program's size-limited folder (seen in its own mount namespace) is within 1 MiB or 16 files of
-    its bound: the kernel refuses what goes past it, which the program may catch and try again."""
+    """Whether the program's size-limited folder (seen in its own mount namespace) is within 1 MiB
+    or 16 files of its bound: the kernel refuses what goes past it, which the program may catch and
+    try again."""
     try:
         room = os.statvfs(f"/proc/{pid}/root{work}")
     except OSError:
@@ -268,7 +305,8 @@ def _deleted_open_bytes(pid: int) -> int:
         return 0
     for fd in fds:
         try:
-            stat = os.stat(f"/proc/{pid}/fd/{fd}")  # the open file itself, even when it has no name left
+            # the open file itself, even when it has no name left
+            stat = os.stat(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         if stat.st_nlink == 0:

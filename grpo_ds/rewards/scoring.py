@@ -35,18 +35,21 @@ from grpo_ds.rewards.pool import Failed, RewardPool
 
 logger = logging.getLogger("grpo_ds.rewards")
 
-# (function key, error kind) pairs already warned about: each failure mode is logged once per process,
-# not once per step, so a broken function cannot flood the log.
+# (function key, error kind) pairs already warned about: each failure mode is logged once per
+# process, not once per step, so a broken function cannot flood the log.
 _WARNED: set[tuple[str, str]] = set()
 
 
 class RewardFailure(UserError):
-    """A reward function failed and ``reward.on_error`` is ``"fail"``: one line (exit 2) naming the function and what
-    happened."""
+    """A reward function failed and ``reward.on_error`` is ``"fail"``: one line (exit 2) naming the
+    function and what happened."""
 
     def __init__(self, key: str, what: str) -> None:
-        super().__init__(f"reward function {key!r}", f"{what} (reward.on_error=fail)",
-                         'fix the function, or set reward.on_error="zero" to score its failures 0 and go on')
+        super().__init__(
+            f"reward function {key!r}",
+            f"{what} (reward.on_error=fail)",
+            'fix the function, or set reward.on_error="zero" to score its failures 0 and go on',
+        )
         self.key = key
 
     def __reduce__(self):  # rank 0 sends it to the other ranks
@@ -55,16 +58,19 @@ class RewardFailure(UserError):
 
 @dataclass
 class RewardResult:
-    """Scores of one batch. Keys of the dicts are the functions' names, made unique (``name``, ``name#2``)."""
+    """Scores of one batch. Keys of the dicts are the functions' names, made unique (``name``,
+    ``name#2``)."""
 
     total: list[float]  # weighted sum per sample
     per_function: dict[str, list[float]]  # unweighted score per sample; None and failures are 0.0
-    errors: dict[str, int] = field(default_factory=dict)  # samples scored 0.0 because the function failed on them
+    # samples scored 0.0 because the function failed on them
+    errors: dict[str, int] = field(default_factory=dict)
     nones: dict[str, int] = field(default_factory=dict)  # samples the function returned None for
 
 
 def unique_names(functions: list[RewardFunction]) -> list[str]:
-    """The functions' names with repeats numbered: ``["exact_match", "format", "exact_match#2"]``."""
+    """The functions' names with repeats numbered:
+    ``["exact_match", "format", "exact_match#2"]``."""
     seen: dict[str, int] = {}
     keys = []
     for f in functions:
@@ -77,7 +83,8 @@ REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
 
 def check_columns(column_names) -> None:
-    """Dataset columns are passed to reward functions as keywords, so none may take a reward argument's name."""
+    """Dataset columns are passed to reward functions as keywords, so none may take a reward
+    argument's name."""
     for reserved in REWARD_ARGUMENTS:
         if reserved in column_names:
             raise UserError(
@@ -88,8 +95,9 @@ def check_columns(column_names) -> None:
 
 
 def chunks_of(n: int, chunk_samples: int | None, group_size: int = 1) -> list[tuple[int, int]]:
-    """The batch's chunks as (start, end) index ranges: ``chunk_samples`` completions each, rounded up to whole groups
-    of ``group_size`` (a group is never split); one chunk for the whole batch when ``chunk_samples`` is None."""
+    """The batch's chunks as (start, end) index ranges: ``chunk_samples`` completions each, rounded
+    up to whole groups of ``group_size`` (a group is never split); one chunk for the whole batch
+    when ``chunk_samples`` is None."""
     if not n:
         return []
     size = n if chunk_samples is None else -(-max(chunk_samples, 1) // group_size) * group_size
@@ -109,42 +117,57 @@ def score_functions(
     group_size: int = 1,
     pool: RewardPool | None = None,
 ) -> RewardResult:
-    """Call each function on each chunk of the batch (``chunks_of``) and combine the weighted scores.
+    """Call each function on each chunk of the batch (``chunks_of``) and combine the weighted
+    scores.
 
-    ``columns`` maps each dataset column to a list aligned with ``completions``. A call that raises, runs past
-    ``timeout_s``, or (in a ``pool``) ends its worker process scores 0.0 on its chunk; one that returns a list of the
-    wrong length or a non-list does too; each bad item (not a number, None or RewardError, or not finite) and each
-    RewardError item scores 0.0 alone. With ``on_error="fail"`` any of these raises RewardFailure instead.
+    ``columns`` maps each dataset column to a list aligned with ``completions``. A call that raises,
+    runs past ``timeout_s``, or (in a ``pool``) ends its worker process scores 0.0 on its chunk; one
+    that returns a list of the wrong length or a non-list does too; each bad item (not a number,
+    None or RewardError, or not finite) and each RewardError item scores 0.0 alone. With
+    ``on_error="fail"`` any of these raises RewardFailure instead.
 
-    With a ``pool`` the calls run in its worker processes, where a timed-out call is killed with its worker. Without
-    one they run in this process: a sync call that times out is abandoned (Python cannot kill a thread, so it keeps
-    running, holding its CPU and memory, until it returns); an async call that times out is cancelled.
+    With a ``pool`` the calls run in its worker processes, where a timed-out call is killed with its
+    worker. Without one they run in this process: a sync call that times out is abandoned (Python
+    cannot kill a thread, so it keeps running, holding its CPU and memory, until it returns); an
+    async call that times out is cancelled.
     """
     if on_error not in ON_ERROR_CHOICES:
         raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
     n = len(completions)
-    for what, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
+    for what, values in [
+        ("prompts", prompts),
+        ("completion_ids", completion_ids),
+        *columns.items(),
+    ]:
         if len(values) != n:
-            raise ValueError(f"{what} has {len(values)} entries for {n} completions; every input must be aligned")
+            raise ValueError(
+                f"{what} has {len(values)} entries for {n} completions; every input must be aligned"
+            )
     check_columns(columns)
 
     keys = unique_names(functions)
     chunks = chunks_of(n, chunk_samples, group_size)
 
     def chunk_kwargs(lo: int, hi: int) -> dict[str, Any]:
-        # Fresh lists per call: a function that mutates its inputs (or a timed-out one still running) cannot
-        # change what the next function sees.
-        return {"prompts": prompts[lo:hi], "completions": completions[lo:hi],
-                "completion_ids": [list(ids) for ids in completion_ids[lo:hi]],
-                **{name: values[lo:hi] for name, values in columns.items()}}
+        # Fresh lists per call: a function that mutates its inputs (or a timed-out one still
+        # running) cannot change what the next function sees.
+        return {
+            "prompts": prompts[lo:hi],
+            "completions": completions[lo:hi],
+            "completion_ids": [list(ids) for ids in completion_ids[lo:hi]],
+            **{name: values[lo:hi] for name, values in columns.items()},
+        }
 
     calls = [(k, c) for k in range(len(functions)) for c in range(len(chunks))]
     if pool is not None:
         returned = pool.run([(k, chunk_kwargs(*chunks[c])) for k, c in calls], timeout_s)
         outcomes = dict(zip(calls, returned, strict=True))
     else:
-        outcomes = _in_process({call: (functions[call[0]].fn, chunk_kwargs(*chunks[call[1]])) for call in calls},
-                               keys, timeout_s)
+        outcomes = _in_process(
+            {call: (functions[call[0]].fn, chunk_kwargs(*chunks[call[1]])) for call in calls},
+            keys,
+            timeout_s,
+        )
 
     total = [0.0] * n
     result = RewardResult(total=total, per_function={}, errors={}, nones={})
@@ -152,7 +175,9 @@ def score_functions(
         scores: list[float] = []
         errors = nones = 0
         for c, (lo, hi) in enumerate(chunks):
-            chunk_scores, chunk_errors, chunk_nones = _collect(key, outcomes[(k, c)], hi - lo, on_error)
+            chunk_scores, chunk_errors, chunk_nones = _collect(
+                key, outcomes[(k, c)], hi - lo, on_error
+            )
             scores += chunk_scores
             errors, nones = errors + chunk_errors, nones + chunk_nones
         result.per_function[key], result.errors[key], result.nones[key] = scores, errors, nones
@@ -182,21 +207,28 @@ def add_model_scores(result: RewardResult, models: ModelScores) -> RewardResult:
     return RewardResult(total=total, per_function=per_function, errors=errors, nones=nones)
 
 
-def _in_process(jobs: dict[tuple[int, int], tuple[Any, dict[str, Any]]], keys: list[str], timeout_s: float
-                ) -> dict[tuple[int, int], Any]:
-    """Each (function, chunk) call's value or Failed, run in this process: the sync ones one after another in a
-    thread each, the async ones together in one event loop."""
+def _in_process(
+    jobs: dict[tuple[int, int], tuple[Any, dict[str, Any]]], keys: list[str], timeout_s: float
+) -> dict[tuple[int, int], Any]:
+    """Each (function, chunk) call's value or Failed, run in this process: the sync ones one after
+    another in a thread each, the async ones together in one event loop."""
     async_calls = [call for call, (fn, _) in jobs.items() if _is_async(fn)]
-    batch = _AsyncBatch({call: jobs[call] for call in async_calls}, timeout_s) if async_calls else None
-    outcomes = {call: _outcome(keys[call[0]], fn, kwargs, timeout_s)
-                for call, (fn, kwargs) in jobs.items() if call not in async_calls}
+    batch = (
+        _AsyncBatch({call: jobs[call] for call in async_calls}, timeout_s) if async_calls else None
+    )
+    outcomes = {
+        call: _outcome(keys[call[0]], fn, kwargs, timeout_s)
+        for call, (fn, kwargs) in jobs.items()
+        if call not in async_calls
+    }
     if batch is not None:
         outcomes.update(batch.results())
     return outcomes
 
 
 def _is_async(fn: Any) -> bool:
-    """An ``async def`` function (or partial of one, or an object with an ``async def __call__``)."""
+    """An ``async def`` function (or partial of one, or an object with an
+    ``async def __call__``)."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
@@ -209,7 +241,8 @@ def _outcome(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: float) -> Any
 
 
 def _collect(key: str, outcome: Any, n: int, on_error: str) -> tuple[list[float], int, int]:
-    """One function's (scores, error count, None count), with failures contained or raised per on_error."""
+    """One function's (scores, error count, None count), with failures contained or raised per
+    on_error."""
     try:
         if isinstance(outcome, Failed):
             raise outcome
@@ -235,7 +268,8 @@ def _collect(key: str, outcome: Any, n: int, on_error: str) -> tuple[list[float]
         first = values[indices[0]]
         failure = Failed(
             f"item:{kind}",
-            f"failed on {len(indices)} of {n} samples ({kind}; sample {indices[0]}: {first.message})",
+            f"failed on {len(indices)} of {n} samples "
+            f"({kind}; sample {indices[0]}: {first.message})",
         )
         _handle(key, failure, on_error, samples=len(indices))
     if bad:
@@ -250,13 +284,15 @@ def _collect(key: str, outcome: Any, n: int, on_error: str) -> tuple[list[float]
 
 
 def _call_with_timeout(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: float) -> Any:
-    """Run ``fn(**kwargs)`` in a daemon thread; return its value or raise Failed (raised / timeout)."""
+    """Run ``fn(**kwargs)`` in a daemon thread; return its value or raise Failed (raised /
+    timeout)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
             value = fn(**kwargs)
-            if inspect.isawaitable(value):  # a sync callable that hands back a coroutine: run it here
+            # a sync callable that hands back a coroutine: run it here
+            if inspect.isawaitable(value):
                 value = asyncio.run(_awaited(value))
             box["value"] = value
         except BaseException as err:  # SystemExit too: a reward function must not end the run
@@ -268,7 +304,8 @@ def _call_with_timeout(key: str, fn: Any, kwargs: dict[str, Any], timeout_s: flo
     if thread.is_alive():
         raise Failed(
             "timeout",
-            f"took longer than reward.timeout_s={timeout_s:g}s (the call is abandoned and may still be running)",
+            f"took longer than reward.timeout_s={timeout_s:g}s "
+            "(the call is abandoned and may still be running)",
         )
     if "error" in box:
         raise _raised(box["error"])
@@ -283,8 +320,8 @@ def _raised(err: BaseException) -> Failed:
     return Failed("raised", f"raised {type(err).__name__}: {err}", cause=err)
 
 
-# Extra wait for the event loop thread beyond timeout_s: asyncio cancels a timed-out coroutine at its next
-# await, so a well-behaved one is done well within this.
+# Extra wait for the event loop thread beyond timeout_s: asyncio cancels a timed-out coroutine at
+# its next await, so a well-behaved one is done well within this.
 _ASYNC_GRACE_S = 0.5
 
 
@@ -296,15 +333,16 @@ class _AsyncBatch:
         self._deadline = time.monotonic() + timeout_s + _ASYNC_GRACE_S
         self._done: dict[str, Any] = {}
         self._crash: BaseException | None = None
-        # Set when every function has an outcome; asyncio.run may take longer to return (it waits for the
-        # loop's worker threads, e.g. sandboxed programs that a cancelled call had started).
+        # Set when every function has an outcome; asyncio.run may take longer to return (it waits
+        # for the loop's worker threads, e.g. sandboxed programs that a cancelled call had started).
         self._finished = threading.Event()
         threading.Thread(target=self._run, name="reward:async", daemon=True).start()
 
     def _run(self) -> None:
         try:
             asyncio.run(self._gather())
-        except BaseException as err:  # SystemExit/KeyboardInterrupt in a task escape the loop: contain them
+        # SystemExit/KeyboardInterrupt in a task escape the loop: contain them
+        except BaseException as err:
             self._crash = err
         finally:
             self._finished.set()
@@ -320,7 +358,9 @@ class _AsyncBatch:
             if not finished:
                 task.cancel()
                 self._done[key] = Failed(
-                    "timeout", f"took longer than reward.timeout_s={self._timeout_s:g}s (the call was cancelled)"
+                    "timeout",
+                    f"took longer than reward.timeout_s={self._timeout_s:g}s "
+                    "(the call was cancelled)",
                 )
             elif task.exception() is not None:
                 self._done[key] = _raised(task.exception())
@@ -331,7 +371,8 @@ class _AsyncBatch:
         self._finished.set()
 
     def results(self) -> dict[str, Any]:
-        """Each function's value or Failed; a function still running (the loop is stuck) counts as timed out."""
+        """Each function's value or Failed; a function still running (the loop is stuck) counts as
+        timed out."""
         self._finished.wait(max(0.0, self._deadline - time.monotonic()))
         done = dict(self._done)
         for key in self._jobs:
@@ -341,33 +382,37 @@ class _AsyncBatch:
                     if self._crash is not None
                     else Failed(
                         "timeout",
-                        f"took longer than reward.timeout_s={self._timeout_s:g}s (the call blocks its event loop and "
-                        "is abandoned)",
+                        f"took longer than reward.timeout_s={self._timeout_s:g}s (the call blocks "
+                        "its event loop and is abandoned)",
                     )
                 )
         return done
 
 
 def _check_length(values: Any, n: int) -> list[Any]:
-    """The return value as a list of n items, or Failed("bad_return"). Arrays and tensors are accepted."""
+    """The return value as a list of n items, or Failed("bad_return"). Arrays and tensors are
+    accepted."""
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
-        raise Failed("bad_return", f"returned a {type(values).__name__}, expected a list of {n} floats")
+        raise Failed(
+            "bad_return", f"returned a {type(values).__name__}, expected a list of {n} floats"
+        )
     if len(values) != n:
         raise Failed("bad_return", f"returned {len(values)} scores for {n} completions")
     return list(values)
 
 
 def _handle(key: str, failure: Failed, on_error: str, samples: int) -> None:
-    """Raise RewardFailure (on_error="fail"), or warn once per (function, kind) that the samples score 0."""
+    """Raise RewardFailure (on_error="fail"), or warn once per (function, kind) that the samples
+    score 0."""
     if on_error == "fail":
         raise RewardFailure(key, str(failure)) from failure.cause
     if (key, failure.kind) not in _WARNED:
         _WARNED.add((key, failure.kind))
         logger.warning(
-            "reward function %r %s; %d sample(s) score 0.0 for it (reward.on_error=zero; this warning "
-            "is shown once, the count is in the metrics)",
+            "reward function %r %s; %d sample(s) score 0.0 for it (reward.on_error=zero; this "
+            "warning is shown once, the count is in the metrics)",
             key,
             failure,
             samples,

@@ -1,15 +1,19 @@
-"""One reward worker process: ``python -m grpo_ds.rewards.worker IN_FD OUT_FD`` (started by ``rewards.pool``).
+"""One reward worker process: ``python -m grpo_ds.rewards.worker IN_FD OUT_FD`` (started by
+``rewards.pool``).
 
-It reads messages from the pipe IN_FD and answers on OUT_FD (``multiprocessing.connection`` framing, pickled):
-1. ``{"sys_path", "specs", "memory_bytes"}``: put the trainer's import path in place, bound the address space
-   (``RLIMIT_AS``) if asked, load the recipe's reward functions by name, exactly as the trainer did, and answer
-   ``("ready", None)``, or ``("init_error", message)`` and exit;
-2. then any number of ``(task_id, function_index, kwargs)``: call that function on one chunk of the batch (awaiting it
-   if it is ``async``) and answer ``(task_id, "ok", values)`` or ``(task_id, "raised", message)``.
-It exits when the trainer closes IN_FD. The trainer alone keeps time: a call past ``reward.timeout_s`` has its worker
-killed, so nothing here waits on a clock.
+It reads messages from the pipe IN_FD and answers on OUT_FD (``multiprocessing.connection`` framing,
+pickled):
+1. ``{"sys_path", "specs", "memory_bytes"}``: put the trainer's import path in place, bound the
+   address space (``RLIMIT_AS``) if asked, load the recipe's reward functions by name, exactly as
+   the trainer did, and answer ``("ready", None)``, or ``("init_error", message)`` and exit;
+2. then any number of ``(task_id, function_index, kwargs)``: call that function on one chunk of the
+   batch (awaiting it if it is ``async``) and answer ``(task_id, "ok", values)`` or
+   ``(task_id, "raised", message)``.
+It exits when the trainer closes IN_FD. The trainer alone keeps time: a call past
+``reward.timeout_s`` has its worker killed, so nothing here waits on a clock.
 
-Only the standard library and grpo_ds.rewards are imported (no torch), so a worker starts in a fraction of a second.
+Only the standard library and grpo_ds.rewards are imported (no torch), so a worker starts in a
+fraction of a second.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from typing import Any
 
 def _call(fn: Any, kwargs: dict[str, Any]) -> Any:
     value = fn(**kwargs)
-    if inspect.isawaitable(value):  # an async def function, or a sync one that hands back a coroutine
+    # an async def function, or a sync one that hands back a coroutine
+    if inspect.isawaitable(value):
         value = asyncio.run(_awaited(value))
-    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):  # arrays and tensors travel as lists
+    # arrays and tensors travel as lists
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()
     return value
 
@@ -46,8 +52,8 @@ def _load(init: dict[str, Any]) -> list[Any]:
 
 
 def _die_with_the_trainer() -> None:
-    """Linux: SIGKILL this worker when the trainer that started it dies (a SIGKILL gives it no time to close the
-    pool), so a hanging call never outlives its run."""
+    """Linux: SIGKILL this worker when the trainer that started it dies (a SIGKILL gives it no time
+    to close the pool), so a hanging call never outlives its run."""
     try:
         import ctypes
 
@@ -57,10 +63,11 @@ def _die_with_the_trainer() -> None:
 
 
 def _outlast_stop_signals() -> None:
-    """A stop signal is the trainer's to act on, not this worker's: DeepSpeed's launcher sends SIGTERM to every
-    process under a rank, and a worker that died of it mid-call would fail that call, and the step would go on with
-    the failure's score. The trainer kills its workers itself when it stops (grpo_ds/run/preemption.py). A handler
-    that does nothing, not SIG_IGN: what the user's code starts gets the default actions back when it execs."""
+    """A stop signal is the trainer's to act on, not this worker's: DeepSpeed's launcher sends
+    SIGTERM to every process under a rank, and a worker that died of it mid-call would fail that
+    call, and the step would go on with the failure's score. The trainer kills its workers itself
+    when it stops (grpo_ds/run/preemption.py). A handler that does nothing, not SIG_IGN: what the
+    user's code starts gets the default actions back when it execs."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
 
@@ -86,9 +93,16 @@ def serve(inbox: Connection, outbox: Connection) -> None:
         try:
             outbox.send(answer)
         except Exception as err:  # noqa: BLE001 - a value that does not pickle
-            outbox.send((task_id, "bad_return", f"returned a value that cannot be sent back ({type(err).__name__}: "
-                                                f"{err})"))
+            outbox.send(
+                (
+                    task_id,
+                    "bad_return",
+                    f"returned a value that cannot be sent back ({type(err).__name__}: {err})",
+                )
+            )
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+    serve(
+        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+    )

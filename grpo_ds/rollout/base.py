@@ -1,8 +1,8 @@
 """The rollout-engine protocol and the data it returns.
 
 An engine turns prompt token ids into ``group_size`` sampled completions each, and receives new
-weights after every optimizer step, unless it generates with the policy's own module. ``hf`` (transformers
-generate) is the CPU/default engine.
+weights after every optimizer step, unless it generates with the policy's own module. ``hf``
+(transformers generate) is the CPU/default engine.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from grpo_ds.errors import UserError
 
 @dataclass(frozen=True)
 class SamplerSettings:
-    """What a sample's tokens were drawn from: softmax(logits / temperature) cut to the ``top_k`` most likely tokens
-    (0 = all), then to the smallest set holding ``top_p`` of their mass (1.0 = all). The trainer computes its log-probs
-    over the same set (grpo_ds.algo.truncation), so a sample drawn with other settings than the trainer's cannot be
-    trained without a wrong importance weight: it carries these with it."""
+    """What a sample's tokens were drawn from: softmax(logits / temperature) cut to the ``top_k``
+    most likely tokens (0 = all), then to the smallest set holding ``top_p`` of their mass (1.0 =
+    all). The trainer computes its log-probs over the same set (grpo_ds.algo.truncation), so a
+    sample drawn with other settings than the trainer's cannot be trained without a wrong importance
+    weight: it carries these with it."""
 
     temperature: float
     top_k: int = 0
@@ -38,9 +39,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0  # the step's (the same on every rank)
-    # The place in the step's batch of the call's first prompt: samples are keyed by their place, so they do not
-    # depend on how the step's prompts are spread over ranks (the hf engine: grpo_ds.rollout.streams; vLLM: one seed
-    # per request).
+    # The place in the step's batch of the call's first prompt: samples are keyed by their place, so
+    # they do not depend on how the step's prompts are spread over ranks (the hf engine:
+    # grpo_ds.rollout.streams; vLLM: one seed per request).
     first_prompt: int = 0
 
     @property
@@ -52,23 +53,26 @@ class SamplingParams:
 class Rollouts:
     """One flat batch of completions; the G completions of a prompt are consecutive.
 
-    ``prompt_ids[i]`` / ``response_ids[i]``: token ids of sample i, without padding; ``response_ids`` ends with EOS
-    when ``finish_reason[i] == "stop"``. ``sampler_logprobs[i][t]`` is log p(``response_ids[i][t]``) under the
-    distribution actually sampled from (temperature, top-p, top-k applied).
+    ``prompt_ids[i]`` / ``response_ids[i]``: token ids of sample i, without padding;
+    ``response_ids`` ends with EOS when ``finish_reason[i] == "stop"``. ``sampler_logprobs[i][t]``
+    is log p(``response_ids[i][t]``) under the distribution actually sampled from (temperature,
+    top-p, top-k applied).
 
     Multi-turn (agent) rollouts interleave model turns with environment observations inside
-    ``response_ids``: ``loss_mask[i][t]`` is 1 for a token the model sampled and 0 for an observation token
-    (no gradient, not counted by loss aggregation; its sampler log-prob is 0.0). ``env_rewards[i]`` is the
-    environment's reward for sample i (per-turn rewards plus the final one), added to the reward
-    functions' total. Both are None for single-turn engines (every token is the model's; no
-    environment reward). ``sampler_settings[i]``: what sample i was drawn with (``drawn_with``), None where it was
-    not recorded (the in-flight samples of a checkpoint written before samples carried them).
+    ``response_ids``: ``loss_mask[i][t]`` is 1 for a token the model sampled and 0 for an
+    observation token (no gradient, not counted by loss aggregation; its sampler log-prob is 0.0).
+    ``env_rewards[i]`` is the environment's reward for sample i (per-turn rewards plus the final
+    one), added to the reward functions' total. Both are None for single-turn engines (every token
+    is the model's; no environment reward). ``sampler_settings[i]``: what sample i was drawn with
+    (``drawn_with``), None where it was not recorded (the in-flight samples of a checkpoint written
+    before samples carried them).
     """
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     sampler_logprobs: list[list[float]]
-    finish_reason: list[str]  # "stop" (EOS or the environment ended it) | "length" (hit a token or turn limit)
+    # "stop" (EOS or the environment ended it) | "length" (hit a token or turn limit)
+    finish_reason: list[str]
     loss_mask: list[list[int]] | None = None
     env_rewards: list[float] | None = None
     sampler_settings: list[SamplerSettings] | None = None
@@ -77,42 +81,66 @@ class Rollouts:
         return len(self.response_ids)
 
     def drawn_with(self, settings: SamplerSettings) -> Rollouts:
-        """These samples, each marked as drawn with ``settings`` (an engine's last word on what it generated)."""
+        """These samples, each marked as drawn with ``settings`` (an engine's last word on what it
+        generated)."""
         self.sampler_settings = [settings] * len(self)
         return self
 
     def check_drawn_with(self, expected: SamplerSettings, where: str) -> None:
-        """Refuse samples drawn with other settings than ``expected``, the trainer's: it would score their tokens
-        over another set than the sampler's (grpo_ds.algo.truncation) and weight them wrongly."""
+        """Refuse samples drawn with other settings than ``expected``, the trainer's: it would score
+        their tokens over another set than the sampler's (grpo_ds.algo.truncation) and weight them
+        wrongly."""
         other = next((s for s in self.sampler_settings or () if s != expected), None)
         if other is not None:
-            raise UserError(where, f"samples drawn with {other} reached a trainer that replays {expected} (the "
-                            "recipe's rollout.temperature, rollout.top_k and rollout.top_p)",
-                            "train them with the recipe that drew them: a run's sampling settings cannot change "
-                            "while samples drawn with the old ones are in flight")
+            raise UserError(
+                where,
+                f"samples drawn with {other} reached a trainer that replays {expected} (the "
+                "recipe's rollout.temperature, rollout.top_k and rollout.top_p)",
+                "train them with the recipe that drew them: a run's sampling settings cannot "
+                "change while samples drawn with the old ones are in flight",
+            )
 
     @staticmethod
     def from_record(record: dict) -> Rollouts:
         """The Rollouts of ``dataclasses.asdict(rollouts)`` (a checkpoint's in-flight samples)."""
         settings = record.get("sampler_settings")
-        return Rollouts(**{**record, "sampler_settings": None if settings is None else
-                           [SamplerSettings(**s) for s in settings]})
+        return Rollouts(
+            **{
+                **record,
+                "sampler_settings": None
+                if settings is None
+                else [SamplerSettings(**s) for s in settings],
+            }
+        )
 
     def token_loss_mask(self, i: int) -> list[int]:
         """loss_mask[i], or all ones for a single-turn rollout."""
         return self.loss_mask[i] if self.loss_mask is not None else [1] * len(self.response_ids[i])
 
     def trained_tokens(self, i: int) -> int:
-        """How many of sample i's response tokens the loss sees (its L_i in grpo_ds.algo.aggregation)."""
-        return sum(self.token_loss_mask(i)) if self.loss_mask is not None else len(self.response_ids[i])
+        """How many of sample i's response tokens the loss sees (its L_i in
+        grpo_ds.algo.aggregation)."""
+        return (
+            sum(self.token_loss_mask(i))
+            if self.loss_mask is not None
+            else len(self.response_ids[i])
+        )
 
     def select(self, indices: list[int]) -> Rollouts:
         """The samples at ``indices``, in that order."""
+
         def pick(values):
             return None if values is None else [values[i] for i in indices]
-        return Rollouts(pick(self.prompt_ids), pick(self.response_ids), pick(self.sampler_logprobs),
-                        pick(self.finish_reason), pick(self.loss_mask), pick(self.env_rewards),
-                        pick(self.sampler_settings))
+
+        return Rollouts(
+            pick(self.prompt_ids),
+            pick(self.response_ids),
+            pick(self.sampler_logprobs),
+            pick(self.finish_reason),
+            pick(self.loss_mask),
+            pick(self.env_rewards),
+            pick(self.sampler_settings),
+        )
 
     def response_mask(self) -> torch.Tensor:
         """(N, max response length) 1 for real response tokens, 0 for padding."""
@@ -125,12 +153,18 @@ class Rollouts:
     @staticmethod
     def concat(parts: Iterable[Rollouts]) -> Rollouts:
         parts = list(parts)
-        out = Rollouts(*[sum((getattr(p, f) for p in parts), []) for f in
-                         ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reason")])
+        out = Rollouts(
+            *[
+                sum((getattr(p, f) for p in parts), [])
+                for f in ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reason")
+            ]
+        )
         if any(p.loss_mask is not None for p in parts):
             out.loss_mask = sum(([p.token_loss_mask(i) for i in range(len(p))] for p in parts), [])
         if any(p.env_rewards is not None for p in parts):
-            out.env_rewards = sum((p.env_rewards if p.env_rewards is not None else [0.0] * len(p) for p in parts), [])
+            out.env_rewards = sum(
+                (p.env_rewards if p.env_rewards is not None else [0.0] * len(p) for p in parts), []
+            )
         if all(p.sampler_settings is not None for p in parts if len(p)) and len(out):
             out.sampler_settings = sum((p.sampler_settings or [] for p in parts), [])
         return out
@@ -139,14 +173,22 @@ class Rollouts:
 class RolloutEngine(Protocol):
     """Everything the driver calls on a rollout engine (grpo_ds.rollout.hf, agent, vllm)."""
 
-    shares_policy_weights: bool  # generates with the policy's own module: update_weights is never called
-    model: torch.nn.Module | None  # the module it generates with (None: it holds its weights itself, as vLLM)
-    whole_layers: dict | None  # vLLM's reload path: what completes a fused layer a LoRA sync touches, else None
+    # generates with the policy's own module: update_weights is never called
+    shares_policy_weights: bool
+    # the module it generates with (None: it holds its weights itself, as vLLM)
+    model: torch.nn.Module | None
+    # vLLM's reload path: what completes a fused layer a LoRA sync touches, else None
+    whole_layers: dict | None
 
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
-                 rows: list[dict] | None = None) -> Rollouts:
-        """``group_size`` completions of each prompt, consecutive; ``rows[i]`` is prompt i's data row (its
-        columns), which multi-turn engines hand to the environment."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        sampling: SamplingParams,
+        rows: list[dict] | None = None,
+    ) -> Rollouts:
+        """``group_size`` completions of each prompt, consecutive; ``rows[i]`` is prompt i's data
+        row (its columns), which multi-turn engines hand to the environment."""
         ...
 
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
@@ -154,7 +196,8 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None:
-        """Release what the engine holds (vLLM: shut its engine down); idempotent. The session calls it last."""
+        """Release what the engine holds (vLLM: shut its engine down); idempotent. The session calls
+        it last."""
         ...
 
 
@@ -169,29 +212,36 @@ class Turn:
 
 
 class TurnSampler(Protocol):
-    """What generates the model turns of the agent engine: transformers generate (grpo_ds.rollout.agent.HFTurns) or
-    vLLM (grpo_ds.rollout.vllm.VLLMRolloutEngine). It owns the weights the turns are sampled with."""
+    """What generates the model turns of the agent engine: transformers generate
+    (grpo_ds.rollout.agent.HFTurns) or vLLM (grpo_ds.rollout.vllm.VLLMRolloutEngine). It owns the
+    weights the turns are sampled with."""
 
     shares_policy_weights: bool
     model: torch.nn.Module | None  # as RolloutEngine's
     whole_layers: dict | None  # as RolloutEngine's
     stop_ids: tuple[int, ...]  # the turn-ending EOS ids (grpo_ds.rollout.stop)
 
-    def sample_turns(self, contexts: list[list[int]], budgets: list[int], stops: list[tuple[str, ...]],
-                     sampling: SamplingParams, keys: list[int]) -> list[Turn]:
-        """One turn per context: sampled after ``contexts[i]`` (token ids, never re-encoded), ending at EOS, at the
-        token that completes one of ``stops[i]`` in the turn's text, or after ``budgets[i]`` tokens. ``keys[i]``
-        identifies the (episode, turn) within the step, and seeds the turn's draws with ``sampling.seed``, so a
-        turn does not depend on the batch it is sampled in; every turn of one call is sampled with ``sampling``."""
+    def sample_turns(
+        self,
+        contexts: list[list[int]],
+        budgets: list[int],
+        stops: list[tuple[str, ...]],
+        sampling: SamplingParams,
+        keys: list[int],
+    ) -> list[Turn]:
+        """One turn per context: sampled after ``contexts[i]`` (token ids, never re-encoded), ending
+        at EOS, at the token that completes one of ``stops[i]`` in the turn's text, or after
+        ``budgets[i]`` tokens. ``keys[i]`` identifies the (episode, turn) within the step, and seeds
+        the turn's draws with ``sampling.seed``, so a turn does not depend on the batch it is
+        sampled in; every turn of one call is sampled with ``sampling``."""
         ...
 
     def keep_going(self, active: bool) -> bool:
-        """Whether another round of turns is sampled: this rank has ``active`` episodes, or (vLLM tensor parallel)
-        another member of its engine's group does, which needs this rank in every round."""
+        """Whether another round of turns is sampled: this rank has ``active`` episodes, or (vLLM
+        tensor parallel) another member of its engine's group does, which needs this rank in every
+        round."""
         ...
 
-    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-        ...
+    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int: ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...

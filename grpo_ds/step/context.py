@@ -1,8 +1,9 @@
 """What every phase of a step reads: one object instead of six or seven arguments each.
 
-The session (grpo_ds/session.py) builds a ``StepContext`` once per rank, after the run's parts are open; the
-phases (collect, the schedule, the advantage, the update, the report, evaluation) take it and read what they need.
-It holds no step's data: that travels in the step's ``StepBatch`` (grpo_ds.step.batch).
+The session (grpo_ds/session.py) builds a ``StepContext`` once per rank, after the run's parts are
+open; the phases (collect, the schedule, the advantage, the update, the report, evaluation) take it
+and read what they need. It holds no step's data: that travels in the step's ``StepBatch``
+(grpo_ds.step.batch).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from grpo_ds.step.update import UpdateSettings
 class StepContext:
     """The recipe's resolved settings, the rank layout, the engines and the logger of one rank."""
 
-    inputs: Inputs  # everything checked before load: recipe, tokenizer, prompts, reward functions, placement
+    # everything checked before load: recipe, tokenizer, prompts, reward functions, placement
+    inputs: Inputs
     dist: Dist  # this rank's place in the layout
-    rollout: RolloutEngine | None = None  # this rank's rollout engine (None: a trainer rank of a split placement)
+    # this rank's rollout engine (None: a trainer rank of a split placement)
+    rollout: RolloutEngine | None = None
     reward_models: RewardModels | None = None  # the learned reward models this rank holds, or None
     settings: UpdateSettings | None = None  # the update phases' settings (None on a rollout rank)
     logger: MetricsLogger | None = None  # rank 0 writes metrics.jsonl; None on a rollout rank

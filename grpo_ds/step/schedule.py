@@ -1,10 +1,12 @@
 """The order of a step's phases across ranks: who generates, who trains, and when weights travel.
 
-The driver loop (grpo_ds.train) asks its schedule for each step's samples (``batch``) and tells it when the weights
-changed (``weights_changed``); what happens in between depends on the placement (grpo_ds.config.placement):
+The driver loop (grpo_ds.train) asks its schedule for each step's samples (``batch``) and tells it
+when the weights changed (``weights_changed``); what happens in between depends on the placement
+(grpo_ds.config.placement):
 
-- ``Colocated``: every rank generates its slice of the step (grpo_ds.step.collect), trains, and writes the new
-  weights into its own rollout engine. Generation and training take turns on the same ranks.
+- ``Colocated``: every rank generates its slice of the step (grpo_ds.step.collect), trains, and
+  writes the new weights into its own rollout engine. Generation and training take turns on the same
+  ranks.
 - ``SplitTrainer`` (the trainer's ranks of a split placement) and ``serve_rollouts`` (the rollout
   ranks' side of the same schedule): the rollout ranks collect step j's samples with the weights of
   step ``j-1-S`` or newer (S = rollout.max_staleness) while the trainer trains earlier steps. They
@@ -54,15 +56,17 @@ from grpo_ds.step.profiling import Phase
 
 
 def weights_needed(step: int, staleness: int, resumed_after: int) -> int:
-    """The oldest weight version step ``step``'s samples may be generated with (the trainer holds ``resumed_after``'s
-    at the start)."""
+    """The oldest weight version step ``step``'s samples may be generated with (the trainer holds
+    ``resumed_after``'s at the start)."""
     return max(resumed_after, step - 1 - staleness)
 
 
-# ------------------------------------------------------------------------------------------ colocated
+# ---------------------------------------------------------------------------------------- colocated
+
 
 class Colocated:
-    """Every rank generates, then trains: ``batch`` collects the step on the training ranks themselves."""
+    """Every rank generates, then trains: ``batch`` collects the step on the training ranks
+    themselves."""
 
     role = "colocated"
     rollout_stop = None  # every rank's own stop request is agreed on by the driver
@@ -70,7 +74,9 @@ class Colocated:
     def __init__(self, ctx: StepContext, sampler: PromptSampler) -> None:
         self.ctx, self.sampler = ctx, sampler
 
-    def start(self, resumed_after: int, policy, trainer_state: dict | None, data_changed: bool = False) -> None:
+    def start(
+        self, resumed_after: int, policy, trainer_state: dict | None, data_changed: bool = False
+    ) -> None:
         if trainer_state is not None:  # a resume: the rollout engine gets the restored weights
             sync_weights(policy, self.ctx.rollout, self.ctx.bucket_bytes)
 
@@ -92,13 +98,14 @@ class Colocated:
 
 
 def sync_weights(policy, rollout, bucket_bytes: int) -> None:
-    """The policy's weights into the rank's rollout engine (nothing to send when it generates with the policy's
-    module). Collective over the trainer's ranks (ZeRO-3 gathers)."""
+    """The policy's weights into the rank's rollout engine (nothing to send when it generates with
+    the policy's module). Collective over the trainer's ranks (ZeRO-3 gathers)."""
     if not rollout.shares_policy_weights:
         rollout.update_weights(policy.rollout_weights(bucket_bytes, rollout.whole_layers))
 
 
-# ------------------------------------------------------------------------------------------ split: the trainer
+# ------------------------------------------------------------------------------- split: the trainer
+
 
 class SplitTrainer:
     """The trainer's side of split placement; every trainer rank holds one, rank 0 the bridge."""
@@ -107,28 +114,41 @@ class SplitTrainer:
 
     def __init__(self, ctx: StepContext, bridge: Bridge | None) -> None:
         recipe = ctx.recipe
-        self.ctx, self.dist, self.bridge, self.bucket_bytes = ctx, ctx.dist, bridge, ctx.bucket_bytes
+        self.ctx, self.dist, self.bridge, self.bucket_bytes = (
+            ctx,
+            ctx.dist,
+            bridge,
+            ctx.bucket_bytes,
+        )
         self.staleness, self.steps = ctx.inputs.placement.max_staleness, recipe.train.steps
         self.received: dict[int, Batch] = {}  # rank 0: batches received ahead of training
-        self.whole_layers = None  # the vLLM engine's fused layers (a LoRA sync completes them: Policy.rollout_weights)
+        # the vLLM engine's fused layers (a LoRA sync completes them: Policy.rollout_weights)
+        self.whole_layers = None
         self.sampler_state: dict | None = None  # the sampler after the last step trained (rank 0)
         r = recipe.rollout
-        self.sampler_settings = SamplerSettings(r.temperature, r.top_k, r.top_p)  # what its log-probs replay
-        self.rollout_stop: str | None = None  # a stop signal a rollout rank received, as the last batch said
+        # what its log-probs replay
+        self.sampler_settings = SamplerSettings(r.temperature, r.top_k, r.top_p)
+        # a stop signal a rollout rank received, as the last batch said
+        self.rollout_stop: str | None = None
 
     # ---- the start: where the rollout ranks begin, and the weights they begin with
-    def start(self, resumed_after: int, policy, trainer_state: dict | None, data_changed: bool = False) -> None:
-        """``trainer_state``: the checkpoint's (None: a fresh run). Tells the rollout ranks the first step they
-        generate and the sampler state to draw it with (the in-flight batches come back from the checkpoint, unless
-        it was written under another max_staleness or the data changed: then they are drawn again), and sends the
-        first go-ahead(s) with the weights."""
+    def start(
+        self, resumed_after: int, policy, trainer_state: dict | None, data_changed: bool = False
+    ) -> None:
+        """``trainer_state``: the checkpoint's (None: a fresh run). Tells the rollout ranks the
+        first step they generate and the sampler state to draw it with (the in-flight batches come
+        back from the checkpoint, unless it was written under another max_staleness or the data
+        changed: then they are drawn again), and sends the first go-ahead(s) with the weights."""
         self.resumed_after = resumed_after
         state, plan = trainer_state or {}, None
         if self.dist.is_main:
             layout = self._receive(Layout)  # waits as long as the rollout engine takes to load
             flight = state.get("in_flight") or {}
-            kept = [] if data_changed or flight.get("staleness") != self.staleness else \
-                [_from_record(record) for record in flight.get("batches", [])]
+            kept = (
+                []
+                if data_changed or flight.get("staleness") != self.staleness
+                else [_from_record(record) for record in flight.get("batches", [])]
+            )
             self.received = {b.step: b for b in kept}
             self.sampler_state = state.get("sampler")
             first = resumed_after + 1 + len(kept)
@@ -140,7 +160,8 @@ class SplitTrainer:
         self._go_ahead(resumed_after, policy, {}, [])
 
     def batch(self, step: int) -> StepBatch:
-        """Step ``step``'s samples on every trainer rank (rank 0 waits for them if they have not come)."""
+        """Step ``step``'s samples on every trainer rank (rank 0 waits for them if they have not
+        come)."""
         produced, waited = None, time.perf_counter()
         if self.dist.is_main:
             while step not in self.received:
@@ -149,26 +170,42 @@ class SplitTrainer:
             self.sampler_state = produced.sampler
         produced = self.dist.broadcast(produced)
         data = produced.samples
-        # drawn by other processes, or before a resume: with what the trainer's log-probs replay, or refused
+        # drawn by other processes, or before a resume: with what the trainer's log-probs replay, or
+        # refused
         data.rollouts.check_drawn_with(self.sampler_settings, f"step {step}")
         # the trainer's step time is its own; the rollout ranks' phase times and spans ride along
-        data.rollout_side = {"times": data.times, "spans": produced.spans, "busy_s": produced.busy_s,
-                             "idle_s": produced.idle_s}
+        data.rollout_side = {
+            "times": data.times,
+            "spans": produced.spans,
+            "busy_s": produced.busy_s,
+            "idle_s": produced.idle_s,
+        }
         idle = time.perf_counter() - waited  # this rank waited for the rollout ranks
-        data.times, data.spans = {"wait": idle}, [["wait", round(time.time() - idle, 4), round(time.time(), 4)]]
+        data.times, data.spans = (
+            {"wait": idle},
+            [["wait", round(time.time() - idle, 4), round(time.time(), 4)]],
+        )
         staleness = step - 1 - produced.version
         data.weight_version = produced.version
-        data.metrics.update({"placement/staleness_mean": float(staleness), "placement/staleness_max": staleness,
-                             "placement/rollout_busy_s": produced.busy_s, "placement/rollout_idle_s": produced.idle_s})
+        data.metrics.update(
+            {
+                "placement/staleness_mean": float(staleness),
+                "placement/staleness_max": staleness,
+                "placement/rollout_busy_s": produced.busy_s,
+                "placement/rollout_idle_s": produced.idle_s,
+            }
+        )
         self.rollout_stop = produced.stop
-        if self.ctx.reward_models is not None:  # scored here, on the trainer ranks, which hold the models
+        # scored here, on the trainer ranks, which hold the models
+        if self.ctx.reward_models is not None:
             score_models_on_trainer(data, self.ctx)
         return data
 
     def weights_changed(self, step: int, policy, times: dict, spans: list) -> None:
-        """After optimizer step ``step``: the go-ahead for every step whose weights now exist, with them; and every
-        batch up to step+S received, even where no go-ahead follows (the run's last steps): those were sampled with
-        weights older than step's, which a checkpoint of this step no longer holds, so it must hold the batches."""
+        """After optimizer step ``step``: the go-ahead for every step whose weights now exist, with
+        them; and every batch up to step+S received, even where no go-ahead follows (the run's last
+        steps): those were sampled with weights older than step's, which a checkpoint of this step
+        no longer holds, so it must hold the batches."""
         self._go_ahead(step, policy, times, spans)
         if self.dist.is_main and self.last_received < min(step + self.staleness, self.steps):
             with Phase("wait", times, spans):
@@ -176,8 +213,10 @@ class SplitTrainer:
                     self._receive()
 
     def _go_ahead(self, trained: int, policy, times: dict, spans: list) -> None:
-        while self.next_go <= self.steps and weights_needed(self.next_go, self.staleness, self.resumed_after) \
-                <= trained:
+        while (
+            self.next_go <= self.steps
+            and weights_needed(self.next_go, self.staleness, self.resumed_after) <= trained
+        ):
             if self.dist.is_main and self.last_received < self.next_go - 1:
                 # the rollout ranks send step next_go-1 before they wait for this go-ahead
                 with Phase("wait", times, spans):
@@ -193,7 +232,8 @@ class SplitTrainer:
                     if self.dist.is_main:
                         self.bridge.send_weights(weights, self.bucket_bytes)
                     else:
-                        for _ in weights:  # the gather is collective: every trainer rank consumes it
+                        # the gather is collective: every trainer rank consumes it
+                        for _ in weights:
                             pass
                 self.sent_version = version
             self.next_go += 1
@@ -208,24 +248,36 @@ class SplitTrainer:
         return message
 
     def in_flight(self) -> dict:
-        """The checkpoint's part: the sampler after the last trained step, and the batches received ahead."""
+        """The checkpoint's part: the sampler after the last trained step, and the batches received
+        ahead."""
         if not self.dist.is_main:
             return {}
-        return {"sampler": self.sampler_state, "in_flight": {
-            "staleness": self.staleness,
-            "batches": [_record(self.received[s]) for s in sorted(self.received)]}}
+        return {
+            "sampler": self.sampler_state,
+            "in_flight": {
+                "staleness": self.staleness,
+                "batches": [_record(self.received[s]) for s in sorted(self.received)],
+            },
+        }
 
     def stop(self, stopped: Preempted) -> None:
-        """The run stops early (preemption, ``stopped``): the batch the rollout ranks are making is taken and dropped
-        (a resume draws it again), then they stop with the same exception."""
+        """The run stops early (preemption, ``stopped``): the batch the rollout ranks are making is
+        taken and dropped (a resume draws it again), then they stop with the same exception."""
         if self.dist.is_main:
             if self.last_received < self.next_go - 1:
                 self._receive()
-            self.bridge.broadcast(Stop([], Preemption(stopped.signal_name, stopped.step,
-                                                      stopped.total_steps, stopped.checkpoint)))
+            self.bridge.broadcast(
+                Stop(
+                    [],
+                    Preemption(
+                        stopped.signal_name, stopped.step, stopped.total_steps, stopped.checkpoint
+                    ),
+                )
+            )
 
     def finish(self, history: list[dict]) -> None:
-        """The end of the run: the rollout ranks, done with the last step, get the history and leave."""
+        """The end of the run: the rollout ranks, done with the last step, get the history and
+        leave."""
         if self.dist.is_main:
             self.bridge.broadcast(Stop(history))
 
@@ -233,27 +285,43 @@ class SplitTrainer:
 def _record(b: Batch) -> dict:
     """A batch received ahead, as the checkpoint holds it (trainer_state.json's in_flight), its
     samples under "batch"."""
-    record = {("batch" if k == "samples" else k): v
-              for k, v in dataclasses.asdict(dataclasses.replace(b, samples=None)).items()}
+    record = {
+        ("batch" if k == "samples" else k): v
+        for k, v in dataclasses.asdict(dataclasses.replace(b, samples=None)).items()
+    }
     s = b.samples
-    record["batch"] = {"prompt_index": s.prompt_index, "rollouts": dataclasses.asdict(s.rollouts),
-                       "rewards": s.rewards, "metrics": s.metrics, "times": s.times,
-                       "spans": s.spans}
+    record["batch"] = {
+        "prompt_index": s.prompt_index,
+        "rollouts": dataclasses.asdict(s.rollouts),
+        "rewards": s.rewards,
+        "metrics": s.metrics,
+        "times": s.times,
+        "spans": s.spans,
+    }
     return record
 
 
 def _from_record(record: dict) -> Batch:
     b = record["batch"]
-    samples = StepBatch(b["prompt_index"], Rollouts.from_record(b["rollouts"]), b["rewards"],
-                        b["metrics"], b["times"], spans=b["spans"])
+    samples = StepBatch(
+        b["prompt_index"],
+        Rollouts.from_record(b["rollouts"]),
+        b["rewards"],
+        b["metrics"],
+        b["times"],
+        spans=b["spans"],
+    )
     fields = {k: v for k, v in record.items() if k != "batch"}
     # the stop it carried was this attempt's, not the next
     return Batch(**{**fields, "samples": samples, "stop": None})
 
 
-# ------------------------------------------------------------------------------------------ split: the rollout ranks
+# ------------------------------------------------------------------------- split: the rollout ranks
 
-def serve_rollouts(ctx: StepContext, bridge: Bridge, stop: StopRequest, rank_log: Path) -> list[dict]:
+
+def serve_rollouts(
+    ctx: StepContext, bridge: Bridge, stop: StopRequest, rank_log: Path
+) -> list[dict]:
     """The rollout ranks' side of split placement, from the start to the end of the run: wait for
     the go-ahead of a step (and the weights it brings), collect the step's samples over the
     rollout ranks (grpo_ds.step.collect), and the first of them sends them to the trainer. Returns
@@ -279,15 +347,27 @@ def serve_rollouts(ctx: StepContext, bridge: Bridge, stop: StopRequest, rank_log
         data = collect(step, ctx, sampler)
         phases = [["wait", wall, wall + idle]] + data.spans
         if lead:
-            batch = Batch(step, version, data, sampler.state_dict(), stop.signal_name,
-                          sum(data.times.values()), idle + sent_idle, phases)
+            batch = Batch(
+                step,
+                version,
+                data,
+                sampler.state_dict(),
+                stop.signal_name,
+                sum(data.times.values()),
+                idle + sent_idle,
+                phases,
+            )
             # the send waits while the trainer is busy: idle time, counted with the next step
             with Phase("send") as sending:
                 bridge.send(batch)
             sent_idle = sending.seconds
             phases.append(["send", time.time() - sending.seconds, time.time()])
-        append_line(rank_log, json.dumps({"step": step, "role": "rollout",
-                                          "weight_version": version, "phases": phases}))
+        append_line(
+            rank_log,
+            json.dumps(
+                {"step": step, "role": "rollout", "weight_version": version, "phases": phases}
+            ),
+        )
 
 
 def _start_drawing(start: Start, ctx: StepContext, rank_log: Path) -> PromptSampler:

@@ -15,8 +15,9 @@ from grpo_ds.algo.names import LOSS_AGG_MODES
 #   seq-mean-token-mean     (3/2 + 4/1 + 6/3) / 3    = 7.5/3 = 2.5
 #   seq-mean-token-sum      (3 + 4 + 6) / 3          = 13/3  = 4.3333333
 #   seq-mean-token-sum-norm (3 + 4 + 6) / (3 * 4)    = 13/12 = 1.0833333
-# Results are float32 sums of a few small numbers, exact to a few ulp, so float32 defaults of assert_close
-# (rtol 1.3e-6, atol 1e-5) apply; float64 weights are compared at float64 defaults (rtol 1e-7).
+# Results are float32 sums of a few small numbers, exact to a few ulp, so float32 defaults of
+# assert_close (rtol 1.3e-6, atol 1e-5) apply; float64 weights are compared at float64 defaults
+# (rtol 1e-7).
 NAN = float("nan")
 PER_TOKEN = torch.tensor([[1.0, 2.0, NAN], [4.0, NAN, NAN], [1.0, 1.0, 4.0]])  # (N, T)
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])  # (N, T)
@@ -39,13 +40,16 @@ def test_hand_example(mode):
     torch.testing.assert_close(out, torch.tensor(EXPECTED[mode]))
 
 
-@pytest.mark.parametrize(("mode", "expected"), [
-    # lengths [2, 1, 3, 0]: N = 3 (the empty sequence is not counted), T = 6, C = 4.
-    ("token-mean", [1 / 6, 1 / 6, 1 / 6, 0.0]),
-    ("seq-mean-token-mean", [1 / 6, 1 / 3, 1 / 9, 0.0]),  # 1 / (N * L_i)
-    ("seq-mean-token-sum", [1 / 3, 1 / 3, 1 / 3, 0.0]),
-    ("seq-mean-token-sum-norm", [1 / 12, 1 / 12, 1 / 12, 0.0]),
-])
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # lengths [2, 1, 3, 0]: N = 3 (the empty sequence is not counted), T = 6, C = 4.
+        ("token-mean", [1 / 6, 1 / 6, 1 / 6, 0.0]),
+        ("seq-mean-token-mean", [1 / 6, 1 / 3, 1 / 9, 0.0]),  # 1 / (N * L_i)
+        ("seq-mean-token-sum", [1 / 3, 1 / 3, 1 / 3, 0.0]),
+        ("seq-mean-token-sum-norm", [1 / 12, 1 / 12, 1 / 12, 0.0]),
+    ],
+)
 def test_weights_with_empty_sequence(mode, expected):
     w = sequence_weights([2, 1, 3, 0], mode, norm_tokens=4)
     assert w.dtype == torch.float64
@@ -72,15 +76,17 @@ def test_all_empty_gives_zero(mode):
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_any_split_into_ranks_and_micro_batches_sums_to_the_same_loss(mode, seed):
-    # A global mini-batch of 11 sequences with uneven lengths (one empty) is dealt out to 3 "ranks" unevenly,
-    # each rank cuts its share into micro-batches of random sizes and pads each micro-batch only to its own
-    # longest sequence. Each micro-batch contributes sum_{i in mb} w_i sum_t l_it with w from the GLOBAL
-    # lengths; the partial terms must add up to aggregate() over the whole batch, and so must the gradients.
+    # A global mini-batch of 11 sequences with uneven lengths (one empty) is dealt out to 3 "ranks"
+    # unevenly, each rank cuts its share into micro-batches of random sizes and pads each
+    # micro-batch only to its own longest sequence. Each micro-batch contributes sum_{i in mb} w_i
+    # sum_t l_it with w from the GLOBAL lengths; the partial terms must add up to aggregate() over
+    # the whole batch, and so must the gradients.
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     lengths = [rng.randint(1, 9) for _ in range(10)] + [0]
     rng.shuffle(lengths)
-    seqs = [torch.randn(n, generator=gen, dtype=torch.float64) for n in lengths]  # per-token losses per sequence
+    # per-token losses per sequence
+    seqs = [torch.randn(n, generator=gen, dtype=torch.float64) for n in lengths]
 
     width = max(lengths)
     per_token = torch.zeros(len(seqs), width, dtype=torch.float64)  # (N, T)
@@ -107,7 +113,8 @@ def test_any_split_into_ranks_and_micro_batches_sums_to_the_same_loss(mode, seed
             start += len(micro)
             n_micro += 1
             mb_width = max(1, max(lengths[i] for i in micro))
-            mb = torch.full((len(micro), mb_width), 1e9, dtype=torch.float64)  # (n, t) padding = garbage
+            # (n, t) padding = garbage
+            mb = torch.full((len(micro), mb_width), 1e9, dtype=torch.float64)
             mb_mask = torch.zeros(len(micro), mb_width, dtype=torch.bool)  # (n, t)
             rows = []
             for j, i in enumerate(micro):
@@ -119,15 +126,17 @@ def test_any_split_into_ranks_and_micro_batches_sums_to_the_same_loss(mode, seed
     assert n_micro > 3  # the split really was a split
     total.backward()
 
-    # float64 sums of ~50 terms of order 1 in different orders: differences ~1e-15, far under rtol 1e-7.
+    # float64 sums of ~50 terms of order 1 in different orders: differences ~1e-15, far under rtol
+    # 1e-7.
     torch.testing.assert_close(total.detach(), whole.detach())
     for i, leaf in enumerate(leaves):
         torch.testing.assert_close(leaf.grad, per_token.grad[i, : lengths[i]])
 
 
 def test_local_mean_would_differ():
-    # Guards the test above against being vacuous: averaging per-micro-batch token means is NOT the global
-    # token-mean. Micro-batch {0, 2}: (3 + 6) / 5 = 1.8; micro-batch {1}: 4 / 1 = 4; average 2.9 != 13/6.
+    # Guards the test above against being vacuous: averaging per-micro-batch token means is NOT the
+    # global token-mean. Micro-batch {0, 2}: (3 + 6) / 5 = 1.8; micro-batch {1}: 4 / 1 = 4; average
+    # 2.9 != 13/6.
     mb_a = aggregate(PER_TOKEN[[0, 2]], MASK[[0, 2]], "token-mean", 4)
     mb_b = aggregate(PER_TOKEN[[1]], MASK[[1]], "token-mean", 4)
     torch.testing.assert_close((mb_a + mb_b) / 2, torch.tensor(2.9))

@@ -10,7 +10,9 @@ def test_hand_values_and_cap():
     # pi_old / pi_sampler = 1, 1.5, 3 (capped at 2), 0.5
     old = torch.tensor([-1.0, -1.0 + math.log(1.5), -1.0 + math.log(3.0), -1.0 - math.log(2.0)])
     sampler = torch.full((4,), -1.0)
-    torch.testing.assert_close(truncated_importance_weights(old, sampler, 2.0), torch.tensor([1.0, 1.5, 2.0, 0.5]))
+    torch.testing.assert_close(
+        truncated_importance_weights(old, sampler, 2.0), torch.tensor([1.0, 1.5, 2.0, 0.5])
+    )
 
 
 def test_no_gradient_flows_through_the_weight():

@@ -5,9 +5,10 @@ import torch
 
 from grpo_ds.algo.logprobs import token_logprobs_and_entropy
 
-# The reference is computed in float64 straight from the definitions; the function returns float32. With a
-# vocabulary of a few dozen entries the float32 result is within a few ulp of the float64 one, so the float32
-# defaults of assert_close (rtol 1.3e-6, atol 1e-5) apply after casting the reference to float32.
+# The reference is computed in float64 straight from the definitions; the function returns float32.
+# With a vocabulary of a few dozen entries the float32 result is within a few ulp of the float64
+# one, so the float32 defaults of assert_close (rtol 1.3e-6, atol 1e-5) apply after casting the
+# reference to float32.
 
 N, V = 7, 33
 
@@ -22,7 +23,8 @@ def _reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float =
 
 def _inputs(seed: int = 0, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    logits = (3.0 * torch.randn(N, V, generator=gen)).to(dtype)  # (N, V), spread so rows are not near-uniform
+    # (N, V), spread so rows are not near-uniform
+    logits = (3.0 * torch.randn(N, V, generator=gen)).to(dtype)
     targets = torch.randint(0, V, (N,), generator=gen)  # (N,)
     return logits, targets
 
@@ -50,7 +52,9 @@ def test_uniform_and_one_hot_extremes():
 @pytest.mark.parametrize("temperature", [0.5, 1.7])
 def test_temperature(temperature):
     logits, targets = _inputs(seed=1)
-    logprobs, entropy = token_logprobs_and_entropy(logits, targets, chunk_tokens=3, temperature=temperature)
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits, targets, chunk_tokens=3, temperature=temperature
+    )
     ref_lp, ref_ent = _reference(logits, targets, temperature)
     torch.testing.assert_close(logprobs, ref_lp.float())
     torch.testing.assert_close(entropy, ref_ent.float())
@@ -63,10 +67,13 @@ def test_temperature(temperature):
 def test_gradient_matches_unchunked_reference(chunk_tokens):
     logits, targets = _inputs(seed=2)
     gen = torch.Generator().manual_seed(3)
-    w_lp, w_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)  # (N,), (N,) upstream grads
+    # (N,), (N,) upstream grads
+    w_lp, w_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
 
     x = logits.clone().requires_grad_(True)  # (N, V) float32
-    logprobs, entropy = token_logprobs_and_entropy(x, targets, chunk_tokens=chunk_tokens, temperature=0.8)
+    logprobs, entropy = token_logprobs_and_entropy(
+        x, targets, chunk_tokens=chunk_tokens, temperature=0.8
+    )
     ((w_lp * logprobs).sum() + (w_ent * entropy).sum()).backward()
 
     x_ref = logits.to(torch.float64).requires_grad_(True)  # (N, V) float64, unchunked
@@ -82,8 +89,9 @@ def test_bf16_input_gives_float32_output_and_bf16_grad():
     x = logits.clone().requires_grad_(True)  # (N, V) bf16
     logprobs, entropy = token_logprobs_and_entropy(x, targets, chunk_tokens=2)
     assert logprobs.dtype == entropy.dtype == torch.float32
-    # Upcasting bf16 to float64 is exact, so if the math really runs in float32 (not bf16) the result agrees
-    # with the float64 reference on the same bf16 values to float32 tolerance; bf16 math would be off ~1e-2.
+    # Upcasting bf16 to float64 is exact, so if the math really runs in float32 (not bf16) the
+    # result agrees with the float64 reference on the same bf16 values to float32 tolerance; bf16
+    # math would be off ~1e-2.
     ref_lp, ref_ent = _reference(logits, targets)
     torch.testing.assert_close(logprobs, ref_lp.float())
     torch.testing.assert_close(entropy, ref_ent.float())
@@ -94,7 +102,9 @@ def test_bf16_input_gives_float32_output_and_bf16_grad():
 def test_no_grad_and_empty():
     logits, targets = _inputs()
     with torch.no_grad():
-        logprobs, entropy = token_logprobs_and_entropy(logits.requires_grad_(True), targets, chunk_tokens=2)
+        logprobs, entropy = token_logprobs_and_entropy(
+            logits.requires_grad_(True), targets, chunk_tokens=2
+        )
     assert not logprobs.requires_grad and not entropy.requires_grad
     torch.testing.assert_close(logprobs, _reference(logits.detach(), targets)[0].float())
     lp, ent = token_logprobs_and_entropy(torch.zeros(0, V), torch.zeros(0, dtype=torch.long))
@@ -114,9 +124,10 @@ def test_bad_arguments_raise():
 
 
 def test_backward_keeps_no_float32_copy_of_the_logits():
-    # Everything autograd saves for backward, other than views of the logits themselves, must stay far below
-    # one float32 copy of (N, V): each chunk's float32 temporaries are recomputed in backward, not kept.
-    # (Without the per-chunk recomputation the saved tensors exceed N * V * 4 bytes.)
+    # Everything autograd saves for backward, other than views of the logits themselves, must stay
+    # far below one float32 copy of (N, V): each chunk's float32 temporaries are recomputed in
+    # backward, not kept. (Without the per-chunk recomputation the saved tensors exceed N * V *
+    # 4 bytes.)
     n, v = 64, 2000
     logits = torch.randn(n, v, dtype=torch.bfloat16, requires_grad=True)  # (n, v)
     targets = torch.randint(0, v, (n,))  # (n,)

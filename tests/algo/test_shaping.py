@@ -5,7 +5,8 @@ import torch
 
 from grpo_ds.algo.shaping import kl_reward_penalty, overlong_penalty
 
-# Hand values; float32 arithmetic on a few numbers is exact to a few ulp, far inside assert_close's defaults.
+# Hand values; float32 arithmetic on a few numbers is exact to a few ulp, far inside assert_close's
+# defaults.
 
 
 def test_overlong_penalty_hand_values():
@@ -24,8 +25,8 @@ def test_overlong_penalty_rejects_a_buffer_beyond_the_limit():
 
 
 def test_kl_reward_penalty_hand_values():
-    # k3 with r = ln 2 is 2 - ln 2 - 1 = 0.3068528, with r = -ln 2 it is 0.5 + ln 2 - 1 = 0.1931472; the sum
-    # is 0.5, times kl_coef 0.1 -> -0.05. Masking the second token leaves -0.03068528.
+    # k3 with r = ln 2 is 2 - ln 2 - 1 = 0.3068528, with r = -ln 2 it is 0.5 + ln 2 - 1 = 0.1931472;
+    # the sum is 0.5, times kl_coef 0.1 -> -0.05. Masking the second token leaves -0.03068528.
     lp = torch.tensor([math.log(0.25), math.log(0.5)])
     ref = torch.tensor([math.log(0.5), math.log(0.25)])
     got = kl_reward_penalty([lp, lp], [ref, ref], [[1, 1], [1, 0]], "k3", 0.1)
@@ -33,7 +34,9 @@ def test_kl_reward_penalty_hand_values():
 
 
 def test_kl_reward_penalty_with_k1_can_be_a_bonus():
-    # k1 = log pi - log pi_ref = ln 0.25 - ln 0.5 = -ln 2 per token: a policy less likely than the reference
-    # gets a positive k1-based adjustment of +kl_coef * ln 2.
-    got = kl_reward_penalty([torch.tensor([math.log(0.25)])], [torch.tensor([math.log(0.5)])], [[1]], "k1", 1.0)
+    # k1 = log pi - log pi_ref = ln 0.25 - ln 0.5 = -ln 2 per token: a policy less likely than the
+    # reference gets a positive k1-based adjustment of +kl_coef * ln 2.
+    got = kl_reward_penalty(
+        [torch.tensor([math.log(0.25)])], [torch.tensor([math.log(0.5)])], [[1]], "k1", 1.0
+    )
     torch.testing.assert_close(got, torch.tensor([math.log(2.0)]))

@@ -1,5 +1,5 @@
-"""benchmarks/simulate_placement.py: the placement model's formulas on hand-computed cases, the decode curve, and the
---measured check's exit code on made-up measurement files."""
+"""benchmarks/simulate_placement.py: the placement model's formulas on hand-computed cases, the
+decode curve, and the --measured check's exit code on made-up measurement files."""
 
 import importlib.util
 import json
@@ -22,16 +22,28 @@ def sim():
     sys.modules.pop(spec.name, None)
 
 
-# 8 samples, 10 decode steps; a decode step costs 0.1 s up to 4 sequences, then rises linearly to 0.2 s at 8.
-INPUTS = {"samples_per_step": 8, "token_steps": 10, "t_token": [[1, 0.1], [4, 0.1], [8, 0.2]],
-          "generate_overhead_s": 0.5, "train_s_per_sample": 1.0, "logprob_s_per_sample": 0.25, "reward_s": 0.3,
-          "sync_s": 0.2, "split_sync_s": 0.4}
+# 8 samples, 10 decode steps; a decode step costs 0.1 s up to 4 sequences, then rises linearly to
+# 0.2 s at 8.
+INPUTS = {
+    "samples_per_step": 8,
+    "token_steps": 10,
+    "t_token": [[1, 0.1], [4, 0.1], [8, 0.2]],
+    "generate_overhead_s": 0.5,
+    "train_s_per_sample": 1.0,
+    "logprob_s_per_sample": 0.25,
+    "reward_s": 0.3,
+    "sync_s": 0.2,
+    "split_sync_s": 0.4,
+}
 
 
 def test_colocated_is_the_sum_of_every_phase_on_all_ranks(sim):
     p = sim.predict(INPUTS, "colocated", world=2)
-    # each rank decodes 4 samples at 0.1 s a step: 0.5 + 10 x 0.1 = 1.5; train 8 x 1.0 / 2 = 4; logprob 8 x 0.25 / 2 = 1
-    assert p.phases == pytest.approx({"rollout": 1.5, "reward": 0.3, "logprob": 1.0, "update": 4.0, "sync": 0.2})
+    # each rank decodes 4 samples at 0.1 s a step: 0.5 + 10 x 0.1 = 1.5; train 8 x 1.0 / 2 = 4;
+    # logprob 8 x 0.25 / 2 = 1
+    assert p.phases == pytest.approx(
+        {"rollout": 1.5, "reward": 0.3, "logprob": 1.0, "update": 4.0, "sync": 0.2}
+    )
     assert p.step_s == pytest.approx(1.5 + 0.3 + 1.0 + 4.0 + 0.2)
     assert p.samples_per_s == pytest.approx(8 / 7.0)
     assert (p.trainer_idle, p.rollout_idle) == pytest.approx((1.8 / 7.0, 5.0 / 7.0))
@@ -39,7 +51,8 @@ def test_colocated_is_the_sum_of_every_phase_on_all_ranks(sim):
 
 def test_split_at_staleness_0_is_the_sum_of_the_two_sides_and_the_transfer(sim):
     p = sim.predict(INPUTS, "split", world=3, rollout_ranks=1, staleness=0)
-    # G: 8 samples on one rank at 0.2 s a step: 0.5 + 2.0, + reward 0.3 = 2.8; T on 2 ranks: 4 + 1 = 5; X = 0.4
+    # G: 8 samples on one rank at 0.2 s a step: 0.5 + 2.0, + reward 0.3 = 2.8; T on 2 ranks: 4 + 1 =
+    # 5; X = 0.4
     assert p.phases["rollout"] == pytest.approx(2.5)
     assert p.step_s == pytest.approx(2.8 + 5.0 + 0.4)
     assert (p.trainer_idle, p.rollout_idle) == pytest.approx((2.8 / 8.2, 5.0 / 8.2))
@@ -48,9 +61,12 @@ def test_split_at_staleness_0_is_the_sum_of_the_two_sides_and_the_transfer(sim):
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_split_ahead_is_the_slower_side_plus_the_whole_transfer(sim, staleness):
     p = sim.predict(INPUTS, "split", world=3, rollout_ranks=1, staleness=staleness)
-    assert p.step_s == pytest.approx(max(2.8, 5.0) + 0.4)  # the trainer is the slower side; S >= 1 all alike
+    # the trainer is the slower side; S >= 1 all alike
+    assert p.step_s == pytest.approx(max(2.8, 5.0) + 0.4)
     assert (p.trainer_idle, p.rollout_idle) == pytest.approx((0.0, 2.2 / 5.4))
-    fast_trainer = sim.predict({**INPUTS, "train_s_per_sample": 0.1, "logprob_s_per_sample": 0.0}, "split", 3, 1, 1)
+    fast_trainer = sim.predict(
+        {**INPUTS, "train_s_per_sample": 0.1, "logprob_s_per_sample": 0.0}, "split", 3, 1, 1
+    )
     assert fast_trainer.step_s == pytest.approx(2.8 + 0.4)  # T = 8 x 0.1 / 2 = 0.4 waits for G
     assert (fast_trainer.trainer_idle, fast_trainer.rollout_idle) == pytest.approx((2.4 / 3.2, 0.0))
 
@@ -62,11 +78,14 @@ def test_the_reward_counts_on_the_side_that_scores(sim):
 
 def test_more_rollout_ranks_lower_generation_along_the_decode_curve(sim):
     gen = {k: sim.predict(INPUTS, "split", 5, k, 1).phases["rollout"] for k in (1, 2, 4)}
-    assert gen == pytest.approx({1: 0.5 + 10 * 0.2, 2: 0.5 + 10 * 0.1, 4: 0.5 + 10 * 0.1})  # flat below 4: no gain
-    cpu = {**INPUTS, "t_token": [[1, 0.01], [8, 0.08]], "generate_overhead_s": 0.0}  # linear, like a CPU
+    # flat below 4: no gain
+    assert gen == pytest.approx({1: 0.5 + 10 * 0.2, 2: 0.5 + 10 * 0.1, 4: 0.5 + 10 * 0.1})
+    # linear, like a CPU
+    cpu = {**INPUTS, "t_token": [[1, 0.01], [8, 0.08]], "generate_overhead_s": 0.0}
     gen = {k: sim.predict(cpu, "split", 5, k, 1).phases["rollout"] for k in (1, 2, 4)}
     assert gen == pytest.approx({1: 0.8, 2: 0.4, 4: 0.2})
-    assert sim.t_token(sim.check_inputs(cpu)["t_token"], 16) == pytest.approx(0.16)  # the last segment, extended
+    # the last segment, extended
+    assert sim.t_token(sim.check_inputs(cpu)["t_token"], 16) == pytest.approx(0.16)
     # half the samples stop at 5 of 10 steps: a step sees 4 sequences on average
     half = sim.predict({**cpu, "mean_new_tokens": 5}, "split", 5, 1, 1)
     assert half.phases["rollout"] == pytest.approx(10 * 0.04)
@@ -88,36 +107,69 @@ def test_bad_inputs_name_the_key(sim):
 
 
 def _measured(tmp_path, scale: float, with_inputs: bool) -> Path:
-    runs = [{"placement": "colocated", "world": 2, "rollout_ranks": 0, "staleness": 0, "step_s": 7.0 * scale,
-             "phases": {"rollout": 1.5, "update": 4.0}},
-            {"placement": "split", "world": 3, "rollout_ranks": 1, "staleness": 0, "step_s": 8.2},
-            {"placement": "split", "world": 3, "rollout_ranks": 1, "staleness": 1, "step_s": 5.4,
-             "samples_per_step": 8}]
+    runs = [
+        {
+            "placement": "colocated",
+            "world": 2,
+            "rollout_ranks": 0,
+            "staleness": 0,
+            "step_s": 7.0 * scale,
+            "phases": {"rollout": 1.5, "update": 4.0},
+        },
+        {"placement": "split", "world": 3, "rollout_ranks": 1, "staleness": 0, "step_s": 8.2},
+        {
+            "placement": "split",
+            "world": 3,
+            "rollout_ranks": 1,
+            "staleness": 1,
+            "step_s": 5.4,
+            "samples_per_step": 8,
+        },
+    ]
     path = tmp_path / "measured.json"
-    path.write_text(json.dumps({"machine": "made up", "runs": runs, **({"inputs": INPUTS} if with_inputs else {})}))
+    path.write_text(
+        json.dumps(
+            {"machine": "made up", "runs": runs, **({"inputs": INPUTS} if with_inputs else {})}
+        )
+    )
     return path
 
 
 def test_measured_rows_within_15_percent_pass_and_one_beyond_fails(sim, tmp_path, capsys):
     inputs = tmp_path / "inputs.json"
     inputs.write_text(json.dumps(INPUTS))
-    assert sim.main(["--inputs", str(inputs), "--measured", str(_measured(tmp_path, 1.14, False))]) == 0
+    assert (
+        sim.main(["--inputs", str(inputs), "--measured", str(_measured(tmp_path, 1.14, False))])
+        == 0
+    )
     assert "-12.3%" in capsys.readouterr().out  # 7.0 predicted against 7.98 measured
-    assert sim.main(["--measured", str(_measured(tmp_path, 0.85, True))]) == 1  # +17.6%: the inputs from the file
+    # +17.6%: the inputs from the file
+    assert sim.main(["--measured", str(_measured(tmp_path, 0.85, True))]) == 1
     out = capsys.readouterr().out
     assert "+17.6%" in out and "OFF" in out and "rollout 1.5/1.5" in out
-    done = subprocess.run([sys.executable, str(SCRIPT), "--measured", str(_measured(tmp_path, 1.3, True))],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--measured", str(_measured(tmp_path, 1.3, True))],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
 
 
 def test_the_command_line_table_and_its_errors(sim, tmp_path, capsys):
     inputs = tmp_path / "inputs.json"
     inputs.write_text(json.dumps(INPUTS))
-    assert sim.main(["--inputs", str(inputs), "--world", "3", "--rollout-ranks", "1", "--staleness", "1"]) == 0
+    assert (
+        sim.main(
+            ["--inputs", str(inputs), "--world", "3", "--rollout-ranks", "1", "--staleness", "1"]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[:4] for line in lines[1:]] == [["colocated", "3", "0", "0"], ["split", "3", "1", "0"],
-                                                        ["split", "3", "1", "1"]]
+    assert [line.split()[:4] for line in lines[1:]] == [
+        ["colocated", "3", "0", "0"],
+        ["split", "3", "1", "0"],
+        ["split", "3", "1", "1"],
+    ]
     assert lines[3].split()[4] == "5.4"
     inputs.write_text(json.dumps({**INPUTS, "t_token": []}))
     assert sim.main(["--inputs", str(inputs)]) == 2
@@ -125,6 +177,8 @@ def test_the_command_line_table_and_its_errors(sim, tmp_path, capsys):
 
 
 def test_published_marks_every_input_and_shows_the_published_figures(sim):
-    assert all(src == "assumed" or src.startswith("measured (") for _, _, src, _ in sim.PUBLISHED_INPUTS)
+    assert all(
+        src == "assumed" or src.startswith("measured (") for _, _, src, _ in sim.PUBLISHED_INPUTS
+    )
     text = sim.published()
     assert "92.8" in text and "64.8" in text and "1581" in text and "2478" in text

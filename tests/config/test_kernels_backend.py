@@ -1,5 +1,5 @@
-"""grpo_ds.config.software.resolve_backend: which backend a run gets, and why "triton" is refused where it cannot
-run."""
+"""grpo_ds.config.software.resolve_backend: which backend a run gets, and why "triton" is refused
+where it cannot run."""
 
 import pytest
 
@@ -12,7 +12,8 @@ def test_torch_is_always_torch():
 
 
 def test_auto_on_cpu_is_torch():
-    # Even with TRITON_INTERPRET=1 (set for this test session): the interpreter is for tests, not training.
+    # Even with TRITON_INTERPRET=1 (set for this test session): the interpreter is for tests, not
+    # training.
     assert resolve_backend("auto", "cpu") == "torch"
 
 

@@ -1,5 +1,6 @@
-"""rollout.placement: which launched ranks train and which generate, and the layouts refused before anything starts
-(grpo_ds.config.placement.resolve_placement). Pure: recipes from dicts, no torch work."""
+"""rollout.placement: which launched ranks train and which generate, and the layouts refused before
+anything starts (grpo_ds.config.placement.resolve_placement). Pure: recipes from dicts, no torch
+work."""
 
 import pytest
 
@@ -24,7 +25,8 @@ def refusal(world_size: int, **keys) -> UserError:
     return info.value
 
 
-# ------------------------------------------------------------------------------------------ the roles
+# ---------------------------------------------------------------------------------------- the roles
+
 
 def test_colocated_is_the_default_and_every_rank_trains():
     p = resolve_placement(recipe(), 4)
@@ -35,15 +37,21 @@ def test_colocated_is_the_default_and_every_rank_trains():
 
 
 def test_split_the_last_ranks_generate():
-    p = resolve_placement(recipe(placement="split", ranks=2, max_staleness=1, algorithm__rollout_is_cap=2.0), 5)
+    p = resolve_placement(
+        recipe(placement="split", ranks=2, max_staleness=1, algorithm__rollout_is_cap=2.0), 5
+    )
     assert p == Placement(5, 2, 1)
     assert p.split and p.trainer_ranks == 3
     assert [p.role(r) for r in range(5)] == ["trainer", "trainer", "trainer", "rollout", "rollout"]
-    assert p.describe() == "split: ranks 0-2 train (ZeRO-3 over 3), ranks 3-4 generate (2 ranks), staleness at most 1"
+    assert (
+        p.describe() == "split: ranks 0-2 train (ZeRO-3 over 3), ranks "
+        "3-4 generate (2 ranks), staleness at most 1"
+    )
 
 
 def test_split_at_staleness_0_needs_no_importance_weights():
-    p = resolve_placement(recipe(placement="split"), 2)  # rollout.ranks defaults to 1, max_staleness to 0
+    # rollout.ranks defaults to 1, max_staleness to 0
+    p = resolve_placement(recipe(placement="split"), 2)
     assert p == Placement(2, 1, 0) and [p.role(r) for r in range(2)] == ["trainer", "rollout"]
 
 
@@ -53,11 +61,14 @@ def test_split_ranks_must_divide_by_the_trainers_parallel_group():
 
 
 def test_vllm_engines_tile_the_rollout_ranks():
-    p = resolve_placement(recipe(placement="split", engine="vllm", ranks=4, vllm_tensor_parallel_size=2), 6)
+    p = resolve_placement(
+        recipe(placement="split", engine="vllm", ranks=4, vllm_tensor_parallel_size=2), 6
+    )
     assert p == Placement(6, 4, 0)
 
 
-# ------------------------------------------------------------------------------------------ the refusals
+# ------------------------------------------------------------------------------------- the refusals
+
 
 def test_colocated_refuses_a_staleness():
     err = refusal(2, max_staleness=1)
@@ -66,21 +77,29 @@ def test_colocated_refuses_a_staleness():
 
 def test_split_needs_two_ranks():
     err = refusal(1, placement="split")
-    assert str(err) == ('rollout.placement: "split" needs at least 2 ranks (one trains, one generates); this launch '
-                        'has 1. launch with deepspeed --num_gpus 2 or more, or use "colocated".')
+    assert str(err) == (
+        'rollout.placement: "split" needs at least 2 ranks (one trains, one generates); this '
+        'launch has 1. launch with deepspeed --num_gpus 2 or more, or use "colocated".'
+    )
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_split_keeps_a_trainer_rank(ranks):
     err = refusal(2, placement="split", ranks=ranks)
-    assert err.where == "rollout.ranks" and err.what == f"{ranks} leaves no trainer rank in a world of 2"
+    assert (
+        err.where == "rollout.ranks"
+        and err.what == f"{ranks} leaves no trainer rank in a world of 2"
+    )
     assert err.fix == "use 1 to 1"
 
 
 def test_split_refuses_trainers_the_tensor_parallel_size_does_not_divide():
     err = refusal(4, placement="split", ranks=1, train__tensor_parallel_size=2)
     assert err.where == "rollout.ranks"
-    assert err.what == "1 leaves 3 trainer ranks, which the tensor x sequence parallel size 2 does not divide"
+    assert (
+        err.what
+        == "1 leaves 3 trainer ranks, which the tensor x sequence parallel size 2 does not divide"
+    )
     assert err.fix == "use one of [2]"
 
 
@@ -95,7 +114,9 @@ def test_staleness_needs_the_importance_sampling_correction():
     err = refusal(3, placement="split", max_staleness=1)
     assert err.where == "rollout.max_staleness" and "importance-sampling correction" in err.what
     assert "algorithm.rollout_is_cap" in err.fix
-    assert resolve_placement(recipe(placement="split", max_staleness=1, algorithm__rollout_is_cap=2.0), 3).split
+    assert resolve_placement(
+        recipe(placement="split", max_staleness=1, algorithm__rollout_is_cap=2.0), 3
+    ).split
 
 
 def test_split_refuses_evaluation():

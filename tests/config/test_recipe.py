@@ -1,4 +1,5 @@
-"""Recipe schema: defaults, JSON loading, overrides, per-field checks, batch algebra, and what each error says."""
+"""Recipe schema: defaults, JSON loading, overrides, per-field checks, batch algebra, and what each
+error says."""
 
 import dataclasses
 import json
@@ -21,6 +22,7 @@ def error_of(source, overrides=None) -> UserError:
 
 
 # ------------------------------------------------------------------------------------------ loading
+
 
 def test_defaults_load_from_empty_dict():
     r = load_recipe({})
@@ -84,18 +86,26 @@ def test_section_must_be_an_object():
 
 # ---------------------------------------------------------------------------------------- overrides
 
-@pytest.mark.parametrize("text, key, value", [
-    ("train.lr=1e-5", "train.lr", 1e-5),
-    ("rollout.engine=hf", "rollout.engine", "hf"),
-    ("train.samples_per_optimizer_step=null", "train.samples_per_optimizer_step", None),
-    ("train.adam_betas=[0.9, 0.95]", "train.adam_betas", [0.9, 0.95]),
-    ('deepspeed={"zero_optimization": {"stage": 2}}', "deepspeed", {"zero_optimization": {"stage": 2}}),
-    ("data.shuffle=false", "data.shuffle", False),
-    ("run.name=123", "run.name", 123),  # JSON when it parses ...
-    ('run.name="123"', "run.name", "123"),  # ... so quote a string that looks like a number
-    ("run.name=a=b", "run.name", "a=b"),  # only the first '=' separates
-    (" train.steps =5", "train.steps", 5),
-])
+
+@pytest.mark.parametrize(
+    "text, key, value",
+    [
+        ("train.lr=1e-5", "train.lr", 1e-5),
+        ("rollout.engine=hf", "rollout.engine", "hf"),
+        ("train.samples_per_optimizer_step=null", "train.samples_per_optimizer_step", None),
+        ("train.adam_betas=[0.9, 0.95]", "train.adam_betas", [0.9, 0.95]),
+        (
+            'deepspeed={"zero_optimization": {"stage": 2}}',
+            "deepspeed",
+            {"zero_optimization": {"stage": 2}},
+        ),
+        ("data.shuffle=false", "data.shuffle", False),
+        ("run.name=123", "run.name", 123),  # JSON when it parses ...
+        ('run.name="123"', "run.name", "123"),  # ... so quote a string that looks like a number
+        ("run.name=a=b", "run.name", "a=b"),  # only the first '=' separates
+        (" train.steps =5", "train.steps", 5),
+    ],
+)
 def test_parse_override(text, key, value):
     k, v = parse_override(text)
     assert k == key
@@ -110,10 +120,17 @@ def test_parse_override_without_equals():
 
 
 def test_overrides_apply_over_the_file():
-    r = load_recipe({"train": {"samples_per_optimizer_step": 32, "lr": 0.5}},
-                    ["train.lr=1e-5", "rollout.engine=hf", "train.samples_per_optimizer_step=null",
-                     'reward.functions=[{"name": "format", "weight": 0.5}]', "train.adam_betas=[0.8, 0.9]",
-                     "run.name=my run"])
+    r = load_recipe(
+        {"train": {"samples_per_optimizer_step": 32, "lr": 0.5}},
+        [
+            "train.lr=1e-5",
+            "rollout.engine=hf",
+            "train.samples_per_optimizer_step=null",
+            'reward.functions=[{"name": "format", "weight": 0.5}]',
+            "train.adam_betas=[0.8, 0.9]",
+            "run.name=my run",
+        ],
+    )
     assert r.train.lr == 1e-5 and isinstance(r.train.lr, float)
     assert r.rollout.engine == "hf"
     assert r.train.samples_per_optimizer_step is None
@@ -139,15 +156,25 @@ def test_dict_overrides_take_python_values_as_they_are():
 
 
 def test_override_edits_inline_deepspeed_object():
-    r = load_recipe({"deepspeed": {"zero_optimization": {"stage": 3, "overlap_comm": True}}},
-                    ["deepspeed.zero_optimization.stage=2", "deepspeed.bf16.enabled=true"])
-    assert r.deepspeed == {"zero_optimization": {"stage": 2, "overlap_comm": True}, "bf16": {"enabled": True}}
+    r = load_recipe(
+        {"deepspeed": {"zero_optimization": {"stage": 3, "overlap_comm": True}}},
+        ["deepspeed.zero_optimization.stage=2", "deepspeed.bf16.enabled=true"],
+    )
+    assert r.deepspeed == {
+        "zero_optimization": {"stage": 2, "overlap_comm": True},
+        "bf16": {"enabled": True},
+    }
 
 
 def test_override_replaces_deepspeed_then_edits_it():
-    r = load_recipe({}, ['deepspeed={"zero_optimization": {"stage": 3}}', "deepspeed.zero_optimization.stage=1"])
+    r = load_recipe(
+        {}, ['deepspeed={"zero_optimization": {"stage": 3}}', "deepspeed.zero_optimization.stage=1"]
+    )
     assert r.deepspeed == {"zero_optimization": {"stage": 1}}
-    assert load_recipe({}, ["deepspeed=ds_configs/zero3_offload.json"]).deepspeed == "ds_configs/zero3_offload.json"
+    assert (
+        load_recipe({}, ["deepspeed=ds_configs/zero3_offload.json"]).deepspeed
+        == "ds_configs/zero3_offload.json"
+    )
 
 
 def test_override_of_deepspeed_key_when_deepspeed_is_a_path():
@@ -173,6 +200,7 @@ def test_override_with_too_many_dots():
 
 
 # ------------------------------------------------------------------------------------ unknown names
+
 
 def test_unknown_section_in_file_suggests():
     err = error_of({"trian": {"lr": 1}})
@@ -201,17 +229,21 @@ def test_unknown_key_far_from_any_lists_valid_keys():
         assert name in err.fix
 
 
-# -------------------------------------------------------------------------------------- field checks
+# ------------------------------------------------------------------------------------- field checks
 
-@pytest.mark.parametrize("key, value, what", [
-    ("train.lr", "fast", 'expected a number, got a string "fast"'),
-    ("train.steps", True, "expected an integer, got a boolean true"),
-    ("train.steps", 1.5, "expected an integer, got a number 1.5"),
-    ("data.shuffle", 1, "expected a boolean, got an integer 1"),
-    ("data.shuffle", "yes", 'expected a boolean, got a string "yes"'),
-    ("run.name", 5, "expected a string, got an integer 5"),
-    ("rollout.temperature", [1.0], "expected a number, got a list [1.0]"),
-])
+
+@pytest.mark.parametrize(
+    "key, value, what",
+    [
+        ("train.lr", "fast", 'expected a number, got a string "fast"'),
+        ("train.steps", True, "expected an integer, got a boolean true"),
+        ("train.steps", 1.5, "expected an integer, got a number 1.5"),
+        ("data.shuffle", 1, "expected a boolean, got an integer 1"),
+        ("data.shuffle", "yes", 'expected a boolean, got a string "yes"'),
+        ("run.name", 5, "expected a string, got an integer 5"),
+        ("rollout.temperature", [1.0], "expected a number, got a list [1.0]"),
+    ],
+)
 def test_wrong_type(key, value, what):
     err = error_of({}, {key: value})
     assert (err.where, err.what) == (key, what)
@@ -235,18 +267,21 @@ def test_list_field_errors_say_how_to_fix(value):
     assert "0.9" in err.fix and "MISSING" not in err.fix
 
 
-@pytest.mark.parametrize("key, value, rule, default", [
-    ("train.lr", -1e-5, "must be > 0.0", "1e-06"),
-    ("train.lr", 0, "must be > 0.0", "1e-06"),
-    ("rollout.group_size", 1, "must be >= 2", "8"),
-    ("rollout.top_p", 1.5, "must be <= 1.0", "1.0"),
-    ("rollout.top_p", 0, "must be > 0.0 and <= 1.0", "1.0"),
-    ("algorithm.clip_low", 0, "must be > 0.0 and <= 1.0", "0.2"),
-    ("algorithm.clip_low", 1.5, "must be <= 1.0", "0.2"),
-    ("rollout.temperature", 0, "must be > 0.0", "1.0"),
-    ("run.seed", -1, "must be >= 0", "0"),
-    ("algorithm.kl_coef", -0.1, "must be >= 0.0", "0.0"),
-])
+@pytest.mark.parametrize(
+    "key, value, rule, default",
+    [
+        ("train.lr", -1e-5, "must be > 0.0", "1e-06"),
+        ("train.lr", 0, "must be > 0.0", "1e-06"),
+        ("rollout.group_size", 1, "must be >= 2", "8"),
+        ("rollout.top_p", 1.5, "must be <= 1.0", "1.0"),
+        ("rollout.top_p", 0, "must be > 0.0 and <= 1.0", "1.0"),
+        ("algorithm.clip_low", 0, "must be > 0.0 and <= 1.0", "0.2"),
+        ("algorithm.clip_low", 1.5, "must be <= 1.0", "0.2"),
+        ("rollout.temperature", 0, "must be > 0.0", "1.0"),
+        ("run.seed", -1, "must be >= 0", "0"),
+        ("algorithm.kl_coef", -0.1, "must be >= 0.0", "0.0"),
+    ],
+)
 def test_out_of_range(key, value, rule, default):
     err = error_of({}, {key: value})
     assert err.where == key
@@ -256,23 +291,37 @@ def test_out_of_range(key, value, rule, default):
 
 def test_out_of_range_without_default_still_says_what_to_do():
     err = error_of({}, ["train.samples_per_optimizer_step=0"])
-    assert err.where == "train.samples_per_optimizer_step" and "must be >= 1" in err.what and err.fix
+    assert (
+        err.where == "train.samples_per_optimizer_step" and "must be >= 1" in err.what and err.fix
+    )
 
 
-@pytest.mark.parametrize("key, value", [
-    ("rollout.top_p", 1.0), ("algorithm.clip_low", 1.0), ("rollout.group_size", 2), ("algorithm.kl_coef", 0.0),
-    ("run.seed", 0), ("rollout.top_k", 0), ("train.max_grad_norm", 0.0), ("algorithm.clip_high", 5.0),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("rollout.top_p", 1.0),
+        ("algorithm.clip_low", 1.0),
+        ("rollout.group_size", 2),
+        ("algorithm.kl_coef", 0.0),
+        ("run.seed", 0),
+        ("rollout.top_k", 0),
+        ("train.max_grad_norm", 0.0),
+        ("algorithm.clip_high", 5.0),
+    ],
+)
 def test_bounds_are_accepted(key, value):
     section, name = key.split(".")
     assert getattr(getattr(load_recipe({}, {key: value}), section), name) == value
 
 
-@pytest.mark.parametrize("key, value, fix", [
-    ("algorithm.loss_agg", "token_mean", "did you mean 'token-mean'?"),
-    ("model.dtype", "fp16", "did you mean 'float16'?"),
-    ("data.on_bad_row", "skp", "did you mean 'skip'?"),
-])
+@pytest.mark.parametrize(
+    "key, value, fix",
+    [
+        ("algorithm.loss_agg", "token_mean", "did you mean 'token-mean'?"),
+        ("model.dtype", "fp16", "did you mean 'float16'?"),
+        ("data.on_bad_row", "skp", "did you mean 'skip'?"),
+    ],
+)
 def test_choices_suggest(key, value, fix):
     err = error_of({}, {key: value})
     assert err.where == key and err.what.startswith(f"{value!r} is not one of ")
@@ -281,14 +330,23 @@ def test_choices_suggest(key, value, fix):
 
 def test_choices_list_every_allowed_value():
     err = error_of({}, ["algorithm.loss_agg=mean"])
-    for choice in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+    for choice in (
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ):
         assert repr(choice) in err.what
 
 
-# ------------------------------------------------------------------------------------- batch algebra
+# ------------------------------------------------------------------------------------ batch algebra
+
 
 def test_samples_per_optimizer_step_must_divide():
-    err = error_of({"rollout": {"prompts_per_step": 8, "group_size": 8}}, ["train.samples_per_optimizer_step=24"])
+    err = error_of(
+        {"rollout": {"prompts_per_step": 8, "group_size": 8}},
+        ["train.samples_per_optimizer_step=24"],
+    )
     assert err.where == "train.samples_per_optimizer_step"
     assert "24 does not divide the samples per step 64" in err.what
     assert "prompts_per_step 8 x group_size 8" in err.what
@@ -298,15 +356,24 @@ def test_samples_per_optimizer_step_must_divide():
 
 
 def test_samples_per_optimizer_step_more_than_samples_per_step():
-    err = error_of({"rollout": {"prompts_per_step": 8, "group_size": 8}}, ["train.samples_per_optimizer_step=128"])
+    err = error_of(
+        {"rollout": {"prompts_per_step": 8, "group_size": 8}},
+        ["train.samples_per_optimizer_step=128"],
+    )
     assert err.where == "train.samples_per_optimizer_step" and "128" in err.what
     assert "64" in err.fix
 
 
-@pytest.mark.parametrize("spos, epochs, steps", [(None, 1, 1), (64, 1, 1), (16, 1, 4), (16, 3, 12), (1, 2, 128)])
+@pytest.mark.parametrize(
+    "spos, epochs, steps", [(None, 1, 1), (64, 1, 1), (16, 1, 4), (16, 3, 12), (1, 2, 128)]
+)
 def test_optimizer_steps_per_rollout(spos, epochs, steps):
-    r = load_recipe({"rollout": {"prompts_per_step": 8, "group_size": 8},
-                     "train": {"samples_per_optimizer_step": spos, "epochs_per_rollout": epochs}})
+    r = load_recipe(
+        {
+            "rollout": {"prompts_per_step": 8, "group_size": 8},
+            "train": {"samples_per_optimizer_step": spos, "epochs_per_rollout": epochs},
+        }
+    )
     assert r.samples_per_step == 64
     assert r.samples_per_optimizer_step == (spos or 64)
     assert r.optimizer_steps_per_rollout == steps
@@ -319,8 +386,12 @@ def test_samples_per_step_is_p_times_g():
 
 def test_loss_agg_norm_tokens_defaults_to_max_new_tokens():
     assert load_recipe({"rollout": {"max_new_tokens": 77}}).loss_agg_norm_tokens == 77
-    assert load_recipe({"rollout": {"max_new_tokens": 77}},
-                       ["algorithm.loss_agg_norm_tokens=500"]).loss_agg_norm_tokens == 500
+    assert (
+        load_recipe(
+            {"rollout": {"max_new_tokens": 77}}, ["algorithm.loss_agg_norm_tokens=500"]
+        ).loss_agg_norm_tokens
+        == 500
+    )
 
 
 @pytest.mark.parametrize("betas", [[0.9], [0.9, 0.99, 0.999], [0.9, 1.0], [-0.1, 0.9], [0.9, "x"]])
@@ -343,14 +414,29 @@ def test_reward_functions_empty():
     assert (err.where, err.what) == ("reward.functions", "is empty") and "exact_match" in err.fix
 
 
-@pytest.mark.parametrize("functions, where, fragment", [
-    (["exact_match"], "reward.functions[0]", "must be an object with a string name"),
-    ([{"weight": 1.0}], "reward.functions[0]", "must be an object with a string name"),
-    ([{"name": 3}], "reward.functions[0]", "must be an object with a string name"),
-    ([{"name": "exact_match"}, {"name": "format", "wieght": 1}], "reward.functions[1].wieght", "unknown key"),
-    ([{"name": "exact_match", "weight": "1"}], "reward.functions[0].weight", "expected a number, got a string"),
-    ([{"name": "exact_match", "weight": True}], "reward.functions[0].weight", "expected a number, got a boolean"),
-])
+@pytest.mark.parametrize(
+    "functions, where, fragment",
+    [
+        (["exact_match"], "reward.functions[0]", "must be an object with a string name"),
+        ([{"weight": 1.0}], "reward.functions[0]", "must be an object with a string name"),
+        ([{"name": 3}], "reward.functions[0]", "must be an object with a string name"),
+        (
+            [{"name": "exact_match"}, {"name": "format", "wieght": 1}],
+            "reward.functions[1].wieght",
+            "unknown key",
+        ),
+        (
+            [{"name": "exact_match", "weight": "1"}],
+            "reward.functions[0].weight",
+            "expected a number, got a string",
+        ),
+        (
+            [{"name": "exact_match", "weight": True}],
+            "reward.functions[0].weight",
+            "expected a number, got a boolean",
+        ),
+    ],
+)
 def test_reward_functions_bad_entries(functions, where, fragment):
     err = error_of({}, {"reward.functions": functions})
     assert err.where == where and fragment in err.what and err.fix
@@ -367,15 +453,30 @@ def test_max_tokens_per_micro_batch_below_longest_sequence():
     assert err.where == "train.max_tokens_per_micro_batch"
     assert "100 is less than the longest possible sequence 128" in err.what
     assert "at least 128" in err.fix
-    assert load_recipe(base, ["train.max_tokens_per_micro_batch=128"]).train.max_tokens_per_micro_batch == 128
+    assert (
+        load_recipe(base, ["train.max_tokens_per_micro_batch=128"]).train.max_tokens_per_micro_batch
+        == 128
+    )
 
 
 def test_tiny_num_heads_must_divide_hidden():
     err = error_of({"model": {"tiny_hidden_size": 64, "tiny_num_heads": 5}})
-    assert err.where == "model.tiny_num_heads" and "5 does not divide tiny_hidden_size 64" in err.what and err.fix
-    assert load_recipe({"model": {"tiny_hidden_size": 64, "tiny_num_heads": 8}}).model.tiny_num_heads == 8
+    assert (
+        err.where == "model.tiny_num_heads"
+        and "5 does not divide tiny_hidden_size 64" in err.what
+        and err.fix
+    )
+    assert (
+        load_recipe({"model": {"tiny_hidden_size": 64, "tiny_num_heads": 8}}).model.tiny_num_heads
+        == 8
+    )
     # the rule only concerns the builtin model
-    assert load_recipe({"model": {"path": "/some/hf/folder", "tiny_num_heads": 5}}).model.tiny_num_heads == 5
+    assert (
+        load_recipe(
+            {"model": {"path": "/some/hf/folder", "tiny_num_heads": 5}}
+        ).model.tiny_num_heads
+        == 5
+    )
 
 
 def test_user_error_str_is_where_what_fix():
@@ -384,6 +485,7 @@ def test_user_error_str_is_where_what_fix():
 
 
 # ------------------------------------------------------------------------------------------ schema
+
 
 def test_recipe_is_frozen():
     r = load_recipe({})
@@ -401,7 +503,9 @@ def test_every_field_has_a_doc():
         doc = f.metadata.get("doc")
         assert isinstance(doc, str) and doc.strip(), f"{section}.{f.name} has no doc"
         seen.add((section, f.name))
-    expected = {(s, f.name) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)} | {(None, "deepspeed")}
+    expected = {(s, f.name) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)} | {
+        (None, "deepspeed")
+    }
     assert seen == expected
     assert (None, "source_dir") not in seen
 
@@ -415,15 +519,23 @@ def test_every_default_satisfies_its_own_declaration():
         if meta["choices"] and default is not None:  # null: an optional key
             assert default in meta["choices"], f"{section}.{f.name}"
         if default is not None and meta["low"] is not None:
-            assert default > meta["low"] if meta["low_open"] else default >= meta["low"], f"{section}.{f.name}"
+            assert default > meta["low"] if meta["low_open"] else default >= meta["low"], (
+                f"{section}.{f.name}"
+            )
         if default is not None and meta["high"] is not None:
             assert default <= meta["high"], f"{section}.{f.name}"
 
 
 def test_to_dict_round_trips():
-    r = load_recipe(REPO / "recipes" / "tiny_cpu.json",
-                    ["train.samples_per_optimizer_step=100", "algorithm.loss_agg=seq-mean-token-sum-norm",
-                     'deepspeed={"zero_optimization": {"stage": 2}}', "rollout.top_p=0.9"])
+    r = load_recipe(
+        REPO / "recipes" / "tiny_cpu.json",
+        [
+            "train.samples_per_optimizer_step=100",
+            "algorithm.loss_agg=seq-mean-token-sum-norm",
+            'deepspeed={"zero_optimization": {"stage": 2}}',
+            "rollout.top_p=0.9",
+        ],
+    )
     d = r.to_dict()
     assert "source_dir" not in d
     again = load_recipe(json.loads(json.dumps(d)))
@@ -432,19 +544,24 @@ def test_to_dict_round_trips():
     assert load_recipe(Recipe().to_dict()) == Recipe()
 
 
-@pytest.mark.parametrize(("advantage", "scale", "expected"), [
-    ("grpo", None, ("group_mean", "group")),
-    ("grpo", "none", ("group_mean", "none")),
-    ("dr_grpo", None, ("group_mean", "none")),
-    ("rloo", None, ("leave_one_out", "none")),
-    ("rloo", "batch", ("leave_one_out", "batch")),
-    ("reinforce_pp", None, ("batch_mean", "batch")),
-])
+@pytest.mark.parametrize(
+    ("advantage", "scale", "expected"),
+    [
+        ("grpo", None, ("group_mean", "group")),
+        ("grpo", "none", ("group_mean", "none")),
+        ("dr_grpo", None, ("group_mean", "none")),
+        ("rloo", None, ("leave_one_out", "none")),
+        ("rloo", "batch", ("leave_one_out", "batch")),
+        ("reinforce_pp", None, ("batch_mean", "batch")),
+    ],
+)
 def test_advantage_estimator_and_scale(advantage, scale, expected):
     recipe = load_recipe({"algorithm": {"advantage": advantage, "scale_rewards": scale}})
     assert recipe.advantage_baseline_and_scale == expected
 
 
 def test_dr_grpo_with_a_scale_is_a_contradiction():
-    with pytest.raises(UserError, match='algorithm.scale_rewards: "group" contradicts advantage "dr_grpo"'):
+    with pytest.raises(
+        UserError, match='algorithm.scale_rewards: "group" contradicts advantage "dr_grpo"'
+    ):
         load_recipe({"algorithm": {"advantage": "dr_grpo", "scale_rewards": "group"}})

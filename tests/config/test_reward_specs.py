@@ -30,42 +30,94 @@ def models(entries: list) -> tuple[RewardModelSpec, ...]:
 
 def test_defaults_and_the_name_from_the_folder():
     (spec,) = models([{"path": " models/helpful_rm/ "}])
-    assert spec == RewardModelSpec(path="models/helpful_rm/", name="helpful_rm", weight=1.0, chat_template=True,
-                                   max_length=None, overflow="truncate_left", mean=0.0, std=1.0, offload=False)
+    assert spec == RewardModelSpec(
+        path="models/helpful_rm/",
+        name="helpful_rm",
+        weight=1.0,
+        chat_template=True,
+        max_length=None,
+        overflow="truncate_left",
+        mean=0.0,
+        std=1.0,
+        offload=False,
+    )
     assert RewardModelSpec(path="a/b").name == "b"  # built in code too, the name is never missing
 
 
 def test_every_key_given():
-    entry = {"path": "rm", "name": "safety", "weight": -2, "chat_template": False, "max_length": 64,
-             "overflow": "error", "mean": 0.5, "std": 2, "offload": True}
+    entry = {
+        "path": "rm",
+        "name": "safety",
+        "weight": -2,
+        "chat_template": False,
+        "max_length": 64,
+        "overflow": "error",
+        "mean": 0.5,
+        "std": 2,
+        "offload": True,
+    }
     (spec,) = models([entry])
     assert dataclasses.asdict(spec) == {**entry, "weight": -2.0, "std": 2.0}
-    assert isinstance(spec.weight, float) and isinstance(spec.std, float)  # integers widened, as recipe numbers are
+    # integers widened, as recipe numbers are
+    assert isinstance(spec.weight, float) and isinstance(spec.std, float)
 
 
 def test_a_recipe_with_models_and_no_functions_loads():
-    recipe = load_recipe({}, ["reward.functions=[]", 'reward.models=[{"path": "rm", "weight": 0.5}]'])
+    recipe = load_recipe(
+        {}, ["reward.functions=[]", 'reward.models=[{"path": "rm", "weight": 0.5}]']
+    )
     assert reward_specs.reward_specs(recipe.reward).models[0].weight == 0.5
 
 
-@pytest.mark.parametrize(("entry", "where", "what"), [
-    ("rm", "reward.models[0]", "must be an object with a string path"),
-    ({"weight": 1.0}, "reward.models[0]", "must be an object with a string path"),
-    ({"path": "  "}, "reward.models[0]", "must be an object with a string path"),
-    ({"path": "rm", "wieght": 1}, "reward.models[0].wieght", "unknown key"),
-    ({"path": "rm", "name": 3}, "reward.models[0].name", "expected a string, got an integer 3"),
-    ({"path": "rm", "name": " "}, "reward.models[0].name", "is empty"),
-    ({"path": "rm", "weight": "1"}, "reward.models[0].weight", 'expected a number, got a string "1"'),
-    ({"path": "rm", "weight": float("inf")}, "reward.models[0].weight", "Infinity is not a finite number"),
-    ({"path": "rm", "chat_template": 1}, "reward.models[0].chat_template", "expected a boolean, got an integer 1"),
-    ({"path": "rm", "max_length": 1}, "reward.models[0].max_length", "1 is out of range: must be >= 2"),
-    ({"path": "rm", "max_length": 8.5}, "reward.models[0].max_length", "expected an integer, got a number 8.5"),
-    ({"path": "rm", "overflow": "truncate"}, "reward.models[0].overflow", "'truncate' is not one of"),
-    ({"path": "rm", "mean": None}, "reward.models[0].mean", "must not be null"),
-    ({"path": "rm", "std": 0}, "reward.models[0].std", "0.0 is out of range: must be > 0"),
-    ({"path": "rm", "std": -1.0}, "reward.models[0].std", "is out of range: must be > 0"),
-    ({"path": "rm", "offload": "yes"}, "reward.models[0].offload", 'expected a boolean, got a string "yes"'),
-])
+@pytest.mark.parametrize(
+    ("entry", "where", "what"),
+    [
+        ("rm", "reward.models[0]", "must be an object with a string path"),
+        ({"weight": 1.0}, "reward.models[0]", "must be an object with a string path"),
+        ({"path": "  "}, "reward.models[0]", "must be an object with a string path"),
+        ({"path": "rm", "wieght": 1}, "reward.models[0].wieght", "unknown key"),
+        ({"path": "rm", "name": 3}, "reward.models[0].name", "expected a string, got an integer 3"),
+        ({"path": "rm", "name": " "}, "reward.models[0].name", "is empty"),
+        (
+            {"path": "rm", "weight": "1"},
+            "reward.models[0].weight",
+            'expected a number, got a string "1"',
+        ),
+        (
+            {"path": "rm", "weight": float("inf")},
+            "reward.models[0].weight",
+            "Infinity is not a finite number",
+        ),
+        (
+            {"path": "rm", "chat_template": 1},
+            "reward.models[0].chat_template",
+            "expected a boolean, got an integer 1",
+        ),
+        (
+            {"path": "rm", "max_length": 1},
+            "reward.models[0].max_length",
+            "1 is out of range: must be >= 2",
+        ),
+        (
+            {"path": "rm", "max_length": 8.5},
+            "reward.models[0].max_length",
+            "expected an integer, got a number 8.5",
+        ),
+        (
+            {"path": "rm", "overflow": "truncate"},
+            "reward.models[0].overflow",
+            "'truncate' is not one of",
+        ),
+        ({"path": "rm", "mean": None}, "reward.models[0].mean", "must not be null"),
+        ({"path": "rm", "std": 0}, "reward.models[0].std", "0.0 is out of range: must be > 0"),
+        ({"path": "rm", "std": -1.0}, "reward.models[0].std", "is out of range: must be > 0"),
+        (
+            {"path": "rm", "offload": "yes"},
+            "reward.models[0].offload",
+            'expected a boolean, got a string "yes"',
+        ),
+    ],
+)
 def test_each_bad_entry_is_one_error_at_its_key(entry, where, what):
     with pytest.raises(UserError) as info:
         models([entry])
@@ -87,8 +139,10 @@ def test_two_models_with_one_name_are_refused():
     with pytest.raises(UserError) as info:
         models([{"path": "x/rm"}, {"path": "y/rm"}])  # both default to the folder's name
     assert info.value.where == "reward.models[1].name" and "reward.models[0]" in info.value.what
-    assert [s.name for s in models([{"path": "x/rm"}, {"path": "y/rm", "name": "rm2"}])] == \
-        ["rm", "rm2"]
+    assert [s.name for s in models([{"path": "x/rm"}, {"path": "y/rm", "name": "rm2"}])] == [
+        "rm",
+        "rm2",
+    ]
 
 
 def test_a_bad_entry_stops_the_recipe_load():
@@ -97,17 +151,21 @@ def test_a_bad_entry_stops_the_recipe_load():
     assert info.value.where == "reward.models[0].std"
 
 
-# --------------------------------------------------------------------------------------------- the reference
+# ------------------------------------------------------------------------------------ the reference
+
 
 def _entry_definitions(text: str) -> dict[str, tuple[str, str]]:
     """`reward.models[].key` -> (its meaning, its facts line) from the reference's definitions."""
-    found = re.findall(r"^`reward\.models\[\]\.(\w+)`\n:   (.+)\n\n    (.+)$", text, flags=re.MULTILINE)
+    found = re.findall(
+        r"^`reward\.models\[\]\.(\w+)`\n:   (.+)\n\n    (.+)$", text, flags=re.MULTILINE
+    )
     return {key: (meaning, facts) for key, meaning, facts in found}
 
 
 def test_the_reference_documents_every_entry_key_with_its_type_default_and_range():
     page = REFERENCE.read_text(encoding="utf-8")
-    assert definitions() in page  # the page is the generator's text (tests/test_docs.py checks it whole)
+    # the page is the generator's text (tests/test_docs.py checks it whole)
+    assert definitions() in page
     documented = _entry_definitions(page)
     assert list(documented) == [f.name for f in dataclasses.fields(RewardModelSpec)]
     for f in dataclasses.fields(RewardModelSpec):
@@ -116,28 +174,49 @@ def test_the_reference_documents_every_entry_key_with_its_type_default_and_range
     assert documented["path"][1] == "string · required"
     assert documented["name"][1] == "string or null · default `null`"
     assert documented["max_length"][1] == "int or null · default `null` · >= 2"
-    assert documented["overflow"][1] == 'string · default `"truncate_left"` · one of `"truncate_left"`, `"error"`'
+    assert (
+        documented["overflow"][1]
+        == 'string · default `"truncate_left"` · one of `"truncate_left"`, `"error"`'
+    )
     assert documented["std"][1] == "float · default `1.0` · > 0"
     assert documented["offload"][1] == f"bool · default `{json.dumps(RewardModelSpec.offload)}`"
     # after the reward section's own keys, before the next section
-    assert page.index("`reward.models`\n") < page.index("### `reward.models[]`") < page.index("## `algorithm`")
+    assert (
+        page.index("`reward.models`\n")
+        < page.index("### `reward.models[]`")
+        < page.index("## `algorithm`")
+    )
 
 
 def test_a_model_named_like_a_reward_function_is_refused():
     from grpo_ds.config.loading import load_recipe
 
     with pytest.raises(UserError) as err:
-        load_recipe({"reward": {"functions": [{"name": "format"}], "models": [{"path": "m/format"}]}})
-    assert str(err.value).startswith('reward.models[0].name: "format" is the name of a reward function too')
-    load_recipe({"reward": {"functions": [{"name": "format"}], "models": [{"path": "m/format", "name": "rm"}]}})
+        load_recipe(
+            {"reward": {"functions": [{"name": "format"}], "models": [{"path": "m/format"}]}}
+        )
+    assert str(err.value).startswith(
+        'reward.models[0].name: "format" is the name of a reward function too'
+    )
+    load_recipe(
+        {
+            "reward": {
+                "functions": [{"name": "format"}],
+                "models": [{"path": "m/format", "name": "rm"}],
+            }
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------- one parser
 
+
 def test_function_entries_are_stripped_and_get_the_default_weight():
     specs = parse_rewards([{"name": " format "}, {"name": "exact_match", "weight": 2}], [])
-    assert specs.functions == (RewardFunctionSpec("format", 1.0),
-                               RewardFunctionSpec("exact_match", 2.0))
+    assert specs.functions == (
+        RewardFunctionSpec("format", 1.0),
+        RewardFunctionSpec("exact_match", 2.0),
+    )
     assert isinstance(specs.functions[1].weight, float) and specs.models == ()
 
 
@@ -147,11 +226,14 @@ def test_the_recipe_is_parsed_once_and_every_reader_shares_the_specs(tmp_path, m
     model) all read one parse of reward.functions and reward.models."""
     calls = []
     parse = reward_specs.parse_rewards
-    monkeypatch.setattr(reward_specs, "parse_rewards",
-                        lambda *entries: calls.append(entries) or parse(*entries))
+    monkeypatch.setattr(
+        reward_specs, "parse_rewards", lambda *entries: calls.append(entries) or parse(*entries)
+    )
     folder = write_reward_model(tmp_path / "helpful_rm")
-    overrides = [f"run.output_dir={tmp_path / 'out'}",
-                 f'reward.models=[{{"path": "{folder}", "weight": 0.5}}]']
+    overrides = [
+        f"run.output_dir={tmp_path / 'out'}",
+        f'reward.models=[{{"path": "{folder}", "weight": 0.5}}]',
+    ]
     inputs = prepare_inputs(REPO / "recipes" / "tiny_cpu.json", overrides, 1, "cpu")
     dry_run = report(inputs, 1, "max")
     specs = reward_specs.reward_specs(inputs.recipe.reward)

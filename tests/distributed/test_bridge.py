@@ -46,8 +46,16 @@ EXAMPLES = [
     Start(1, None, False),
     GoAhead(4, 2),
     GoAhead(5, None),
-    Batch(2, 1, {"samples": "opaque to the bridge", "ids": [[1, 2], [3]]}, {"position": 8},
-          "SIGTERM", 1.5, 0.25, [["rollout", 1.0, 2.0], ["send", 2.0, 2.5]]),
+    Batch(
+        2,
+        1,
+        {"samples": "opaque to the bridge", "ids": [[1, 2], [3]]},
+        {"position": 8},
+        "SIGTERM",
+        1.5,
+        0.25,
+        [["rollout", 1.0, 2.0], ["send", 2.0, 2.5]],
+    ),
     Batch(1, 0, None, {}),
     Stop([{"step": 1, "loss": 0.5}]),
     Stop([], Preemption("SIGTERM", 3, 6, "/run/checkpoints/step_3")),
@@ -79,6 +87,7 @@ def test_only_messages_are_encoded():
 
 # -------------------------------------------------------------------------------------- refusals
 
+
 def _with_header(kind: str, body: bytes, version: int = BRIDGE_VERSION) -> bytes:
     """A payload as encode lays it out (the wire format of grpo_ds.distributed.messages)."""
     name = kind.encode("ascii")
@@ -96,10 +105,11 @@ def _refusal(payload: bytes, sender: str, *expected: type) -> str:
 def test_another_version_is_refused_naming_the_sender():
     payload = encode(GoAhead(1, None))
     for version in (BRIDGE_VERSION + 1, 0):
-        patched = MAGIC + struct.pack(">H", version) + payload[len(MAGIC) + 2:]
+        patched = MAGIC + struct.pack(">H", version) + payload[len(MAGIC) + 2 :]
         assert _refusal(patched, "the rollout ranks").startswith(
             f"the rollout ranks sent a message of version {version}; this side speaks version "
-            f"{BRIDGE_VERSION} ")
+            f"{BRIDGE_VERSION} "
+        )
 
 
 def _raw(kind: str, body: Any) -> bytes:
@@ -119,8 +129,10 @@ MALFORMED = {  # what a sender's payload holds -> what the refusal says
     "a str step": (_raw("GoAhead", ("1", None)), f"{GO} step is a str, not int"),
     "a bool step": (_raw("GoAhead", (True, None)), f"{GO} step is a bool"),
     "a str flag": (_raw("Start", (1, None, "yes")), "Start message whose data_changed is a str"),
-    "a tuple preemption": (_raw("Stop", ([], ("SIGTERM", 1, 2, None))),
-                           "Stop message whose preempted is a tuple"),
+    "a tuple preemption": (
+        _raw("Stop", ([], ("SIGTERM", 1, 2, None))),
+        "Stop message whose preempted is a tuple",
+    ),
 }
 
 
@@ -137,20 +149,24 @@ def test_a_float_field_takes_an_int():
 def test_a_message_of_another_kind_is_refused_naming_both_kinds():
     assert _refusal(encode(GoAhead(2, 1)), "the rollout ranks", Batch) == (
         "the rollout ranks sent a go-ahead (GoAhead) where this side expected a batch of samples "
-        "(Batch)")
-    assert "expected a go-ahead or stop (GoAhead or Stop)" in \
-        _refusal(encode(Layout(None)), "the trainer", GoAhead, Stop)
+        "(Batch)"
+    )
+    assert "expected a go-ahead or stop (GoAhead or Stop)" in _refusal(
+        encode(Layout(None)), "the trainer", GoAhead, Stop
+    )
 
 
 # --------------------------------------------------------------------------------- a real bridge
+
 
 def _bridge(size: int, timeout_s: float = TIMEOUT_S) -> list[Bridge]:
     """The ``size`` members of one bridge (the trainer's rank 0, then the rollout ranks): each joins
     the group in a thread, as the ranks of a launch do in their processes."""
     store = torch.distributed.HashStore()
     with ThreadPoolExecutor(size) as pool:
-        return list(pool.map(lambda r: Bridge(store, r, size, torch.device("cpu"), timeout_s),
-                             range(size)))
+        return list(
+            pool.map(lambda r: Bridge(store, r, size, torch.device("cpu"), timeout_s), range(size))
+        )
 
 
 def _together(*sides) -> list[Any]:
@@ -208,14 +224,16 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("bucket_bytes", [1, 64, 1 << 20],
-                         ids=["a tensor a bucket", "buckets", "one bucket"])
+@pytest.mark.parametrize(
+    "bucket_bytes", [1, 64, 1 << 20], ids=["a tensor a bucket", "buckets", "one bucket"]
+)
 def test_weights_arrive_bit_exact_on_every_rollout_rank(bucket_bytes):
     weights = _weights()
     trainer, *rollout = _bridge(3)
-    sent, *received = _together(lambda: trainer.send_weights(iter(weights.items()), bucket_bytes),
-                                *[lambda m=m: [(n, t.clone()) for n, t in m.receive_weights()]
-                                  for m in rollout])
+    sent, *received = _together(
+        lambda: trainer.send_weights(iter(weights.items()), bucket_bytes),
+        *[lambda m=m: [(n, t.clone()) for n, t in m.receive_weights()] for m in rollout],
+    )
     assert sent == sum(t.numel() * t.element_size() for t in weights.values())
     for pairs in received:
         assert [n for n, _ in pairs] == list(weights)
@@ -239,12 +257,13 @@ def test_a_refused_message_over_the_bridge_names_the_side_that_sent_it():
 
     up, _ = _together(trainer_waits_for_a_batch, lambda: lead.send(GoAhead(1, None)))
     assert up.startswith("the rollout ranks sent a go-ahead (GoAhead) where this side expected")
-    _, down = _together(lambda: trainer.broadcast(Batch(1, 0, None, {})),
-                        rollout_waits_for_a_go_ahead)
+    _, down = _together(
+        lambda: trainer.broadcast(Batch(1, 0, None, {})), rollout_waits_for_a_go_ahead
+    )
     assert down.startswith("the trainer sent a batch of samples (Batch) where this side expected")
     # a payload of another version: what a rank running another grpo_ds would send
     batch = encode(Batch(1, 0, None, {}))
-    newer = MAGIC + struct.pack(">H", BRIDGE_VERSION + 1) + batch[len(MAGIC) + 2:]
+    newer = MAGIC + struct.pack(">H", BRIDGE_VERSION + 1) + batch[len(MAGIC) + 2 :]
     up, _ = _together(trainer_waits_for_a_batch, lambda: lead._send_bytes(newer, Batch, up=True))
     assert up.startswith(f"the rollout ranks sent a message of version {BRIDGE_VERSION + 1}; ")
 

@@ -9,18 +9,46 @@ from grpo_ds.envs.calculator import evaluate, format_value
 from grpo_ds.run.prompts import arith_rows
 
 
-@pytest.mark.parametrize("expression, value", [
-    ("3+4", 7), ("2*(3+4)", 14), ("7/2", Fraction(7, 2)), ("-3+1", -2), (" 10 - 2 * 3 ", 4), ("+5", 5),
-    ("((1))", 1), ("1/3*3", 1), ("(" * 30 + "1" + ")" * 30, 1),
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("3+4", 7),
+        ("2*(3+4)", 14),
+        ("7/2", Fraction(7, 2)),
+        ("-3+1", -2),
+        (" 10 - 2 * 3 ", 4),
+        ("+5", 5),
+        ("((1))", 1),
+        ("1/3*3", 1),
+        ("(" * 30 + "1" + ")" * 30, 1),
+    ],
+)
 def test_evaluate_arithmetic_exactly(expression, value):
     assert evaluate(expression) == value
 
 
-@pytest.mark.parametrize("expression", [
-    "", " ", "1/0", "2**8", "7//2", "7%2", "__import__('os')", "1e3", "1.5+1", "08", "3+", "()", "x",
-    "9" * 11, "99999*99999", "1" + "+1" * 40, "(" * 40 + "1" + ")" * 40,
-])
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "",
+        " ",
+        "1/0",
+        "2**8",
+        "7//2",
+        "7%2",
+        "__import__('os')",
+        "1e3",
+        "1.5+1",
+        "08",
+        "3+",
+        "()",
+        "x",
+        "9" * 11,
+        "99999*99999",
+        "1" + "+1" * 40,
+        "(" * 40 + "1" + ")" * 40,
+    ],
+)
 def test_evaluate_refuses_everything_else(expression):
     assert evaluate(expression) is None
 
@@ -53,8 +81,9 @@ def test_calls_with_an_expression_and_bad_calls():
     assert env.step("1/0?") == StepResult("[error]", 0.0, False)
 
 
-@pytest.mark.parametrize("turn, reward", [("7", 1.0), (" 7. ", 1.0), ("7.0", 1.0), ("8", 0.0), ("", 0.0),
-                                          ("7x", 0.0)])
+@pytest.mark.parametrize(
+    "turn, reward", [("7", 1.0), (" 7. ", 1.0), ("7.0", 1.0), ("8", 0.0), ("", 0.0), ("7x", 0.0)]
+)
 def test_final_answers_are_compared_like_exact_match(turn, reward):
     env = CalculatorEnv()
     env.reset({"prompt": "3+4=", "answer": "7"})
@@ -70,8 +99,9 @@ def test_reset_starts_a_new_episode():
 
 
 def test_options():
-    env = CalculatorEnv(call="CALC", result_template="<r>{}</r>", call_reward=0.0, question_key="q",
-                        answer_key="a")
+    env = CalculatorEnv(
+        call="CALC", result_template="<r>{}</r>", call_reward=0.0, question_key="q", answer_key="a"
+    )
     env.reset({"q": "6*7", "a": "42"})
     assert env.turn_stop == ("CALC",)
     assert env.step("CALC") == StepResult("<r>42</r>", 0.0, False)

@@ -1,5 +1,5 @@
-"""load_env_factory: built-in environments by name, package.module:Class with options, and a one-line UserError
-for every mistake."""
+"""load_env_factory: built-in environments by name, package.module:Class with options, and a
+one-line UserError for every mistake."""
 
 import functools
 
@@ -25,7 +25,9 @@ def test_builtin_env_by_name_with_and_without_options():
 
 
 def test_user_env_from_a_module(user_module):
-    module = user_module("my_envs", """
+    module = user_module(
+        "my_envs",
+        """
         from grpo_ds.envs import StepResult
 
         class Echo:
@@ -39,7 +41,8 @@ def test_user_env_from_a_module(user_module):
 
             def step(self, model_turn):
                 return StepResult("", self.reward, True)
-    """)
+    """,
+    )
     factory = load_env_factory(f"{module}:Echo", {"reward": 2.0})
     assert factory().step("x") == StepResult("", 2.0, True)
 
@@ -49,7 +52,9 @@ def test_every_loading_mistake_is_a_one_line_user_error(user_module):
     assert err.where == "rollout.env" and "did you mean 'calculator'" in str(err)
     assert "cannot import module" in str(load_error("no_such_module_xyz:Env"))
     assert "not of the form" in str(load_error("my_envs:"))
-    module = user_module("bad_envs", """
+    module = user_module(
+        "bad_envs",
+        """
         NOT_CALLABLE = 3
 
         class NoStep:
@@ -66,7 +71,8 @@ def test_every_loading_mistake_is_a_one_line_user_error(user_module):
                 return None
 
         raise_on_import = False
-    """)
+    """,
+    )
     assert "has no attribute" in str(load_error(f"{module}:Missing"))
     assert "not a class or function" in str(load_error(f"{module}:NOT_CALLABLE"))
     assert "no reset/step" in str(load_error(f"{module}:NoStep"))

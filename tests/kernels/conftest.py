@@ -1,7 +1,8 @@
 """Fixtures of the kernel tests: the backends to compare against grpo_ds/algo, on the CPU.
 
-On the CPU the Triton backend runs through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
-there); without Triton installed, or where it cannot run, its tests skip and the torch path is still tested.
+On the CPU the Triton backend runs through Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 there); without Triton installed, or where it cannot run, its tests skip and the
+torch path is still tested.
 """
 
 import pytest

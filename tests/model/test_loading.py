@@ -1,4 +1,5 @@
-"""Loading the policy: builtin:tiny, local HF folders (saved here, never downloaded), and path errors."""
+"""Loading the policy: builtin:tiny, local HF folders (saved here, never downloaded), and path
+errors."""
 
 import json
 
@@ -16,7 +17,9 @@ def saved_folder(tmp_path_factory):
     """A builtin tiny model and its tokenizer saved as an ordinary HF model folder."""
     folder = tmp_path_factory.mktemp("tiny_hf")
     tok = build_tiny_tokenizer()
-    build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, seed=5).save_pretrained(folder)
+    build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, seed=5).save_pretrained(
+        folder
+    )
     tok.save_pretrained(folder)
     return folder
 
@@ -43,8 +46,13 @@ def test_builtin_tokenizer_and_model():
 
 
 def test_builtin_dtype_and_gradient_checkpointing():
-    cfg = ModelConfig(dtype="bfloat16", gradient_checkpointing=True, tiny_hidden_size=16, tiny_num_layers=1,
-                      tiny_num_heads=2)
+    cfg = ModelConfig(
+        dtype="bfloat16",
+        gradient_checkpointing=True,
+        tiny_hidden_size=16,
+        tiny_num_layers=1,
+        tiny_num_heads=2,
+    )
     model = load_model(cfg, vocab_size=40, seed=0)
     assert model.dtype == torch.bfloat16
     assert model.config.use_cache is False
@@ -72,7 +80,9 @@ def test_folder_without_config(tmp_path):
         with pytest.raises(UserError) as err:
             fn(cfg)
         assert err.value.where == "model.path"
-        assert "not a Hugging Face model folder" in err.value.what and "config.json" in err.value.what
+        assert (
+            "not a Hugging Face model folder" in err.value.what and "config.json" in err.value.what
+        )
 
 
 def test_unknown_builtin_model():
@@ -83,8 +93,9 @@ def test_unknown_builtin_model():
 
 def test_folder_without_tokenizer_files(tmp_path):
     # transformers 5 would silently build an empty 1-token tokenizer here; we refuse instead.
-    (tmp_path / "config.json").write_text(json.dumps(build_tiny_model(20, hidden_size=16, num_heads=2)
-                                                     .config.to_dict()))
+    (tmp_path / "config.json").write_text(
+        json.dumps(build_tiny_model(20, hidden_size=16, num_heads=2).config.to_dict())
+    )
     with pytest.raises(UserError) as err:
         load_tokenizer(ModelConfig(path=str(tmp_path)))
     assert "no tokenizer files" in err.value.what
@@ -123,17 +134,23 @@ def test_folder_tokenizer_without_pad_uses_eos(tmp_path, saved_folder):
 
 @pytest.mark.slow
 def test_zero3_loads_partitioned_and_identical_at_world_size_2(tmp_path):
-    """Each rank holds ceil(numel / 2) of every weight from the start (builtin:tiny and a saved HF folder); the
-    gathered weights and the logits equal a plain load exactly; LoRA trains on the partitioned base."""
+    """Each rank holds ceil(numel / 2) of every weight from the start (builtin:tiny and a saved HF
+    folder); the gathered weights and the logits equal a plain load exactly; LoRA trains on the
+    partitioned base."""
     from tests.launch import REPO, deepspeed_launch
 
     folder = tmp_path / "hf"
     build_tiny_model(64, hidden_size=32, num_layers=2, num_heads=4, seed=7).save_pretrained(folder)
-    deepspeed_launch(2, [str(REPO / "tests" / "scripts" / "partitioned_load_check.py"), str(tmp_path), str(folder)])
+    deepspeed_launch(
+        2,
+        [str(REPO / "tests" / "scripts" / "partitioned_load_check.py"), str(tmp_path), str(folder)],
+    )
     result = json.loads((tmp_path / "result.json").read_text())
     for kind in ("tiny", "hf"):
         r = result[kind]
         assert r["shards_ok"] and r["weights_equal"] and r["logits_equal"], (kind, r)
-        assert r["weights_compared"] == 2 * 9 + 3  # 9 per layer, embedding, final norm, lm_head: nothing skipped
-        assert r["local"] <= r["total"] / 2 + 64, (kind, r)  # 1/2 of the model (each tensor rounded up)
+        # 9 per layer, embedding, final norm, lm_head: nothing skipped
+        assert r["weights_compared"] == 2 * 9 + 3
+        # 1/2 of the model (each tensor rounded up)
+        assert r["local"] <= r["total"] / 2 + 64, (kind, r)
     assert result["lora_trainable_partitioned"] and result["lora_loss"] == result["lora_loss"]

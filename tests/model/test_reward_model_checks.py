@@ -1,10 +1,11 @@
-"""Bad reward models are refused before anything loads (grpo_ds.model.reward_model_checks), each with one line naming
-the entry's key: a missing folder, a folder without config.json, a model without a sequence-classification head or with
-more than one label, a length setting the model cannot take, and a tokenizer that is missing, has no pad token, has
-more tokens than the model, or has no chat template where one is asked for. Model folders are built from configs in
-tmp_path (random weights, the builtin tokenizer built in code); nothing is downloaded. One case goes through the real
-command lines (python -m grpo_ds.train and grpo_ds.check, forked from a preloaded process): exit 2, one line, nothing
-written."""
+"""Bad reward models are refused before anything loads (grpo_ds.model.reward_model_checks), each
+with one line naming the entry's key: a missing folder, a folder without config.json, a model
+without a sequence-classification head or with more than one label, a length setting the model
+cannot take, and a tokenizer that is missing, has no pad token, has more tokens than the model, or
+has no chat template where one is asked for. Model folders are built from configs in tmp_path
+(random weights, the builtin tokenizer built in code); nothing is downloaded. One case goes through
+the real command lines (python -m grpo_ds.train and grpo_ds.check, forked from a preloaded process):
+exit 2, one line, nothing written."""
 
 import json
 import os
@@ -67,12 +68,16 @@ def test_no_weight_is_read(tmp_path, good):
 
 def test_a_missing_folder(tmp_path):
     err = refusal([{"path": str(tmp_path / "nowhere")}])
-    assert err.where == "reward.models[0].path" and err.what == f"{tmp_path / 'nowhere'} does not exist"
+    assert (
+        err.where == "reward.models[0].path"
+        and err.what == f"{tmp_path / 'nowhere'} does not exist"
+    )
 
 
 def test_a_folder_without_config_json(tmp_path, good):
     (tmp_path / "empty").mkdir()
-    err = refusal([{"path": str(good)}, {"path": str(tmp_path / "empty")}])  # the second entry is named
+    # the second entry is named
+    err = refusal([{"path": str(good)}, {"path": str(tmp_path / "empty")}])
     assert err.where == "reward.models[1].path" and "no config.json in it" in err.what
 
 
@@ -80,7 +85,10 @@ def test_a_causal_lm_is_not_a_reward_model(tmp_path):
     folder = write_reward_model(tmp_path / "lm", model_cls=LlamaForCausalLM)
     err = refusal([{"path": str(folder)}])
     assert err.where == "reward.models[0].path"
-    assert "holds a LlamaForCausalLM, not a sequence classifier" in err.what and "num_labels=1" in err.fix
+    assert (
+        "holds a LlamaForCausalLM, not a sequence classifier" in err.what
+        and "num_labels=1" in err.fix
+    )
 
 
 def test_a_config_without_architectures_is_refused(tmp_path, good):
@@ -97,7 +105,8 @@ def test_more_than_one_label(tmp_path, labels):
 
 
 def test_a_config_that_names_no_labels_has_transformers_default_of_two(tmp_path, good):
-    """A classifier saved without num_labels (no id2label in config.json) has 2 labels to transformers."""
+    """A classifier saved without num_labels (no id2label in config.json) has 2 labels to
+    transformers."""
     folder = _copy(good, tmp_path)
     _edit_json(folder / "config.json", lambda c: (c.pop("id2label"), c.pop("label2id")))
     assert "has 2 labels" in refusal([{"path": str(folder)}]).what
@@ -106,8 +115,10 @@ def test_a_config_that_names_no_labels_has_transformers_default_of_two(tmp_path,
 def test_a_max_length_past_the_models_context(good):
     err = refusal([{"path": str(good), "max_length": CONTEXT + 1}])
     assert err.where == "reward.models[0].max_length"
-    assert err.what.startswith(f"{CONTEXT + 1} is more than the model's context length {CONTEXT} "
-                               "(max_position_embeddings in ")
+    assert err.what.startswith(
+        f"{CONTEXT + 1} is more than the model's context length {CONTEXT} "
+        "(max_position_embeddings in "
+    )
     assert err.fix == f"use at most {CONTEXT}, or null (= {CONTEXT})"
 
 
@@ -137,11 +148,15 @@ def test_a_tokenizer_without_a_pad_token_says_how_to_set_one(tmp_path, good):
     _edit_json(folder / "tokenizer_config.json", lambda c: c.pop("pad_token"))
     err = refusal([{"path": str(folder)}])
     assert err.where == "reward.models[0].path" and "has no pad token" in err.what
-    assert err.fix == f"set \"pad_token\" in {folder}/tokenizer_config.json, e.g. its eos token '<eos>'"
+    assert (
+        err.fix
+        == f"set \"pad_token\" in {folder}/tokenizer_config.json, e.g. its eos token '<eos>'"
+    )
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
-    folder = write_reward_model(tmp_path / "small_vocab", vocab_size=64)  # the tokenizer has 103 tokens
+    # the tokenizer has 103 tokens
+    folder = write_reward_model(tmp_path / "small_vocab", vocab_size=64)
     err = refusal([{"path": str(folder)}])
     assert "has 103 tokens, more than the model's vocabulary of 64" in err.what
 
@@ -157,17 +172,22 @@ def test_chat_template_true_needs_a_template(tmp_path, good):
 
 def test_preflight_runs_the_checks_and_hands_over_the_specs(good, tmp_path):
     out = f"run.output_dir={tmp_path / 'out'}"
-    inputs = prepare_inputs(RECIPE, [out, f'reward.models=[{{"path": "{good}", "weight": 0.5}}]'], 1, "cpu")
+    inputs = prepare_inputs(
+        RECIPE, [out, f'reward.models=[{{"path": "{good}", "weight": 0.5}}]'], 1, "cpu"
+    )
     assert [(s.name, s.weight) for s in inputs.reward_models] == [("good_rm", 0.5)]
     with pytest.raises(UserError) as info:
-        prepare_inputs(RECIPE, [out, f'reward.models=[{{"path": "{tmp_path / "missing"}"}}]'], 1, "cpu")
+        prepare_inputs(
+            RECIPE, [out, f'reward.models=[{{"path": "{tmp_path / "missing"}"}}]'], 1, "cpu"
+        )
     assert info.value.where == "reward.models[0].path"
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
 def test_the_command_lines_refuse_with_one_line_and_exit_2(tmp_path, good):
-    """python -m grpo_ds.train and grpo_ds.check on a reward model whose tokenizer has no pad token."""
+    """python -m grpo_ds.train and grpo_ds.check on a reward model whose tokenizer has no pad
+    token."""
     folder = _copy(good, tmp_path)
     _edit_json(folder / "tokenizer_config.json", lambda c: c.pop("pad_token"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
@@ -175,13 +195,22 @@ def test_the_command_lines_refuse_with_one_line_and_exit_2(tmp_path, good):
     workdirs = [tmp_path / "train", tmp_path / "check"]
     for workdir in workdirs:
         workdir.mkdir()
-    commands = [(["grpo_ds.train", str(RECIPE), models, f"run.output_dir={workdirs[0]}/out"], workdirs[0]),
-                (["grpo_ds.check", str(RECIPE), models, f"run.output_dir={workdirs[1]}/out"], workdirs[1])]
-    for finished, workdir in zip(run_forked(commands, env, tmp_path / "forks", timeout=300, parallel=1), workdirs,
-                                 strict=True):
+    commands = [
+        (["grpo_ds.train", str(RECIPE), models, f"run.output_dir={workdirs[0]}/out"], workdirs[0]),
+        (["grpo_ds.check", str(RECIPE), models, f"run.output_dir={workdirs[1]}/out"], workdirs[1]),
+    ]
+    for finished, workdir in zip(
+        run_forked(commands, env, tmp_path / "forks", timeout=300, parallel=1),
+        workdirs,
+        strict=True,
+    ):
         errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
         assert finished.returncode == 2, finished.stderr
         assert "Traceback" not in finished.stderr, finished.stderr
-        assert errors == [f"error: reward.models[0].path: the tokenizer in {folder} has no pad token (scoring pads a "
-                          f"batch). set \"pad_token\" in {folder}/tokenizer_config.json, e.g. its eos token '<eos>'."]
-        assert finished.stdout == "" and list(workdir.iterdir()) == []  # nothing printed, nothing written
+        assert errors == [
+            f"error: reward.models[0].path: the tokenizer in {folder} has no pad token (scoring "
+            'pads a batch). set "pad_token" in '
+            f"{folder}/tokenizer_config.json, e.g. its eos token '<eos>'."
+        ]
+        # nothing printed, nothing written
+        assert finished.stdout == "" and list(workdir.iterdir()) == []

@@ -1,4 +1,5 @@
-"""The builtin tiny tokenizer and model: exact round trips, fixed special ids, deterministic weights."""
+"""The builtin tiny tokenizer and model: exact round trips, fixed special ids, deterministic
+weights."""
 
 import string
 
@@ -13,8 +14,15 @@ def tok():
     return build_tiny_tokenizer()
 
 
-@pytest.mark.parametrize("text", ["1+2=3", "Hello, world!\n\tindented  two spaces ", " leading\n\nblank\r\n",
-                                  "".join(c for c in string.printable if c not in "\x0b\x0c")])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "1+2=3",
+        "Hello, world!\n\tindented  two spaces ",
+        " leading\n\nblank\r\n",
+        "".join(c for c in string.printable if c not in "\x0b\x0c"),
+    ],
+)
 def test_round_trip_is_exact(tok, text):
     ids = tok(text)["input_ids"]
     assert len(ids) == len(text)  # one token per character, no BOS added
@@ -45,7 +53,10 @@ def test_unknown_character_maps_to_unk(tok):
 def test_chat_template_exact_string(tok):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n"
+        "1+2=<|im_end|>\n<|im_start|>assistant\n"
+    )
     no_prompt = tok.apply_chat_template(messages[1:], tokenize=False, add_generation_prompt=False)
     assert no_prompt == "<|im_start|>user\n1+2=<|im_end|>\n"
 
@@ -94,5 +105,7 @@ def test_generate_with_left_padding_matches_unpadded(tok):
     out = model.generate(**batch, do_sample=False, max_new_tokens=3)
     assert out.shape == (2, batch["input_ids"].shape[1] + 3)
     # Padding must not change what the short prompt generates.
-    alone = model.generate(**tok(prompts[:1], return_tensors="pt"), do_sample=False, max_new_tokens=3)
+    alone = model.generate(
+        **tok(prompts[:1], return_tensors="pt"), do_sample=False, max_new_tokens=3
+    )
     assert torch.equal(out[0, -3:], alone[0, -3:])

@@ -1,5 +1,5 @@
-"""A reward model's input (grpo_ds.reward_models.render): the text under its chat template or plain, its own
-tokenizer's ids, and what happens past max_length."""
+"""A reward model's input (grpo_ds.reward_models.render): the text under its chat template or plain,
+its own tokenizer's ids, and what happens past max_length."""
 
 import pytest
 
@@ -18,9 +18,24 @@ def spec(**kw) -> RewardModelSpec:
 
 def test_the_chat_template_renders_the_conversation_and_adds_no_second_bos():
     ids, truncated = render(spec(), TOKENIZER, ["Hi"], ["7!"])
-    assert render_texts(spec(), TOKENIZER, ["Hi"], ["7!"]) == ["<s><|user|>\nHi<|end|>\n<|assistant|>\n7!<|end|>\n"]
-    assert TOKENIZER.convert_ids_to_tokens(ids[0]) == ["<s>", "<|user|>", "\n", "H", "i", "<|end|>", "\n",
-                                                       "<|assistant|>", "\n", "7", "!", "<|end|>", "\n"]
+    assert render_texts(spec(), TOKENIZER, ["Hi"], ["7!"]) == [
+        "<s><|user|>\nHi<|end|>\n<|assistant|>\n7!<|end|>\n"
+    ]
+    assert TOKENIZER.convert_ids_to_tokens(ids[0]) == [
+        "<s>",
+        "<|user|>",
+        "\n",
+        "H",
+        "i",
+        "<|end|>",
+        "\n",
+        "<|assistant|>",
+        "\n",
+        "7",
+        "!",
+        "<|end|>",
+        "\n",
+    ]
     assert truncated == 0
 
 
@@ -37,20 +52,31 @@ def test_the_reward_models_ids_are_not_the_policys():
 
 
 def test_truncate_left_keeps_the_end_and_counts():
-    ids, truncated = render(spec(chat_template=False, max_length=4), TOKENIZER, ["abc", "abcdef", "ab"],
-                            ["d", "gh", ""])
+    ids, truncated = render(
+        spec(chat_template=False, max_length=4), TOKENIZER, ["abc", "abcdef", "ab"], ["d", "gh", ""]
+    )
     assert [TOKENIZER.decode(i) for i in ids] == ["abcd", "efgh", "ab"]
     assert truncated == 1
     _, none = render(spec(chat_template=False), TOKENIZER, ["abcdef"], ["gh"], max_length=None)
     assert none == 0
-    _, window = render(spec(chat_template=False), TOKENIZER, ["abcdef"], ["gh"], max_length=3)  # the model's window
+    # the model's window
+    _, window = render(spec(chat_template=False), TOKENIZER, ["abcdef"], ["gh"], max_length=3)
     assert window == 1
 
 
 def test_error_overflow_is_one_line_naming_the_sample_and_the_fix():
     with pytest.raises(UserError) as err:
-        render(spec(chat_template=False, max_length=4, overflow="error"), TOKENIZER, ["ab", "abcdef"], ["c", "g"],
-               first_sample=10)
+        render(
+            spec(chat_template=False, max_length=4, overflow="error"),
+            TOKENIZER,
+            ["ab", "abcdef"],
+            ["c", "g"],
+            first_sample=10,
+        )
     message = str(err.value)
     assert "\n" not in message
-    assert "sample 11 is 7 tokens long" in message and "max_length 4" in message and "truncate_left" in message
+    assert (
+        "sample 11 is 7 tokens long" in message
+        and "max_length 4" in message
+        and "truncate_left" in message
+    )

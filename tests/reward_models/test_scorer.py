@@ -1,6 +1,7 @@
-"""Reward models scored under DeepSpeed (grpo_ds.reward_models.scorer) equal a plain transformers forward of
-AutoModelForSequenceClassification on the same texts (fp32, 1e-5): at world sizes 1, 2 and 3, packed and padded,
-with and without offload; a reward model with its own vocabulary scores a policy's completions from their text."""
+"""Reward models scored under DeepSpeed (grpo_ds.reward_models.scorer) equal a plain transformers
+forward of AutoModelForSequenceClassification on the same texts (fp32, 1e-5): at world sizes 1, 2
+and 3, packed and padded, with and without offload; a reward model with its own vocabulary scores a
+policy's completions from their text."""
 
 import json
 
@@ -20,9 +21,18 @@ from grpo_ds.reward_models.tiny import (
     write_tiny_reward_model,
 )
 from tests.launch import REPO, deepspeed_launch
-from tests.scripts.reward_model_scores import MICRO_TOKENS, SAMPLES, SHORT, VARIANTS, ds_config, score_variants, specs
+from tests.scripts.reward_model_scores import (
+    MICRO_TOKENS,
+    SAMPLES,
+    SHORT,
+    VARIANTS,
+    ds_config,
+    score_variants,
+    specs,
+)
 
-TOLERANCE = 1e-5  # fp32; measured worst case below 1e-6 (packed vs a sequence alone: the same sums, other order)
+# fp32; measured worst case below 1e-6 (packed vs a sequence alone: the same sums, other order)
+TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +41,21 @@ def folder(tmp_path_factory):
 
 
 def reference(folder: str, spec: RewardModelSpec, samples=SAMPLES) -> list[float]:
-    """The plain transformers score of each sample alone, rendered here from the rule (not by grpo_ds's render)."""
+    """The plain transformers score of each sample alone, rendered here from the rule (not by
+    grpo_ds's render)."""
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     out = []
     for prompt, completion in samples:
         if spec.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
-                                                  {"role": "assistant", "content": completion}], tokenize=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
+                tokenize=False,
+            )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(prompt + completion)["input_ids"]
-        ids = ids[-spec.max_length:] if spec.max_length else ids
+        ids = ids[-spec.max_length :] if spec.max_length else ids
         with torch.no_grad():
             logit = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         out.append((logit - spec.mean) / spec.std)
@@ -57,7 +70,9 @@ def expected_truncations(folder: str) -> int:
 def check_variants(result: dict, folder: str, variants) -> None:
     expected = {spec.name: reference(folder, spec) for spec in specs(folder, False)}
     spread = torch.tensor(expected["chat"]).std().item()
-    assert spread > 0.05, "the random reward model scores every text alike: the comparison would prove nothing"
+    assert spread > 0.05, (
+        "the random reward model scores every text alike: the comparison would prove nothing"
+    )
     truncated = expected_truncations(folder)
     assert 0 < truncated < len(SAMPLES)
     for variant in variants:
@@ -75,14 +90,17 @@ def test_world_size_1_zero3_every_variant_equals_transformers(folder):
     check_variants(result, folder, [v for v, _, _ in VARIANTS])
     for variant, packing, offload in VARIANTS:
         assert result[variant]["stage"] == 3
-        assert result[variant]["param_offload"] is offload  # offload: the engine keeps its partitions on the host
-        if packing:  # the probe found that the model scores packed sequences as it scores each alone
+        # offload: the engine keeps its partitions on the host
+        assert result[variant]["param_offload"] is offload
+        # the probe found that the model scores packed sequences as it scores each alone
+        if packing:
             assert result[variant]["packing_problem"] == [None] * 3
 
 
 def test_world_size_1_stage_1_offload_moves_the_module(folder):
-    """One rank without zero3_on_one_rank: the run is stage 1 and the reward model a plain engine (stage 0), whose
-    offload moves the module to the CPU after scoring (here already the device: the same code path)."""
+    """One rank without zero3_on_one_rank: the run is stage 1 and the reward model a plain engine
+    (stage 0), whose offload moves the module to the CPU after scoring (here already the device: the
+    same code path)."""
     result = score_variants(folder, init_distributed(), zero3=False)
     check_variants(result, folder, [v for v, _, _ in VARIANTS])
     assert {result[v]["stage"] for v, _, _ in VARIANTS} == {0}
@@ -90,22 +108,32 @@ def test_world_size_1_stage_1_offload_moves_the_module(folder):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_launched_world_sizes_every_variant_on_every_rank_equals_transformers(folder, tmp_path, world_size):
-    deepspeed_launch(world_size, [str(REPO / "tests/scripts/reward_model_scores.py"), str(tmp_path), folder])
+def test_launched_world_sizes_every_variant_on_every_rank_equals_transformers(
+    folder, tmp_path, world_size
+):
+    deepspeed_launch(
+        world_size, [str(REPO / "tests/scripts/reward_model_scores.py"), str(tmp_path), folder]
+    )
     for rank in range(world_size):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        check_variants(result, folder, [v for v, _, _ in VARIANTS] + (["packed_sp2"] if world_size == 2 else []))
+        check_variants(
+            result,
+            folder,
+            [v for v, _, _ in VARIANTS] + (["packed_sp2"] if world_size == 2 else []),
+        )
         assert {result[v]["stage"] for v, _, _ in VARIANTS} == {3}
         assert [result[v]["param_offload"] for v, _, _ in VARIANTS] == [o for _, _, o in VARIANTS]
 
 
 def test_a_reward_model_with_its_own_vocabulary_scores_a_policys_completions(folder):
-    """The policy (builtin:tiny's tokenizer) and the reward model (its own) share no token id for any character.
-    The completions reach the scorer as the policy's decoded text and score as the reward model's own tokens do;
-    the policy's ids read by the reward model give other scores, by far (so a scorer passing them would fail)."""
+    """The policy (builtin:tiny's tokenizer) and the reward model (its own) share no token id for
+    any character. The completions reach the scorer as the policy's decoded text and score as the
+    reward model's own tokens do; the policy's ids read by the reward model give other scores, by
+    far (so a scorer passing them would fail)."""
     policy = build_tiny_tokenizer()
     prompts = [p for p, _ in SAMPLES]
-    completion_ids = [policy(c, add_special_tokens=False)["input_ids"] for _, c in SAMPLES]  # what a rollout holds
+    # what a rollout holds
+    completion_ids = [policy(c, add_special_tokens=False)["input_ids"] for _, c in SAMPLES]
     completions = [policy.decode(ids, skip_special_tokens=True) for ids in completion_ids]
     spec = RewardModelSpec(path=folder, name="plain", chat_template=False)
     dist = init_distributed()
@@ -115,14 +143,19 @@ def test_a_reward_model_with_its_own_vocabulary_scores_a_policys_completions(fol
     assert (got - expected).abs().max() <= TOLERANCE
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        passed_through = torch.tensor([model(input_ids=torch.tensor([policy(p + c)["input_ids"]])).logits[0, 0].item()
-                                       for p, c in SAMPLES])
+        passed_through = torch.tensor(
+            [
+                model(input_ids=torch.tensor([policy(p + c)["input_ids"]])).logits[0, 0].item()
+                for p, c in SAMPLES
+            ]
+        )
     assert (passed_through - expected).abs().max() > 100 * TOLERANCE
 
 
 def test_a_model_and_tokenizer_without_a_pad_token_score_in_padded_rows(tmp_path):
-    """The rows of a padded micro-batch need some pad id (the model's own pooling, unused here, refuses more than one
-    row without one): the scorer sets one, and the scores are still the plain forward's."""
+    """The rows of a padded micro-batch need some pad id (the model's own pooling, unused here,
+    refuses more than one row without one): the scorer sets one, and the scores are still the plain
+    forward's."""
     tokenizer = build_reward_tokenizer()
     tokenizer.pad_token = None
     model = build_tiny_reward_model(tokenizer, seed=1)
@@ -139,7 +172,9 @@ def test_a_model_and_tokenizer_without_a_pad_token_score_in_padded_rows(tmp_path
 
 def test_overflow_error_stops_scoring_with_one_line(folder):
     dist = init_distributed()
-    spec = RewardModelSpec(path=folder, name="strict", chat_template=False, max_length=SHORT, overflow="error")
+    spec = RewardModelSpec(
+        path=folder, name="strict", chat_template=False, max_length=SHORT, overflow="error"
+    )
     models = RewardModels.build([spec], ds_config(1, False), dist, MICRO_TOKENS)
     with pytest.raises(UserError) as err:
         models.score_models([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist)
@@ -155,4 +190,6 @@ def test_tensor_parallelism_is_refused_in_one_line_when_the_recipe_loads():
     load_recipe({"train": {"tensor_parallel_size": 2}})  # no reward model: fine
     with pytest.raises(UserError) as err:
         load_recipe({"reward": {"models": model}, "train": {"tensor_parallel_size": 2}})
-    assert str(err.value).startswith("train.tensor_parallel_size: 2 with reward.models:") and "\n" not in str(err.value)
+    assert str(err.value).startswith(
+        "train.tensor_parallel_size: 2 with reward.models:"
+    ) and "\n" not in str(err.value)

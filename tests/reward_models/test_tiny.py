@@ -1,6 +1,6 @@
-"""The reward models built in code (grpo_ds.reward_models.tiny): the reward tokenizer's own vocabulary, and the
-hand-set digit model whose score rises with the share of its digit, checked numerically against its formula, saved
-by the documented command and scored through the scorer."""
+"""The reward models built in code (grpo_ds.reward_models.tiny): the reward tokenizer's own
+vocabulary, and the hand-set digit model whose score rises with the share of its digit, checked
+numerically against its formula, saved by the documented command and scored through the scorer."""
 
 import pytest
 import torch
@@ -19,7 +19,8 @@ from grpo_ds.reward_models.tiny import (
 )
 from tests.scripts.reward_model_scores import ds_config
 
-FORMULA_TOLERANCE = 2e-6  # fp32 rounding plus RMSNorm's epsilon (1e-6 inside a square root); measured ~1e-6
+# fp32 rounding plus RMSNorm's epsilon (1e-6 inside a square root); measured ~1e-6
+FORMULA_TOLERANCE = 2e-6
 
 
 def test_the_reward_tokenizer_has_another_vocabulary_than_builtin_tiny():
@@ -44,8 +45,13 @@ def test_the_digit_models_score_is_its_formula_and_rises_with_the_share(digit):
     other = "a" if digit != "a" else "b"
     scores = []
     for count in range(9):  # 0..8 digits among 8 characters plus the template's tokens
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "Go"}, {"role": "assistant",
-                                              "content": digit * count + other * (8 - count)}], tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": "Go"},
+                {"role": "assistant", "content": digit * count + other * (8 - count)},
+            ],
+            tokenize=False,
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             score = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
@@ -54,20 +60,26 @@ def test_the_digit_models_score_is_its_formula_and_rises_with_the_share(digit):
     assert scores[0] == 0.0
     # strictly rising, by a margin learning can see
     assert all(b - a > 0.01 for a, b in zip(scores, scores[1:], strict=False))
-    assert abs(model(input_ids=torch.tensor([tokenizer(digit * 5)["input_ids"]])).logits.item() - 1.0) <= 1e-6
+    assert (
+        abs(model(input_ids=torch.tensor([tokenizer(digit * 5)["input_ids"]])).logits.item() - 1.0)
+        <= 1e-6
+    )
 
 
 def test_the_documented_command_writes_a_folder_the_scorer_reads(tmp_path, capsys):
-    """`python -m grpo_ds.reward_models.tiny FOLDER --digit 3`, through its main in this process (a fresh interpreter
-    would spend ~10 s importing transformers on the CI's CPU)."""
+    """`python -m grpo_ds.reward_models.tiny FOLDER --digit 3`, through its main in this process (a
+    fresh interpreter would spend ~10 s importing transformers on the CI's CPU)."""
     folder = tmp_path / "digit_rm"
     main([str(folder), "--digit", "3"])
     assert "rewards the digit 3" in capsys.readouterr().err
     assert AutoModelForSequenceClassification.from_pretrained(folder).config.num_labels == 1
     assert AutoTokenizer.from_pretrained(folder).convert_ids_to_tokens(
-        AutoTokenizer.from_pretrained(folder)("3")["input_ids"]) == ["3"]
+        AutoTokenizer.from_pretrained(folder)("3")["input_ids"]
+    ) == ["3"]
     dist = init_distributed()
-    models = RewardModels.build([RewardModelSpec(path=str(folder), name="threes")], ds_config(1, False), dist, 64)
+    models = RewardModels.build(
+        [RewardModelSpec(path=str(folder), name="threes")], ds_config(1, False), dist, 64
+    )
     completions = ["3" * k + "x" * (6 - k) for k in range(7)]
     scores = models.score_models(["Say 3."] * 7, completions, dist).scores["threes"]
     assert all(b > a for a, b in zip(scores, scores[1:], strict=False))

@@ -1,4 +1,5 @@
-"""Reward functions that the worker-pool tests load by name (``tests.rewards.pool_functions:NAME``), as a recipe would.
+"""Reward functions that the worker-pool tests load by name (``tests.rewards.pool_functions:NAME``),
+as a recipe would.
 
 Each scores a sample by its own text, so its score cannot depend on how the batch was cut."""
 

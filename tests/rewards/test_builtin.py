@@ -18,7 +18,9 @@ from grpo_ds.rewards.math_answer import math_equivalence
 
 
 def em(completion: str, answer) -> float | None:
-    return exact_match(prompts=["q"], completions=[completion], completion_ids=[[1]], answer=[answer])[0]
+    return exact_match(
+        prompts=["q"], completions=[completion], completion_ids=[[1]], answer=[answer]
+    )[0]
 
 
 @pytest.mark.parametrize(
@@ -83,7 +85,9 @@ def test_exact_match_ignores_unused_columns_and_scores_each_item():
     ],
 )
 def test_format(completion, expected):
-    assert format_reward(prompts=["q"], completions=[completion], completion_ids=[[1]]) == [expected]
+    assert format_reward(prompts=["q"], completions=[completion], completion_ids=[[1]]) == [
+        expected
+    ]
 
 
 def test_helpers():
@@ -103,20 +107,38 @@ def test_registry_names():
 
 
 def penalties(fn, lengths):
-    return fn(prompts=["q"] * len(lengths), completions=["c"] * len(lengths), completion_ids=[[7] * n for n in lengths])
+    return fn(
+        prompts=["q"] * len(lengths),
+        completions=["c"] * len(lengths),
+        completion_ids=[[7] * n for n in lengths],
+    )
 
 
 def test_length_penalty_shape():
     short = make_length_penalty(4, 8)
     # free up to 4 tokens, then -0.25 per token, -1.0 from 8 tokens on
-    assert penalties(short, [0, 3, 4, 5, 6, 7, 8, 100]) == [0.0, 0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
+    assert penalties(short, [0, 3, 4, 5, 6, 7, 8, 100]) == [
+        0.0,
+        0.0,
+        0.0,
+        -0.25,
+        -0.5,
+        -0.75,
+        -1.0,
+        -1.0,
+    ]
     assert all(str(v) != "-0.0" for v in penalties(short, [0, 4]))  # a clean 0.0 in the logs
 
 
 def test_builtin_length_penalty_defaults():
     start, end = LENGTH_PENALTY_START_TOKENS, LENGTH_PENALTY_END_TOKENS
     assert (start, end) == (512, 1024)
-    assert penalties(length_penalty, [start, (start + end) // 2, end, 5000]) == [0.0, -0.5, -1.0, -1.0]
+    assert penalties(length_penalty, [start, (start + end) // 2, end, 5000]) == [
+        0.0,
+        -0.5,
+        -1.0,
+        -1.0,
+    ]
 
 
 @pytest.mark.parametrize("start, end", [(8, 8), (9, 8), (-1, 8)])

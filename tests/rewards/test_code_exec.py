@@ -1,4 +1,5 @@
-"""code_exec: the completion's code plus the row's tests, in the sandbox; abuse is scored per reward.on_error."""
+"""code_exec: the completion's code plus the row's tests, in the sandbox; abuse is scored per
+reward.on_error."""
 
 import asyncio
 import sys
@@ -30,11 +31,17 @@ ABUSE = {
     "infinite loop": ("```python\nwhile True:\n    pass\n```", "timeout"),
     "memory bomb": ("```python\nx = bytearray(4_000_000_000)\n```", "memory"),
     "fork bomb": ("```python\nimport os\nwhile True:\n    os.fork()\n```", "blocked"),
-    "network": ("```python\nimport socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)\n```", "blocked"),
+    "network": (
+        "```python\nimport socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)\n```",
+        "blocked",
+    ),
     "read outside": ("```python\nprint(open('/etc/passwd').read())\n```", "blocked"),
     "write outside": ("```python\nopen('../escaped', 'w').write('x')\n```", "blocked"),
-    "disk filler": ("```python\ni = 0\nwhile True:\n    open(f'f{i}', 'wb').write(bytes(2**20))\n    i += 1\n```",
-                    "blocked"),
+    "disk filler": (
+        "```python\ni = 0\nwhile True:\n"
+        "    open(f'f{i}', 'wb').write(bytes(2**20))\n    i += 1\n```",
+        "blocked",
+    ),
 }
 
 
@@ -59,11 +66,13 @@ def call(fn, completions, tests):
 @pytest.mark.parametrize(
     "completion, code",
     [
-        ("text\n```python\nx = 1\n```\nmore\n```python\nx = 2\n```\nend", "x = 2\n"),  # the last python block
+        # the last python block
+        ("text\n```python\nx = 1\n```\nmore\n```python\nx = 2\n```\nend", "x = 2\n"),
         ("```py\nx = 1\n```", "x = 1\n"),
         ("```Python3\nx = 1\n```", "x = 1\n"),
         ("```\nx = 1\n```", "x = 1\n"),  # untagged
-        ("```python\nx = 1\n```\n```bash\nls\n```", "x = 1\n"),  # a python block beats other languages
+        # a python block beats other languages
+        ("```python\nx = 1\n```\n```bash\nls\n```", "x = 1\n"),
         ("x = 1\nprint(x)", "x = 1\nprint(x)"),  # no fence: all of it
     ],
 )
@@ -72,14 +81,23 @@ def test_extract_code(completion, code):
 
 
 def test_scores_correct_wrong_broken_and_untested_samples():
-    completions = [GOOD, WRONG, "```python\ndef add(a, b:\n```", GOOD, "def add(a, b): return a + b"]
+    completions = [
+        GOOD,
+        WRONG,
+        "```python\ndef add(a, b:\n```",
+        GOOD,
+        "def add(a, b): return a + b",
+    ]
     tests = [TESTS, TESTS, TESTS, None, [TESTS, "assert add(0, 0) == 0"]]
     assert call(fast, completions, tests) == [1.0, 0.0, 0.0, None, 1.0]
 
 
 def test_exiting_early_does_not_skip_the_tests():
     exits = "```python\nimport sys\ndef add(a, b):\n    return a - b\nsys.exit(0)\n```"
-    main = "```python\nimport sys\ndef add(a, b):\n    return a + b\ndef main():\n    pass\nsys.exit(main())\n```"
+    main = (
+        "```python\nimport sys\ndef add(a, b):\n    return a + b\n"
+        "def main():\n    pass\nsys.exit(main())\n```"
+    )
     assert call(fast, [exits, main], [TESTS, TESTS]) == [0.0, 1.0]
 
 
@@ -123,14 +141,17 @@ def test_abuse_scores_zero_is_counted_and_the_batch_goes_on(caplog):
     assert res.per_function["format"] == [0.0] * len(completions) and res.errors["format"] == 0
     assert res.total == res.per_function["code_exec"]
     assert elapsed < 10  # the one timeout (1.5 s) overlaps the other programs
-    for kind in ("timeout", "memory", "blocked"):  # one warning per kind, naming the function and a sample
+    # one warning per kind, naming the function and a sample
+    for kind in ("timeout", "memory", "blocked"):
         assert "'code_exec' failed on" in caplog.text and f"({kind}; sample" in caplog.text
 
 
 @pytest.mark.parametrize("name", list(ABUSE))
 def test_abuse_with_on_error_fail_stops_the_run(name):
     completion, kind = ABUSE[name]
-    with pytest.raises(RewardFailure, match=rf"'code_exec': failed on 1 of 2 samples \({kind}; sample 1"):
+    with pytest.raises(
+        RewardFailure, match=rf"'code_exec': failed on 1 of 2 samples \({kind}; sample 1"
+    ):
         run_score([GOOD, completion], "fail")
 
 
@@ -148,7 +169,8 @@ def test_loads_by_name_and_runs_concurrently_with_the_batch_timeout():
         on_error="zero",
         timeout_s=0.5,
     )
-    assert time.monotonic() - start < 5.0  # cancelled at timeout_s (0.5 s), not after the sleeps (8 s)
+    # cancelled at timeout_s (0.5 s), not after the sleeps (8 s)
+    assert time.monotonic() - start < 5.0
     assert res.errors["code_exec"] == 4 and func.name == "code_exec"
 
 

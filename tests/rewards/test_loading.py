@@ -2,7 +2,6 @@
 The entries are parsed first, by the recipe's one parser (grpo_ds.config.reward_specs), as the
 preflight does."""
 
-
 import pytest
 
 from grpo_ds.config.loading import load_recipe
@@ -30,7 +29,10 @@ def test_the_parsed_specs_load():
 
 def test_builtins_by_name_with_default_weight():
     funcs = load([{"name": "exact_match", "weight": 2}, {"name": "format"}])
-    assert funcs == [RewardFunction("exact_match", 2.0, exact_match), RewardFunction("format", 1.0, format_reward)]
+    assert funcs == [
+        RewardFunction("exact_match", 2.0, exact_match),
+        RewardFunction("format", 1.0, format_reward),
+    ]
     assert isinstance(funcs[0].weight, float)
 
 
@@ -134,8 +136,15 @@ def test_malformed_specs(spec):
     assert load_error([spec]).where.startswith("reward.functions[0]")
 
 
-@pytest.mark.parametrize("spec", [{"weight": 1.0}, {"name": " "}, {"name": "format", "weight": float("nan")},
-                                  {"name": "format", "wieght": 1}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"weight": 1.0},
+        {"name": " "},
+        {"name": "format", "weight": float("nan")},
+        {"name": "format", "wieght": 1},
+    ],
+)
 def test_recipe_validation_reads_a_spec_as_loading_does(spec):
     with pytest.raises(UserError) as info:
         load_recipe({}, {"reward.functions": [spec]})

@@ -1,4 +1,5 @@
-"""math_equivalence: extraction, normalisation and exact rational comparison, one literal pair per case."""
+"""math_equivalence: extraction, normalisation and exact rational comparison, one literal pair per
+case."""
 
 from fractions import Fraction
 
@@ -8,7 +9,9 @@ from grpo_ds.rewards.math_answer import extract_final_answer, math_equivalence, 
 
 
 def equiv(completion: str, answer) -> float | None:
-    return math_equivalence(prompts=["q"], completions=[completion], completion_ids=[[1]], answer=[answer])[0]
+    return math_equivalence(
+        prompts=["q"], completions=[completion], completion_ids=[[1]], answer=[answer]
+    )[0]
 
 
 @pytest.mark.parametrize(
@@ -45,7 +48,8 @@ def equiv(completion: str, answer) -> float | None:
         ("\\boxed{0.333}", "1/3", 0.0),  # exact arithmetic: no float tolerance
         ("\\boxed{0.3333333333333333}", "1/3", 0.0),
         ("\\boxed{\\frac{3}{0}}", "3", 0.0),  # not a number
-        ("\\boxed{1e999999999999}", "1", 0.0),  # too large to be an answer: not parsed (and no hang)
+        # too large to be an answer: not parsed (and no hang)
+        ("\\boxed{1e999999999999}", "1", 0.0),
         ("\\boxed{2\\frac{1}{2}}", "2.5", 0.0),  # mixed numbers are not evaluated (documented)
         # thousands separators
         ("#### 1,000", "1000", 1.0),
@@ -71,7 +75,8 @@ def equiv(completion: str, answer) -> float | None:
         ("\\boxed{(1,2)}", "(2,1)", 0.0),
         ("\\boxed{x = 5}", "5", 1.0),  # a leading "x =" is dropped
         ("\\boxed{\\displaystyle \\frac{1}{2}}", "0.5", 1.0),
-        ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", 1.0),  # nested braces; string comparison
+        # nested braces; string comparison
+        ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", 1.0),
         ("\\boxed{\\sqrt{2}}", "\\sqrt{3}", 0.0),
         ("\\boxed{5 apples}", "5", 0.0),  # units outside \text{} are not guessed
         # percentages: the sign is dropped, not divided by 100

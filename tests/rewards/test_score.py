@@ -51,14 +51,19 @@ def test_weights_combine():
     res = run([fn("exact_match", 2.0, exact_match), fn("format", 0.5, format_reward)])
     assert res.per_function == {"exact_match": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]}
     assert res.total == [2.5, 0.5, 0.0]
-    assert res.errors == {"exact_match": 0, "format": 0} and res.nones == {"exact_match": 0, "format": 0}
+    assert res.errors == {"exact_match": 0, "format": 0} and res.nones == {
+        "exact_match": 0,
+        "format": 0,
+    }
 
 
 def test_functions_receive_documented_arguments_and_columns():
     seen = {}
 
     def spy(*, prompts, completions, completion_ids, **columns):
-        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns)
+        seen.update(
+            prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns
+        )
         return [0.0] * len(completions)
 
     run([fn("spy", 1.0, spy)], answer=ANSWERS, level=["a", "b", "c"])
@@ -117,7 +122,10 @@ def test_bad_return_value_zeroes_the_batch(bad):
 
 def test_none_and_bad_items_are_per_item():
     res = run(
-        [fn("mixed", 2.0, lambda **kw: [None, float("nan"), True]), fn("items", 1.0, lambda **kw: (1, "x", math.inf))]
+        [
+            fn("mixed", 2.0, lambda **kw: [None, float("nan"), True]),
+            fn("items", 1.0, lambda **kw: (1, "x", math.inf)),
+        ]
     )
     assert res.per_function["mixed"] == [0.0, 0.0, 1.0]
     assert res.nones["mixed"] == 1 and res.errors["mixed"] == 1
@@ -211,7 +219,10 @@ def test_reward_error_items_score_zero_and_count_per_sample(caplog):
 
 
 def test_reward_error_items_with_on_error_fail():
-    with pytest.raises(RewardFailure, match=r"'sandboxed': failed on 1 of 3 samples .timeout; sample 1: ran past 2s\)"):
+    with pytest.raises(
+        RewardFailure,
+        match=r"'sandboxed': failed on 1 of 3 samples .timeout; sample 1: ran past 2s\)",
+    ):
         run([fn("sandboxed", 1.0, per_item)], on_error="fail")
 
 
@@ -232,9 +243,9 @@ def sleeper(delay, value=1.0):
 
 
 def meets(mine: asyncio.Event | threading.Event, other: threading.Event, patience_s: float = 5.0):
-    """An async reward that says it has started (``mine``), then waits for ``other`` to start: 1.0 when it saw it
-    within ``patience_s``, 0.0 when not (the other one runs only after it). A rendezvous, not a stopwatch, so a busy
-    machine slows it without failing it."""
+    """An async reward that says it has started (``mine``), then waits for ``other`` to start: 1.0
+    when it saw it within ``patience_s``, 0.0 when not (the other one runs only after it). A
+    rendezvous, not a stopwatch, so a busy machine slows it without failing it."""
 
     async def reward(*, completions, **kwargs):
         mine.set()
@@ -249,7 +260,8 @@ def meets(mine: asyncio.Event | threading.Event, other: threading.Event, patienc
 def test_async_functions_run_concurrently():
     a, b = threading.Event(), threading.Event()
     res = run([fn("a", 1.0, meets(a, b)), fn("b", 2.0, meets(b, a))], timeout_s=30)
-    assert res.total == [3.0, 3.0, 3.0] and res.errors == {"a": 0, "b": 0}  # each saw the other start: together
+    # each saw the other start: together
+    assert res.total == [3.0, 3.0, 3.0] and res.errors == {"a": 0, "b": 0}
 
 
 def test_async_functions_overlap_sync_ones():
@@ -259,7 +271,10 @@ def test_async_functions_overlap_sync_ones():
         sync_started.set()
         return [1.0 if async_started.wait(5.0) else 0.0] * len(completions)
 
-    res = run([fn("sync", 1.0, waits_for_async), fn("async", 2.0, meets(async_started, sync_started))], timeout_s=30)
+    res = run(
+        [fn("sync", 1.0, waits_for_async), fn("async", 2.0, meets(async_started, sync_started))],
+        timeout_s=30,
+    )
     assert res.total == [3.0, 3.0, 3.0] and res.errors == {"sync": 0, "async": 0}
 
 
@@ -274,9 +289,15 @@ def test_async_timeout_cancels_only_that_function():
 
     start = time.monotonic()
     res = run(
-        [fn("hangs", 1.0, hangs), fn("quick", 1.0, sleeper(0.05)), fn("format", 1.0, format_reward)], timeout_s=0.3
+        [
+            fn("hangs", 1.0, hangs),
+            fn("quick", 1.0, sleeper(0.05)),
+            fn("format", 1.0, format_reward),
+        ],
+        timeout_s=0.3,
     )
-    assert time.monotonic() - start < 5.0 and cancelled.wait(5.0)  # cancelled at 0.3 s, not left running (30 s)
+    # cancelled at 0.3 s, not left running (30 s)
+    assert time.monotonic() - start < 5.0 and cancelled.wait(5.0)
     assert res.errors["hangs"] == 3 and res.per_function["quick"] == [1.0, 1.0, 1.0]
     assert res.total == [2.0, 2.0, 1.0]
 
@@ -291,7 +312,8 @@ def test_async_function_that_blocks_its_loop_is_abandoned():
     try:
         start = time.monotonic()
         res = run([fn("blocks", 1.0, blocks)], timeout_s=0.2)
-        assert time.monotonic() - start < 5.0 and res.errors["blocks"] == 3  # abandoned at 0.2 s, not after 10
+        # abandoned at 0.2 s, not after 10
+        assert time.monotonic() - start < 5.0 and res.errors["blocks"] == 3
     finally:
         release.set()
 

@@ -1,5 +1,6 @@
-"""One stop set for every rollout engine (grpo_ds.rollout.stop): the tokenizer's EOS plus every eos_token_id of the
-model folder's generation config, where vLLM stops (the vLLM side against its fake: tests/rollout/test_vllm.py)."""
+"""One stop set for every rollout engine (grpo_ds.rollout.stop): the tokenizer's EOS plus every
+eos_token_id of the model folder's generation config, where vLLM stops (the vLLM side against its
+fake: tests/rollout/test_vllm.py)."""
 
 import json
 
@@ -17,11 +18,13 @@ from tests.rollout.test_agent import EchoEnv, recording
 from tests.rollout.test_hf import favour_eos
 
 TOK = build_tiny_tokenizer()
-SECOND = TOK.convert_tokens_to_ids(IM_END)  # a second EOS id, as Qwen-Instruct lists <|endoftext|> besides its own
+# a second EOS id, as Qwen-Instruct lists <|endoftext|> besides its own
+SECOND = TOK.convert_tokens_to_ids(IM_END)
 
 
 def model_folder(path, eos_ids):
-    """A tiny model folder as users have them: weights, tokenizer, generation_config.json listing ``eos_ids``."""
+    """A tiny model folder as users have them: weights, tokenizer, generation_config.json listing
+    ``eos_ids``."""
     model = build_tiny_model(len(TOK), hidden_size=32, num_layers=1, num_heads=4, seed=0)
     model.generation_config.eos_token_id = eos_ids
     model.save_pretrained(path)
@@ -48,7 +51,8 @@ def test_the_stop_set_is_the_tokenizer_eos_then_the_generation_configs():
 def test_the_folder_generation_config_is_read_as_vllm_reads_it(tmp_path):
     folder = model_folder(tmp_path / "m", [TOK.eos_token_id, SECOND])
     assert folder_generation_config(str(folder), False).eos_token_id == [TOK.eos_token_id, SECOND]
-    (folder / "generation_config.json").unlink()  # then vLLM (and transformers) derive one from config.json
+    # then vLLM (and transformers) derive one from config.json
+    (folder / "generation_config.json").unlink()
     config = json.loads((folder / "config.json").read_text())
     config["eos_token_id"] = [TOK.eos_token_id, 9]
     (folder / "config.json").write_text(json.dumps(config))
@@ -57,34 +61,56 @@ def test_the_folder_generation_config_is_read_as_vllm_reads_it(tmp_path):
 
 
 def test_the_hf_engine_stops_at_every_eos_of_the_generation_config(tmp_path):
-    """A model that favours the second EOS id: with it listed in generation_config.json, every completion ends
-    there ("stop", the id kept as its last token), as vLLM's would; listed nowhere, generation runs through it."""
+    """A model that favours the second EOS id: with it listed in generation_config.json, every
+    completion ends there ("stop", the id kept as its last token), as vLLM's would; listed nowhere,
+    generation runs through it."""
     sampling = SamplingParams(max_new_tokens=6, seed=3)
     prompts = [TOK.encode("1+2="), TOK.encode("30+4=")]
     both, tokenizer = loaded(model_folder(tmp_path / "both", [TOK.eos_token_id, SECOND]))
-    engine = HFRolloutEngine(favour_eos(both, SECOND, bias=30.0, every=1), tokenizer.pad_token_id,
-                             tokenizer.eos_token_id, batch_prompts=8)
+    engine = HFRolloutEngine(
+        favour_eos(both, SECOND, bias=30.0, every=1),
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        batch_prompts=8,
+    )
     assert engine.stop_ids == (TOK.eos_token_id, SECOND)
     out = engine.generate(prompts, 3, sampling)
     assert out.finish_reason == ["stop"] * 6
     assert all(ids[-1] == SECOND and SECOND not in ids[:-1] for ids in out.response_ids)
-    assert all(len(lp) == len(ids) for lp, ids in zip(out.sampler_logprobs, out.response_ids, strict=True))
+    assert all(
+        len(lp) == len(ids) for lp, ids in zip(out.sampler_logprobs, out.response_ids, strict=True)
+    )
 
     only, tokenizer = loaded(model_folder(tmp_path / "only", TOK.eos_token_id))
-    engine = HFRolloutEngine(favour_eos(only, SECOND, bias=30.0, every=1), tokenizer.pad_token_id,
-                             tokenizer.eos_token_id, batch_prompts=8)
+    engine = HFRolloutEngine(
+        favour_eos(only, SECOND, bias=30.0, every=1),
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        batch_prompts=8,
+    )
     assert engine.stop_ids == (TOK.eos_token_id,)
     out = engine.generate(prompts, 3, sampling)
-    assert out.finish_reason == ["length"] * 6 and all(ids.count(SECOND) == 6 for ids in out.response_ids)
+    assert out.finish_reason == ["length"] * 6 and all(
+        ids.count(SECOND) == 6 for ids in out.response_ids
+    )
 
 
 def test_the_agent_engine_ends_a_turn_at_every_eos_of_the_generation_config(tmp_path):
     model, tokenizer = loaded(model_folder(tmp_path / "both", [TOK.eos_token_id, SECOND]))
     factory, envs = recording(EchoEnv)
-    engine = AgentRolloutEngine.on_hf(favour_eos(model, SECOND, bias=30.0, every=1), tokenizer.pad_token_id,
-                                tokenizer.eos_token_id, tokenizer, factory, max_turns=3, max_total_tokens=24,
-                                batch_prompts=8)
-    out = engine.generate([TOK.encode("1+2=")], 2, SamplingParams(max_new_tokens=6, seed=0), rows=[{}])
+    engine = AgentRolloutEngine.on_hf(
+        favour_eos(model, SECOND, bias=30.0, every=1),
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        tokenizer,
+        factory,
+        max_turns=3,
+        max_total_tokens=24,
+        batch_prompts=8,
+    )
+    out = engine.generate(
+        [TOK.encode("1+2=")], 2, SamplingParams(max_new_tokens=6, seed=0), rows=[{}]
+    )
     # the model's first turn is its EOS: the episode ends there, "stop", after one turn
     assert out.finish_reason == ["stop", "stop"] and out.response_ids == [[SECOND], [SECOND]]
     assert [env.seen for env in envs] == [[""], [""]]

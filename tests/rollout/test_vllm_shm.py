@@ -1,6 +1,7 @@
-"""The leftovers of vLLM's CPU tensor parallelism in /dev/shm (grpo_ds/rollout/vllm_shm.py): a segment no live process
-maps or holds open is removed; one that a process maps, or holds open, stays. The segments here are files in the
-test's own folder (any file can be mapped), so that the vLLM tests' clean-up beside it never sees them."""
+"""The leftovers of vLLM's CPU tensor parallelism in /dev/shm (grpo_ds/rollout/vllm_shm.py): a
+segment no live process maps or holds open is removed; one that a process maps, or holds open,
+stays. The segments here are files in the test's own folder (any file can be mapped), so that the
+vLLM tests' clean-up beside it never sees them."""
 
 import mmap
 import subprocess
@@ -15,8 +16,11 @@ def test_only_segments_no_process_holds_are_removed(tmp_path):
     for path in (left, mapped, opened):
         path.write_bytes(b"\0" * 4096)
     with open(mapped, "r+b") as f:
-        view = mmap.mmap(f.fileno(), 4096)  # mapped by this process, its file closed: as vLLM's SHMManager holds it
-    holder = subprocess.Popen([sys.executable, "-c", f"f = open({str(opened)!r}); import time; time.sleep(60)"])
+        # mapped by this process, its file closed: as vLLM's SHMManager holds it
+        view = mmap.mmap(f.fileno(), 4096)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"f = open({str(opened)!r}); import time; time.sleep(60)"]
+    )
     try:
         deadline = time.monotonic() + 30
         while str(opened) not in vllm_shm.held_paths():  # until the child holds it open

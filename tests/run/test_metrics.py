@@ -13,7 +13,14 @@ from grpo_ds.run.metrics import MetricsLogger, check_logging_extras
 
 def _steps(logger, n=3):
     for step in range(1, n + 1):
-        logger.log({"step": step, "reward_mean": step / 10, "loss": -step / 100, "note": "text is not a scalar"})
+        logger.log(
+            {
+                "step": step,
+                "reward_mean": step / 10,
+                "loss": -step / 100,
+                "note": "text is not a scalar",
+            }
+        )
     logger.close()
 
 
@@ -21,7 +28,9 @@ def test_jsonl_and_console(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, 5, LoggingConfig(every_steps=3, progress_bar=False))
     _steps(logger, 5)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5] and lines[2]["reward_mean"] == pytest.approx(0.3)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5] and lines[2][
+        "reward_mean"
+    ] == pytest.approx(0.3)
     printed = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
     assert printed == ["1", "3", "5"]  # the first, every 3rd, and the last
     assert logger.history == lines
@@ -45,15 +54,25 @@ def test_tensorboard_event_files(tmp_path):
 
 def test_wandb_gets_every_step(tmp_path, monkeypatch):
     calls = []
-    run = types.SimpleNamespace(log=lambda data, step: calls.append(("log", step, data)),
-                                finish=lambda: calls.append(("finish",)))
+    run = types.SimpleNamespace(
+        log=lambda data, step: calls.append(("log", step, data)),
+        finish=lambda: calls.append(("finish",)),
+    )
     fake = types.ModuleType("wandb")
     fake.init = lambda **kwargs: calls.append(("init", kwargs)) or run
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = LoggingConfig(progress_bar=False, wandb_project="grpo", wandb_mode="offline")
     _steps(MetricsLogger(tmp_path, 3, cfg, run_name="r1", config={"train": {"lr": 1.0}}))
-    assert calls[0] == ("init", {"project": "grpo", "name": "r1", "dir": str(tmp_path), "mode": "offline",
-                                 "config": {"train": {"lr": 1.0}}})
+    assert calls[0] == (
+        "init",
+        {
+            "project": "grpo",
+            "name": "r1",
+            "dir": str(tmp_path),
+            "mode": "offline",
+            "config": {"train": {"lr": 1.0}},
+        },
+    )
     assert [c[1] for c in calls if c[0] == "log"] == [1, 2, 3]
     assert "note" not in calls[1][2] and calls[1][2]["loss"] == pytest.approx(-0.01)
     assert calls[-1] == ("finish",)
@@ -63,11 +82,14 @@ def test_missing_logging_package_is_a_user_error(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name)
+    )
     with pytest.raises(UserError) as err:
         check_logging_extras(LoggingConfig(wandb_project="p"))
     assert err.value.where == "logging.wandb_project" and "[wandb]" in err.value.fix
-    check_logging_extras(LoggingConfig(wandb_project="p", wandb_mode="disabled"))  # off: no package needed
+    # off: no package needed
+    check_logging_extras(LoggingConfig(wandb_project="p", wandb_mode="disabled"))
 
 
 def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch, capsys):
@@ -86,10 +108,13 @@ def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch, capsys):
     assert wandb_mode("online") == "online"
 
 
-def test_progress_bar_shows_eta_and_reward_and_resumes_where_it_stopped(tmp_path, capsys, monkeypatch):
+def test_progress_bar_shows_eta_and_reward_and_resumes_where_it_stopped(
+    tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # a terminal
     logger = MetricsLogger(tmp_path, 10, LoggingConfig(progress_bar=True, every_steps=100))
-    logger.resume([{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}])  # after a checkpoint
+    # after a checkpoint
+    logger.resume([{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}])
     logger.log({"step": 3, "reward_mean": 0.25, "loss": -0.5})
     assert logger.bar.n == 3 and logger.bar.total == 10
     logger.bar.refresh()
@@ -106,11 +131,17 @@ def test_a_log_file_gets_step_lines_and_no_bar(tmp_path, capsys, monkeypatch):
     assert logger.bar is None
     _steps(logger, 10)
     captured = capsys.readouterr()
-    assert captured.err == "" and [line.split()[1] for line in captured.out.splitlines()] == ["1", "5", "10"]
+    assert captured.err == "" and [line.split()[1] for line in captured.out.splitlines()] == [
+        "1",
+        "5",
+        "10",
+    ]
 
 
 def test_samples_go_to_samples_jsonl(tmp_path):
     logger = MetricsLogger(tmp_path, 3, LoggingConfig(progress_bar=False))
     logger.samples(2, [{"prompt": "1+1=", "completion": "2", "reward": 1.0}])
     assert json.loads((tmp_path / "samples.jsonl").read_text()) == {
-        "step": 2, "samples": [{"prompt": "1+1=", "completion": "2", "reward": 1.0}]}
+        "step": 2,
+        "samples": [{"prompt": "1+1=", "completion": "2", "reward": 1.0}],
+    }

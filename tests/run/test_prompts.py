@@ -8,9 +8,19 @@ import pytest
 from grpo_ds.config.recipe import DataConfig
 from grpo_ds.errors import UserError
 from grpo_ds.model.tiny import build_tiny_tokenizer
-from grpo_ds.run.prompts import BUILTIN_DATASETS, PromptRow, PromptSampler, load_rows, prepare_prompts
+from grpo_ds.run.prompts import (
+    BUILTIN_DATASETS,
+    PromptRow,
+    PromptSampler,
+    load_rows,
+    prepare_prompts,
+)
 
-ROWS = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "0+0=", "answer": "0"}]
+ROWS = [
+    {"prompt": "1+2=", "answer": "3"},
+    {"prompt": "2+2=", "answer": "4"},
+    {"prompt": "0+0=", "answer": "0"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +34,7 @@ def write_jsonl(path, rows):
 
 
 # ------------------------------------------------------------------------------------------ loading
+
 
 def test_builtin_arith():
     rows = load_rows(DataConfig(train="builtin:arith"))
@@ -62,8 +73,9 @@ def test_saved_dataset_folder(tmp_path):
 
 
 def test_saved_dataset_dict_uses_train_split(tmp_path):
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
-                               "test": datasets.Dataset.from_list(ROWS[:1])})
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])}
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     assert load_rows(DataConfig(train=str(tmp_path / "dd"))) == ROWS
 
@@ -124,11 +136,14 @@ def test_unsupported_extension_and_plain_folder(tmp_path):
 
 # ------------------------------------------------------------------------------------------ prompts
 
+
 def test_prepare_prompts_good_rows(tok):
     good, skipped = prepare_prompts(ROWS, DataConfig(), tok, "data.train")
     assert skipped == 0
     assert [p.index for p in good] == [0, 1, 2]
-    assert good[0] == PromptRow(index=0, prompt_text="1+2=", prompt_ids=tok("1+2=")["input_ids"], columns=ROWS[0])
+    assert good[0] == PromptRow(
+        index=0, prompt_text="1+2=", prompt_ids=tok("1+2=")["input_ids"], columns=ROWS[0]
+    )
     assert tok.decode(good[1].prompt_ids) == "2+2="
 
 
@@ -150,8 +165,17 @@ def test_missing_key_in_jsonl_file(tmp_path, tok):
 
 
 def test_skip_counts_bad_rows(tok):
-    rows = [{"question": "x"}, ROWS[0], {"prompt": "   "}, {"prompt": 7}, {"prompt": "9" * 50}, ROWS[1]]
-    good, skipped = prepare_prompts(rows, DataConfig(on_bad_row="skip", max_prompt_tokens=10), tok, "w")
+    rows = [
+        {"question": "x"},
+        ROWS[0],
+        {"prompt": "   "},
+        {"prompt": 7},
+        {"prompt": "9" * 50},
+        ROWS[1],
+    ]
+    good, skipped = prepare_prompts(
+        rows, DataConfig(on_bad_row="skip", max_prompt_tokens=10), tok, "w"
+    )
     assert skipped == 4
     assert [p.index for p in good] == [1, 5]
     assert [p.columns["answer"] for p in good] == ["3", "4"]
@@ -164,7 +188,8 @@ def test_too_long_prompt(tok):
     assert err.value.where == "w row 2"
     assert "7 tokens" in err.value.what and "max_prompt_tokens=6" in err.value.what
     assert "raise data.max_prompt_tokens" in err.value.fix
-    good, _ = prepare_prompts(rows, DataConfig(max_prompt_tokens=7), tok, "w")  # the limit is inclusive
+    # the limit is inclusive
+    good, _ = prepare_prompts(rows, DataConfig(max_prompt_tokens=7), tok, "w")
     assert len(good) == 2
 
 
@@ -178,7 +203,8 @@ def test_empty_and_non_string_prompt(tok):
 
 
 def test_first_bad_row_is_reported(tok):
-    # row 2 is too long (found after tokenizing), row 3 lacks the key (found before): row 2 is reported.
+    # row 2 is too long (found after tokenizing), row 3 lacks the key (found before): row 2 is
+    # reported.
     rows = [ROWS[0], {"prompt": "1" * 20}, {"x": 1}]
     with pytest.raises(UserError) as err:
         prepare_prompts(rows, DataConfig(max_prompt_tokens=10), tok, "w")
@@ -217,10 +243,15 @@ def test_chat_template_missing(tok):
     assert err.value.where == "data.chat_template"
 
 
-# ------------------------------------------------------------------------------------------ sampling
+# ----------------------------------------------------------------------------------------- sampling
+
 
 def test_sampler_is_deterministic_by_seed():
-    a, b, c = PromptSampler(10, seed=1, shuffle=True), PromptSampler(10, 1, True), PromptSampler(10, 2, True)
+    a, b, c = (
+        PromptSampler(10, seed=1, shuffle=True),
+        PromptSampler(10, 1, True),
+        PromptSampler(10, 2, True),
+    )
     seq = a.next_indices(25)
     assert seq == b.next_indices(25)
     assert seq != c.next_indices(25)
@@ -229,7 +260,8 @@ def test_sampler_is_deterministic_by_seed():
 
 def test_sampler_epochs_cover_every_index_once():
     sampler = PromptSampler(7, seed=0, shuffle=True)
-    seq = [i for _ in range(5) for i in sampler.next_indices(3)]  # 15 draws cross two epoch boundaries
+    # 15 draws cross two epoch boundaries
+    seq = [i for _ in range(5) for i in sampler.next_indices(3)]
     assert sorted(seq[:7]) == list(range(7)) and sorted(seq[7:14]) == list(range(7))
     assert seq[:7] != seq[7:14]  # each epoch has its own permutation
     assert sampler.state_dict() == {"epoch": 2, "position": 1}
@@ -259,10 +291,12 @@ def test_sampler_rejects_state_that_does_not_fit():
 
 def test_a_changed_dataset_continues_with_a_new_pass():
     sampler = PromptSampler(10, seed=1, shuffle=True)
-    sampler.load_state_dict({"epoch": 3, "position": 30}, data_changed=True)  # 40 prompts before, 10 now
+    # 40 prompts before, 10 now
+    sampler.load_state_dict({"epoch": 3, "position": 30}, data_changed=True)
     assert sampler.state_dict() == {"epoch": 4, "position": 0}
     fresh = PromptSampler(10, seed=1, shuffle=True)
-    fresh.load_state_dict({"epoch": 2, "position": 0}, data_changed=True)  # at an epoch boundary: that epoch
+    # at an epoch boundary: that epoch
+    fresh.load_state_dict({"epoch": 2, "position": 0}, data_changed=True)
     assert fresh.state_dict() == {"epoch": 2, "position": 0}
 
 
@@ -273,7 +307,14 @@ def test_data_identity_names_what_changed(tmp_path):
     (tmp_path / "d.jsonl").write_text("")
     now = data_identity("d.jsonl", str(tmp_path), rows)
     assert now["prompts"] == 4 and now["source"] == str((tmp_path / "d.jsonl").resolve())
-    assert data_changes(now, data_identity("d.jsonl", str(tmp_path), rows)) is None  # the same rows: no change
-    assert data_changes(now, data_identity("d.jsonl", str(tmp_path), rows[:1])) == "it held 4 prompts, now 1"
-    edited = rows[:3] + [PromptRow(3, "3+1=", [3], {"answer": "5"})]  # same length, one answer edited
-    assert "its 4 prompts differ (fingerprint" in data_changes(now, data_identity("d.jsonl", str(tmp_path), edited))
+    # the same rows: no change
+    assert data_changes(now, data_identity("d.jsonl", str(tmp_path), rows)) is None
+    assert (
+        data_changes(now, data_identity("d.jsonl", str(tmp_path), rows[:1]))
+        == "it held 4 prompts, now 1"
+    )
+    # same length, one answer edited
+    edited = rows[:3] + [PromptRow(3, "3+1=", [3], {"answer": "5"})]
+    assert "its 4 prompts differ (fingerprint" in data_changes(
+        now, data_identity("d.jsonl", str(tmp_path), edited)
+    )

@@ -1,14 +1,16 @@
-"""Make run folders with two ZeRO-3 checkpoints each for tests/test_export.py (launched by `deepspeed`).
+"""Make run folders with two ZeRO-3 checkpoints each for tests/test_export.py (launched by
+`deepspeed`).
 
     deepspeed --num_gpus W tests/scripts/export_make_ckpt.py OUT_ROOT KIND[,KIND]
 
-One run folder OUT_ROOT/KIND per kind: "tiny" trains model.path "builtin:tiny"; "hf_tied" first saves a
-tiny Llama with tied embeddings (and a generation_config.json of its own) as a local HF folder
-OUT_ROOT/hf_tied_base and trains model.path = that folder. Each run writes RUN_DIR/recipe.json, wraps the
-model in a ZeRO-3 train engine, and twice runs one optimizer step on random tokens and saves a checkpoint in
-the run-folder layout (step_00000001, step_00000002; ``latest`` names the second). For each saved step it
-records, from the engine itself, the full parameters and the logits on a fixed batch of texts (every rank
-joins the forward, since ZeRO-3 gathers parameters collectively): RUN_DIR/expected_logits.pt holds
+One run folder OUT_ROOT/KIND per kind: "tiny" trains model.path "builtin:tiny"; "hf_tied" first
+saves a tiny Llama with tied embeddings (and a generation_config.json of its own) as a local HF
+folder OUT_ROOT/hf_tied_base and trains model.path = that folder. Each run writes
+RUN_DIR/recipe.json, wraps the model in a ZeRO-3 train engine, and twice runs one optimizer step on
+random tokens and saves a checkpoint in the run-folder layout (step_00000001, step_00000002;
+``latest`` names the second). For each saved step it records, from the engine itself, the full
+parameters and the logits on a fixed batch of texts (every rank joins the forward, since ZeRO-3
+gathers parameters collectively): RUN_DIR/expected_logits.pt holds
 ``{"texts": [...], "input_ids", "attention_mask", "steps": {step: {"logits", "params"}}}``.
 """
 
@@ -29,8 +31,14 @@ from grpo_ds.model.weight_gather import gathered_named_parameters
 from grpo_ds.run.checkpoint import _sha256
 
 TEXTS = ["Hello, world!", "2+2=4"]  # different lengths: the shorter one is left-padded
-TINY_MODEL = {"path": "builtin:tiny", "tiny_hidden_size": 32, "tiny_num_layers": 2, "tiny_num_heads": 4}
-HF_GENERATION = {"max_new_tokens": 7, "do_sample": True, "temperature": 0.5}  # must survive the export
+TINY_MODEL = {
+    "path": "builtin:tiny",
+    "tiny_hidden_size": 32,
+    "tiny_num_layers": 2,
+    "tiny_num_heads": 4,
+}
+# must survive the export
+HF_GENERATION = {"max_new_tokens": 7, "do_sample": True, "temperature": 0.5}
 
 
 def recipe_dict(model: dict) -> dict:
@@ -44,12 +52,21 @@ def recipe_dict(model: dict) -> dict:
 
 
 def save_tied_hf_model(folder: Path) -> None:
-    """A local HF model folder: tiny Llama whose lm_head shares the embedding, the tiny tokenizer, a generation
-    config."""
+    """A local HF model folder: tiny Llama whose lm_head shares the embedding, the tiny tokenizer, a
+    generation config."""
     tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
-                         eos_token_id=1, bos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0, **HF_GENERATION)
@@ -58,15 +75,19 @@ def save_tied_hf_model(folder: Path) -> None:
 
 
 def save_checkpoint(engine, run_dir: Path, step: int, is_main: bool, dist) -> None:
-    """The checkpoint layout grpo_ds.run.checkpoint writes: ds/ by DeepSpeed, trainer_state.json, manifest.json,
-    latest."""
+    """The checkpoint layout grpo_ds.run.checkpoint writes: ds/ by DeepSpeed, trainer_state.json,
+    manifest.json, latest."""
     name = f"step_{step:08d}"
     folder = run_dir / "checkpoints" / name
     engine.save_checkpoint(save_dir=str(folder), tag="ds")
     dist.barrier()
     if is_main:
         (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
-        files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+        files = {
+            p.relative_to(folder).as_posix(): _sha256(p)
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        }
         (folder / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
         (run_dir / "checkpoints" / "latest").write_text(name)
     dist.barrier()
@@ -94,9 +115,14 @@ def make_run(run_dir: Path, raw_recipe: dict, dist) -> None:
     model = load_model(recipe.model, len(tokenizer), recipe.run.seed)
     engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
-    expected = {"texts": TEXTS, "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                "steps": {}}
-    g = torch.Generator().manual_seed(1000 + dist.rank)  # different tokens per rank, like real data shards
+    expected = {
+        "texts": TEXTS,
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "steps": {},
+    }
+    # different tokens per rank, like real data shards
+    g = torch.Generator().manual_seed(1000 + dist.rank)
     for step in (1, 2):
         engine.module.train()
         tokens = torch.randint(5, len(tokenizer), (2, 16), generator=g)  # (micro, T)
@@ -106,8 +132,13 @@ def make_run(run_dir: Path, raw_recipe: dict, dist) -> None:
         save_checkpoint(engine, run_dir, step, dist.is_main, dist)
         engine.module.eval()
         with torch.no_grad():
-            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-        params = {name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)}
+            # (B, T, V)
+            logits = engine(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
+        params = {
+            name: t.detach().clone() for name, t in gathered_named_parameters(engine.module, 2**20)
+        }
         expected["steps"][step] = {"logits": logits.float().clone(), "params": params}
     if dist.is_main:
         torch.save(expected, run_dir / "expected_logits.pt")
@@ -117,4 +148,5 @@ def make_run(run_dir: Path, raw_recipe: dict, dist) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(Path(args[0]), args[1].split(","))
-    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.distributed.ranks)
+    # past the teardown that sometimes aborts a finished rank (grpo_ds.distributed.ranks)
+    end_launched_rank(0)

@@ -1,19 +1,20 @@
-"""Real vLLM (its CPU build) against the trainer, in the vLLM test environment (.ci/vllm-venv), one rank or several
-through the ``deepspeed`` launcher:
+"""Real vLLM (its CPU build) against the trainer, in the vLLM test environment (.ci/vllm-venv), one
+rank or several through the ``deepspeed`` launcher:
 
     python tests/scripts/vllm_check.py OUT_JSON [sync] [agent] [lora] [key=value ...]
 
-Each rank builds the policy and the vllm engine as grpo_ds.train does (recipes/tiny_vllm_cpu.json plus the
-overrides) and writes OUT_JSON.rank<r>:
+Each rank builds the policy and the vllm engine as grpo_ds.train does (recipes/tiny_vllm_cpu.json
+plus the overrides) and writes OUT_JSON.rank<r>:
 
-- sync: after each of 3 optimizer steps (random gradients) and its weight sync, vLLM's log-probs of a fixed
-  sequence (prompt log-probs) against the trainer's fp32 log-softmax, and the log-probs vLLM reports for the tokens
-  it sampled against the trainer's for the same tokens; then one more optimizer step without a sync, whose gap
-  shows that the comparison sees stale weights.
-- agent: multi-turn episodes (the calculator environment) whose turns vLLM samples: the model tokens' sampler
-  log-probs against the trainer's on the whole sequence, observation tokens masked with log-prob 0.
-- lora: a LoRA policy (adapters on q_proj and v_proj, so vLLM's fused qkv needs k_proj beside them), synced after each
-  of 2 optimizer steps: vLLM against the trainer's merged model.
+- sync: after each of 3 optimizer steps (random gradients) and its weight sync, vLLM's log-probs of
+  a fixed sequence (prompt log-probs) against the trainer's fp32 log-softmax, and the log-probs vLLM
+  reports for the tokens it sampled against the trainer's for the same tokens; then one more
+  optimizer step without a sync, whose gap shows that the comparison sees stale weights.
+- agent: multi-turn episodes (the calculator environment) whose turns vLLM samples: the model
+  tokens' sampler log-probs against the trainer's on the whole sequence, observation tokens masked
+  with log-prob 0.
+- lora: a LoRA policy (adapters on q_proj and v_proj, so vLLM's fused qkv needs k_proj beside them),
+  synced after each of 2 optimizer steps: vLLM against the trainer's merged model.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's grpo_ds, whatever is installed
+# this checkout's grpo_ds, whatever is installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -49,8 +51,11 @@ def build(overrides: dict):
     dist = init_distributed()
     ds_config = resolve_deepspeed_config(recipe, world, "cpu")
     tokenizer = load_tokenizer(recipe.model)
-    rollout = VLLMRolloutEngine(VLLMSettings.from_recipe(recipe), tokenizer,
-                                lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed))
+    rollout = VLLMRolloutEngine(
+        VLLMSettings.from_recipe(recipe),
+        tokenizer,
+        lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed),
+    )
     policy = Policy.build(recipe, ds_config, len(tokenizer), announce=False)
     return recipe, dist, tokenizer, rollout, policy
 
@@ -70,31 +75,50 @@ def sync(policy: Policy, rollout: VLLMRolloutEngine) -> None:
 
 
 def trainer_logprobs(policy: Policy, sequence: list[int], start: int) -> torch.Tensor:
-    """log softmax(logits / T) of sequence[start:], from the trainer's module in fp32 (every rank calls it)."""
+    """log softmax(logits / T) of sequence[start:], from the trainer's module in fp32 (every rank
+    calls it)."""
     with torch.no_grad():
         logits = policy.engine.module(input_ids=torch.tensor([sequence])).logits[0].float()
-    logprobs = torch.log_softmax(logits / TEMPERATURE, -1)[start - 1:len(sequence) - 1]
+    logprobs = torch.log_softmax(logits / TEMPERATURE, -1)[start - 1 : len(sequence) - 1]
     return logprobs.gather(-1, torch.tensor(sequence[start:])[:, None])[:, 0]
 
 
 def vllm_prompt_logprobs(rollout: VLLMRolloutEngine, sequence: list[int]) -> torch.Tensor:
-    """vLLM's log-probs of sequence[1:] (prompt log-probs: the weights vLLM holds now, on a fixed sequence)."""
-    params = rollout._vllm.SamplingParams(max_tokens=1, temperature=TEMPERATURE, prompt_logprobs=0, seed=0)
-    out = rollout.llm.generate([{"prompt_token_ids": sequence}], sampling_params=params, use_tqdm=False)[0]
-    return torch.tensor([position[token].logprob for position, token in zip(out.prompt_logprobs[1:], sequence[1:],
-                                                                             strict=True)])
+    """vLLM's log-probs of sequence[1:] (prompt log-probs: the weights vLLM holds now, on a fixed
+    sequence)."""
+    params = rollout._vllm.SamplingParams(
+        max_tokens=1, temperature=TEMPERATURE, prompt_logprobs=0, seed=0
+    )
+    out = rollout.llm.generate(
+        [{"prompt_token_ids": sequence}], sampling_params=params, use_tqdm=False
+    )[0]
+    return torch.tensor(
+        [
+            position[token].logprob
+            for position, token in zip(out.prompt_logprobs[1:], sequence[1:], strict=True)
+        ]
+    )
 
 
 def fixed_gap(policy, rollout, tokenizer) -> float:
     sequence = tokenizer.encode("12+34=46 7+8=15 3+3=6")
-    return (vllm_prompt_logprobs(rollout, sequence) - trainer_logprobs(policy, sequence, 1)).abs().max().item()
+    return (
+        (vllm_prompt_logprobs(rollout, sequence) - trainer_logprobs(policy, sequence, 1))
+        .abs()
+        .max()
+        .item()
+    )
 
 
 def sampled_gap(policy, rollout, tokenizer, seed: int) -> float:
     prompts = [tokenizer.encode("5+7="), tokenizer.encode("21+3=")]
-    out = rollout.generate(prompts, 4, SamplingParams(temperature=TEMPERATURE, max_new_tokens=6, seed=seed))
-    gaps = [(torch.tensor(lp) - trainer_logprobs(policy, p + r, len(p))).abs().max().item()
-            for p, r, lp in zip(out.prompt_ids, out.response_ids, out.sampler_logprobs, strict=True)]
+    out = rollout.generate(
+        prompts, 4, SamplingParams(temperature=TEMPERATURE, max_new_tokens=6, seed=seed)
+    )
+    gaps = [
+        (torch.tensor(lp) - trainer_logprobs(policy, p + r, len(p))).abs().max().item()
+        for p, r, lp in zip(out.prompt_ids, out.response_ids, out.sampler_logprobs, strict=True)
+    ]
     return max(gaps)
 
 
@@ -105,16 +129,27 @@ def check_sync(report: dict, policy, rollout, tokenizer) -> None:
         sync(policy, rollout)
         report["sync"]["fixed_gap"].append(fixed_gap(policy, rollout, tokenizer))
         report["sync"]["sampled_gap"].append(sampled_gap(policy, rollout, tokenizer, seed=step))
-    optimizer_step(policy, tokenizer, seed=99)  # no sync: vLLM still holds the weights of the step before
+    # no sync: vLLM still holds the weights of the step before
+    optimizer_step(policy, tokenizer, seed=99)
     report["sync"]["unsynced_gap"] = fixed_gap(policy, rollout, tokenizer)
 
 
 def check_agent(report: dict, policy, rollout, tokenizer, recipe) -> None:
-    agent = AgentRolloutEngine(rollout, tokenizer, lambda: CalculatorEnv(), max_turns=3, max_total_tokens=16,
-                               batch_prompts=8)
+    agent = AgentRolloutEngine(
+        rollout,
+        tokenizer,
+        lambda: CalculatorEnv(),
+        max_turns=3,
+        max_total_tokens=16,
+        batch_prompts=8,
+    )
     rows = [{"prompt": "5+7=", "answer": "12"}, {"prompt": "21+3=", "answer": "24"}]
-    out = agent.generate([tokenizer.encode(r["prompt"]) for r in rows], 3,
-                         SamplingParams(temperature=TEMPERATURE, max_new_tokens=6, seed=5), rows=rows)
+    out = agent.generate(
+        [tokenizer.encode(r["prompt"]) for r in rows],
+        3,
+        SamplingParams(temperature=TEMPERATURE, max_new_tokens=6, seed=5),
+        rows=rows,
+    )
     gaps, observed, turns = [], 0, 0
     for i in range(len(out)):
         prompt, response, mask = out.prompt_ids[i], out.response_ids[i], out.token_loss_mask(i)
@@ -125,27 +160,40 @@ def check_agent(report: dict, policy, rollout, tokenizer, recipe) -> None:
         assert (sampled[~model] == 0).all(), "observation tokens carry a sampler log-prob"
         observed += int((~model).sum())
         turns += sum(1 for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1]))
-    report["agent"] = {"gap": max(gaps), "samples": len(out), "observation_tokens": observed, "model_turns": turns,
-                       "finish": sorted(set(out.finish_reason))}
+    report["agent"] = {
+        "gap": max(gaps),
+        "samples": len(out),
+        "observation_tokens": observed,
+        "model_turns": turns,
+        "finish": sorted(set(out.finish_reason)),
+    }
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+    # the deepspeed launcher adds it
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out_path = Path(args[0])
     modes = [a for a in args[1:] if "=" not in a] or ["sync"]
     overrides = dict(a.split("=", 1) for a in args[1:] if "=" in a)
-    overrides = {k: json.loads(v) if v[:1] in "0123456789[{tfn-" else v for k, v in overrides.items()}
+    overrides = {
+        k: json.loads(v) if v[:1] in "0123456789[{tfn-" else v for k, v in overrides.items()
+    }
     report: dict = {}
     if "sync" in modes or "agent" in modes:
         recipe, dist, tokenizer, rollout, policy = build(overrides)
-        report["launched"] = launcher.launched()  # a plain process is not launched, even after vLLM has started
+        # a plain process is not launched, even after vLLM has started
+        report["launched"] = launcher.launched()
         if "sync" in modes:
             check_sync(report, policy, rollout, tokenizer)
         if "agent" in modes:
             sync(policy, rollout)
             check_agent(report, policy, rollout, tokenizer, recipe)
     if "lora" in modes:
-        lora = {**overrides, "model.lora_rank": 4, "model.lora_target_modules": ["q_proj", "v_proj"]}
+        lora = {
+            **overrides,
+            "model.lora_rank": 4,
+            "model.lora_target_modules": ["q_proj", "v_proj"],
+        }
         recipe, dist, tokenizer, rollout, policy = build(lora)
         report["lora"] = {"fixed_gap": [], "whole_layers": rollout.whole_layers}
         for step in range(2):

@@ -1,11 +1,13 @@
-"""The bucketed ZeRO-3 exporter on several ranks (launched by `deepspeed`; read by tests/model/test_weight_gather.py).
+"""The bucketed ZeRO-3 exporter on several ranks (launched by `deepspeed`; read by
+tests/model/test_weight_gather.py).
 
     deepspeed --num_gpus 2 tests/scripts/weight_sync_check.py OUT.json
 
-A tiny Llama with tied input/output embeddings is partitioned by ZeRO-3; every collective DeepSpeed's comm layer
-runs is counted (grpo_ds and DeepSpeed both call deepspeed.comm), and the storage of every gathered buffer and
-every tensor handed out is watched, so that at each yield the bytes of gathered weights still alive are known
-(weak references: a freed or emptied storage counts 0). Rank 0 writes one JSON record per run.
+A tiny Llama with tied input/output embeddings is partitioned by ZeRO-3; every collective
+DeepSpeed's comm layer runs is counted (grpo_ds and DeepSpeed both call deepspeed.comm), and the
+storage of every gathered buffer and every tensor handed out is watched, so that at each yield the
+bytes of gathered weights still alive are known (weak references: a freed or emptied storage counts
+0). Rank 0 writes one JSON record per run.
 """
 
 import copy
@@ -14,7 +16,8 @@ import sys
 import weakref
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's grpo_ds, whatever is installed
+# this checkout's grpo_ds, whatever is installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed
 import deepspeed.comm as ds_comm
@@ -44,6 +47,7 @@ class Watch:
             for t in outputs:
                 self.track(t)
             return real(output, *args, **kwargs)
+
         return wrapper
 
     def track(self, tensor):
@@ -62,7 +66,8 @@ class Watch:
 
 
 def consume(watch, stream, reference, dtype):
-    """Read the stream as a rollout engine would (use each tensor, keep nothing) and record what happened."""
+    """Read the stream as a rollout engine would (use each tensor, keep nothing) and record what
+    happened."""
     watch.reset()
     names, peak, max_error = [], 0, 0.0
     for name, tensor in stream:
@@ -72,39 +77,88 @@ def consume(watch, stream, reference, dtype):
         expected = reference[name].to(dtype)
         assert tensor.dtype == dtype, (name, tensor.dtype)
         max_error = max(max_error, (tensor.float() - expected.float()).abs().max().item())
-    return {"names": names, "collectives": watch.collectives, "collective_bytes": watch.collective_bytes,
-            "peak_alive_bytes": peak, "max_abs_error": max_error, "alive_after": watch.alive_bytes()}
+    return {
+        "names": names,
+        "collectives": watch.collectives,
+        "collective_bytes": watch.collective_bytes,
+        "peak_alive_bytes": peak,
+        "max_abs_error": max_error,
+        "alive_after": watch.alive_bytes(),
+    }
 
 
 def main(out_path: str) -> None:
     dist = init_distributed()
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    reference = {n: p.detach().clone() for n, p in copy.deepcopy(model).named_parameters(remove_duplicate=False)}
-    recipe = load_recipe({"deepspeed": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}})
+    reference = {
+        n: p.detach().clone()
+        for n, p in copy.deepcopy(model).named_parameters(remove_duplicate=False)
+    }
+    recipe = load_recipe(
+        {"deepspeed": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}}
+    )
     engine = create_train_engine(model, resolve_deepspeed_config(recipe, dist.world_size, "cpu"))
     params = list(engine.module.parameters())
-    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)  # partitioned, nothing held outside a gather
+    # partitioned, nothing held outside a gather
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)
     padded = [p.ds_tensor.ds_numel * dist.world_size * p.ds_tensor.element_size() for p in params]
     watch = Watch()
-    runs = {"tensors": len(params), "padded_bytes": sum(padded), "largest_padded_bytes": max(padded),
-            "module_names": [n for n, _ in engine.module.named_parameters()]}
+    runs = {
+        "tensors": len(params),
+        "padded_bytes": sum(padded),
+        "largest_padded_bytes": max(padded),
+        "module_names": [n for n, _ in engine.module.named_parameters()],
+    }
     total = sum(padded)
     norm = dict(engine.module.named_parameters())["model.norm.weight"]
-    runs["dropped_padded_bytes"] = norm.ds_tensor.ds_numel * dist.world_size * norm.ds_tensor.element_size()
-    for label, bucket in (("one bucket", 10 * total), ("quarter", total // 4), ("small", 3 * max(padded))):
-        runs[label] = {"bucket_bytes": bucket, **consume(
-            watch, gathered_named_parameters(engine.module, bucket), reference, torch.float32)}
+    runs["dropped_padded_bytes"] = (
+        norm.ds_tensor.ds_numel * dist.world_size * norm.ds_tensor.element_size()
+    )
+    for label, bucket in (
+        ("one bucket", 10 * total),
+        ("quarter", total // 4),
+        ("small", 3 * max(padded)),
+    ):
+        runs[label] = {
+            "bucket_bytes": bucket,
+            **consume(
+                watch, gathered_named_parameters(engine.module, bucket), reference, torch.float32
+            ),
+        }
     bucket = total // 4
-    rename = {"model.norm.weight": None}  # dropped, so never gathered; everything else gets a prefix
-    runs["bf16 tied all renamed"] = {"bucket_bytes": bucket, **consume(
-        watch, ((n.removeprefix("vllm."), t) for n, t in gathered_named_parameters(
-            engine.module, bucket, dtype=torch.bfloat16, tied="all",
-            rename=lambda n: rename.get(n, "vllm." + n))), reference, torch.bfloat16)}
-    watch.reset()  # the per-tensor baseline (as TRL and OpenRLHF do): one GatheredParameters per parameter
+    # dropped, so never gathered; everything else gets a prefix
+    rename = {"model.norm.weight": None}
+    runs["bf16 tied all renamed"] = {
+        "bucket_bytes": bucket,
+        **consume(
+            watch,
+            (
+                (n.removeprefix("vllm."), t)
+                for n, t in gathered_named_parameters(
+                    engine.module,
+                    bucket,
+                    dtype=torch.bfloat16,
+                    tied="all",
+                    rename=lambda n: rename.get(n, "vllm." + n),
+                )
+            ),
+            reference,
+            torch.bfloat16,
+        ),
+    }
+    # the per-tensor baseline (as TRL and OpenRLHF do): one GatheredParameters per parameter
+    watch.reset()
     for p in params:
         with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
             pass
@@ -124,4 +178,5 @@ def write_every_rank(record: dict, out_path: str, dist) -> None:
 
 if __name__ == "__main__":
     main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
-    end_launched_rank(0)  # past the teardown that sometimes aborts a finished rank (grpo_ds.distributed.ranks)
+    # past the teardown that sometimes aborts a finished rank (grpo_ds.distributed.ranks)
+    end_launched_rank(0)

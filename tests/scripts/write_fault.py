@@ -1,14 +1,16 @@
-"""Fault injection for the write-failure tests: one write of the run fails as a full disk, a read-only file system or
-an exceeded quota would make it fail.
+"""Fault injection for the write-failure tests: one write of the run fails as a full disk, a
+read-only file system or an exceeded quota would make it fail.
 
-``install(Fault(...))`` patches the writers a run uses (torch.save, Path.write_text, Path.open for appends, Path.mkdir,
-os.rename, os.replace, and DeepSpeed's own copyfile and open) so that the ``nth`` call whose path ends with ``suffix``
-raises ``OSError(code)`` (a write that fails mid-file first leaves a partial file, as a full disk does). With
-``hidden``, torch.save raises what torch's zip writer raises on a full disk (a RuntimeError that names no cause),
-and from then on the disk is full: the probe write grpo_ds.run.writes makes to find the cause fails too.
+``install(Fault(...))`` patches the writers a run uses (torch.save, Path.write_text, Path.open for
+appends, Path.mkdir, os.rename, os.replace, and DeepSpeed's own copyfile and open) so that the
+``nth`` call whose path ends with ``suffix`` raises ``OSError(code)`` (a write that fails mid-file
+first leaves a partial file, as a full disk does). With ``hidden``, torch.save raises what torch's
+zip writer raises on a full disk (a RuntimeError that names no cause), and from then on the disk is
+full: the probe write grpo_ds.run.writes makes to find the cause fails too.
 
 Run as a module, this is ``python -m grpo_ds.train`` with the fault of ``$GRPO_DS_WRITE_FAULT``
-(``function:suffix:ERRNO_NAME[:nth]``, e.g. ``torch.save:.tmp-step_00000004/rng/rank0.pt:ENOSPC``)."""
+(``function:suffix:ERRNO_NAME[:nth]``, e.g.
+``torch.save:.tmp-step_00000004/rng/rank0.pt:ENOSPC``)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-TORCH_FULL_DISK = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"  # torch 2.x, ENOSPC
-WRITERS = ("torch.save", "write_text", "append", "mkdir", "os.rename", "os.replace", "deepspeed.copyfile",
-           "deepspeed.open")
+# torch 2.x, ENOSPC
+TORCH_FULL_DISK = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+WRITERS = (
+    "torch.save",
+    "write_text",
+    "append",
+    "mkdir",
+    "os.rename",
+    "os.replace",
+    "deepspeed.copyfile",
+    "deepspeed.open",
+)
 
 
 @dataclass
@@ -42,22 +53,31 @@ class Fault:
         return self.fired
 
     def error(self, path=None, named: bool = True) -> OSError:
-        return OSError(self.code, os.strerror(self.code), *([str(path)] if named and path is not None else []))
+        return OSError(
+            self.code, os.strerror(self.code), *([str(path)] if named and path is not None else [])
+        )
 
 
 def install(fault: Fault, patch=None) -> Fault:
-    """Patch the writers with ``patch(obj, name, value, raising=...)`` (pytest's monkeypatch.setattr, undone after the
-    test; by default ``setattr``, for good)."""
+    """Patch the writers with ``patch(obj, name, value, raising=...)`` (pytest's
+    monkeypatch.setattr, undone after the test; by default ``setattr``, for good)."""
     import deepspeed.runtime.engine as ds_engine
 
     patch = patch or (lambda obj, name, value, raising=True: setattr(obj, name, value))
-    real = {"torch.save": torch.save, "write_text": pathlib.Path.write_text, "open": pathlib.Path.open,
-            "mkdir": pathlib.Path.mkdir, "os.rename": os.rename, "os.replace": os.replace,
-            "copyfile": ds_engine.copyfile}
+    real = {
+        "torch.save": torch.save,
+        "write_text": pathlib.Path.write_text,
+        "open": pathlib.Path.open,
+        "mkdir": pathlib.Path.mkdir,
+        "os.rename": os.rename,
+        "os.replace": os.replace,
+        "copyfile": ds_engine.copyfile,
+    }
 
     def save(obj, f, *args, **kwargs):
         if fault.hits("torch.save", f):
-            pathlib.Path(f).write_bytes(b"PK\x03\x04 partial")  # what a full disk leaves: the start of the file
+            # what a full disk leaves: the start of the file
+            pathlib.Path(f).write_bytes(b"PK\x03\x04 partial")
             if fault.hidden:
                 raise RuntimeError(TORCH_FULL_DISK)
             raise fault.error(named=False)  # a failed write() names no file
@@ -108,7 +128,8 @@ def install(fault: Fault, patch=None) -> Fault:
     patch(os, "rename", rename)
     patch(os, "replace", replace)
     patch(ds_engine, "copyfile", copyfile)
-    patch(ds_engine, "open", ds_open, raising=False)  # DeepSpeed's engine module calls the builtin open
+    # DeepSpeed's engine module calls the builtin open
+    patch(ds_engine, "open", ds_open, raising=False)
     return fault
 
 

@@ -38,8 +38,12 @@ TEMPERATURE = 0.7  # not 1: the log-probs are those of softmax(logits / T)
 IDS = [5, 1, 3, 8, 6, 0]
 # (policy loss, fused lm_head): the three code paths of micro_batch_loss, and GSPO's log-probs
 # through the fused head
-VARIANTS = {"full-logits": ("ppo_clip", False), "fused-lm-head": ("ppo_clip", True),
-            "gspo": ("gspo", False), "gspo-fused": ("gspo", True)}
+VARIANTS = {
+    "full-logits": ("ppo_clip", False),
+    "fused-lm-head": ("ppo_clip", True),
+    "gspo": ("gspo", False),
+    "gspo-fused": ("gspo", True),
+}
 # float32 throughout: the packed forward and the kernels' chunked sums differ from each sequence's
 # own forward by float rounding only (measured worst over the variants: 1.2e-7 in a loss of 0.76,
 # 1.8e-7 in a gradient element, the largest 0.80)
@@ -60,8 +64,9 @@ def _rollouts() -> tuple[Rollouts, torch.Tensor]:
     return dataclasses.replace(rollouts, loss_mask=mask), torch.tensor(advantages)
 
 
-def _terms(rollouts: Rollouts, advantages: torch.Tensor, mb: MicroBatch,
-           around: torch.Tensor | None = None) -> TokenTerms:
+def _terms(
+    rollouts: Rollouts, advantages: torch.Tensor, mb: MicroBatch, around: torch.Tensor | None = None
+) -> TokenTerms:
     """w_i = 1 / L_i on each of sequence i's L_i trained tokens, 0 on its observation tokens.
     Without ``around``: on-policy, no KL term. With ``around`` (N,) log-probs: old and reference
     log-probs drawn within 0.5 of them (ratios up to e^0.5, so some tokens clip)."""
@@ -85,29 +90,41 @@ def _alone(model, rollouts: Rollouts, ids: list[int]) -> tuple[torch.Tensor, tor
         prompt, response = rollouts.prompt_ids[sid], rollouts.response_ids[sid]
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0]  # (P + R, V)
         # (R, V): the positions that predict the response tokens
-        rows = logits[len(prompt) - 1:len(prompt) + len(response) - 1]
+        rows = logits[len(prompt) - 1 : len(prompt) + len(response) - 1]
         lp, h = rows_logprobs_and_entropy(rows, torch.tensor(response), TEMPERATURE)
         logprobs.append(lp)
         entropies.append(h)
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def _reference(model, rollouts: Rollouts, mb: MicroBatch, terms: TokenTerms,
-               config: LossConfig) -> tuple[torch.Tensor, list[float]]:
+def _reference(
+    model, rollouts: Rollouts, mb: MicroBatch, terms: TokenTerms, config: LossConfig
+) -> tuple[torch.Tensor, list[float]]:
     """sum_t token_weight_t l_t by grpo_ds.algo.policy_loss, and the KL, entropy and clipped sums
     over the trained tokens (token_weight > 0)."""
     logprobs, entropy = _alone(model, rollouts, mb.sample_ids)
-    per_token, kl, clipped = token_losses(logprobs, terms.old_logprobs,
-                                          terms.advantages[mb.seq_index], terms.ref_logprobs,
-                                          entropy, config, (mb.seq_index, terms.token_weight))
+    per_token, kl, clipped = token_losses(
+        logprobs,
+        terms.old_logprobs,
+        terms.advantages[mb.seq_index],
+        terms.ref_logprobs,
+        entropy,
+        config,
+        (mb.seq_index, terms.token_weight),
+    )
     counted = terms.token_weight > 0
     sums = [t.detach()[counted].sum().item() for t in (kl, entropy, clipped)]
     return (per_token * terms.token_weight).sum(), sums
 
 
 def _settings(policy_loss: str, fused: bool, **config) -> LossSettings:
-    return LossSettings(loss_config(policy_loss=policy_loss, **config), TEMPERATURE, "torch",
-                        chunk_tokens=16, fused_lm_head=fused)
+    return LossSettings(
+        loss_config(policy_loss=policy_loss, **config),
+        TEMPERATURE,
+        "torch",
+        chunk_tokens=16,
+        fused_lm_head=fused,
+    )
 
 
 @pytest.mark.parametrize(("policy_loss", "fused"), VARIANTS.values(), ids=VARIANTS.keys())
@@ -122,8 +139,9 @@ def test_each_variant_is_the_reference_loss_of_each_sequence_alone(policy_loss, 
     with torch.no_grad():
         around, _ = _alone(model, rollouts, IDS)
     terms = _terms(rollouts, advantages, mb, around)
-    settings = _settings(policy_loss, fused, clip_low=0.2, clip_high=0.28, kl_coef=0.1,
-                         entropy_coef=0.01)
+    settings = _settings(
+        policy_loss, fused, clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01
+    )
     params = list(model.parameters())
 
     loss, stats = micro_batch_loss(model, mb, terms, settings)
@@ -140,8 +158,9 @@ def test_each_variant_is_the_reference_loss_of_each_sequence_alone(policy_loss, 
     assert stats.clipped_tokens == clipped
     assert (stats.kl, stats.entropy) == pytest.approx((kl, entropy), rel=1e-5)
     assert stats.response_tokens == sum(sum(rollouts.loss_mask[s]) for s in IDS)  # observations not
-    assert stats.sequence_tokens == sum(len(rollouts.prompt_ids[s]) + len(rollouts.response_ids[s])
-                                        for s in IDS)
+    assert stats.sequence_tokens == sum(
+        len(rollouts.prompt_ids[s]) + len(rollouts.response_ids[s]) for s in IDS
+    )
     assert (stats.router_aux, stats.router_aux_tokens) == (0.0, 0.0)
 
 
@@ -166,8 +185,9 @@ def test_a_padding_micro_batch_trains_nothing_and_counts_nothing():
     model = _model()
     rollouts, advantages = _rollouts()
     mb = collate(rollouts, IDS[:2], 0, CPU, padding=True)
-    terms = dataclasses.replace(_terms(rollouts, advantages, mb),
-                                token_weight=torch.zeros(mb.num_tokens))
+    terms = dataclasses.replace(
+        _terms(rollouts, advantages, mb), token_weight=torch.zeros(mb.num_tokens)
+    )
     loss, stats = micro_batch_loss(model, mb, terms, _settings("ppo_clip", True))
     assert loss.item() == 0.0 and loss.requires_grad
     assert all(not g.any() for g in torch.autograd.grad(loss, list(model.parameters())))
@@ -200,16 +220,43 @@ def test_the_routers_term_is_c_times_l_aux_times_the_micro_batchs_token_weight()
 
 
 def test_loss_stats_add_field_by_field():
-    a = LossStats(loss=1.5, kl=0.25, entropy=3.0, clipped_tokens=2.0, response_tokens=10.0,
-                  sequence_tokens=16.0, router_aux=0.5, router_aux_tokens=10.0)
-    b = LossStats(loss=-0.5, kl=0.5, entropy=1.0, clipped_tokens=1.0, response_tokens=6.0,
-                  sequence_tokens=9.0, router_aux=1.5, router_aux_tokens=6.0)
+    a = LossStats(
+        loss=1.5,
+        kl=0.25,
+        entropy=3.0,
+        clipped_tokens=2.0,
+        response_tokens=10.0,
+        sequence_tokens=16.0,
+        router_aux=0.5,
+        router_aux_tokens=10.0,
+    )
+    b = LossStats(
+        loss=-0.5,
+        kl=0.5,
+        entropy=1.0,
+        clipped_tokens=1.0,
+        response_tokens=6.0,
+        sequence_tokens=9.0,
+        router_aux=1.5,
+        router_aux_tokens=6.0,
+    )
     total = LossStats()
     for stats in (a, b):  # as the update sums its micro-batches
         total += stats
-    assert total == a + b == LossStats(loss=1.0, kl=0.75, entropy=4.0, clipped_tokens=3.0,
-                                       response_tokens=16.0, sequence_tokens=25.0, router_aux=2.0,
-                                       router_aux_tokens=16.0)
+    assert (
+        total
+        == a + b
+        == LossStats(
+            loss=1.0,
+            kl=0.75,
+            entropy=4.0,
+            clipped_tokens=3.0,
+            response_tokens=16.0,
+            sequence_tokens=25.0,
+            router_aux=2.0,
+            router_aux_tokens=16.0,
+        )
+    )
     assert total.router_metrics() == {"router_aux_loss": 2.0 / 16.0}
     assert LossStats().router_metrics() == {}  # no router term: no metric, not a division by 0
 
@@ -241,8 +288,9 @@ def _one_rank_engine():
     grpo_ds resolves (ZeRO stage 1, managed_gradient_accumulation false), with 2 micro-batches per
     step."""
     init_distributed()
-    recipe = load_recipe({"train": {"micro_batch_samples_per_gpu": 2,
-                                    "samples_per_optimizer_step": 4}})
+    recipe = load_recipe(
+        {"train": {"micro_batch_samples_per_gpu": 2, "samples_per_optimizer_step": 4}}
+    )
     config = resolve_deepspeed_config(recipe, 1, "cpu")
     assert config["gradient_accumulation_steps"] == 2
     return create_train_engine(_model(), config)
@@ -253,8 +301,10 @@ def _engine_gradients(engine) -> list[torch.Tensor]:
     from deepspeed.utils import safe_get_full_grad
 
     grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
-    return [torch.zeros_like(p) if g is None else g
-            for g, p in zip(grads, engine.module.parameters(), strict=True)]
+    return [
+        torch.zeros_like(p) if g is None else g
+        for g, p in zip(grads, engine.module.parameters(), strict=True)
+    ]
 
 
 def _halves(rollouts: Rollouts, advantages: torch.Tensor) -> list[tuple[MicroBatch, TokenTerms]]:
@@ -293,8 +343,9 @@ def test_discard_gradients_forgets_the_micro_batches_since_the_last_step():
     assert any(g.any() for g in _engine_gradients(engine))
     discard_gradients(engine)
     backward(engine, micro_batch_loss(engine, second, second_terms, settings)[0], 1)
-    want = torch.autograd.grad(micro_batch_loss(reference, second, second_terms, settings)[0],
-                               list(reference.parameters()))
+    want = torch.autograd.grad(
+        micro_batch_loss(reference, second, second_terms, settings)[0], list(reference.parameters())
+    )
     for got, w in zip(_engine_gradients(engine), want, strict=True):
         torch.testing.assert_close(got, w, **GRAD_TOL)
     engine.step()

@@ -1,5 +1,5 @@
-"""The memory timeline on a GPU: the CUDA allocated / reserved columns follow what a phase allocates on the device,
-and the per-phase table gains its CUDA columns. Ran on an H200 on 2026-11-28."""
+"""The memory timeline on a GPU: the CUDA allocated / reserved columns follow what a phase allocates
+on the device, and the per-phase table gains its CUDA columns. Ran on an H200 on 2026-11-28."""
 
 import pytest
 import torch
@@ -18,7 +18,8 @@ def test_a_phase_that_allocates_on_the_device_shows_in_the_cuda_columns(tmp_path
         with Phase("rollout"):
             torch.ones(16, device=CUDA).sum().item()
         with Phase("update"):
-            held = torch.empty(256 * MIB, dtype=torch.uint8, device=CUDA)  # 256 MiB, kept past the phase's end
+            # 256 MiB, kept past the phase's end
+            held = torch.empty(256 * MIB, dtype=torch.uint8, device=CUDA)
             held.fill_(1)
             torch.cuda.synchronize()
         rows = timeline.rows()

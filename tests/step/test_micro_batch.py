@@ -1,5 +1,5 @@
-"""The micro-batch layouts (grpo_ds/step/micro_batch.py): packed and padded rows give the same per-token numbers, and a
-packed forward needs use_cache=False."""
+"""The micro-batch layouts (grpo_ds/step/micro_batch.py): packed and padded rows give the same
+per-token numbers, and a packed forward needs use_cache=False."""
 
 import pytest
 import torch
@@ -23,9 +23,16 @@ def _model(attn: str):
 
 
 def _alone(model, rollouts: Rollouts, ids: list[int]) -> torch.Tensor:
-    """Each sequence's log-probs from a forward of that sequence alone (no padding, no neighbours)."""
-    return torch.cat([token_logprobs(model, collate(rollouts, [i], 0, torch.device("cpu"), packed=False), SETTINGS)
-                      for i in ids])
+    """Each sequence's log-probs from a forward of that sequence alone (no padding, no
+    neighbours)."""
+    return torch.cat(
+        [
+            token_logprobs(
+                model, collate(rollouts, [i], 0, torch.device("cpu"), packed=False), SETTINGS
+            )
+            for i in ids
+        ]
+    )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -39,30 +46,35 @@ def test_packed_and_padded_layouts_score_every_token_as_each_sequence_alone(attn
     for packed in (True, False):
         mb = collate(rollouts, ids, 0, torch.device("cpu"), packed=packed)
         torch.testing.assert_close(token_logprobs(model, mb, settings), alone, rtol=0, atol=2e-6)
-    # lengths 10, 7, 7, 7, 5 in rows of 10: no two share a row, so packing would only add the block-diagonal mask and
-    # the micro-batch takes the padded layout (the packed rows: the next test)
+    # lengths 10, 7, 7, 7, 5 in rows of 10: no two share a row, so packing would only add the
+    # block-diagonal mask and the micro-batch takes the padded layout (the packed rows: the next
+    # test)
     unshared = collate(rollouts, ids, 0, torch.device("cpu"))
     assert unshared.position_ids is None and unshared.attention_mask.shape == (len(ids), 10)
     one_row = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)
-    assert one_row.input_ids.shape == (1, one_row.sequence_tokens)  # flash attention's layout: no padding at all
+    # flash attention's layout: no padding at all
+    assert one_row.input_ids.shape == (1, one_row.sequence_tokens)
     torch.testing.assert_close(token_logprobs(model, one_row, settings), alone, rtol=0, atol=2e-6)
 
 
 def test_a_packed_forward_with_the_kv_cache_on_attends_across_sequences(monkeypatch):
-    """The regression test for use_cache=False: with the cache on, transformers does not look for packed sequences
-    and every token attends to the sequences before it in the row."""
+    """The regression test for use_cache=False: with the cache on, transformers does not look for
+    packed sequences and every token attends to the sequences before it in the row."""
     rollouts, _ = fixed_rollouts()
     ids = [4, 0, 7]
     model = _model("sdpa")
-    assert model.config.use_cache  # the model's own default: the flag must come from the micro-batch
-    mb = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)  # all three sequences in one row
+    # the model's own default: the flag must come from the micro-batch
+    assert model.config.use_cache
+    # all three sequences in one row
+    mb = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)
     assert mb.model_inputs()["use_cache"] is False
     alone = _alone(model, rollouts, ids)
     real = MicroBatch.model_inputs
     monkeypatch.setattr(MicroBatch, "model_inputs", lambda self: {**real(self), "use_cache": True})
     leaked = token_logprobs(model, mb, SETTINGS)
     first = len(rollouts.response_ids[ids[0]])
-    torch.testing.assert_close(leaked[:first], alone[:first], rtol=0, atol=2e-6)  # the first sequence has no past
+    # the first sequence has no past
+    torch.testing.assert_close(leaked[:first], alone[:first], rtol=0, atol=2e-6)
     assert (leaked[first:] - alone[first:]).abs().max() > 1e-2  # the others see their neighbours
 
 
@@ -87,15 +99,24 @@ def test_rows_for_eager_and_sdpa_hold_whole_sequences_and_flash_gets_one_row():
     lengths = [len(rollouts.prompt_ids[i]) + len(rollouts.response_ids[i]) for i in ids]
     mb = collate(rollouts, ids, 0, torch.device("cpu"))
     rows, width = mb.input_ids.shape
-    assert width == max(lengths) and rows < len(ids) and rows * width >= sum(lengths)  # fewer rows than padded
-    assert mb.boundaries is None and mb.attention_mask is None  # eager / sdpa: the mask comes from the position ids
-    assert mb.position_ids[0].tolist() == list(range(width))  # row 0: the longest sequence alone, positions 0..
-    assert (mb.position_ids == 0).sum() > rows  # the other rows hold several sequences, each restarting at 0
+    # fewer rows than padded
+    assert width == max(lengths) and rows < len(ids) and rows * width >= sum(lengths)
+    # eager / sdpa: the mask comes from the position ids
+    assert mb.boundaries is None and mb.attention_mask is None
+    # row 0: the longest sequence alone, positions 0..
+    assert mb.position_ids[0].tolist() == list(range(width))
+    # the other rows hold several sequences, each restarting at 0
+    assert (mb.position_ids == 0).sum() > rows
     model = _model("sdpa")
-    torch.testing.assert_close(token_logprobs(model, mb, SETTINGS), _alone(model, rollouts, ids), rtol=0, atol=2e-6)
+    torch.testing.assert_close(
+        token_logprobs(model, mb, SETTINGS), _alone(model, rollouts, ids), rtol=0, atol=2e-6
+    )
     one = collate(rollouts, ids, 0, torch.device("cpu"), one_row=True)
     assert one.input_ids.shape == (1, sum(lengths))
-    assert one.boundaries["cu_seq_lens_q"].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert one.boundaries["cu_seq_lens_q"].tolist() == [
+        0,
+        *torch.tensor(lengths).cumsum(0).tolist(),
+    ]
     assert one.boundaries["max_length_q"] == max(lengths)
 
 
@@ -110,7 +131,8 @@ def test_the_chunk_follows_the_budget_unless_tokens_are_given():
 
 
 def test_a_chunked_micro_batch_scores_the_same_as_one_chunk():
-    """The chunk only bounds memory: a budget of a few tokens' rows gives the numbers of one chunk for all."""
+    """The chunk only bounds memory: a budget of a few tokens' rows gives the numbers of one chunk
+    for all."""
     rollouts, _ = fixed_rollouts()
     model = _model("sdpa")
     mb = collate(rollouts, [4, 0, 7], 0, torch.device("cpu"), packed=True)
@@ -118,13 +140,15 @@ def test_a_chunked_micro_batch_scores_the_same_as_one_chunk():
     tiny_budget = LossSettings(LOSS, 1.0, "torch", None, True, chunk_mib=3 * row_bytes / 2**20)
     assert tiny_budget.chunk(64, torch.float32) == 3
     whole = LossSettings(LOSS, 1.0, "torch", 10_000, True)
-    torch.testing.assert_close(token_logprobs(model, mb, tiny_budget), token_logprobs(model, mb, whole), rtol=0,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        token_logprobs(model, mb, tiny_budget), token_logprobs(model, mb, whole), rtol=0, atol=1e-6
+    )
 
 
 def test_the_token_mask_marks_the_tokens_the_model_reads():
-    """MicroBatch.token_mask (what an MoE router's load balance counts): 1 on every sequence's tokens, 0 on a padded
-    row's end and on a packed row's unused end, in every layout and in each sequence-parallel shard."""
+    """MicroBatch.token_mask (what an MoE router's load balance counts): 1 on every sequence's
+    tokens, 0 on a padded row's end and on a packed row's unused end, in every layout and in each
+    sequence-parallel shard."""
     rollouts, _ = fixed_rollouts()
     ids = list(range(9))
     for layout in ({"packed": True}, {"packed": False}, {"one_row": True}):
@@ -132,9 +156,13 @@ def test_the_token_mask_marks_the_tokens_the_model_reads():
         mask = mb.token_mask
         assert mask.shape == mb.input_ids.shape and int(mask.sum()) == mb.sequence_tokens
         flat = mask.reshape(-1).bool()
-        assert (flat[mb.logit_index].all() and flat[mb.logit_index + 1].all())  # every trained token and its input
+        # every trained token and its input
+        assert flat[mb.logit_index].all() and flat[mb.logit_index + 1].all()
     packed = collate(rollouts, ids, 0, torch.device("cpu"))
-    assert packed.position_ids is not None and int(packed.token_mask.sum()) < packed.token_mask.numel()  # unused ends
+    # unused ends
+    assert (
+        packed.position_ids is not None and int(packed.token_mask.sum()) < packed.token_mask.numel()
+    )
     padded = collate(rollouts, ids, 0, torch.device("cpu"), packed=False)
     shards = [shard_sequences(padded, len(ids), rank, 2, 0) for rank in range(2)]
     assert sum(int(s.token_mask.sum()) for s in shards) == padded.sequence_tokens

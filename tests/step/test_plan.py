@@ -50,13 +50,15 @@ def test_dynamic_plan_respects_token_cap(lengths, world, cap_extra):
     for rank in plan.micro_batches:
         for mb in rank:
             if mb:
-                assert len(mb) * max(tokens[s] for s in mb) <= cap  # padded tokens never exceed the cap
+                # padded tokens never exceed the cap
+                assert len(mb) * max(tokens[s] for s in mb) <= cap
 
 
 @settings(max_examples=200, deadline=None)
 @given(lengths=lengths_st, world=st.integers(1, 9))
 def test_token_balance_is_within_one_sequence(lengths, world):
-    """Greedy longest-first: the heaviest rank exceeds the lightest by at most the longest sequence."""
+    """Greedy longest-first: the heaviest rank exceeds the lightest by at most the longest
+    sequence."""
     tokens = dict(enumerate(lengths))
     shards = shard_by_tokens(list(tokens), tokens, world)
     loads = [sum(tokens[s] for s in shard) for shard in shards]
@@ -100,17 +102,23 @@ def test_minibatches_use_every_sample_once_per_epoch(n, epochs, data):
     assert len(batches) == n // size * epochs
     per_epoch = n // size
     for e in range(epochs):
-        assert sorted(s for b in batches[e * per_epoch:(e + 1) * per_epoch] for s in b) == list(range(n))
+        assert sorted(s for b in batches[e * per_epoch : (e + 1) * per_epoch] for s in b) == list(
+            range(n)
+        )
 
 
-@pytest.mark.parametrize(("overrides", "runs"), [
-    ({}, False),
-    ({"train": {"samples_per_optimizer_step": 8}}, True),  # two optimizer steps per rollout
-    ({"train": {"epochs_per_rollout": 2}}, True),
-    ({"algorithm": {"rollout_is_cap": 2.0}}, True),  # importance weights need pi_old at sampling time
-    ({"algorithm": {"kl_coef": 0.1, "kl_in_reward": True}}, True),
-    ({"algorithm": {"kl_coef": 0.1}}, False),  # KL in the loss needs the reference pass only
-])
+@pytest.mark.parametrize(
+    ("overrides", "runs"),
+    [
+        ({}, False),
+        ({"train": {"samples_per_optimizer_step": 8}}, True),  # two optimizer steps per rollout
+        ({"train": {"epochs_per_rollout": 2}}, True),
+        # importance weights need pi_old at sampling time
+        ({"algorithm": {"rollout_is_cap": 2.0}}, True),
+        ({"algorithm": {"kl_coef": 0.1, "kl_in_reward": True}}, True),
+        ({"algorithm": {"kl_coef": 0.1}}, False),  # KL in the loss needs the reference pass only
+    ],
+)
 def test_old_logprob_pass_is_decided_once_and_recorded_in_the_plan(overrides, runs):
     recipe = load_recipe({"rollout": {"prompts_per_step": 4, "group_size": 4}, **overrides})
     assert (old_logprob_pass_reason(recipe) is not None) == runs
@@ -120,7 +128,16 @@ def test_old_logprob_pass_is_decided_once_and_recorded_in_the_plan(overrides, ru
 
 
 def test_each_phase_gets_its_own_micro_size():
-    plan = plan_step([5] * 16, 1, samples_per_minibatch=16, epochs=1, update_micro_samples=2,
-                     logprob_micro_samples=8, max_tokens=None, seed=0, old_logprob_pass=False)
+    plan = plan_step(
+        [5] * 16,
+        1,
+        samples_per_minibatch=16,
+        epochs=1,
+        update_micro_samples=2,
+        logprob_micro_samples=8,
+        max_tokens=None,
+        seed=0,
+        old_logprob_pass=False,
+    )
     assert {len(mb) for mb in plan.minibatches[0].micro_batches[0]} == {2}
     assert {len(mb) for mb in plan.logprob_pass.micro_batches[0]} == {8}

@@ -1,9 +1,11 @@
-"""Learned reward models in the driver (grpo_ds.step.collect): their scores join the reward functions' with their
-weights, their phase is timed and is a phase of the memory timeline, and a run whose only reward is a reward model
-learns what it rewards (recipes/rm_tiny_cpu.json, its model written by the documented one-line command).
+"""Learned reward models in the driver (grpo_ds.step.collect): their scores join the reward
+functions' with their weights, their phase is timed and is a phase of the memory timeline, and a run
+whose only reward is a reward model learns what it rewards (recipes/rm_tiny_cpu.json, its model
+written by the documented one-line command).
 
-Scores against a plain transformers forward, across world sizes, packing and offload: tests/reward_models/; scored on
-the trainer ranks under split placement: tests/step/test_schedule.py."""
+Scores against a plain transformers forward, across world sizes, packing and offload:
+tests/reward_models/; scored on the trainer ranks under split placement:
+tests/step/test_schedule.py."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from grpo_ds.step.profiling import memory_path
 from tests.launch import REPO, clean_env
 
 RECIPE = REPO / "recipes" / "rm_tiny_cpu.json"
-SEEDS = [int(s) for s in os.environ.get("GRPO_DS_RM_SEEDS", "0").split(",")]  # the issue's check: 0,1,2
+# the issue's check: 0,1,2
+SEEDS = [int(s) for s in os.environ.get("GRPO_DS_RM_SEEDS", "0").split(",")]
 
 
 def _digit_model(folder):
@@ -37,23 +40,38 @@ def _digit_model(folder):
 @pytest.mark.slow
 def test_a_function_and_a_model_add_up_with_their_weights_and_the_phase_is_timed(tmp_path):
     model = _digit_model(tmp_path / "digit7")
-    metrics = grpo_ds.train(REPO / "recipes" / "tiny_cpu.json", {
-        "run.output_dir": str(tmp_path), "train.steps": 2, "logging.progress_bar": False,
-        "rollout.prompts_per_step": 4, "rollout.group_size": 8, "checkpoint.every_steps": None,
-        "run.save_final_model": False, "logging.profile_steps": [1, 2], "logging.profile_trace": False,
-        "reward.functions": [{"name": "format", "weight": 0.5}],
-        "reward.models": [{"path": model, "name": "digit7", "weight": 2.0, "mean": 0.1, "std": 0.5}]})
+    metrics = grpo_ds.train(
+        REPO / "recipes" / "tiny_cpu.json",
+        {
+            "run.output_dir": str(tmp_path),
+            "train.steps": 2,
+            "logging.progress_bar": False,
+            "rollout.prompts_per_step": 4,
+            "rollout.group_size": 8,
+            "checkpoint.every_steps": None,
+            "run.save_final_model": False,
+            "logging.profile_steps": [1, 2],
+            "logging.profile_trace": False,
+            "reward.functions": [{"name": "format", "weight": 0.5}],
+            "reward.models": [
+                {"path": model, "name": "digit7", "weight": 2.0, "mean": 0.1, "std": 0.5}
+            ],
+        },
+    )
     for m in metrics:
-        assert m["reward_mean"] == pytest.approx(0.5 * m["reward/format"] + 2.0 * m["reward/digit7"], abs=1e-9)
-        assert m["reward/digit7"] < 0  # (score - 0.1) / 0.5 with scores in [0, 0.28): the normalisation applied
+        assert m["reward_mean"] == pytest.approx(
+            0.5 * m["reward/format"] + 2.0 * m["reward/digit7"], abs=1e-9
+        )
+        # (score - 0.1) / 0.5 with scores in [0, 0.28): the normalisation applied
+        assert m["reward/digit7"] < 0
         assert m["time_reward_model_s"] > 0 and m["reward_truncated/digit7"] == 0
     phases = {row.phase for row in read_rows(memory_path(tmp_path / "tiny_cpu", 0))}
     assert "reward_model" in phases
 
 
 def _best_score(folder) -> float:
-    """The digit model's score of the best completion (max_new_tokens sevens): every builtin:arith prompt has four
-    characters and no seven, so it is the same for every prompt."""
+    """The digit model's score of the best completion (max_new_tokens sevens): every builtin:arith
+    prompt has four characters and no seven, so it is the same for every prompt."""
     recipe = json.loads(RECIPE.read_text())
     spec = RewardModelSpec(**recipe["reward"]["models"][0])
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -67,23 +85,46 @@ def _best_score(folder) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_reward_model_recipe_learns_what_its_model_rewards(tmp_path, seed):
-    """The guide's commands from a folder holding recipes/ and ds_configs/: the one-line command writes the digit
-    model, then the recipe, whose only reward is that model, reaches >= 0.9 of the best score (last-10 mean)."""
+    """The guide's commands from a folder holding recipes/ and ds_configs/: the one-line command
+    writes the digit model, then the recipe, whose only reward is that model, reaches >= 0.9 of the
+    best score (last-10 mean)."""
     for folder in ("recipes", "ds_configs"):
         shutil.copytree(REPO / folder, tmp_path / folder)
     env = clean_env()
-    write = subprocess.run([sys.executable, "-m", "grpo_ds.reward_models.tiny", "models/digit7_rm"], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=300)
+    write = subprocess.run(
+        [sys.executable, "-m", "grpo_ds.reward_models.tiny", "models/digit7_rm"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert write.returncode == 0, write.stderr[-3000:]
-    run = subprocess.run([sys.executable, "-m", "grpo_ds.train", "recipes/rm_tiny_cpu.json", f"run.seed={seed}",
-                          "logging.progress_bar=false"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_ds.train",
+            "recipes/rm_tiny_cpu.json",
+            f"run.seed={seed}",
+            "logging.progress_bar=false",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
-    lines = [json.loads(line) for line in (tmp_path / "runs" / "rm_tiny_cpu" / "metrics.jsonl").read_text()
-             .splitlines()]
+    lines = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "rm_tiny_cpu" / "metrics.jsonl").read_text().splitlines()
+    ]
     best = _best_score(tmp_path / "models" / "digit7_rm")
-    assert best == pytest.approx(1.0, abs=0.01)  # the recipe's std makes the best completion score 1
+    # the recipe's std makes the best completion score 1
+    assert best == pytest.approx(1.0, abs=0.01)
     first = sum(m["reward_mean"] for m in lines[:10]) / 10
     last = sum(m["reward_mean"] for m in lines[-10:]) / 10
     assert first < 0.3 * best and last >= 0.9 * best, (first, last, best)
-    assert all(m["reward_mean"] == pytest.approx(m["reward/digit7"], abs=1e-12) for m in lines)  # its only reward
+    # its only reward
+    assert all(m["reward_mean"] == pytest.approx(m["reward/digit7"], abs=1e-12) for m in lines)
