@@ -247,26 +247,10 @@ def _rollout_engine(
     every rank holds it whole: grpo_ds.config.deepspeed.rollout_shares_policy) or else with an
     unsharded copy of the policy, loaded here (the one full copy a rank holds); vLLM loads its own
     weights from model.path and gets no copy."""
+    if inputs.recipe.uses_vllm:
+        return _vllm_engine(inputs)
     recipe, tokenizer = inputs.recipe, inputs.tokenizer
     r = recipe.rollout
-    if recipe.uses_vllm:  # vLLM is imported only when chosen (an optional extra)
-        from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
-
-        engine = VLLMRolloutEngine(
-            VLLMSettings.from_recipe(recipe),
-            tokenizer,
-            lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed),
-        )
-        if r.engine == "agent":  # the agent engine's turns from vLLM
-            return AgentRolloutEngine(
-                engine,
-                tokenizer,
-                inputs.env_factory,
-                r.max_turns,
-                recipe.max_response_tokens,
-                r.generation_batch_prompts,
-            )
-        return engine
     shared = shared_module is not None
     model = (
         shared_module
@@ -300,6 +284,30 @@ def _rollout_engine(
         r.generation_batch_prompts,
         shared,
         compiled,
+    )
+
+
+def _vllm_engine(inputs: Inputs) -> RolloutEngine:
+    """vLLM's engine (imported only when chosen: an optional extra), or the agent engine's turns
+    from it."""
+    from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings
+
+    recipe, tokenizer = inputs.recipe, inputs.tokenizer
+    r = recipe.rollout
+    engine = VLLMRolloutEngine(
+        VLLMSettings.from_recipe(recipe),
+        tokenizer,
+        lambda: load_model(recipe.model, len(tokenizer), recipe.run.seed),
+    )
+    if r.engine != "agent":
+        return engine
+    return AgentRolloutEngine(
+        engine,
+        tokenizer,
+        inputs.env_factory,
+        r.max_turns,
+        recipe.max_response_tokens,
+        r.generation_batch_prompts,
     )
 
 

@@ -4,13 +4,13 @@ import importlib.util
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import grpo_ds
 import grpo_ds.session as session_module
-import grpo_ds.train as train_module
 from tests.launch import (
     REPO,
     clean_env,
@@ -618,6 +618,8 @@ def test_a_logger_that_cannot_start_on_rank_0_stops_every_rank(tmp_path, monkeyp
 
     monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast_object_list)
     recipe = load_recipe(TINY, {"run.output_dir": str(tmp_path)})
+    session = session_module.Session(SimpleNamespace(recipe=recipe), Rank1(), stop=None)
+    session.ctx.run_dir = tmp_path / "tiny_cpu"
     with pytest.raises(UserError) as err:
-        train_module._start_logger(recipe, tmp_path / "tiny_cpu", Rank1())
+        session._start_logger()
     assert err.value is failure

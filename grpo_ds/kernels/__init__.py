@@ -261,6 +261,23 @@ def masked_policy_loss(
     the other sums are plain sums over the tokens with m_t != 0.
     """
     _check_token_level(cfg)
+    _check_masked_shapes(logprobs, advantages, mask, old_logprobs, ref_logprobs, entropy)
+    if backend == "torch":
+        return _masked_policy_loss_torch(
+            logprobs, advantages, mask, cfg, old_logprobs, ref_logprobs, entropy
+        )
+    from grpo_ds.kernels import policy_loss as triton_policy_loss
+
+    sums = triton_policy_loss.MaskedPolicyLoss.apply(
+        logprobs, old_logprobs, ref_logprobs, entropy, advantages, mask, cfg
+    )
+    return SequenceSums(
+        sums[0], sums[1].detach(), sums[2].detach(), sums[3].detach(), sums[4].detach()
+    )
+
+
+def _check_masked_shapes(logprobs, advantages, mask, old_logprobs, ref_logprobs, entropy) -> None:
+    """masked_policy_loss's operands: (B, T) tokens and (B,) advantages, or a ValueError."""
     if (
         logprobs.dim() != 2
         or mask.shape != logprobs.shape
@@ -279,40 +296,37 @@ def masked_policy_loss(
             raise ValueError(
                 f"{name} must be (B, T) = {tuple(logprobs.shape)}, got {tuple(value.shape)}"
             )
-    if backend == "torch":
-        keep = mask != 0  # (B, T)
 
-        # masked-out inf/NaN must not reach autograd
-        def kept(values: torch.Tensor | None) -> torch.Tensor | None:
-            return None if values is None else torch.where(keep, values, torch.zeros_like(values))
 
-        per_token, kl, clipped = token_losses(
-            kept(logprobs),
-            kept(old_logprobs),
-            advantages.float()[:, None].expand_as(logprobs),
-            kept(ref_logprobs),
-            kept(entropy),
-            cfg,
-        )
-        ent = kept(entropy).detach() if entropy is not None else torch.zeros_like(per_token)
+def _masked_policy_loss_torch(
+    logprobs, advantages, mask, cfg, old_logprobs, ref_logprobs, entropy
+) -> SequenceSums:
+    """masked_policy_loss through the reference token losses (grpo_ds.algo.policy_loss)."""
+    keep = mask != 0  # (B, T)
 
-        def row_sum(values: torch.Tensor) -> torch.Tensor:
-            return torch.where(keep, values.float(), 0.0).sum(dim=1)  # (B,)
+    # masked-out inf/NaN must not reach autograd
+    def kept(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else torch.where(keep, values, torch.zeros_like(values))
 
-        return SequenceSums(
-            row_sum(per_token * mask),
-            row_sum(kl.detach()),
-            row_sum(ent),
-            row_sum(clipped),
-            keep.sum(dim=1).float(),
-        )
-    from grpo_ds.kernels import policy_loss as triton_policy_loss
-
-    sums = triton_policy_loss.MaskedPolicyLoss.apply(
-        logprobs, old_logprobs, ref_logprobs, entropy, advantages, mask, cfg
+    per_token, kl, clipped = token_losses(
+        kept(logprobs),
+        kept(old_logprobs),
+        advantages.float()[:, None].expand_as(logprobs),
+        kept(ref_logprobs),
+        kept(entropy),
+        cfg,
     )
+    ent = kept(entropy).detach() if entropy is not None else torch.zeros_like(per_token)
+
+    def row_sum(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, values.float(), 0.0).sum(dim=1)  # (B,)
+
     return SequenceSums(
-        sums[0], sums[1].detach(), sums[2].detach(), sums[3].detach(), sums[4].detach()
+        row_sum(per_token * mask),
+        row_sum(kl.detach()),
+        row_sum(ent),
+        row_sum(clipped),
+        keep.sum(dim=1).float(),
     )
 
 

@@ -46,26 +46,7 @@ def collect(step: int, ctx: StepContext, sampler: PromptSampler) -> StepBatch:
     informative: list[tuple[int, int]] = []  # (round, group) with unequal rewards
     for round_index in range(rounds):
         with Phase("rollout", times, spans):
-            prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
-            lo, hi = dist.dp_slice(P)
-            sampling = SamplingParams(
-                recipe.rollout.max_new_tokens,
-                recipe.rollout.temperature,
-                recipe.rollout.top_p,
-                recipe.rollout.top_k,
-                seed=recipe.run.seed * 1_000_003 + step * 1_009 + round_index * 100_003,
-                first_prompt=lo,
-            )
-            mine = prompt_index[lo:hi]
-            local = ctx.rollout.generate(
-                [inputs.prompts[i].prompt_ids for i in mine],
-                G,
-                sampling,
-                [inputs.prompts[i].columns for i in mine],
-            )
-            # a TP group generated the same
-            rollouts = Rollouts.concat(dist.dp_parts(dist.all_gather(local)))
-
+            prompt_index, rollouts = _generate_round(step, round_index, ctx, sampler)
         rows = [inputs.prompts[i] for i in prompt_index]
         models = score_models(ctx, rows, rollouts, G, times, spans, model_metrics)
         with Phase("reward", times, spans):
@@ -80,13 +61,7 @@ def collect(step: int, ctx: StepContext, sampler: PromptSampler) -> StepBatch:
         if not a.dynamic_sampling or len(informative) >= P:
             break
 
-    if a.dynamic_sampling:
-        chosen, seen = informative[:P], set(informative)
-        flat = [(r, g) for r in range(len(drawn)) for g in range(P) if (r, g) not in seen]
-        topped_up = flat[: P - len(chosen)]
-        chosen = sorted(chosen + topped_up)
-    else:
-        chosen, topped_up = [(0, g) for g in range(P)], []
+    chosen, topped_up = _choose(len(drawn), informative, P, a.dynamic_sampling)
     samples = _select(drawn, chosen, G)
     metrics = _reward_metrics(scored, [r for _, _, rewards in drawn for r in rewards], drawn)
     metrics.update(model_metrics)
@@ -101,6 +76,48 @@ def collect(step: int, ctx: StepContext, sampler: PromptSampler) -> StepBatch:
             }
         )
     return StepBatch(samples[0], samples[1], samples[2], metrics, times, spans=spans)
+
+
+def _generate_round(
+    step: int, round_index: int, ctx: StepContext, sampler: PromptSampler
+) -> tuple[list[int], Rollouts]:
+    """One round's prompts (rank 0 draws them) and their samples: every data-parallel rank
+    generates its slice, and every rank receives the whole round."""
+    recipe, inputs, dist = ctx.recipe, ctx.inputs, ctx.dist
+    P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
+    prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
+    lo, hi = dist.dp_slice(P)
+    sampling = SamplingParams(
+        recipe.rollout.max_new_tokens,
+        recipe.rollout.temperature,
+        recipe.rollout.top_p,
+        recipe.rollout.top_k,
+        seed=recipe.run.seed * 1_000_003 + step * 1_009 + round_index * 100_003,
+        first_prompt=lo,
+    )
+    mine = prompt_index[lo:hi]
+    local = ctx.rollout.generate(
+        [inputs.prompts[i].prompt_ids for i in mine],
+        G,
+        sampling,
+        [inputs.prompts[i].columns for i in mine],
+    )
+    # a TP group generated the same
+    return prompt_index, Rollouts.concat(dist.dp_parts(dist.all_gather(local)))
+
+
+def _choose(
+    rounds: int, informative: list[tuple[int, int]], P: int, dynamic: bool
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The (round, group) pairs the step trains, in order, and those of them that top the step up:
+    without dynamic sampling the first round's groups; with it the informative groups, topped up
+    with equal-reward ones to P groups."""
+    if not dynamic:
+        return [(0, g) for g in range(P)], []
+    chosen, seen = informative[:P], set(informative)
+    flat = [(r, g) for r in range(rounds) for g in range(P) if (r, g) not in seen]
+    topped_up = flat[: P - len(chosen)]
+    return sorted(chosen + topped_up), topped_up
 
 
 def equal_rewards(group: list[float]) -> bool:

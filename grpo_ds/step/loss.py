@@ -135,77 +135,11 @@ def micro_batch_loss(
     coef = s.router_aux_coef
     routed = [] if coef > 0 else None  # the forward's router logits, one (T, E) per MoE layer
     if s.config.policy_loss == "gspo":
-        logprobs, entropy = _logprobs_and_entropy(model, mb, s, routed)
-        per_token, kl, clipped = token_losses(
-            logprobs,
-            terms.old_logprobs,
-            terms.advantages[mb.seq_index],
-            terms.ref_logprobs,
-            entropy,
-            s.config,
-            (mb.seq_index, terms.token_weight),
-        )
-        loss = (per_token * terms.token_weight).sum()
-        counted = terms.token_weight > 0
-        sums = [torch.where(counted, t.detach().float(), 0.0).sum() for t in (kl, entropy, clipped)]
+        loss, sums = _gspo_loss(model, mb, terms, s, routed)
     elif s.fused_lm_head:
-        inputs = kernels.LossInputs(
-            mb.target_ids,
-            terms.advantages[mb.seq_index],
-            terms.token_weight,
-            terms.old_logprobs,
-            terms.ref_logprobs,
-        )
-
-        # (B, T, H) -> (4,): the loss (differentiable), then KL, entropy, clipped sums
-        def head(module, hidden):
-            weight = module.weight
-            out = kernels.policy_loss_from_hidden(
-                _trained_positions(hidden, mb),
-                weight,
-                inputs,
-                s.config,
-                s.temperature,
-                s.chunk(weight.shape[0], weight.dtype),
-                s.backend,
-                s.truncation,
-            )
-            counted = terms.token_weight > 0
-            sums = [
-                torch.where(counted, t.detach().float(), 0.0).sum()
-                for t in (out.kl, out.entropy, out.clipped)
-            ]
-            return torch.stack([out.loss.float(), *sums])
-
-        packed = _forward_with_head(model, mb, head, routed)
-        loss, sums = packed[0], list(packed[1:])
+        loss, sums = _fused_head_loss(model, mb, terms, s, routed)
     else:
-        logits = _logits(model, mb, routed)
-        logprobs, entropy = kernels.logprobs_from_logits(
-            logits,
-            mb.target_ids,
-            mb.logit_index,
-            s.temperature,
-            s.chunk(logits.shape[-1], logits.dtype),
-            s.backend,
-            s.truncation,
-        )  # (N,)
-
-        def rows(values):
-            return None if values is None else as_sequence_rows(values.float(), mb)
-
-        per_sequence = kernels.masked_policy_loss(
-            rows(logprobs),
-            terms.advantages,
-            rows(terms.token_weight),
-            s.config,
-            rows(terms.old_logprobs),
-            rows(terms.ref_logprobs),
-            rows(entropy),
-            s.backend,
-        )
-        loss = per_sequence.loss.sum()
-        sums = [t.sum() for t in (per_sequence.kl, per_sequence.entropy, per_sequence.clipped)]
+        loss, sums = _logits_loss(model, mb, terms, s, routed)
     aux = None
     if routed is not None:
         aux = load_balancing_loss(routed, _unwrap(model).config.num_experts_per_tok, mb.token_mask)
@@ -218,6 +152,96 @@ def micro_batch_loss(
     return loss, LossStats(
         loss.item(), kl, entropy, clipped, response, float(mb.sequence_tokens), *routing
     )
+
+
+def _gspo_loss(
+    model, mb: MicroBatch, terms: TokenTerms, s: LossSettings, routed: list | None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """GSPO's sequence-level ratio: the reference's token losses on the log-probs (the loss; the
+    KL, entropy and clipped sums over the counted tokens)."""
+    logprobs, entropy = _logprobs_and_entropy(model, mb, s, routed)
+    per_token, kl, clipped = token_losses(
+        logprobs,
+        terms.old_logprobs,
+        terms.advantages[mb.seq_index],
+        terms.ref_logprobs,
+        entropy,
+        s.config,
+        (mb.seq_index, terms.token_weight),
+    )
+    loss = (per_token * terms.token_weight).sum()
+    counted = terms.token_weight > 0
+    return loss, [
+        torch.where(counted, t.detach().float(), 0.0).sum() for t in (kl, entropy, clipped)
+    ]
+
+
+def _fused_head_loss(
+    model, mb: MicroBatch, terms: TokenTerms, s: LossSettings, routed: list | None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss from the hidden states through the lm_head in chunks, without the logits."""
+    inputs = kernels.LossInputs(
+        mb.target_ids,
+        terms.advantages[mb.seq_index],
+        terms.token_weight,
+        terms.old_logprobs,
+        terms.ref_logprobs,
+    )
+
+    # (B, T, H) -> (4,): the loss (differentiable), then KL, entropy, clipped sums
+    def head(module, hidden):
+        weight = module.weight
+        out = kernels.policy_loss_from_hidden(
+            _trained_positions(hidden, mb),
+            weight,
+            inputs,
+            s.config,
+            s.temperature,
+            s.chunk(weight.shape[0], weight.dtype),
+            s.backend,
+            s.truncation,
+        )
+        counted = terms.token_weight > 0
+        sums = [
+            torch.where(counted, t.detach().float(), 0.0).sum()
+            for t in (out.kl, out.entropy, out.clipped)
+        ]
+        return torch.stack([out.loss.float(), *sums])
+
+    packed = _forward_with_head(model, mb, head, routed)
+    return packed[0], list(packed[1:])
+
+
+def _logits_loss(
+    model, mb: MicroBatch, terms: TokenTerms, s: LossSettings, routed: list | None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss from the model's logits: log-probs, then the masked per-sequence policy loss."""
+    logits = _logits(model, mb, routed)
+    logprobs, entropy = kernels.logprobs_from_logits(
+        logits,
+        mb.target_ids,
+        mb.logit_index,
+        s.temperature,
+        s.chunk(logits.shape[-1], logits.dtype),
+        s.backend,
+        s.truncation,
+    )  # (N,)
+
+    def rows(values):
+        return None if values is None else as_sequence_rows(values.float(), mb)
+
+    per_sequence = kernels.masked_policy_loss(
+        rows(logprobs),
+        terms.advantages,
+        rows(terms.token_weight),
+        s.config,
+        rows(terms.old_logprobs),
+        rows(terms.ref_logprobs),
+        rows(entropy),
+        s.backend,
+    )
+    sums = [t.sum() for t in (per_sequence.kl, per_sequence.entropy, per_sequence.clipped)]
+    return per_sequence.loss.sum(), sums
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from grpo_ds import train as train_module
+from grpo_ds import session as session_module
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.model import memory
 from grpo_ds.model.memory import ModelShape
@@ -147,9 +147,8 @@ def test_the_recipe_key_reaches_the_engine(setting):
     )
     tok = build_tiny_tokenizer()
     model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=4, seed=0)
-    engine = train_module._rollout_engine(
-        recipe,
-        SimpleNamespace(tokenizer=tok, env_factory=None),
+    engine = session_module._rollout_engine(
+        SimpleNamespace(recipe=recipe, tokenizer=tok, env_factory=None),
         SimpleNamespace(device=torch.device("cpu")),
         shared_module=model,
     )
