@@ -73,8 +73,10 @@ def recipe_page() -> str:
 
     return (
         f"{GENERATED}\n# Recipe keys\n\nEvery key of a recipe: its meaning, then its type, default "
-        "and allowed values, generated from the schema (grpo_ds/config/recipe.py), which is the "
-        'only place a default is written. A key is set in the recipe\'s JSON (`{"train": {"lr": '
+        "and allowed values, generated from the schema (grpo_ds/config/recipe.py, with its "
+        "rollout and reward sections in grpo_ds/config/recipe_rollout.py and its algorithm, train "
+        "and kernels sections in grpo_ds/config/recipe_training.py), which is the only place a "
+        'default is written. A key is set in the recipe\'s JSON (`{"train": {"lr": '
         "1e-5}}`) or overridden on the command line (`train.lr=1e-5`); "
         "see [Writing recipes](../guides/recipes.md).\n\n" + definitions()
     )

@@ -13,29 +13,28 @@ ranks' (W - rollout.ranks), and one more line estimates a rollout rank. Each rew
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import numpy as np
 import torch
 
 from grpo_ds.config import software
-from grpo_ds.config.deepspeed import (
-    load_deepspeed_json,
-    one_rank_stage_note,
-    resolve_deepspeed_config,
-    rollout_shares_policy,
-)
+from grpo_ds.config.deepspeed import load_deepspeed_json, one_rank_stage_note, rollout_shares_policy
 from grpo_ds.config.deepspeed_keys import zero_stage
 from grpo_ds.config.placement import Placement
 from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed.ranks import device_type
-from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.errors import exit_on_user_error
 from grpo_ds.kernels import chunk_bytes_per_token, chunk_tokens_for
 from grpo_ds.model import lora, memory
 from grpo_ds.model.memory import GIB
-from grpo_ds.rollout.hf_compile import cache_length, compile_wanted
 from grpo_ds.run.preflight import Inputs, prepare_inputs
-from grpo_ds.step.plan import old_logprob_pass_reason, plan_recipe_step, token_imbalance
+from grpo_ds.step.memory_fit import (
+    estimate_memory,
+    fit_lines,
+    prompts_per_generate_call,
+    static_cache,
+)
+from grpo_ds.step.plan import StepPlan, old_logprob_pass_reason, plan_recipe_step, token_imbalance
 
 
 def simulated_lengths(inputs: Inputs, mode: str) -> list[int]:
@@ -94,22 +93,62 @@ def environment_lines(env: software.InstalledSoftware, device_type: str) -> list
 def report(
     inputs: Inputs, world_size: int, lengths_mode: str, gpu_memory_gib: float | None = None
 ) -> str:
-    r = inputs.recipe
+    """The dry run's report, one section after another in the order it prints: the layout, the
+    batch algebra, the shards of optimizer step 1, the resolved DeepSpeed keys, the kernels and the
+    rollout engine, the memory estimate, the reward models and the dataset."""
+    r, placement = inputs.recipe, inputs.placement
     lengths = simulated_lengths(inputs, lengths_mode)
-    t = r.train
-    tp, sp = t.tensor_parallel_size, t.sequence_parallel_size
-    placement = inputs.placement
     # the world the batch algebra and DeepSpeed see (all ranks when colocated)
-    trainers = placement.trainer_ranks
-    ranks = f"trainer ranks {trainers}" if placement.split else f"world size {world_size}"
-    dp = trainers // tp // sp
+    ranks = (
+        f"trainer ranks {placement.trainer_ranks}"
+        if placement.split
+        else f"world size {world_size}"
+    )
+    dp = placement.trainer_ranks // r.train.tensor_parallel_size // r.train.sequence_parallel_size
     plan = plan_recipe_step(r, lengths, dp, step=1)
-    ds = inputs.ds_config
-    _, ds_where = load_deepspeed_json(r)
-    first = plan.minibatches[0]
+    lines = [
+        f"recipe is valid for world size {world_size}",
+        f"placement: {placement.describe()}",
+        _layout_line(r, ranks, dp),
+        "",
+        *_batch_algebra_lines(r),
+        "",
+        *_shard_lines(r, plan, lengths, lengths_mode),
+    ]
+    shape = memory.model_shape(r, len(inputs.tokenizer))
+    lines += [
+        "",
+        *_deepspeed_lines(r, inputs.ds_config, ranks, dp),
+        "",
+        _kernels_line(inputs, shape.vocab),
+        _rollout_line(r, inputs.ds_config, placement),
+        "",
+        *_memory_lines(inputs, shape, world_size, lengths, gpu_memory_gib),
+        f"dataset: {len(inputs.prompts)} prompts ({inputs.skipped_rows} bad rows skipped)",
+    ]
+    return "\n".join(lines)
+
+
+def _layout_line(r: Recipe, ranks: str, dp: int) -> str:
+    """The ranks as data x tensor x sequence parallel."""
+    tp, sp = r.train.tensor_parallel_size, r.train.sequence_parallel_size
+    return (
+        f"parallel layout: {ranks} = data parallel {dp} "
+        f"x tensor parallel {tp} x sequence parallel {sp}"
+        + (
+            f" (ranks {tp * sp}d .. {tp * sp}d+{tp * sp - 1} form group d and run the same samples)"
+            if tp * sp > 1
+            else ""
+        )
+    )
+
+
+def _batch_algebra_lines(r: Recipe) -> list[str]:
+    """Samples per step and per optimizer step, the micro-batches, and which log-prob passes run."""
+    t = r.train
     layout = (
         "one padded row each (sequence parallelism: no packing)"
-        if sp > 1
+        if t.sequence_parallel_size > 1
         else "packed into rows"
         if t.packing
         else "one padded row each"
@@ -119,17 +158,7 @@ def report(
     lp_rule = (
         cap if t.max_tokens_per_micro_batch else f"{t.logprob_micro_batch_samples_per_gpu} samples"
     )
-    lines = [
-        f"recipe is valid for world size {world_size}",
-        f"placement: {placement.describe()}",
-        f"parallel layout: {ranks} = data parallel {dp} "
-        f"x tensor parallel {tp} x sequence parallel {sp}"
-        + (
-            f" (ranks {tp * sp}d .. {tp * sp}d+{tp * sp - 1} form group d and run the same samples)"
-            if tp * sp > 1
-            else ""
-        ),
-        "",
+    return [
         "batch algebra",
         f"  samples per step             {r.samples_per_step} = prompts_per_step "
         f"{r.rollout.prompts_per_step} x group_size {r.rollout.group_size}",
@@ -150,7 +179,15 @@ def report(
             if r.algorithm.kl_coef > 0
             else "off (kl_coef 0)"
         ),
-        "",
+    ]
+
+
+def _shard_lines(r: Recipe, plan: StepPlan, lengths: list[int], lengths_mode: str) -> list[str]:
+    """Optimizer step 1's shard on each data-parallel rank: its samples, tokens and micro-batches;
+    under sequence parallelism, what one of its ranks holds of the longest micro-batch."""
+    tp, sp = r.train.tensor_parallel_size, r.train.sequence_parallel_size
+    first = plan.minibatches[0]
+    lines = [
         "per-rank shards of optimizer step 1 (simulated "
         f"lengths: {lengths_mode}; prompt lengths from the data"
         + ("; one line per data-parallel rank" if tp * sp > 1 else "")
@@ -180,39 +217,60 @@ def report(
             f"longest micro-batch ({rows * -(-widest // sp)} "
             f"model positions, of {rows * widest} unsplit)"
         )
-    shape = memory.model_shape(r, len(inputs.tokenizer))
-    lines += [
-        f"  token imbalance (max/mean over ranks): {token_imbalance(first, lengths):.3f}",
-        "",
+    lines.append(f"  token imbalance (max/mean over ranks): {token_imbalance(first, lengths):.3f}")
+    return lines
+
+
+def _deepspeed_lines(r: Recipe, ds: dict, ranks: str, dp: int) -> list[str]:
+    """The resolved DeepSpeed config's batch keys and ZeRO stage, and the file it came from."""
+    _, ds_where = load_deepspeed_json(r)
+    return [
         f"DeepSpeed (resolved from {ds_where})",
         f"  train_micro_batch_size_per_gpu  {ds['train_micro_batch_size_per_gpu']}",
         f"  gradient_accumulation_steps     {ds['gradient_accumulation_steps']} (static plan; "
         "grpo_ds owns the step boundary, so padding and dynamic batches need no change here)",
         f"  train_batch_size                {ds['train_batch_size']} = "
         f"{ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} x "
-        + (f"data-parallel size {dp}" if sp > 1 else ranks)
+        + (f"data-parallel size {dp}" if r.train.sequence_parallel_size > 1 else ranks)
         if "train_batch_size" in ds
         else "  train_batch_size                left out (AutoTP "
         "under ZeRO-3: DeepSpeed checks it against two sizes)",
         f"  zero stage                      {zero_stage(ds)}"
         + (f" ({stage_note})" if (stage_note := one_rank_stage_note(r, ds)) else ""),
-        "",
+    ]
+
+
+def _kernels_line(inputs: Inputs, vocab: int) -> str:
+    """The kernels backend, whether full logits exist, and the log-prob chunk."""
+    r = inputs.recipe
+    return (
         f"kernels: {inputs.kernels_backend} backend (kernels.backend {r.kernels.backend!r}), "
         + (
             "full logits, "
             if not r.kernels.fused_lm_head
             else "fused lm_head (no full logits), "
-            if tp == 1
+            if r.train.tensor_parallel_size == 1
             else "full logits (tensor parallelism splits the lm_head), "
         )
-        + _chunk_text(r, inputs.kernels_backend, shape.vocab),
-        _rollout_line(r, ds, placement),
-    ]
+        + _chunk_text(r, inputs.kernels_backend, vocab)
+    )
+
+
+def _memory_lines(
+    inputs: Inputs,
+    shape: memory.ModelShape,
+    world_size: int,
+    lengths: list[int],
+    gpu_memory_gib: float | None,
+) -> list[str]:
+    """The memory estimate of a rank that trains, term by term (grpo_ds.step.memory_fit), whether
+    it fits the GPU, a rollout rank's (split placement) and the reward models' shares."""
+    r, placement = inputs.recipe, inputs.placement
     reward_models = tuple(memory.reward_model_shape(spec) for spec in inputs.reward_models)
     est = estimate_memory(
         r,
         shape,
-        ds,
+        inputs.ds_config,
         world_size,
         lengths,
         gpu_memory_gib,
@@ -220,21 +278,9 @@ def report(
         placement,
         reward_models,
     )
-    trained = (
-        f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})"
-        if lora.enabled(r.model)
-        else ""
-    )
-    # every expert's parameters are counted; a token uses k of them in each MoE layer
-    if shape.moe_layers:
-        trained += (
-            f", a mixture of experts: {shape.experts} in each of {shape.moe_layers} layers, "
-            f"{shape.experts_per_token} per token"
-        )
-    lines += [
-        "",
+    lines = [
         f"memory estimate per {'trainer ' if placement.split else ''}rank "
-        f"({shape.params / 1e6:.2f} M parameters{trained}, {r.model.dtype}; "
+        f"({shape.params / 1e6:.2f} M parameters{_trained_text(r, shape)}, {r.model.dtype}; "
         "grpo_ds/model/memory.py says how each line is counted)",
     ]
     lines += [f"  {name:<52} {value / GIB:8.3f} GiB" for name, value in est.device.items()]
@@ -247,12 +293,26 @@ def report(
     if est.host:
         lines.append(f"  {'host memory (offload)':<52} {sum(est.host.values()) / GIB:8.3f} GiB")
     if gpu_memory_gib is not None:
-        lines += _fit(inputs, lengths, est, gpu_memory_gib, reward_models)
+        lines += fit_lines(inputs, lengths, est, gpu_memory_gib, reward_models)
     if placement.split:
         lines.append(_rollout_rank_line(r, shape, placement, lengths, gpu_memory_gib))
-    lines += _reward_model_lines(inputs, reward_models, est)
-    lines.append(f"dataset: {len(inputs.prompts)} prompts ({inputs.skipped_rows} bad rows skipped)")
-    return "\n".join(lines)
+    return lines + _reward_model_lines(inputs, reward_models, est)
+
+
+def _trained_text(r: Recipe, shape: memory.ModelShape) -> str:
+    """What of the parameters trains (LoRA), and how a mixture of experts counts them."""
+    trained = (
+        f", {shape.trainable / 1e6:.2f} M trainable (LoRA rank {r.model.lora_rank})"
+        if lora.enabled(r.model)
+        else ""
+    )
+    # every expert's parameters are counted; a token uses k of them in each MoE layer
+    if shape.moe_layers:
+        trained += (
+            f", a mixture of experts: {shape.experts} in each of {shape.moe_layers} layers, "
+            f"{shape.experts_per_token} per token"
+        )
+    return trained
 
 
 def _reward_model_lines(
@@ -317,7 +377,7 @@ def _rollout_rank_line(
 ) -> str:
     """Split placement: one line for a rollout rank's memory (grpo_ds.model.memory.rollout_rank)."""
     sequences = (
-        _prompts_per_generate_call(r, placement.rollout_ranks, rollout_side=True)
+        prompts_per_generate_call(r, placement.rollout_ranks, rollout_side=True)
         * r.rollout.group_size
     )
     parts = memory.rollout_rank(
@@ -326,7 +386,7 @@ def _rollout_rank_line(
         max(lengths),
         sequences,
         gpu_memory_gib,
-        _static_cache(r, placement.rollout_ranks, max(lengths), gpu_memory_gib, True),
+        static_cache(r, placement.rollout_ranks, max(lengths), gpu_memory_gib, True),
     )
     if parts is None:
         return (
@@ -351,79 +411,6 @@ def _vllm_sync() -> str:
     return f" through {weight_sync_path()} (vLLM {version} installed here)"
 
 
-def estimate_memory(
-    r: Recipe,
-    shape: memory.ModelShape,
-    ds_config: dict,
-    world_size: int,
-    lengths: list[int],
-    gpu_memory_gib: float | None = None,
-    backend: str = "torch",
-    placement: Placement | None = None,
-    reward_models: tuple[memory.RewardModelShape, ...] = (),
-) -> memory.MemoryEstimate:
-    """The estimate of a rank that trains, for the recipe's first planned step over ``lengths``;
-    ``backend``: the resolved kernels backend; ``placement``: split counts the trainer's ranks,
-    which hold no rollout engine; ``reward_models``: the reward models every rank that trains
-    holds."""
-    split = placement is not None and placement.split
-    if split:
-        world_size = placement.trainer_ranks
-    dp = world_size // r.train.tensor_parallel_size
-    plan = plan_recipe_step(r, lengths, dp, step=1)
-    micro = [mb for m in plan.minibatches for rank in m.micro_batches for mb in rank if mb]
-    sp = r.train.sequence_parallel_size
-    if sp > 1:  # padded rows, split along the positions
-        model_tokens = r.sequence_parallel_rows * -(
-            -max(max(lengths[s] for s in mb) for mb in micro) // sp
-        )
-    else:
-        model_tokens = max(
-            sum(lengths[s] for s in mb)
-            if r.train.packing
-            else len(mb) * max(lengths[s] for s in mb)
-            for mb in micro
-        )
-    generation = _prompts_per_generate_call(r, world_size) * r.rollout.group_size
-    return memory.estimate(
-        r,
-        shape,
-        ds_config,
-        world_size,
-        model_tokens,
-        max(lengths),
-        generation,
-        gpu_memory_gib,
-        backend,
-        rollout=not split,
-        reward_models=reward_models,
-        static_cache=_static_cache(r, world_size, max(lengths), gpu_memory_gib),
-    )
-
-
-def _static_cache(
-    r: Recipe,
-    world_size: int,
-    longest: int,
-    gpu_memory_gib: float | None,
-    rollout_side: bool = False,
-) -> tuple[int, int]:
-    """(sequences, length) of the hf engine's compiled-decode caches (rollout.hf_compile; (0, 0)
-    where it decodes eagerly): one cache per distinct generate-call size of a step (a smaller last
-    call has its own), each as long as the widest prompt plus max_new_tokens (``longest``,
-    completions at the limit), rounded up as the engine rounds. The estimate is for a GPU where
-    --gpu-memory-gib (or the visible GPU) gives one, else for this CPU."""
-    device = "cpu" if gpu_memory_gib is None else "cuda"
-    if r.uses_vllm or r.rollout.engine != "hf" or not compile_wanted(r.rollout.hf_compile, device):
-        return 0, 0
-    share, per_call = (
-        _prompts_per_rank(r, world_size, rollout_side),
-        r.rollout.generation_batch_prompts,
-    )
-    prompts = min(share, per_call) + (share % per_call if share > per_call else 0)
-    return prompts * r.rollout.group_size, cache_length(longest)
-
-
 def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:
     k = r.kernels
     if k.logprob_chunk_tokens is not None:
@@ -436,156 +423,6 @@ def _chunk_text(r: Recipe, backend: str, vocab: int) -> str:
         f"{k.logprob_chunk_mib:g} MiB budget, "
         f"kernels.logprob_chunk_mib, at {vocab:,} vocabulary entries)"
     )
-
-
-def _prompts_per_rank(r: Recipe, world_size: int, rollout_side: bool = False) -> int:
-    """A rank's share of the step's prompts: over the data-parallel ranks, or a split placement's
-    rollout ranks (``rollout_side``), which each take a share."""
-    dp = world_size if rollout_side else world_size // r.train.tensor_parallel_size
-    return -(-r.rollout.prompts_per_step // dp)
-
-
-def _prompts_per_generate_call(r: Recipe, world_size: int, rollout_side: bool = False) -> int:
-    """Prompts in a rank's largest generate call: its share of the step's prompts
-    (``_prompts_per_rank``), at most rollout.generation_batch_prompts."""
-    return min(r.rollout.generation_batch_prompts, _prompts_per_rank(r, world_size, rollout_side))
-
-
-def _fit(
-    inputs: Inputs,
-    lengths: list[int],
-    est: memory.MemoryEstimate,
-    gpu_memory_gib: float,
-    reward_models: tuple[memory.RewardModelShape, ...] = (),
-) -> list[str]:
-    """Whether the peak fits ``gpu_memory_gib``; if not, the changes that would make it fit, in this
-    order: activation checkpointing and a smaller micro-batch with more accumulation (the
-    Ultra-Scale Playbook's first), eager decoding in the hf engine (no static KV caches kept through
-    the update: rollout.hf_compile=off), fewer prompts per generate call for the hf and agent
-    engines, then the playbook's offload and tensor parallelism; each added to the ones before, with
-    its estimate, up to the first that fits; a change that does not lower the estimate is not kept
-    (a later pass tries it again), and the changes on the way that the fit does not need are dropped
-    again."""
-    if est.peak <= gpu_memory_gib * GIB:
-        return [
-            f"  fits in {gpu_memory_gib:g} GiB "
-            f"({100 * est.peak / (gpu_memory_gib * GIB):.0f}% of it)"
-        ]
-    base, shape = inputs.recipe, memory.model_shape(inputs.recipe, len(inputs.tokenizer))
-    placement = inputs.placement
-    # every rank when colocated; split: the trainer's, DeepSpeed's world
-    world_size = placement.trainer_ranks
-
-    # the estimate with these changes, None for a layout that cannot be
-    def peak(changes: dict) -> float | None:
-        r = base
-        for _, apply in changes.values():
-            r = apply(r)
-        try:
-            return estimate_memory(
-                r,
-                shape,
-                resolve_deepspeed_config(r, world_size, device_type()),
-                world_size,
-                lengths,
-                gpu_memory_gib,
-                inputs.kernels_backend,
-                placement,
-                reward_models,
-            ).peak
-        except UserError:
-            return None
-
-    lines = [
-        f"  does NOT fit in {gpu_memory_gib:g} GiB; the "
-        "changes tried, in order, each with the ones before:"
-    ]
-    changes: dict = {}
-    lowest, kept = est.peak, True
-    # once a change has lowered the peak, a knob passed over before may lower it further: another
-    # pass
-    while kept:
-        kept = False
-        for knob, text, apply in _changes(base, world_size):
-            # a later value of a knob (the micro size) replaces the earlier
-            trial = {**changes, knob: (text, apply)}
-            value = peak(trial)
-            # a layout that cannot run, or a change that saves nothing here
-            if value is None or value >= lowest:
-                continue
-            changes, lowest, kept = trial, value, True
-            fits = value <= gpu_memory_gib * GIB
-            lines.append(f"    {text:<90} {value / GIB:8.3f} GiB" + ("  fits" if fits else ""))
-            if fits:
-                # drop what the fit does not need
-                for needless in [k for k in changes if k != knob]:
-                    fewer = {k: v for k, v in changes.items() if k != needless}
-                    if (value := peak(fewer)) is not None and value <= gpu_memory_gib * GIB:
-                        changes = fewer
-                return lines + [
-                    f"  overrides that fit: {' '.join(text for text, _ in changes.values())}"
-                ]
-    return lines + ["  nothing tried fits: more GPUs (a larger world size), or a smaller model"]
-
-
-def _changes(r: Recipe, world_size: int):
-    """(knob, override, function applying it to a recipe) in the playbook's order; later ones of a
-    knob go further."""
-
-    def replace(section: str, **values):
-        return lambda recipe: dataclasses.replace(
-            recipe, **{section: dataclasses.replace(getattr(recipe, section), **values)}
-        )
-
-    if not r.model.gradient_checkpointing:
-        yield (
-            "checkpointing",
-            "model.gradient_checkpointing=true",
-            replace("model", gradient_checkpointing=True),
-        )
-    micro = r.train.micro_batch_samples_per_gpu
-    while micro > 1:
-        micro //= 2
-        yield (
-            "micro",
-            f"train.micro_batch_samples_per_gpu={micro} "
-            f"train.logprob_micro_batch_samples_per_gpu={micro}",
-            replace(
-                "train",
-                micro_batch_samples_per_gpu=micro,
-                logprob_micro_batch_samples_per_gpu=micro,
-            ),
-        )
-    # the static KV caches, held through the update; eager decoding costs about what one halving of
-    # the generate call below does (a decode step is launch-bound, so half the rows take about as
-    # long), and frees them all
-    if r.rollout.engine == "hf" and r.rollout.hf_compile != "off":
-        yield "compile", "rollout.hf_compile=off", replace("rollout", hf_compile="off")
-    if r.rollout.engine in ("hf", "agent"):  # the KV cache of one generate call; vLLM sizes its own
-        prompts = _prompts_per_generate_call(r, world_size)
-        while prompts > 1:
-            prompts //= 2
-            yield (
-                "generation",
-                f"rollout.generation_batch_prompts={prompts}",
-                replace("rollout", generation_batch_prompts=prompts),
-            )
-    offload = [
-        "ds_configs/zero3.json",
-        "ds_configs/zero3_offload_optimizer.json",
-        "ds_configs/zero3_offload.json",
-    ]
-    for config in offload[offload.index(r.deepspeed) + 1 :] if r.deepspeed in offload else []:
-        # the optimizer's states, then the weights too, to the CPU
-        yield (
-            "offload",
-            f"deepspeed={config}",
-            lambda recipe, c=config: dataclasses.replace(recipe, deepspeed=c),
-        )
-    tp = r.train.tensor_parallel_size
-    while tp * 2 <= min(world_size, 8) and not lora.enabled(r.model):
-        tp *= 2
-        yield "tp", f"train.tensor_parallel_size={tp}", replace("train", tensor_parallel_size=tp)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -97,34 +97,18 @@ def resolve_deepspeed_config(
     raw, where = load_deepspeed_json(recipe)
     check_finite(f"{where}:", raw)
     check_shapes(raw, where)
-    train = recipe.train
     tp = _tensor_parallel_size(recipe, raw, world_size, where)
     sp = recipe.train.sequence_parallel_size
     dp = world_size // tp // sp
-    micro = train.micro_batch_samples_per_gpu
-    gas = static_micro_batches_per_rank(recipe.samples_per_optimizer_step, dp, micro)
+    gas = static_micro_batches_per_rank(
+        recipe.samples_per_optimizer_step, dp, recipe.train.micro_batch_samples_per_gpu
+    )
     raw = one_rank_stage(raw, recipe, world_size)
     zero = raw.get("zero_optimization")
     zero3 = isinstance(zero, dict) and zero.get("stage", 0) == 3
     if sp > 1:
         _check_sequence_parallel(sp, tp, world_size, zero3, where)
-    # with Ulysses' groups DeepSpeed counts data-parallel ranks
-    batch_ranks = dp if sp > 1 else world_size
-    derived = {
-        "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_samples_per_gpu"),
-        "gradient_accumulation_steps": (
-            gas,
-            f"ceil(ceil(samples_per_optimizer_step {recipe.samples_per_optimizer_step}"
-            f" / data-parallel size {dp}) / micro {micro})",
-        ),
-        "train_batch_size": (
-            micro * gas * batch_ranks,
-            f"micro {micro} x gradient accumulation {gas} x "
-            + (f"data-parallel size {dp}" if sp > 1 else f"world size {world_size}"),
-        ),
-        "gradient_clipping": (train.max_grad_norm, "train.max_grad_norm"),
-        "managed_gradient_accumulation": (False, "grpo_ds owns the optimizer-step boundary"),
-    }
+    derived = _derived_keys(recipe, world_size, tp, dp, gas)
     out = copy.deepcopy(raw)
     # see the module docstring: no train_batch_size satisfies DeepSpeed under AutoTP + ZeRO-3
     if tp > 1 and zero3:
@@ -136,12 +120,6 @@ def resolve_deepspeed_config(
                 "(DeepSpeed checks it against two different sizes)",
                 'set it to "auto" or remove it',
             )
-    if tp > 1:
-        derived["tensor_parallel.autotp_size"] = (tp, "train.tensor_parallel_size")
-        derived["tensor_parallel.vocab_parallel_lm_head"] = (
-            False,
-            "the loss needs the logits over the whole vocabulary on every rank",
-        )
     for key, (value, origin) in derived.items():
         _fill(out, key.split("."), value, origin, where)
     dtype = recipe.model.dtype
@@ -160,6 +138,39 @@ def resolve_deepspeed_config(
     # what DeepSpeed itself would reject, before any engine
     check_deepspeed_config(out, where, dtype, device_type)
     return out
+
+
+def _derived_keys(
+    recipe: Recipe, world_size: int, tp: int, dp: int, gas: int
+) -> dict[str, tuple[Any, str]]:
+    """The keys the recipe derives ("dotted.key" -> (value, where it comes from)): the batch
+    algebra, the clipping, the step boundary grpo_ds owns, and AutoTP's size (tp > 1)."""
+    train, micro = recipe.train, recipe.train.micro_batch_samples_per_gpu
+    sp = train.sequence_parallel_size
+    # with Ulysses' groups DeepSpeed counts data-parallel ranks
+    batch_ranks = dp if sp > 1 else world_size
+    derived = {
+        "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_samples_per_gpu"),
+        "gradient_accumulation_steps": (
+            gas,
+            f"ceil(ceil(samples_per_optimizer_step {recipe.samples_per_optimizer_step}"
+            f" / data-parallel size {dp}) / micro {micro})",
+        ),
+        "train_batch_size": (
+            micro * gas * batch_ranks,
+            f"micro {micro} x gradient accumulation {gas} x "
+            + (f"data-parallel size {dp}" if sp > 1 else f"world size {world_size}"),
+        ),
+        "gradient_clipping": (train.max_grad_norm, "train.max_grad_norm"),
+        "managed_gradient_accumulation": (False, "grpo_ds owns the optimizer-step boundary"),
+    }
+    if tp > 1:
+        derived["tensor_parallel.autotp_size"] = (tp, "train.tensor_parallel_size")
+        derived["tensor_parallel.vocab_parallel_lm_head"] = (
+            False,
+            "the loss needs the logits over the whole vocabulary on every rank",
+        )
+    return derived
 
 
 def one_rank_stage(raw: dict, recipe: Recipe, world_size: int) -> dict:

@@ -1,7 +1,7 @@
 """How a key is declared: ``opt(default, doc, ...)``, a dataclass field whose metadata holds its
 one-line doc and, where it applies, its allowed choices and numeric range. The recipe's sections
-(grpo_ds/config/recipe.py) and the entries of its lists (``reward.models[]``,
-grpo_ds/config/reward_specs.py) are declared with it; the per-field checks
+(grpo_ds/config/recipe.py, recipe_rollout.py and recipe_training.py) and the entries of its lists
+(``reward.models[]``, grpo_ds/config/reward_specs.py) are declared with it; the per-field checks
 (grpo_ds.config.parse.check_field), the dry run and the recipe reference (grpo_ds.config.reference)
 read it.
 """

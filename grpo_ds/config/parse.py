@@ -10,6 +10,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -205,17 +206,7 @@ def check_field(where: str, value: Any, f: dataclasses.Field, owner: type) -> An
     args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
     nullable = type(None) in args
     base = next(a for a in args if a is not type(None))
-    meta = f.metadata
-    default = (
-        f.default
-        if f.default is not dataclasses.MISSING
-        else f.default_factory()
-        if f.default_factory is not dataclasses.MISSING
-        else None
-    )
-    # what a message suggests where the default cannot (required, or null)
-    if meta.get("example") is not None:
-        default = meta["example"]
+    default = _example(f)
     if value is None:
         if nullable:
             return None
@@ -224,6 +215,24 @@ def check_field(where: str, value: Any, f: dataclasses.Field, owner: type) -> An
     check_finite(
         where, value, f"give a finite number, e.g. {default}" if number else "give a finite number"
     )
+    _check_type(where, value, base, default)
+    if base is float:
+        value = float(value)
+    _check_choices_and_range(where, value, f.metadata, default)
+    return value
+
+
+def _example(f: dataclasses.Field) -> Any:
+    """The value a message suggests: the field's ``example`` where it declares one (a required key,
+    or one whose default is null), else its default (None where it has none)."""
+    if f.metadata.get("example") is not None:
+        return f.metadata["example"]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def _check_type(where: str, value: Any, base: type, default: Any) -> None:
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
@@ -238,8 +247,9 @@ def check_field(where: str, value: Any, f: dataclasses.Field, owner: type) -> An
             f"expected {json_type_name(base())}, got {json_type_name(value)} {json.dumps(value)}",
             f"e.g. {json.dumps(default)}",
         )
-    if base is float:
-        value = float(value)
+
+
+def _check_choices_and_range(where: str, value: Any, meta: Mapping, default: Any) -> None:
     if meta.get("choices") and value not in meta["choices"]:
         raise UserError(
             where,
@@ -258,4 +268,3 @@ def check_field(where: str, value: Any, f: dataclasses.Field, owner: type) -> An
         )
     if high is not None and value > high:
         raise UserError(where, f"{value} is out of range: must be <= {high}", f"e.g. {default}")
-    return value

@@ -76,6 +76,15 @@ def resolve_placement(recipe, world_size: int) -> Placement:
                 'set rollout.placement to "split", or rollout.max_staleness to 0',
             )
         return Placement(world_size, 0, 0)
+    _check_split_ranks(recipe, world_size)
+    _check_split_features(recipe)
+    return Placement(world_size, r.ranks, r.max_staleness)
+
+
+def _check_split_ranks(recipe, world_size: int) -> None:
+    """Split: the rollout ranks leave a trainer whose size the tensor x sequence parallel group
+    divides, and they form whole vLLM engines."""
+    r = recipe.rollout
     if world_size < 2:
         raise UserError(
             "rollout.placement",
@@ -107,6 +116,12 @@ def resolve_placement(recipe, world_size: int) -> Placement:
             f"rollout.ranks {r.ranks} (the rollout ranks form the vLLM engines)",
             f"use one of {[d for d in range(1, r.ranks + 1) if r.ranks % d == 0]}",
         )
+
+
+def _check_split_features(recipe) -> None:
+    """Split: what needs the importance-sampling correction (staleness), and what does not work
+    with the trainer and the rollout engines on different ranks."""
+    r = recipe.rollout
     if r.max_staleness and recipe.algorithm.rollout_is_cap is None:
         raise UserError(
             "rollout.max_staleness",
@@ -136,4 +151,3 @@ def resolve_placement(recipe, world_size: int) -> Placement:
             "rollout ranks hold no trainer)",
             "set it to false",
         )
-    return Placement(world_size, r.ranks, r.max_staleness)

@@ -1,6 +1,7 @@
 """The recipe reference, generated from the schema: a heading per section and, under it, one
 definition per key (the key whole on its own line; below it, its meaning, then its type, default and
-allowed values) from the field declarations in grpo_ds/config/recipe.py; after its section, each key
+allowed values) from the field declarations in the schema (grpo_ds/config/recipe.py and the
+sections it composes from recipe_rollout.py and recipe_training.py); after its section, each key
 of a list's entries (``reward.models[]``), from its entry's dataclass (``ENTRIES``), declared the
 same way. A definition per key, not a table, so that a key never wraps in a narrow column and its
 meaning is read without scrolling sideways on a phone.

@@ -31,7 +31,25 @@ def _divisors_near(n: int, target: int) -> list[int]:
 
 
 def validate(recipe: Recipe) -> None:
-    """Cross-field rules, above all the batch algebra; every message names the key and the fix."""
+    """Cross-field rules, above all the batch algebra; every message names the key and the fix. The
+    rules run in this order, so that a recipe that breaks several hears of the first."""
+    _validate_batch(recipe)
+    _validate_env(recipe)
+    _validate_vllm(recipe)
+    _validate_tensor_parallel(recipe)
+    _validate_sequence_parallel(recipe)
+    _validate_tiny_model(recipe)
+    _validate_model_and_optimizer(recipe)
+    _validate_algorithm(recipe)
+    _validate_eval(recipe.eval)
+    _validate_profiling(recipe)
+    _validate_scale_rewards(recipe)
+    _validate_rewards(recipe)
+
+
+def _validate_batch(recipe: Recipe) -> None:
+    """The batch algebra: an optimizer step's samples divide the step's, and a micro-batch's token
+    cap holds the longest possible sequence."""
     samples = recipe.samples_per_step
     spos = recipe.train.samples_per_optimizer_step
     if spos is not None and spos > samples:
@@ -61,6 +79,10 @@ def validate(recipe: Recipe) -> None:
             f"{recipe.max_response_tokens})",
             f"raise it to at least {longest}, or lower those limits",
         )
+
+
+def _validate_env(recipe: Recipe) -> None:
+    """rollout.env: needed by the agent engine, and only by it."""
     r = recipe.rollout
     if r.engine == "agent" and r.env is None:
         raise UserError("rollout.env", 'is needed with rollout.engine "agent"', 'e.g. "calculator"')
@@ -70,10 +92,12 @@ def validate(recipe: Recipe) -> None:
             f'only applies to rollout.engine "agent" (engine is "{r.engine}")',
             'set rollout.engine to "agent", or remove rollout.env',
         )
-    _validate_vllm(recipe)
-    m = recipe.model
+
+
+def _validate_tensor_parallel(recipe: Recipe) -> None:
+    """What AutoTP tensor parallelism cannot take yet: LoRA adapters, reward models."""
     tp = recipe.train.tensor_parallel_size
-    if tp > 1 and m.lora_rank is not None:
+    if tp > 1 and recipe.model.lora_rank is not None:
         raise UserError(
             "train.tensor_parallel_size",
             f"{tp} with model.lora_rank: AutoTP would split the layers "
@@ -89,7 +113,12 @@ def validate(recipe: Recipe) -> None:
             "train with tensor_parallel_size 1 (ZeRO-3 partitions the reward model too), or "
             "score with reward.functions",
         )
-    _validate_sequence_parallel(recipe)
+
+
+def _validate_tiny_model(recipe: Recipe) -> None:
+    """builtin:tiny's shape: whole heads on each tensor-parallel rank and in the hidden size, at
+    most as many experts per token as there are experts."""
+    m, tp = recipe.model, recipe.train.tensor_parallel_size
     if tp > 1 and m.path == "builtin:tiny" and m.tiny_num_heads % tp:
         raise UserError(
             "train.tensor_parallel_size",
@@ -113,6 +142,12 @@ def validate(recipe: Recipe) -> None:
             f"{m.tiny_experts_per_token} is more than tiny_num_experts {m.tiny_num_experts}",
             f"route each token to at most {m.tiny_num_experts} experts",
         )
+
+
+def _validate_model_and_optimizer(recipe: Recipe) -> None:
+    """The list values no single key's type can check (LoRA's target modules, Adam's betas), and
+    lean bf16's need for a bf16 model."""
+    m = recipe.model
     targets = m.lora_target_modules
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise UserError(
@@ -133,10 +168,10 @@ def validate(recipe: Recipe) -> None:
             f'keeps bf16 master weights, so it needs model.dtype "bfloat16" (it is "{m.dtype}")',
             'set model.dtype to "bfloat16", or train.lean_bf16 to false',
         )
+
+
+def _validate_scale_rewards(recipe: Recipe) -> None:
     a = recipe.algorithm
-    _validate_algorithm(recipe)
-    _validate_eval(recipe.eval)
-    _validate_profiling(recipe)
     if a.advantage == "dr_grpo" and a.scale_rewards not in (None, "none"):
         raise UserError(
             "algorithm.scale_rewards",
@@ -144,7 +179,6 @@ def validate(recipe: Recipe) -> None:
             "defined by not scaling the centred rewards",
             'use advantage "grpo" to scale, or null',
         )
-    _validate_rewards(recipe)
 
 
 def _validate_sequence_parallel(recipe: Recipe) -> None:

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from grpo_ds.config.recipe import BACKENDS, Recipe
+from grpo_ds.config.recipe import Recipe
+from grpo_ds.config.recipe_training import BACKENDS
 from grpo_ds.errors import UserError
 
 # The distributions the report shows, in this order (torch's CUDA and NCCL are shown with it).

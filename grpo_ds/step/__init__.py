@@ -8,6 +8,8 @@ in one ``StepBatch`` (``batch``); what every phase reads (the settings, the rank
 engines, the logger) in one ``StepContext`` (``context``). Which ranks run which phase, and when
 (colocated, or split into trainer and rollout ranks), is the step's ``schedule``. Evaluation
 (``evaluate``), per-phase timing and traces (``profiling``) and the memory sampled through the
-profiled steps (``memory_timeline``) run beside them. Rule (tests/test_layout.py): nothing here
-imports the CLIs; the model is passed in, not built here.
+profiled steps (``memory_timeline``) run beside them. For the dry run (grpo_ds.check), a rank's
+memory over the first planned step and the overrides that would make it fit a GPU
+(``memory_fit``). Rule (tests/test_layout.py): nothing here imports the CLIs; the model is passed
+in, not built here.
 """

@@ -11,6 +11,7 @@ from grpo_ds.config.deepspeed import resolve_deepspeed_config
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.model.memory import ModelShape, estimate
 from grpo_ds.run.preflight import prepare_inputs
+from grpo_ds.step import memory_fit
 from tests.launch import REPO
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -172,7 +173,7 @@ def test_the_advice_turns_compiled_decoding_off_when_its_static_caches_are_the_p
         load_recipe(TINY, ["rollout.hf_compile=off"]),
         load_recipe(TINY, ["rollout.engine=vllm"]),
     ):
-        assert "compile" not in {knob for knob, _, _ in check._changes(recipe, 1)}
+        assert "compile" not in {knob for knob, _, _ in memory_fit._changes(recipe, 1)}
 
 
 def test_the_advice_shrinks_the_generate_call_when_its_kv_cache_is_the_peak():
@@ -202,7 +203,7 @@ def test_the_advice_shrinks_the_generate_call_when_its_kv_cache_is_the_peak():
     )
     vllm = load_recipe(TINY, [*long, "rollout.engine=vllm"])
     # vLLM sizes its own KV cache
-    assert "generation" not in {knob for knob, _, _ in check._changes(vllm, 1)}
+    assert "generation" not in {knob for knob, _, _ in memory_fit._changes(vllm, 1)}
 
 
 def test_compiled_decoding_keeps_its_static_caches_between_steps():
@@ -258,7 +259,7 @@ def test_compiled_decoding_keeps_its_static_caches_between_steps():
     uneven = prepare_inputs(
         TINY, ["rollout.prompts_per_step=100", "rollout.hf_compile=on"], 1, "cpu"
     )
-    assert check._static_cache(uneven.recipe, 1, 300, None) == (
+    assert memory_fit.static_cache(uneven.recipe, 1, 300, None) == (
         100 * uneven.recipe.rollout.group_size,
         512,
     )
