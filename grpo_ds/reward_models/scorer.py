@@ -132,66 +132,7 @@ class RewardModels:
         tokens packed, rows x longest padded); ``packing``: pack where the model allows it.
         Collective. The folders are checked before (the reward models' pre-load checks), so a
         failure to load here is reported in one line but not explained."""
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        models = []
-        for spec in specs:
-            cfg = reward_model_ds_config(ds_config, spec.offload, dist.device.type)
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
-                with torch.random.fork_rng(devices=[]), partitioned_loading(cfg):
-                    module = AutoModelForSequenceClassification.from_pretrained(
-                        spec.path, dtype=_dtype(cfg), local_files_only=True
-                    )
-            except (OSError, ValueError) as err:
-                raise UserError(
-                    f"reward model {spec.name!r}",
-                    f"cannot load {spec.path} ({first_line(err)})",
-                    "the folder needs config.json, the weights and the tokenizer files",
-                ) from None
-            # only pads the rows of a padded micro-batch: any token does
-            if tokenizer.pad_token_id is None:
-                tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-                if announce:
-                    launcher.say(
-                        f"note: reward model {spec.name!r}: its tokenizer has no pad token; "
-                        f"padding with {tokenizer.pad_token!r} (never "
-                        "scored: each sequence is read at its last token)"
-                    )
-            # its pooling (unused here) refuses rows > 1 without one
-            if module.config.pad_token_id is None:
-                module.config.pad_token_id = tokenizer.pad_token_id
-            engine = create_reference_engine(module, cfg)
-            window = getattr(engine.module.config, "max_position_embeddings", None)
-            head = next(
-                (
-                    getattr(engine.module, n)
-                    for n in _HEADS
-                    if isinstance(getattr(engine.module, n, None), torch.nn.Module)
-                ),
-                None,
-            )
-            model = _Model(
-                spec,
-                engine,
-                tokenizer,
-                spec.max_length or window,
-                head,
-                None,
-                spec.offload and zero_stage(cfg) != 3,
-                tokenizer.pad_token_id or 0,
-            )
-            model.packing_problem = (
-                _packing_problem(model, dist.device) if packing else "train.packing is false"
-            )
-            if announce and packing and model.packing_problem:
-                launcher.say(
-                    f"note: reward model {spec.name!r}: "
-                    f"{model.packing_problem}; padding its micro-batches"
-                )
-            if model.offload_module:
-                engine.module.to("cpu")
-            models.append(model)
+        models = [_load_model(spec, ds_config, dist, packing, announce) for spec in specs]
         return RewardModels(models, micro_tokens, packing, dist.device)
 
     def score_models(self, prompts: list[str], completions: list[str], dist: Dist) -> Scored:
@@ -313,6 +254,76 @@ def _last_token_logits(
         hook.remove()
     per_token = kept[-1].reshape(-1, kept[-1].shape[-1])  # (rows * width, labels)
     return per_token[last.to(per_token.device), 0].float().tolist()
+
+
+def _load_model(
+    spec: RewardModelSpec, ds_config: dict, dist: Dist, packing: bool, announce: bool
+) -> _Model:
+    """One reward model, loaded and wrapped in its engine, with its score head found and whether
+    its sequences are packed decided."""
+    cfg = reward_model_ds_config(ds_config, spec.offload, dist.device.type)
+    module, tokenizer = _load_pretrained(spec, cfg, announce)
+    engine = create_reference_engine(module, cfg)
+    window = getattr(engine.module.config, "max_position_embeddings", None)
+    head = next(
+        (
+            getattr(engine.module, n)
+            for n in _HEADS
+            if isinstance(getattr(engine.module, n, None), torch.nn.Module)
+        ),
+        None,
+    )
+    model = _Model(
+        spec,
+        engine,
+        tokenizer,
+        spec.max_length or window,
+        head,
+        None,
+        spec.offload and zero_stage(cfg) != 3,
+        tokenizer.pad_token_id or 0,
+    )
+    model.packing_problem = (
+        _packing_problem(model, dist.device) if packing else "train.packing is false"
+    )
+    if announce and packing and model.packing_problem:
+        launcher.say(
+            f"note: reward model {spec.name!r}: {model.packing_problem}; padding its micro-batches"
+        )
+    if model.offload_module:
+        engine.module.to("cpu")
+    return model
+
+
+def _load_pretrained(spec: RewardModelSpec, cfg: dict, announce: bool) -> tuple[Any, Any]:
+    """(module, tokenizer) from the spec's folder (a failure in one line), each with a pad token."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+        with torch.random.fork_rng(devices=[]), partitioned_loading(cfg):
+            module = AutoModelForSequenceClassification.from_pretrained(
+                spec.path, dtype=_dtype(cfg), local_files_only=True
+            )
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"reward model {spec.name!r}",
+            f"cannot load {spec.path} ({first_line(err)})",
+            "the folder needs config.json, the weights and the tokenizer files",
+        ) from None
+    # only pads the rows of a padded micro-batch: any token does
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        if announce:
+            launcher.say(
+                f"note: reward model {spec.name!r}: its tokenizer has no pad token; "
+                f"padding with {tokenizer.pad_token!r} (never "
+                "scored: each sequence is read at its last token)"
+            )
+    # its pooling (unused here) refuses rows > 1 without one
+    if module.config.pad_token_id is None:
+        module.config.pad_token_id = tokenizer.pad_token_id
+    return module, tokenizer
 
 
 def _packing_problem(m: _Model, device: torch.device) -> str | None:

@@ -5,7 +5,8 @@ reward models' scores added (``scoring``: ``score_functions``, ``add_model_score
 processes (``pool``, each one ``worker``), a per-sample failure (``item_error``); the built-ins
 (``builtin``), with the final-answer extraction they share (``final_answer``), ``math_equivalence``
 (``math_answer``) and ``code_exec`` (``code_exec``), which runs untrusted code in a confined process
-(``sandbox``, whose child side is ``sandbox_runner``).
+(``sandbox``, whose child side is ``sandbox_runner``, with its kernel layers in
+``sandbox_kernel``).
 
 A recipe lists weighted reward functions; a sample's reward is the weighted sum of their scores::
 

@@ -139,65 +139,85 @@ class RewardPool:
         busy = 0
         while queue or busy:
             now = time.monotonic()
-            for worker in list(self._workers):
-                if worker.ready and worker.task is None and queue:
-                    task_id, (index, kwargs) = queue.popleft()
-                    try:
-                        worker.inbox.send((task_id, index, kwargs))
-                    # it died while idle (a thread of the user's code exited it): start another
-                    except OSError:
-                        queue.appendleft((task_id, (index, kwargs)))
-                        self._replace(worker)
-                        continue
-                    worker.task, worker.deadline = (task_id, index, kwargs), now + timeout_s
-                    busy += 1
-            waiting = [w for w in self._workers if w.task is not None or not w.ready]
-            deadlines = [w.deadline if w.ready else w.started + START_TIMEOUT_S for w in waiting]
-            ready = (
-                wait([w.outbox for w in waiting], timeout=max(0.0, min(deadlines) - now))
-                if waiting
-                else []
-            )
-            for worker in [w for w in waiting if w.outbox in ready]:
+            busy += self._hand_out(queue, now + timeout_s)
+            busy -= self._receive(results, now)
+            busy -= self._expire(results, timeout_s)
+        return results
+
+    def _hand_out(self, queue: deque, deadline: float) -> int:
+        """Send the next queued tasks to the idle workers, each due by ``deadline``; returns how
+        many were sent."""
+        sent = 0
+        for worker in list(self._workers):
+            if worker.ready and worker.task is None and queue:
+                task_id, (index, kwargs) = queue.popleft()
                 try:
-                    message = worker.outbox.recv()
-                except (EOFError, OSError):
-                    busy -= self._lost(worker, results)
+                    worker.inbox.send((task_id, index, kwargs))
+                # it died while idle (a thread of the user's code exited it): start another
+                except OSError:
+                    queue.appendleft((task_id, (index, kwargs)))
+                    self._replace(worker)
                     continue
-                if message[0] == "init_error":
-                    self.close()
-                    raise UserError(
-                        "reward.functions",
-                        f"a reward worker process could not load the reward "
-                        f"functions ({message[1]})",
-                        "make the functions importable in a fresh Python "
-                        "process started from this one's import path, or set reward.processes=0",
-                    )
-                if message[0] == "ready":
-                    worker.ready = True
-                    continue
-                task_id, kind, value = message
-                results[task_id] = value if kind == "ok" else Failed(kind, value)
-                worker.task = None
-                busy -= 1
-            now = time.monotonic()
-            for worker in [w for w in self._workers if w.task is not None and w.deadline <= now]:
-                results[worker.task[0]] = Failed(
-                    "timeout",
-                    f"took longer than reward.timeout_s={timeout_s:g}s (its "
-                    "worker process was killed and replaced)",
-                )
-                busy -= 1
-                self._replace(worker)
-            if any(not w.ready and w.started + START_TIMEOUT_S <= now for w in self._workers):
+                worker.task, worker.deadline = (task_id, index, kwargs), deadline
+                sent += 1
+        return sent
+
+    def _receive(self, results: list[Any], now: float) -> int:
+        """Wait until a busy or starting worker answers or the first deadline passes, and take what
+        the workers sent (results into ``results``); returns the calls that ended."""
+        waiting = [w for w in self._workers if w.task is not None or not w.ready]
+        deadlines = [w.deadline if w.ready else w.started + START_TIMEOUT_S for w in waiting]
+        ready = (
+            wait([w.outbox for w in waiting], timeout=max(0.0, min(deadlines) - now))
+            if waiting
+            else []
+        )
+        ended = 0
+        for worker in [w for w in waiting if w.outbox in ready]:
+            try:
+                message = worker.outbox.recv()
+            except (EOFError, OSError):
+                ended += self._lost(worker, results)
+                continue
+            if message[0] == "init_error":
                 self.close()
                 raise UserError(
-                    "reward.processes",
-                    f"a reward worker process did not load the reward functions "
-                    f"within {START_TIMEOUT_S:g} s",
-                    "check that importing them does not hang",
+                    "reward.functions",
+                    f"a reward worker process could not load the reward functions ({message[1]})",
+                    "make the functions importable in a fresh Python "
+                    "process started from this one's import path, or set reward.processes=0",
                 )
-        return results
+            if message[0] == "ready":
+                worker.ready = True
+                continue
+            task_id, kind, value = message
+            results[task_id] = value if kind == "ok" else Failed(kind, value)
+            worker.task = None
+            ended += 1
+        return ended
+
+    def _expire(self, results: list[Any], timeout_s: float) -> int:
+        """Fail the calls past their deadline and replace their workers; raise if a worker has not
+        started in time. Returns the calls failed."""
+        now = time.monotonic()
+        expired = 0
+        for worker in [w for w in self._workers if w.task is not None and w.deadline <= now]:
+            results[worker.task[0]] = Failed(
+                "timeout",
+                f"took longer than reward.timeout_s={timeout_s:g}s (its "
+                "worker process was killed and replaced)",
+            )
+            expired += 1
+            self._replace(worker)
+        if any(not w.ready and w.started + START_TIMEOUT_S <= now for w in self._workers):
+            self.close()
+            raise UserError(
+                "reward.processes",
+                f"a reward worker process did not load the reward functions "
+                f"within {START_TIMEOUT_S:g} s",
+                "check that importing them does not hang",
+            )
+        return expired
 
     def _lost(self, worker: _Worker, results: list[Any]) -> int:
         """A worker whose pipe ended: it died. Its call fails; a new worker replaces it. Returns the

