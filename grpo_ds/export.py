@@ -40,35 +40,21 @@ import argparse
 import contextlib
 import io
 import json
-import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-from transformers.initialization import no_init_weights
 
 from grpo_ds.config import software
 from grpo_ds.config.dtypes import DTYPES
 from grpo_ds.config.loading import load_recipe
 from grpo_ds.config.recipe import ModelConfig
-from grpo_ds.distributed import launcher
-from grpo_ds.distributed.ranks import device_type
-from grpo_ds.errors import UserError, exit_on_user_error, first_line
-from grpo_ds.model import lora
-from grpo_ds.model.loading import (
-    BUILTIN_TINY,
-    check_model_path,
-    load_model,
-    load_tokenizer,
-    torch_dtype,
-)
-from grpo_ds.model.tiny import build_tiny_model, tiny_shape
+from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.model import lora, rebuild
+from grpo_ds.model.loading import check_model_path, load_tokenizer, torch_dtype
 from grpo_ds.run import writes
 from grpo_ds.run.checkpoint import (
     CHECKPOINTS,
-    DS_TAG,
     LATEST,
     MANIFEST,
     StepFolder,
@@ -76,9 +62,9 @@ from grpo_ds.run.checkpoint import (
     step_folders,
     verify,
 )
+from grpo_ds.run.consolidate import consolidate
 from grpo_ds.run.folder import check_output_folder
 
-_MP_RANK = re.compile(r"mp_rank_(\d+)")  # a tensor-parallel rank's files in a DeepSpeed checkpoint
 TOKENIZER_BYTES = 16 << 20  # free space asked for the tokenizer and config files beside the weights
 
 
@@ -213,15 +199,7 @@ def export(
     """``export_checkpoint`` returning what was done (for the command line's summary)."""
     run = _check_run_dir(run_dir)
     model_cfg, seed = _model_config(run)
-    use_lora = lora.enabled(model_cfg)
-    if merge and not use_lora:
-        raise UserError(
-            "--merge",
-            "this run trained every weight (no model.lora_rank): there is nothing to merge",
-            "leave --merge out",
-        )
-    if use_lora:
-        software.check_peft()
+    use_lora = _uses_lora(model_cfg, merge)
     checkpoint = select_checkpoint(run, step)
     out = _check_out_dir(Path(out_dir).resolve(), run, overwrite)
     dtype = dtype or model_cfg.dtype
@@ -232,34 +210,13 @@ def export(
     _check_model_source(model_cfg, run)
     # cheap, and its errors (no tokenizer files) come before the hashing
     tokenizer = load_tokenizer(model_cfg)
-    problem = verify_checkpoint(checkpoint.path)
-    if problem:
-        older = [str(c.step) for c in checkpoint_folders(run) if c.step < checkpoint.step]
-        fix = (
-            "export an older checkpoint with --step (steps before "
-            f"it: {', '.join(older)}; --list verifies them)"
-            if older
-            else "there is no older checkpoint to export instead; restore this one from a backup"
-        )
-        raise UserError(str(checkpoint.path), problem, fix)
+    _check_verifies(checkpoint, run)
 
-    if use_lora:
-        state_dict = _consolidate(checkpoint.path, frozen_excluded=True)
-        model = _lora_model(model_cfg, seed, len(tokenizer), state_dict, checkpoint.path)
-        if merge:
-            model = model.merge_and_unload()
-    else:
-        model = _build_model(model_cfg, len(tokenizer))
-        state_dict = _consolidate(
-            checkpoint.path, full_shapes={n: t.shape for n, t in model.state_dict().items()}
-        )
-        _load_strict(model, state_dict, checkpoint.path)
-    del state_dict
+    model = _trained_model(model_cfg, seed, len(tokenizer), checkpoint.path, use_lora, merge)
     model.to(torch_dtype(dtype))
     model.eval()
     adapter_only = use_lora and not merge
-    generation_config = _generation_config(model_cfg, model, tokenizer)
-
+    generation_config = rebuild.generation_config(model_cfg, model, tokenizer)
     saved = (
         [p for p in model.parameters() if p.requires_grad]
         if adapter_only
@@ -284,6 +241,53 @@ def export(
         else type(model).__name__,
         adapter_only=adapter_only,
     )
+
+
+def _uses_lora(model_cfg: ModelConfig, merge: bool) -> bool:
+    """Whether the run trained LoRA adapters (then peft must be installed); ``--merge`` needs
+    them."""
+    use_lora = lora.enabled(model_cfg)
+    if merge and not use_lora:
+        raise UserError(
+            "--merge",
+            "this run trained every weight (no model.lora_rank): there is nothing to merge",
+            "leave --merge out",
+        )
+    if use_lora:
+        software.check_peft()
+    return use_lora
+
+
+def _check_verifies(checkpoint: StepFolder, run: Path) -> None:
+    """The checkpoint's files against its manifest; a damaged one names the older steps to export
+    instead."""
+    problem = verify_checkpoint(checkpoint.path)
+    if problem:
+        older = [str(c.step) for c in checkpoint_folders(run) if c.step < checkpoint.step]
+        fix = (
+            "export an older checkpoint with --step (steps before "
+            f"it: {', '.join(older)}; --list verifies them)"
+            if older
+            else "there is no older checkpoint to export instead; restore this one from a backup"
+        )
+        raise UserError(str(checkpoint.path), problem, fix)
+
+
+def _trained_model(
+    model_cfg: ModelConfig, seed: int, vocab_size: int, folder: Path, use_lora: bool, merge: bool
+) -> torch.nn.Module:
+    """The model in fp32 with the weights of checkpoint ``folder``: a LoRA run's base model with its
+    adapters (merged in with ``merge``), else the whole model."""
+    if use_lora:
+        adapters = consolidate(folder, frozen_excluded=True)
+        model = rebuild.lora_model(model_cfg, seed, vocab_size, adapters, folder)
+        return model.merge_and_unload() if merge else model
+    model = rebuild.build_model(model_cfg, vocab_size)
+    state_dict = consolidate(
+        folder, full_shapes={n: t.shape for n, t in model.state_dict().items()}
+    )
+    rebuild.load_strict(model, state_dict, folder)
+    return model
 
 
 def _write(out: Path, model, tokenizer, generation_config, weight_bytes: int) -> None:
@@ -368,181 +372,6 @@ def _check_out_dir(out: Path, run: Path, overwrite: bool) -> Path:
                 "give a folder outside the run",
             )
     return out
-
-
-def _lora_model(
-    model_cfg: ModelConfig,
-    seed: int,
-    vocab_size: int,
-    adapters: dict[str, torch.Tensor],
-    folder: Path,
-) -> torch.nn.Module:
-    """The base model as training loaded it, in fp32, with the checkpoint's adapters on it (a peft
-    model)."""
-    model = lora.apply_lora(load_model(model_cfg, vocab_size, seed).float(), model_cfg)
-    expected = {n for n, p in model.named_parameters() if p.requires_grad}
-    missing, unexpected = sorted(expected - set(adapters)), sorted(set(adapters) - expected)
-    if missing or unexpected:
-        parts = [
-            f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
-            for label, names in (("missing", missing), ("unexpected", unexpected))
-            if names
-        ]
-        raise UserError(
-            str(folder),
-            f"its adapters do not fit the LoRA settings in recipe.json: {'; '.join(parts)}",
-            "export with the recipe.json the run was trained with",
-        )
-    model.load_state_dict(adapters, strict=False)
-    return model
-
-
-def _consolidate(
-    folder: Path, frozen_excluded: bool = False, full_shapes: dict[str, torch.Size] | None = None
-) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own ZeRO consolidation of ``folder/ds`` (any world size) into a full fp32 state
-    dict (only the trainable weights when the checkpoint left the frozen ones out). A
-    tensor-parallel run saved one set of files per tensor-parallel rank (``mp_rank_XX``): each set
-    is consolidated on its own and the layers' slices are joined along the dimension AutoTP split
-    (the one in which they add up to ``full_shapes``)."""
-    mp_ranks = sorted(
-        {int(m.group(1)) for f in (folder / DS_TAG).iterdir() if (m := _MP_RANK.search(f.name))}
-    )
-    if len(mp_ranks) <= 1:
-        return _zero_consolidate(folder, frozen_excluded)
-    parts = []
-    for rank in mp_ranks:
-        with tempfile.TemporaryDirectory(prefix="grpo_ds_tp_") as tmp:
-            # this tensor-parallel rank's files only, as a checkpoint of its own
-            view = Path(tmp) / DS_TAG
-            view.mkdir()
-            for f in (folder / DS_TAG).iterdir():
-                if (m := _MP_RANK.search(f.name)) and int(m.group(1)) == rank:
-                    (view / f.name).symlink_to(f.resolve())
-            parts.append(_zero_consolidate(Path(tmp), frozen_excluded, shown=folder))
-    return {
-        name: _join_tensor_parallel(
-            name, [p[name] for p in parts], (full_shapes or {}).get(name), folder
-        )
-        for name in parts[0]
-    }
-
-
-def _join_tensor_parallel(
-    name: str, slices: list[torch.Tensor], full: torch.Size | None, folder: Path
-) -> torch.Tensor:
-    if full is None or slices[0].shape == full:  # replicated over the tensor-parallel group
-        return slices[0]
-    for dim in range(len(full)):
-        others = all(
-            s.shape[:dim] == full[:dim] and s.shape[dim + 1 :] == full[dim + 1 :] for s in slices
-        )
-        if others and sum(s.shape[dim] for s in slices) == full[dim]:
-            return torch.cat(slices, dim)
-    raise UserError(
-        str(folder / DS_TAG),
-        f"the tensor-parallel slices of {name} {[tuple(s.shape) for s in slices]} "
-        f"do not make up its shape {tuple(full)}",
-        "export with the recipe.json the run was trained with",
-    )
-
-
-def _zero_consolidate(
-    folder: Path, frozen_excluded: bool, shown: Path | None = None
-) -> dict[str, torch.Tensor]:
-    if device_type() == "cpu":
-        launcher.use_cpu_accelerator()  # read when deepspeed is first imported, hence imported here
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    # It prints its progress (and tqdm bars) for a standalone script; the export prints its own
-    # summary.
-    chatter = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-            return get_fp32_state_dict_from_zero_checkpoint(
-                str(folder), tag=DS_TAG, exclude_frozen_parameters=frozen_excluded
-            )
-    # a checkpoint DeepSpeed cannot read
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
-        raise UserError(
-            str((shown or folder) / DS_TAG),
-            f"DeepSpeed cannot consolidate it ({first_line(err)})",
-            "export another checkpoint with --step",
-        ) from None
-
-
-def _build_model(model_cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
-    """The model's skeleton in fp32, as training built it; weights are left uninitialised (all are
-    loaded)."""
-    if model_cfg.path == BUILTIN_TINY:
-        return build_tiny_model(vocab_size, dtype=torch.float32, **tiny_shape(model_cfg))
-    try:
-        config = AutoConfig.from_pretrained(
-            model_cfg.path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True
-        )
-    except (OSError, ValueError) as err:
-        raise UserError(
-            "model.path",
-            f"cannot read the model config in {model_cfg.path} ({first_line(err)})",
-            "restore the model folder training used",
-        ) from None
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32
-        )
-    # no_init_weights skips tying too; a tied lm_head must share the embedding again
-    model.tie_weights()
-    return model
-
-
-def _load_strict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], folder: Path) -> None:
-    """``load_state_dict(strict=True)``, except that a tied weight DeepSpeed stored once is filled
-    from its twin."""
-    expected = model.state_dict()
-    by_storage: dict[int, list[str]] = {}
-    for name, tensor in expected.items():
-        by_storage.setdefault(tensor.data_ptr(), []).append(name)
-    for name in [n for n in expected if n not in state_dict]:
-        twin = next((t for t in by_storage[expected[name].data_ptr()] if t in state_dict), None)
-        if twin is not None:
-            state_dict[name] = state_dict[twin]
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    wrong_shape = sorted(
-        n for n in set(expected) & set(state_dict) if expected[n].shape != state_dict[n].shape
-    )
-    if missing or unexpected or wrong_shape:
-        parts = [
-            f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
-            for label, names in (
-                ("missing", missing),
-                ("unexpected", unexpected),
-                ("different shape", wrong_shape),
-            )
-            if names
-        ]
-        raise UserError(
-            str(folder),
-            f"its weights do not fit the model in recipe.json: {'; '.join(parts)}",
-            "export with the recipe.json and model folder the run was trained with",
-        )
-    model.load_state_dict(state_dict, strict=True)
-
-
-def _generation_config(model_cfg: ModelConfig, model, tokenizer):
-    """The model folder's generation_config.json when it has one; else one with the tokenizer's
-    eos/pad ids."""
-    if (
-        model_cfg.path != BUILTIN_TINY
-        and (Path(model_cfg.path) / "generation_config.json").is_file()
-    ):
-        return GenerationConfig.from_pretrained(model_cfg.path, local_files_only=True)
-    config = GenerationConfig.from_model_config(model.config)
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
-    if model_cfg.path == BUILTIN_TINY:
-        config.bos_token_id = None  # the tiny tokenizer adds no BOS
-    return config
 
 
 # ------------------------------------------------------------------------------------- command line

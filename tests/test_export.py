@@ -284,7 +284,7 @@ def test_verify_names_the_bad_file(tmp_path):
 def test_tied_weight_absent_from_the_state_dict_is_filled_from_its_twin():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo_ds.export import _load_strict
+    from grpo_ds.model.rebuild import load_strict
 
     config = LlamaConfig(
         vocab_size=40,
@@ -297,14 +297,14 @@ def test_tied_weight_absent_from_the_state_dict_is_filled_from_its_twin():
     )
     source, target = LlamaForCausalLM(config), LlamaForCausalLM(config)
     state = {k: v.clone() for k, v in source.state_dict().items() if k != "lm_head.weight"}
-    _load_strict(target, state, Path("ckpt"))
+    load_strict(target, state, Path("ckpt"))
     assert torch.equal(target.lm_head.weight, source.model.embed_tokens.weight)
     assert target.lm_head.weight is target.model.embed_tokens.weight
     del state["model.norm.weight"]
     with pytest.raises(
         UserError, match=r"do not fit the model in recipe.json: missing model.norm.weight \(1\)"
     ):
-        _load_strict(target, state, Path("ckpt"))
+        load_strict(target, state, Path("ckpt"))
 
 
 def _cli_error(argv: list[str], capsys) -> str:

@@ -22,21 +22,14 @@ MAX_DRIVER_LINES, MAX_LOOP_LINES = 250, 80  # grpo_ds/train.py and its loop, _tr
 MAX_FUNCTION_LINES = 60
 # The functions allowed more than MAX_FUNCTION_LINES lines, each with the reason.
 LONG_FUNCTIONS = {
-    "grpo_ds.train._train": "the driver loop, a step's phases top "
-    "to bottom (MAX_LOOP_LINES bounds it)",
-    "grpo_ds.check.report": "the dry run's report, one section "
-    "after another, in the order it prints",
-    "grpo_ds.model.memory.estimate": "the memory estimate's terms, one "
-    "per line, each beside its source",
-    "grpo_ds.rewards.sandbox_runner.make_audit_hook": "the sandbox's audit hook is one closure, so "
-    "that the sandboxed code cannot reach its parts",
-    "grpo_ds.rewards.sandbox_runner.main": "the sandbox's child process, in "
-    "the order it locks itself down",
-    "grpo_ds.rewards.sandbox.run_python": "the sandbox's parent side: start, "
-    "feed, time out, reap, in one place",
-    "grpo_ds.config.rules.validate": "the recipe's cross-key rules, "
-    "in the order the docs list them",
-    "grpo_ds.rewards.scoring.score_functions": "placeholder",
+    "grpo_ds.train._train": "the driver loop: a step's phases top to bottom, in one place to read "
+    "(MAX_LOOP_LINES bounds it)",
+    "grpo_ds.kernels.policy_loss._rows": "a Triton kernel: one program's loads, token math and "
+    "stores over a row, its parameters one per line",
+    "grpo_ds.kernels.fused_linear._policy_loss_rows": "a Triton kernel: one program's pass over a "
+    "row of logits, its parameters one per line",
+    "grpo_ds.kernels.chunked.PolicyLossFromHidden.forward": "an autograd forward: one loop over "
+    "the chunks, whose buffers are freed inside it as it goes",
 }
 PARTS = (
     "config",

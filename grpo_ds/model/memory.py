@@ -98,47 +98,17 @@ from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.deepspeed_keys import offloaded, zero_stage
 from grpo_ds.config.dtypes import BYTES
 from grpo_ds.config.recipe import Recipe
-from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.kernels import chunk_bytes_per_token, logprob_chunk_tokens
 from grpo_ds.model import lora
 from grpo_ds.model.engine import no_second_fp32_copy
+from grpo_ds.model.shape import ModelShape, RewardModelShape
+from grpo_ds.model.shape import model_shape as model_shape  # re-exported: grpo_ds.check reads
+from grpo_ds.model.shape import reward_model_shape as reward_model_shape  # them from here
 
 STATIC_CACHE_LINE = "static KV caches (rollout.hf_compile)"
 GIB = 2**30
 # DeepSpeed's defaults for the keys the estimate reads (deepspeed/runtime/zero/config.py)
 _REDUCE_BUCKET, _PREFETCH_BUCKET, _MAX_LIVE = 500_000_000, 50_000_000, 1_000_000_000
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs to know of the model, read from its config on the meta device (no
-    weights)."""
-
-    params: int  # every parameter (LoRA: base + adapters)
-    trainable: int  # the trained ones (LoRA: the adapters)
-    split: int  # parameters AutoTP splits over tensor-parallel ranks (the decoder's linear layers)
-    largest_layer: int  # parameters of the largest module ZeRO-3 gathers at once
-    hidden: int
-    layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    # layers whose MLP is a mixture of experts (their parameters: every expert's, in params)
-    moe_layers: int = 0
-    experts: int = 0  # E: experts per MoE layer
-    experts_per_token: int = 0  # k: experts each token is routed to
-    expert_intermediate: int = 0  # i': an expert's intermediate size
-
-
-@dataclass(frozen=True)
-class RewardModelShape:
-    """What the estimate needs to know of a reward model (reward.models): frozen, no optimizer, no
-    gradients."""
-
-    name: str  # its metrics' name, and its lines' in the estimate (``reward_model_line``)
-    params: int  # every parameter, the score head included
-    offload: bool  # its weights in host memory between steps
 
 
 @dataclass
@@ -161,82 +131,6 @@ class MemoryEstimate:
     def total(self) -> int:
         """Device and host together (what a CPU-only run holds in RAM)."""
         return self.peak + sum(self.host.values())
-
-
-def model_shape(recipe: Recipe, vocab_size: int) -> ModelShape:
-    """The model's shape from its config, built on the meta device (no weights, no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from grpo_ds.model.loading import BUILTIN_TINY
-    from grpo_ds.model.tiny import build_tiny_model, tiny_shape
-
-    m = recipe.model
-    with torch.device("meta"):
-        if m.path == BUILTIN_TINY:
-            model = build_tiny_model(vocab_size, **tiny_shape(m))
-        else:
-            config = AutoConfig.from_pretrained(
-                m.path, trust_remote_code=m.trust_remote_code, local_files_only=True
-            )
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
-        config = model.config
-        head = model.get_output_embeddings()
-        split = sum(
-            p.numel()
-            for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not head
-            for p in module.parameters(recurse=False)
-        )
-        largest = max(
-            sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()
-        )
-        moe = _moe_shape(model)
-        if lora.enabled(m):
-            model = lora.apply_lora(model, m)
-        params = sum(p.numel() for p in model.parameters())
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    heads = config.num_attention_heads
-    return ModelShape(
-        params,
-        trainable,
-        split,
-        largest,
-        config.hidden_size,
-        config.num_hidden_layers,
-        getattr(config, "intermediate_size", 4 * config.hidden_size),
-        heads,
-        getattr(config, "num_key_value_heads", None) or heads,
-        config.vocab_size,
-        *moe,
-    )
-
-
-def _moe_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
-    """(MoE layers, experts per layer, experts per token, an expert's intermediate size) of a model
-    whose experts are transformers 5's fused modules (``*Experts``: num_experts, intermediate_dim,
-    3-D weight tensors); zeros for a dense model."""
-    found = [
-        m
-        for m in model.modules()
-        if isinstance(getattr(m, "num_experts", None), int)
-        and any(p.dim() == 3 for p in m.parameters(recurse=False))
-    ]
-    if not found:
-        return 0, 0, 0, 0
-    first = found[0]
-    intermediate = getattr(first, "intermediate_dim", None) or first.down_proj.shape[-1]
-    return len(found), first.num_experts, model.config.num_experts_per_tok, intermediate
-
-
-def reward_model_shape(spec: RewardModelSpec) -> RewardModelShape:
-    """A reward model's parameters from its config.json, the model built on the meta device (no
-    weights, no memory); the folder was checked before (grpo_ds.model.reward_model_checks)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(config)
-    return RewardModelShape(spec.name, sum(p.numel() for p in model.parameters()), spec.offload)
 
 
 def reward_model_dtype(recipe: Recipe) -> str:
@@ -271,101 +165,197 @@ def estimate(
     ``rollout``: whether the rank holds the rollout engine (False: a trainer rank of a split
     placement, whose ``world_size`` is the trainer's ranks); ``reward_models``: the shapes of
     reward.models, scored on every rank that trains; ``static_cache``: (sequences, length) of the hf
-    engine's compiled-decode caches (rollout.hf_compile; (0, 0) where it decodes eagerly)."""
-    w = BYTES[recipe.model.dtype]
-    zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
-    tp = recipe.train.tensor_parallel_size
-    dp = world_size // tp
-    offload_opt, offload_param = (
-        offloaded(zero, "offload_optimizer"),
-        offloaded(zero, "offload_param"),
-    )
-    # embeddings, norms, the lm_head: whole on every TP rank
-    replicated = shape.params - shape.split
-    per_rank = shape.split / tp + replicated  # parameters a rank's layers hold
-    weights_shard = dp if stage == 3 else 1
+    engine's compiled-decode caches (rollout.hf_compile; (0, 0) where it decodes eagerly).
+
+    The terms come in groups, each written by one function in the order the report lists them."""
+    share = _Share.of(recipe, shape, ds_config, world_size)
     est = MemoryEstimate()
-    weights = est.host if offload_param else est.device
-    weights["policy weights"] = _b(per_rank * w / weights_shard)
-    # LoRA: the adapters' share of every rank's parameters
-    trained_share = shape.trainable / shape.params
-    trained = per_rank * trained_share
-    opt_shard = dp if stage >= 1 else 1
-    grad_shard = dp if stage >= 2 else 1
-    states = est.host if offload_opt else est.device
-    m, master = master_width(ds_config)
-    if no_second_fp32_copy(w, stage, dp, offload_opt, m):
-        states[
-            f"master weights ({master}): the {'float32' if m == 4 else 'bf16'} weights themselves"
-        ] = 0
+    _model_states(est, recipe, share)
+    _reward_models(est, recipe, share, reward_models)
+    if rollout:
+        _rollout_engine(est, recipe, shape, ds_config, share.w, gpu_memory_gib, static_cache)
+    _update_phase(est, recipe, shape, share, update_tokens, longest_sequence, backend)
+    _optimizer_step_phase(est, ds_config, share)
+    if rollout:
+        _generation_phase(
+            est,
+            recipe,
+            shape,
+            share.w,
+            longest_sequence,
+            generation_sequences,
+            gpu_memory_gib,
+            static_cache,
+        )
+    return est
+
+
+@dataclass(frozen=True)
+class _Share:
+    """How one rank holds the model under the resolved DeepSpeed config: read once by
+    ``estimate``, for each of its groups of terms."""
+
+    w: int  # bytes of one weight (model.dtype)
+    m: int  # bytes of one master weight and of one Adam moment (``master_width``)
+    master: str  # the master's dtype name
+    zero: dict  # the config's zero_optimization section
+    stage: int
+    tp: int
+    dp: int
+    offload_opt: bool
+    offload_param: bool
+    per_rank: float  # parameters a rank's layers hold
+    trained: float  # the trained ones among them (LoRA: the adapters' share)
+
+    @classmethod
+    def of(cls, recipe: Recipe, shape: ModelShape, ds_config: dict, world_size: int) -> _Share:
+        zero, tp = ds_config.get("zero_optimization") or {}, recipe.train.tensor_parallel_size
+        # embeddings, norms, the lm_head: whole on every TP rank
+        per_rank = shape.split / tp + (shape.params - shape.split)
+        m, master = master_width(ds_config)
+        return cls(
+            w=BYTES[recipe.model.dtype],
+            m=m,
+            master=master,
+            zero=zero,
+            stage=zero_stage(ds_config),
+            tp=tp,
+            dp=world_size // tp,
+            offload_opt=offloaded(zero, "offload_optimizer"),
+            offload_param=offloaded(zero, "offload_param"),
+            per_rank=per_rank,
+            # LoRA: the adapters' share of every rank's parameters
+            trained=per_rank * (shape.trainable / shape.params),
+        )
+
+    def shard(self, from_stage: int) -> int:
+        """The ranks a state is split over: dp from ZeRO stage ``from_stage`` on (3: the weights,
+        2: the gradients, 1: the master weights and the moments), else none."""
+        return self.dp if self.stage >= from_stage else 1
+
+
+def _model_states(est: MemoryEstimate, recipe: Recipe, s: _Share) -> None:
+    """The policy's weights, master weights, Adam moments and gradients; the reference model."""
+    weights = est.host if s.offload_param else est.device
+    weights["policy weights"] = _b(s.per_rank * s.w / s.shard(3))
+    states = est.host if s.offload_opt else est.device
+    if no_second_fp32_copy(s.w, s.stage, s.dp, s.offload_opt, s.m):
+        kind = "float32" if s.m == 4 else "bf16"
+        states[f"master weights ({s.master}): the {kind} weights themselves"] = 0
     else:
-        states[f"master weights ({master})"] = _b(trained * m / opt_shard)
-    states[f"Adam moments ({master} m, v)"] = _b(trained * 2 * m / opt_shard)
-    est.device["gradients"] = _b(trained * w / grad_shard)
+        states[f"master weights ({s.master})"] = _b(s.trained * s.m / s.shard(1))
+    states[f"Adam moments ({s.master} m, v)"] = _b(s.trained * 2 * s.m / s.shard(1))
+    est.device["gradients"] = _b(s.trained * s.w / s.shard(2))
     if recipe.algorithm.kl_coef > 0 and not lora.enabled(recipe.model):
-        est.device["reference model"] = _b(per_rank * w / weights_shard)
-    scoring = 0  # the offloaded reward models' weights, back on the device while they score
+        est.device["reference model"] = _b(s.per_rank * s.w / s.shard(3))
+
+
+def _reward_models(
+    est: MemoryEstimate, recipe: Recipe, s: _Share, reward_models: tuple[RewardModelShape, ...]
+) -> None:
+    """Each reward model's weights, and the offloaded ones back on the device while they score."""
+    scoring = 0
     rm_width = BYTES[reward_model_dtype(recipe)]
     for rm in reward_models:  # partitioned like the reference model under ZeRO-3, whole otherwise
-        weights = _b(rm.params * rm_width / weights_shard)
+        weights = _b(rm.params * rm_width / s.shard(3))
         (est.host if rm.offload else est.device)[reward_model_line(rm.name)] = weights
         scoring += weights if rm.offload else 0
     if scoring:
         est.phases["reward scoring (offloaded weights on the device)"] = scoring
+
+
+def _rollout_engine(
+    est: MemoryEstimate,
+    recipe: Recipe,
+    shape: ModelShape,
+    ds_config: dict,
+    w: int,
+    gpu_memory_gib: float | None,
+    static_cache: tuple[int, int],
+) -> None:
+    """What the rollout engine keeps between steps on a rank that holds it: vLLM's share (asleep:
+    its weights in host memory), or the hf and agent engines' copy; the static KV caches."""
     r = recipe.rollout
-    # 0 when the GPU is not known
-    vllm_share = _b(r.vllm_gpu_memory_utilization * (gpu_memory_gib or 0) * GIB)
-    # (rollout False: split placement's trainer rank, whose rollout ranks hold the engine)
-    # asleep (weights in host memory) except while generating
-    if rollout and recipe.uses_vllm and r.vllm_sleep_mode:
+    if recipe.uses_vllm and r.vllm_sleep_mode:  # asleep (weights in host memory) but to generate
         est.host["vLLM weights while asleep"] = _b(shape.params * w / r.vllm_tensor_parallel_size)
-    elif rollout and recipe.uses_vllm:
-        est.device["vLLM (gpu_memory_utilization)"] = vllm_share
-    elif rollout and not rollout_shares_policy(recipe, ds_config):
+    elif recipe.uses_vllm:
+        est.device["vLLM (gpu_memory_utilization)"] = _vllm_share(recipe, gpu_memory_gib)
+    elif not rollout_shares_policy(recipe, ds_config):
         est.device["rollout copy (unsharded)"] = _rollout_copy(recipe, shape, w)
-    if rollout and static_cache[0]:
+    if static_cache[0]:
         est.device[STATIC_CACHE_LINE] = _kv_cache(shape, w, *static_cache)
-    bucket = _b(min(zero.get("reduce_bucket_size", _REDUCE_BUCKET), trained) * w)
-    gathered = 0
-    if stage == 3:
+
+
+def _update_phase(
+    est: MemoryEstimate,
+    recipe: Recipe,
+    shape: ModelShape,
+    s: _Share,
+    update_tokens: int,
+    longest_sequence: int,
+    backend: str,
+) -> None:
+    """The reduce bucket (kept under ZeRO-3), and the update micro-batch's transient: activations,
+    logits and, under ZeRO-3, the gathered parameters (at ZeRO 0-2, the bucket)."""
+    bucket = _b(min(s.zero.get("reduce_bucket_size", _REDUCE_BUCKET), s.trained) * s.w)
+    update = _update_bytes(recipe, shape, s.w, s.tp, update_tokens, longest_sequence, backend)
+    if s.stage == 3:
         # ZeRO-3 keeps it; ZeRO 0-2 only during a backward (the update phase)
         est.device["reduce bucket"] = bucket
-        prefetch = zero.get("stage3_prefetch_bucket_size", _PREFETCH_BUCKET)
+        prefetch = s.zero.get("stage3_prefetch_bucket_size", _PREFETCH_BUCKET)
+        live = s.zero.get("stage3_max_live_parameters", _MAX_LIVE)
         gathered = (
-            min(
-                prefetch + shape.largest_layer,
-                zero.get("stage3_max_live_parameters", _MAX_LIVE),
-                per_rank,
-            )
-            + min(shape.largest_layer, per_rank)
-        ) * w
-    update = _update_bytes(recipe, shape, w, tp, update_tokens, longest_sequence, backend) + _b(
-        gathered
-    )
-    if stage == 3:
-        est.phases["update micro-batch (activations, logits, gathers)"] = update
+            min(prefetch + shape.largest_layer, live, s.per_rank)
+            + min(shape.largest_layer, s.per_rank)
+        ) * s.w
+        est.phases["update micro-batch (activations, logits, gathers)"] = update + _b(gathered)
     else:
         est.phases["update micro-batch (activations, logits, reduce bucket)"] = update + bucket
+
+
+def _optimizer_step_phase(est: MemoryEstimate, ds_config: dict, s: _Share) -> None:
+    """torch's AdamW's temporaries of the master's width; DeepSpeed's fused and CPU Adam: none."""
     adam = (ds_config.get("optimizer") or {}).get("params") or {}
-    torch_adam = bool(adam.get("torch_adam")) and not offload_opt
-    temporaries = (0 if stage == 0 else 2 if w < 4 and stage < 3 else 1) + (
+    torch_adam = bool(adam.get("torch_adam")) and not s.offload_opt
+    temporaries = (0 if s.stage == 0 else 2 if s.w < 4 and s.stage < 3 else 1) + (
         0 if adam.get("fused") else 2
     )
     est.phases[
-        f"optimizer step ({master} temporaries)" if torch_adam else "optimizer step (in place)"
-    ] = _b(temporaries * trained * m / opt_shard) if torch_adam else 0
-    if rollout and recipe.uses_vllm:
-        if r.vllm_sleep_mode:
-            est.phases["generation (vLLM awake: gpu_memory_utilization)"] = vllm_share
-    elif rollout and static_cache[0]:
+        f"optimizer step ({s.master} temporaries)" if torch_adam else "optimizer step (in place)"
+    ] = _b(temporaries * s.trained * s.m / s.shard(1)) if torch_adam else 0
+
+
+def _generation_phase(
+    est: MemoryEstimate,
+    recipe: Recipe,
+    shape: ModelShape,
+    w: int,
+    longest_sequence: int,
+    generation_sequences: int,
+    gpu_memory_gib: float | None,
+    static_cache: tuple[int, int],
+) -> None:
+    """One generate call on a rank that holds the rollout engine: vLLM awake (with sleep mode), or
+    the hf and agent engines' KV cache (none of its own with the static caches) and scores."""
+    if recipe.uses_vllm:
+        if recipe.rollout.vllm_sleep_mode:
+            est.phases["generation (vLLM awake: gpu_memory_utilization)"] = _vllm_share(
+                recipe, gpu_memory_gib
+            )
+    elif static_cache[0]:
         est.phases["generation (scores; the KV cache is the static one)"] = _scores(
             shape, generation_sequences
         )
-    elif rollout:
+    else:
         est.phases["generation (KV cache, scores)"] = _generation(
             shape, w, longest_sequence, generation_sequences
         )
-    return est
+
+
+def _vllm_share(recipe: Recipe, gpu_memory_gib: float | None) -> int:
+    """vLLM's share of the GPU (rollout.vllm_gpu_memory_utilization); 0 when the GPU is not
+    known."""
+    return _b(recipe.rollout.vllm_gpu_memory_utilization * (gpu_memory_gib or 0) * GIB)
 
 
 def rollout_rank(
@@ -384,11 +374,7 @@ def rollout_rank(
     if recipe.uses_vllm:
         if gpu_memory_gib is None:
             return None
-        return {
-            "vLLM (gpu_memory_utilization)": _b(
-                recipe.rollout.vllm_gpu_memory_utilization * gpu_memory_gib * GIB
-            )
-        }
+        return {"vLLM (gpu_memory_utilization)": _vllm_share(recipe, gpu_memory_gib)}
     parts = {"copy of the weights": _rollout_copy(recipe, shape, w)}
     if static_cache[0]:
         parts |= {

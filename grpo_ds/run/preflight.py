@@ -73,20 +73,7 @@ def prepare_inputs(
     machine the run uses can tell: GPUs and an importable vLLM."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
-    # every folder the run writes in: writable, or one that can be created
-    output_paths.inspect(recipe)
-    # installed versions: the minimums, vLLM's range and torch, peft (model.lora_rank)
-    software.check(recipe)
-    # split: the last rollout.ranks ranks only generate
-    placement = resolve_placement(recipe, world_size)
-    generating = placement.rollout_ranks if placement.split else world_size
-    # rollout.engine "vllm": TP size, GPUs, vLLM
-    check_vllm_setup(recipe, generating, device_type, machine)
-    # the trainer's world
-    ds_config = resolve_deepspeed_config(recipe, placement.trainer_ranks, device_type)
-    if machine:
-        # model.dtype float16 on a CPU without fp16 kernels
-        check_precision_supported(ds_config, device_type)
+    placement, ds_config = _check_setup(recipe, world_size, device_type, machine)
     backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
     check_router_aux_loss(recipe.model)  # an MoE's load-balancing loss: refused for a dense model
@@ -124,6 +111,29 @@ def prepare_inputs(
         placement,
         reward_models=rewards.models,
     )
+
+
+def _check_setup(
+    recipe: Recipe, world_size: int, device_type: str, machine: bool
+) -> tuple[Placement, dict]:
+    """The recipe against this job: its output folders, the installed software, the ranks' roles,
+    vLLM's setup and the DeepSpeed config. Returns the placement and the resolved DeepSpeed
+    config."""
+    # every folder the run writes in: writable, or one that can be created
+    output_paths.inspect(recipe)
+    # installed versions: the minimums, vLLM's range and torch, peft (model.lora_rank)
+    software.check(recipe)
+    # split: the last rollout.ranks ranks only generate
+    placement = resolve_placement(recipe, world_size)
+    generating = placement.rollout_ranks if placement.split else world_size
+    # rollout.engine "vllm": TP size, GPUs, vLLM
+    check_vllm_setup(recipe, generating, device_type, machine)
+    # the trainer's world
+    ds_config = resolve_deepspeed_config(recipe, placement.trainer_ranks, device_type)
+    if machine:
+        # model.dtype float16 on a CPU without fp16 kernels
+        check_precision_supported(ds_config, device_type)
+    return placement, ds_config
 
 
 def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:

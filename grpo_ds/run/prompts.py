@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -223,6 +223,14 @@ class PromptRow:
     columns: dict  # every column of the row, the answer included; reward functions read them
 
 
+class _BadRow(NamedTuple):
+    """Why a row is not used: its ``kind`` (counted when every row is bad) and its message."""
+
+    kind: str
+    what: str
+    fix: str
+
+
 def prepare_prompts(
     rows: list[dict], data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, where: str
 ) -> tuple[list[PromptRow], int]:
@@ -234,55 +242,29 @@ def prepare_prompts(
     if not rows:
         raise UserError(where, "has no rows", "give a dataset with at least one prompt")
     key = data_cfg.prompt_key
-    problems: dict[int, tuple[str, str, str]] = {}  # row -> (kind, what, fix)
+    problems: dict[int, _BadRow] = {}  # row index -> why it is bad
     texts: dict[int, str] = {}
     for i, row in enumerate(rows):
         value = row.get(key) if isinstance(row, dict) else None
-        if value is None:
-            present = (
-                ", ".join(k for k, v in row.items() if v is not None)
-                if isinstance(row, dict)
-                else ""
-            )
-            problems[i] = (
-                "missing",
-                f"no {key!r} key (keys: {present or 'none'})",
-                f"set data.prompt_key to one of them, or {_SKIP_FIX}",
-            )
-        elif not isinstance(value, str):
-            problems[i] = (
-                "not text",
-                f"{key!r} is {type(value).__name__} {json.dumps(value, default=str)[:60]}, "
-                "not a string",
-                f"point data.prompt_key at a text column, or {_SKIP_FIX}",
-            )
-        elif not value.strip():
-            problems[i] = ("empty", f"{key!r} is empty", f"remove the row, or {_SKIP_FIX}")
+        if (problem := _text_problem(row, value, key)) is not None:
+            problems[i] = problem
         else:
             texts[i] = _apply_template(value, tokenizer) if data_cfg.chat_template else value
     encoded = (
         tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"] if texts else []
     )
     ids = dict(zip(texts, encoded, strict=True))
-    for i, tokens in ids.items():
-        if len(tokens) > data_cfg.max_prompt_tokens:
-            problems[i] = (
-                "too long",
-                f"prompt is {len(tokens)} tokens, more than data.max_prompt_tokens="
-                f"{data_cfg.max_prompt_tokens}",
-                f"raise data.max_prompt_tokens, or {_SKIP_FIX}",
-            )
+    problems |= _too_long(ids, data_cfg.max_prompt_tokens)
     if problems and data_cfg.on_bad_row == "error":
         first = min(problems)
-        _, what, fix = problems[first]
-        raise UserError(f"{where} row {first + 1}", what, fix)
+        raise UserError(f"{where} row {first + 1}", problems[first].what, problems[first].fix)
     good = [
         PromptRow(index=i, prompt_text=texts[i], prompt_ids=list(ids[i]), columns=dict(rows[i]))
         for i in sorted(ids)
         if i not in problems
     ]
     if not good:
-        kinds = Counter(kind for kind, _, _ in problems.values())
+        kinds = Counter(bad.kind for bad in problems.values())
         detail = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
         raise UserError(
             where,
@@ -290,6 +272,42 @@ def prepare_prompts(
             f"check data.prompt_key ({key!r}) and data.max_prompt_tokens",
         )
     return good, len(problems)
+
+
+def _text_problem(row, value, key: str) -> _BadRow | None:
+    """What is wrong with a row's prompt ``value`` (read at ``key``) as text; None: nothing."""
+    if value is None:
+        present = (
+            ", ".join(k for k, v in row.items() if v is not None) if isinstance(row, dict) else ""
+        )
+        return _BadRow(
+            "missing",
+            f"no {key!r} key (keys: {present or 'none'})",
+            f"set data.prompt_key to one of them, or {_SKIP_FIX}",
+        )
+    if not isinstance(value, str):
+        return _BadRow(
+            "not text",
+            f"{key!r} is {type(value).__name__} {json.dumps(value, default=str)[:60]}, "
+            "not a string",
+            f"point data.prompt_key at a text column, or {_SKIP_FIX}",
+        )
+    if not value.strip():
+        return _BadRow("empty", f"{key!r} is empty", f"remove the row, or {_SKIP_FIX}")
+    return None
+
+
+def _too_long(ids: dict[int, list[int]], max_prompt_tokens: int) -> dict[int, _BadRow]:
+    """The rows whose tokens are more than data.max_prompt_tokens, in row order."""
+    return {
+        i: _BadRow(
+            "too long",
+            f"prompt is {len(tokens)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}",
+            f"raise data.max_prompt_tokens, or {_SKIP_FIX}",
+        )
+        for i, tokens in ids.items()
+        if len(tokens) > max_prompt_tokens
+    }
 
 
 def _apply_template(prompt: str, tokenizer: PreTrainedTokenizerBase) -> str:
