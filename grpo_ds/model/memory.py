@@ -35,7 +35,7 @@ under ZeRO-3, 8 at one rank.
                        only while it generates, its weights in host memory (P x W / vllm tp)
                        otherwise
     static KV caches   S x L x layers x 2 x kv x head_dim x W: rollout.hf_compile's caches
-                       (grpo_ds.rollout. hf_compile), kept between steps so that the CUDA graphs
+                       (grpo_ds.rollout.hf_compile), kept between steps so that the CUDA graphs
                        keep their addresses: S sequences over the distinct generate-call sizes of a
                        step, L = prompt width + max_new_tokens rounded up as the engine rounds it
                        (hf_compile.cache_length); the generation phase then holds no KV cache of its

@@ -5,7 +5,7 @@ training process.
 environment, in a new session (its own process group), with a fresh temporary folder as its working
 directory, and waits at most ``wall_s`` seconds; then the whole process group is killed and the
 folder deleted, whatever happened. Inside, before the code runs, the runner confines itself in
-layers (see ``sandbox_runner``): a new network namespace, a size- limited folder (a tmpfs of
+layers (see ``sandbox_runner``): a new network namespace, a size-limited folder (a tmpfs of
 ``disk_mb``), Landlock file and TCP rules, resource limits (CPU time, address space, file size, open
 files), a seccomp filter against process creation, sockets and other escape hatches, and a Python
 audit hook that refuses the same things (and file access outside the folder) with a clear
