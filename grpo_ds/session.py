@@ -24,7 +24,7 @@ import torch
 from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.reward_specs import reward_specs
 from grpo_ds.distributed import launcher
-from grpo_ds.distributed.bridge import Bridge
+from grpo_ds.distributed.bridge import Bridge, Verdict, await_verdict, publish_verdict
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError
 from grpo_ds.model import sequence_parallel
@@ -46,6 +46,11 @@ from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.step.context import StepContext
 from grpo_ds.step.schedule import Colocated, SplitTrainer
 from grpo_ds.step.update import UpdateSettings
+
+
+class Relayed(UserError):
+    """A refusal the trainer's rank 0 made and printed, raised again on a rollout rank (which does
+    not print it a second time)."""
 
 
 class Session:
@@ -73,30 +78,19 @@ class Session:
     # ------------------------------------------------------------------------------- a trainer rank
 
     def open_trainer(self) -> None:
-        """Open a trainer rank's parts, in order (the module's docstring), or set ``finished``."""
+        """Open a trainer rank's parts, in order (the module's docstring), or set ``finished``.
+        Under split placement the rollout ranks learn from the trainer's rank 0 whether the run
+        goes on, ends (finished) or is refused, before anything loads (``Verdict``)."""
         ctx, dist, recipe = self.ctx, self.ctx.dist, self.ctx.recipe
         inputs = ctx.inputs
-        lock = RunLock(run_folder.folder_path(recipe)) if dist.is_main else None
-        dist.decide(_acquire, lock)  # rank 0 takes it; a live holder stops every rank with one line
-        if lock is not None:
-            self._parts.callback(lock.release)
-        # fresh, resume, finished already, or refuse (another recipe's run, or data that changed
-        # under a resumed one)
-        folder = run_folder.decide(recipe, inputs.data_identity)
-        ctx.run_dir = folder.path
-        # what a step abandoned at a stop signal's deadline names
-        self.stop.track(ctx.run_dir, None)
-        if folder.completed_steps is not None:
-            launcher.say(
-                f"the run in {ctx.run_dir} has already finished its {folder.completed_steps} "
-                "steps: nothing to do (raise train.steps to continue it; run.overwrite=true or "
-                "another run.name starts again)"
-            )
-            # the finished run's history, as grpo_ds.plot reads it
-            self.finished = read_metrics(ctx.run_dir)
+        try:
+            folder = self._take_run_folder()
+        except UserError as err:
+            self._tell_rollout_ranks(Verdict("refused", err.where, err.what, err.fix))
+            raise
+        self._tell_rollout_ranks(Verdict("finished" if self.finished is not None else "go"))
+        if self.finished is not None:
             return
-        # a resume on another one
-        run_folder.check_world_size(folder, recipe, inputs.ds_config, dist.world_size)
         # they load the functions while the models load
         if dist.is_main and not inputs.placement.split:
             self._start_reward_pool()
@@ -126,6 +120,37 @@ class Session:
         )
         self.first_step = first_step
         self.schedule.start(first_step - 1, policy, resumed_state, data_changed)
+
+    def _take_run_folder(self) -> run_folder.RunFolder:
+        """The run lock (rank 0), then the run folder's decision: fresh, resume, finished already
+        (``finished`` set), or refused (another recipe's run, data that changed under a resumed
+        one, a resume on another world size that cannot be)."""
+        ctx, dist, recipe = self.ctx, self.ctx.dist, self.ctx.recipe
+        lock = RunLock(run_folder.folder_path(recipe)) if dist.is_main else None
+        dist.decide(_acquire, lock)  # rank 0 takes it; a live holder stops every rank with one line
+        if lock is not None:
+            self._parts.callback(lock.release)
+        folder = run_folder.decide(recipe, ctx.inputs.data_identity)
+        ctx.run_dir = folder.path
+        # what a step abandoned at a stop signal's deadline names
+        self.stop.track(ctx.run_dir, None)
+        if folder.completed_steps is not None:
+            launcher.say(
+                f"the run in {ctx.run_dir} has already finished its {folder.completed_steps} "
+                "steps: nothing to do (raise train.steps to continue it; run.overwrite=true or "
+                "another run.name starts again)"
+            )
+            # the finished run's history, as grpo_ds.plot reads it
+            self.finished = read_metrics(ctx.run_dir)
+            return folder
+        run_folder.check_world_size(folder, recipe, ctx.inputs.ds_config, dist.world_size)
+        return folder
+
+    def _tell_rollout_ranks(self, verdict: Verdict) -> None:
+        """Split placement, the trainer's rank 0: the verdict for the rollout ranks."""
+        placement = self.ctx.inputs.placement
+        if placement.split and self.ctx.dist.is_main:
+            publish_verdict(self.ctx.dist.store, verdict, placement.rollout_ranks)
 
     def _open_models(self) -> None:
         """The rollout engine, the policy and the learned reward models of a trainer rank. The
@@ -180,6 +205,13 @@ class Session:
         """Open a rollout rank's parts: the reward workers on the first of them, the engine and the
         bridge. No lock, no run files but its log."""
         ctx, dist, recipe = self.ctx, self.ctx.dist, self.ctx.recipe
+        ctx.run_dir = run_folder.folder_path(recipe)
+        verdict = await_verdict(dist.store, dist.rank)  # before anything loads
+        if verdict.kind == "refused":  # the trainer's rank 0 says it
+            raise Relayed(verdict.where, verdict.what, verdict.fix)
+        if verdict.kind == "finished":
+            self.finished = read_metrics(ctx.run_dir)
+            return
         if dist.is_main:
             self._start_reward_pool()
         torch.manual_seed(recipe.run.seed)
@@ -191,7 +223,6 @@ class Session:
             dist.device,
             recipe.rollout.transfer_timeout_s,
         )
-        ctx.run_dir = run_folder.folder_path(recipe)
         self.rank_log = ctx.run_dir / "ranks" / f"rank{dist.launch_rank}.jsonl"
         self.stop.track(ctx.run_dir, None)
 

@@ -28,7 +28,7 @@ from grpo_ds.run import output_paths
 from grpo_ds.run.host_allocator import return_large_frees
 from grpo_ds.run.preemption import Preempted, StopRequest, stop_on_signals, stop_word
 from grpo_ds.run.preflight import Inputs, prepare_inputs
-from grpo_ds.session import Session
+from grpo_ds.session import Relayed, Session
 from grpo_ds.step import evaluate, report, save
 from grpo_ds.step.advantage import add_advantages
 from grpo_ds.step.guard import NonfiniteGuard
@@ -172,10 +172,12 @@ def _generate(inputs: Inputs, dist: Dist, stop: StopRequest) -> list[dict]:
     try:
         with Session(inputs, dist, stop) as session:
             session.open_rollout()
+            if session.finished is not None:  # the trainer's rank 0 said so
+                return session.finished
             return serve_rollouts(session.ctx, session.bridge, stop, session.rank_log)
     # e.g. reward.on_error "raise": launcher.say prints on the launch's rank 0 only
     except UserError as err:
-        if dist.is_main:
+        if dist.is_main and not isinstance(err, Relayed):
             launcher.say_on_each_rank(f"error: {err}")
         raise
 

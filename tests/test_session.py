@@ -6,6 +6,8 @@ run lock (opened first). A phase is made to end the run in step 1 in each way a 
 last step, a stop signal (preemption), a UserError and a KeyboardInterrupt.
 """
 
+import subprocess
+
 import pytest
 
 import grpo_ds
@@ -16,6 +18,7 @@ from grpo_ds.rollout.hf import HFRolloutEngine
 from grpo_ds.run.lock import RunLock
 from grpo_ds.run.metrics import MetricsLogger
 from grpo_ds.run.preemption import Preempted, StopRequest
+from tests.launch import REPO, clean_env, free_port, launch_command, remove_shm_buffers
 
 TINY = "recipes/tiny_cpu.json"
 CLOSED_IN_ORDER = ["rollout engine", "logger", "reward workers", "run lock"]
@@ -89,3 +92,54 @@ def test_a_failed_run_closes_its_parts_in_reverse(tmp_path, closes, monkeypatch,
     with pytest.raises(type(error)):
         grpo_ds.train(TINY, _overrides(tmp_path))
     assert closes == CLOSED_IN_ORDER  # each exactly once: nothing closed early, nothing left open
+
+
+# ------------------------------------------------------------------------ split: the rollout ranks
+
+
+@pytest.mark.slow
+def test_the_rollout_ranks_end_with_the_trainers_verdict(tmp_path):
+    """Split placement through the deepspeed launcher (1 trainer + 1 rollout rank): the same command
+    again on a finished run ends at once on both ranks with exit 0 (the rollout rank used to wait
+    10 minutes for the bridge), and a refusal the trainer's rank 0 makes before anything loads (the
+    run folder holds another recipe's run) is one line and exit 2 on both, with no traceback (the
+    rollout rank used to die in the bridge's start-up with C++ frames)."""
+    args = [
+        "--module",
+        "grpo_ds.train",
+        str(REPO / TINY),
+        f"run.output_dir={tmp_path / 'runs'}",
+        'rollout.placement="split"',
+        "rollout.ranks=1",
+        "train.steps=2",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "train.micro_batch_samples_per_gpu=4",
+        "logging.progress_bar=false",
+    ]
+
+    def launch(*overrides: str) -> subprocess.CompletedProcess:
+        port = free_port()
+        try:
+            return subprocess.run(
+                launch_command(2, [*args, *overrides], port),
+                cwd=tmp_path,
+                env=clean_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        finally:
+            remove_shm_buffers(port)
+
+    first = launch()
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    again = launch()
+    output = again.stdout + again.stderr
+    assert again.returncode == 0 and output.count("nothing to do") == 1, output[-3000:]
+    refused = launch("algorithm.rollout_is_cap=2.0")
+    output = refused.stdout + refused.stderr
+    assert refused.returncode == 2, output[-3000:]
+    assert "Traceback" not in output and "Broken pipe" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if "error: " in line]
+    assert len(errors) == 1 and "holds another recipe's run" in errors[0], output[-3000:]

@@ -17,6 +17,10 @@ typed (grpo_ds.distributed.messages: one codec, with a version):
   naming its tensors, then the bucket as one flat buffer of raw bytes (one bucket alive), and a
   ``WeightsEnd`` after the last.
 
+Before any of it, before anything loads, the trainer's rank 0 puts its ``Verdict`` in the store
+(go on, finished, or a refusal) and the rollout ranks wait for it, so that a run that ends there
+ends on every rank at once.
+
 Each member takes its messages with one ``receive(kinds)``, which refuses any other kind, version
 or malformed payload with one line naming the side that sent it (BridgeError). Gloo on a CPU, NCCL
 on GPUs.
@@ -30,9 +34,12 @@ groups: the bridge's members are in different default worlds.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -55,6 +62,51 @@ START_TIMEOUT_S = 1800.0
 class Stalled(BridgeError):
     """A transfer between the trainer and the rollout ranks that timed out or lost its peer. Its
     text is one line."""
+
+
+# ---------------------------------------------------------------------------------- the verdict
+
+VERDICT_KEY = "verdict"  # the launch's own store: no other run shares it
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the run does, decided by the trainer's rank 0 before any model loads, for the rollout
+    ranks to do too: "go", "finished" (the run folder holds a finished run: nothing to do) or
+    "refused" (a refusal: ``where``, ``what``, ``fix`` of its UserError)."""
+
+    kind: str
+    where: str = ""
+    what: str = ""
+    fix: str = ""
+
+
+def publish_verdict(store, verdict: Verdict, rollout_ranks: int) -> None:
+    """The trainer's rank 0: the verdict into the launch's store. When the run ends here it waits
+    until every rollout rank has read it (the store ends with this process)."""
+    store.set(VERDICT_KEY, json.dumps(dataclasses.asdict(verdict)))
+    if verdict.kind != "go":
+        read = [f"{VERDICT_KEY}/read/{r}" for r in range(rollout_ranks)]
+        _store_wait(store, read, "the rollout ranks", "to read that the run ends")
+
+
+def await_verdict(store, rank: int) -> Verdict:
+    """A rollout rank: the trainer's verdict, before it loads anything (``rank``: its place among
+    the rollout ranks)."""
+    _store_wait(store, [VERDICT_KEY], "trainer", "to decide whether the run goes on")
+    verdict = Verdict(**json.loads(store.get(VERDICT_KEY)))
+    store.set(f"{VERDICT_KEY}/read/{rank}", "1")
+    return verdict
+
+
+def _store_wait(store, keys: list[str], peer: str, what: str) -> None:
+    try:
+        store.wait(keys, datetime.timedelta(seconds=START_TIMEOUT_S))
+    except RuntimeError as err:  # a timeout, or the store's server gone
+        raise Stalled(
+            f"the {peer} stalled: no word within the start-up's {START_TIMEOUT_S:g} s {what} "
+            f"({str(err).splitlines()[0]})"
+        ) from None
 
 
 def store_address() -> tuple[str, int]:

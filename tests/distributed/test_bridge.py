@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from grpo_ds.distributed.bridge import Bridge, Stalled
+from grpo_ds.distributed.bridge import (
+    Bridge,
+    Stalled,
+    Verdict,
+    await_verdict,
+    publish_verdict,
+)
 from grpo_ds.distributed.messages import (
     BRIDGE_VERSION,
     KINDS,
@@ -282,3 +288,39 @@ def test_a_silent_side_stalls_the_other_with_one_line_naming_it():
     within = "within rollout.transfer_timeout_s = 0.2 s"
     assert up == f"the rollout ranks stalled: no batch of samples {within}"
     assert down == f"the trainer stalled: no go-ahead or stop {within}"
+
+
+# ------------------------------------------------------------------------------------ the verdict
+
+
+@pytest.mark.parametrize(
+    "verdict",
+    [
+        Verdict("go"),
+        Verdict("finished"),
+        Verdict("refused", "run.name", "holds another run", "fix"),
+    ],
+    ids=["go", "finished", "refused"],
+)
+def test_every_rollout_rank_reads_the_trainers_verdict(verdict):
+    """The verdict reaches each rollout rank whole; a run that ends there waits for both to read it
+    (the store's server is the trainer's rank 0, which leaves next)."""
+    store = torch.distributed.HashStore()
+    got = _together(
+        lambda: publish_verdict(store, verdict, rollout_ranks=2),
+        lambda: await_verdict(store, 0),
+        lambda: await_verdict(store, 1),
+    )
+    assert got[1:] == [verdict, verdict]
+    assert store.check(["verdict/read/0", "verdict/read/1"])
+
+
+def test_the_trainer_waits_for_the_readers_only_when_the_run_ends_there():
+    store = torch.distributed.HashStore()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(publish_verdict, store, Verdict("go"), 1).result(timeout=TIMEOUT_S)
+        ending = pool.submit(publish_verdict, store, Verdict("finished"), 1)
+        with pytest.raises(TimeoutError):
+            ending.result(timeout=TIMEOUT_S)  # no rollout rank has read it yet
+        assert await_verdict(store, 0) == Verdict("finished")
+        ending.result(timeout=4 * TIMEOUT_S)
