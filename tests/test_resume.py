@@ -371,11 +371,11 @@ def test_verify_names_an_altered_file(tmp_path):
     ckpt = tmp_path / "step_00000001"
     shard = ckpt / "ds" / "mp_rank_00_model_states.pt"
     shard.parent.mkdir(parents=True)
-    shard.write_bytes(b"weights")
+    torch.save({"weights": torch.ones(3)}, shard)
     manifest = {"step": 1, "files": {"ds/mp_rank_00_model_states.pt": checkpoint._sha256(shard)}}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     assert checkpoint.verify(ckpt) is None
-    shard.write_bytes(b"weightz")
+    shard.write_bytes(shard.read_bytes()[:-1] + b"z")
     assert checkpoint.verify(ckpt).startswith(
         "ds/mp_rank_00_model_states.pt does not match its sha256"
     )

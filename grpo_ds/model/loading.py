@@ -2,7 +2,9 @@
 model folder.
 
 Nothing is ever downloaded (``local_files_only=True``). ``check_model_path`` runs the same path
-checks without loading anything, so a wrong path is reported before any model is loaded.
+checks without loading anything, so a wrong path is reported before any model is loaded;
+``check_weights`` reads the weight files' headers (grpo_ds.model.weight_files), so a file cut short
+or of another format is too.
 
 Partitioned loading. Given a ZeRO-3 DeepSpeed config, ``load_model`` loads with transformers'
 DeepSpeed integration alive (an ``HfDeepSpeedConfig`` of the resolved config, kept for the duration
@@ -41,6 +43,7 @@ from grpo_ds.model.tiny import (
     tiny_model_class,
     tiny_shape,
 )
+from grpo_ds.model.weight_files import FILE_ERRORS, FIX, check_model_weights, model_weights_problem
 
 BUILTIN_TINY = "builtin:tiny"
 # Any one of these makes a folder worth handing to AutoTokenizer. Without them transformers 5 does
@@ -106,6 +109,14 @@ def check_model_path(model_cfg: ModelConfig) -> None:
             f"{printable(path)} is not a Hugging Face model folder (no config.json in it)",
             f'give the folder that holds config.json and the weights, or "{BUILTIN_TINY}"',
         )
+
+
+def check_weights(model_cfg: ModelConfig) -> None:
+    """Raise UserError unless the policy's weight files (which the reference model loads too) are
+    there and complete, read from their headers alone; builtin:tiny has none."""
+    check_model_path(model_cfg)
+    if model_cfg.path != BUILTIN_TINY:
+        check_model_weights("model.path", Path(model_cfg.path))
 
 
 def context_length(model_cfg: ModelConfig) -> tuple[int, str] | None:
@@ -243,7 +254,10 @@ def load_model(
                     local_files_only=True,
                     trust_remote_code=model_cfg.trust_remote_code,
                 )
-            except (OSError, ValueError) as err:
+            except (ValueError, *FILE_ERRORS) as err:
+                # a file damaged since the pre-load check (check_weights) is named; else the error
+                if problem := model_weights_problem(Path(model_cfg.path)):
+                    raise UserError("model.path", problem, FIX) from None
                 raise UserError(
                     "model.path",
                     f"cannot load a causal LM from {model_cfg.path} ({first_line(err)})",

@@ -1,7 +1,8 @@
-"""Every ``reward.models`` entry checked before any model loads: its folder, its head, its tokenizer
-and its length setting, each problem one ``UserError`` line (exit 2 through the command lines). Only
-config.json and the tokenizer files are read (the tokenizer is built from its local files, nothing
-is downloaded); no weight is loaded.
+"""Every ``reward.models`` entry checked before any model loads: its folder, its head, its weight
+files, its tokenizer and its length setting, each problem one ``UserError`` line (exit 2 through the
+command lines). Only config.json, the weight files' headers (grpo_ds.model.weight_files) and the
+tokenizer files are read (the tokenizer is built from its local files, nothing is downloaded); no
+weight is loaded.
 
 grpo_ds.run.preflight.prepare_inputs calls ``check_reward_models`` with the recipe's parsed specs
 (grpo_ds.config.reward_specs), so ``python -m grpo_ds.train`` and the dry run ``python -m
@@ -18,6 +19,7 @@ from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.model.loading import TOKENIZER_FILES, context_length
+from grpo_ds.model.weight_files import check_model_weights
 
 # the architectures' suffix of a model with a classification (score) head
 _HEAD = "ForSequenceClassification"
@@ -35,12 +37,13 @@ def check_reward_models(specs: Sequence[RewardModelSpec]) -> None:
 
 def check_reward_model(where: str, spec: RewardModelSpec) -> None:
     """Raise UserError, at ``where``.key, for the first problem: a missing folder or one without
-    config.json; not a sequence classifier, or not one label; a max_length past the model's context
-    length (or none to be found); no tokenizer files, a tokenizer that cannot be built, has no pad
-    token, has more tokens than the model's vocabulary, or no chat template where chat_template is
-    true."""
+    config.json; not a sequence classifier, or not one label; weight files missing, cut short or of
+    another format; a max_length past the model's context length (or none to be found); no
+    tokenizer files, a tokenizer that cannot be built, has no pad token, has more tokens than the
+    model's vocabulary, or no chat template where chat_template is true."""
     folder = _folder(f"{where}.path", spec.path)
     config = _config(f"{where}.path", folder)
+    check_model_weights(f"{where}.path", folder)
     _check_length(f"{where}.max_length", spec, folder)
     tokenizer = _tokenizer(f"{where}.path", folder)
     name = printable(spec.path)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from grpo_ds.errors import UserError, first_line
 from grpo_ds.model.batching import pack_micro_batches
 from grpo_ds.model.engine import create_reference_engine
 from grpo_ds.model.loading import partitioned_loading
+from grpo_ds.model.weight_files import FILE_ERRORS, FIX, model_weights_problem
 from grpo_ds.reward_models.render import render
 
 # where sequence classifiers keep their head (Llama, Qwen2, Mistral...: score)
@@ -305,7 +307,10 @@ def _load_pretrained(spec: RewardModelSpec, cfg: dict, announce: bool) -> tuple[
             module = AutoModelForSequenceClassification.from_pretrained(
                 spec.path, dtype=_dtype(cfg), local_files_only=True
             )
-    except (OSError, ValueError) as err:
+    except (ValueError, *FILE_ERRORS) as err:
+        # a file damaged since the pre-load checks is named; else the library's error
+        if problem := model_weights_problem(Path(spec.path)):
+            raise UserError(f"reward model {spec.name!r}", problem, FIX) from None
         raise UserError(
             f"reward model {spec.name!r}",
             f"cannot load {spec.path} ({first_line(err)})",

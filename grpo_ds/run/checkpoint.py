@@ -15,8 +15,11 @@ A checkpoint is written into ``.tmp-step_...``; only when every rank has written
 rank 0 write the manifest, fsync the files and the folders, rename the folder to its final name and
 then replace ``latest`` (write, fsync, rename). A crash at any moment therefore leaves either the
 previous checkpoints untouched or the new one complete; a stale ``.tmp-`` folder is ignored and
-removed by the next save. On resume the manifest is checked file by file: a damaged checkpoint
-(missing, truncated or altered file) is reported by name and the previous one is used.
+removed by the next save. On resume the manifest is checked file by file, and each PyTorch file's
+zip structure read (grpo_ds.model.weight_files: a file saved cut short matches its sha256): a
+damaged checkpoint (a missing, truncated, altered or unreadable file) is reported by name and the
+previous one is used, or, named by checkpoint.resume, refused (grpo_ds.run.folder). A file that
+still fails to load is one line naming it.
 
 A write that fails on any rank (a full disk, a read-only file system, an exceeded quota) stops every
 rank with one error naming the file, the cause and the last good checkpoint (grpo_ds.run.writes);
@@ -46,6 +49,7 @@ import torch
 from grpo_ds.distributed import launcher
 from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError, first_line
+from grpo_ds.model.weight_files import FILE_ERRORS, file_problem, is_damaged_file_error
 from grpo_ds.run import universal, writes
 
 CHECKPOINTS = "checkpoints"
@@ -370,6 +374,8 @@ def verify(folder: str | Path) -> str | None:
             return (
                 f"{name} does not match its sha256 in {MANIFEST} (damaged or changed after saving)"
             )
+        if path.suffix == ".pt" and (problem := file_problem(path)):
+            return f"{name} {problem}; it matches its sha256 in {MANIFEST}: it was saved so"
     shards = sorted(p for pattern in _SHARD_GLOBS for p in (folder / DS_TAG).glob(pattern))
     if not shards:
         return f"{DS_TAG}/ holds no DeepSpeed shards (*_model_states.pt, *_optim_states.pt)"
@@ -409,16 +415,42 @@ def load(policy, path: Path, dist: Dist) -> Resumed:
             f"checkpoint ({path.name}/{universal.UNIVERSAL_TAG})"
         )
         tag = universal.UNIVERSAL_TAG
-    with universal.loading(policy.engine) if tag != DS_TAG else contextlib.nullcontext():
+    with (
+        _damage_named(path, path / tag),
+        universal.loading(policy.engine) if tag != DS_TAG else contextlib.nullcontext(),
+    ):
         if not policy.load_state(path, tag):
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path / tag}")
     rng_file = path / "rng" / f"rank{dist.rank}.pt"
     if rng_file.is_file() and tag == DS_TAG:
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        with _damage_named(path, rng_file):
+            rng_state = torch.load(rng_file, weights_only=False)
+        _set_rng_state(rng_state)
     elif tag == DS_TAG:
         warnings.warn(f"{rng_file} is missing; RNG states not restored", stacklevel=2)
     state = json.loads((path / "trainer_state.json").read_text())
     return Resumed(state["step"], state, path)
+
+
+@contextmanager
+def _damage_named(checkpoint: Path, read: Path) -> Iterator[None]:
+    """A load of ``read`` (a file or a folder of PyTorch files) that fails on a damaged file
+    (weight_files.is_damaged_file_error: verified, yet damaged inside a whole archive) as one
+    UserError naming the first file under ``read`` whose structure is damaged, else ``read`` and the
+    loader's error; any other error as it is."""
+    try:
+        yield
+    except (RuntimeError, *FILE_ERRORS) as err:
+        if not is_damaged_file_error(err):
+            raise
+        files = sorted(read.rglob("*.pt")) if read.is_dir() else [read]
+        named = next((f"{f} {problem}" for f in files if (problem := file_problem(f))), None)
+        raise UserError(
+            f"checkpoint {checkpoint.name}",
+            named or f"{read} cannot be loaded ({first_line(err)})",
+            "resume from an older checkpoint: set checkpoint.resume to its folder (python -m "
+            "grpo_ds.export RUN_DIR --list verifies them)",
+        ) from None
 
 
 # -------------------------------------------------------------------------------------------- files

@@ -2,10 +2,11 @@
 written.
 
 ``prepare_inputs`` is the first thing ``grpo_ds.train`` (and the dry run ``grpo_ds.check``) does:
-the recipe and its overrides, the DeepSpeed file, the model path and tokenizer, the reward
-functions, the reward models' folders (grpo_ds.model.reward_model_checks), the agent environment,
-the logging extras and the dataset rows. What it returns (``Inputs``) is everything the run needs
-besides the model. A problem is one ``UserError`` line.
+the recipe and its overrides, the DeepSpeed file, the model path, tokenizer and weight files'
+headers (grpo_ds.model.weight_files), the reward functions, the reward models' folders
+(grpo_ds.model.reward_model_checks), the agent environment, the logging extras and the dataset
+rows. What it returns (``Inputs``) is everything the run needs besides the model. A problem is one
+``UserError`` line.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from grpo_ds.errors import UserError
 from grpo_ds.model.loading import (
     BUILTIN_TINY,
     check_router_aux_loss,
+    check_weights,
     context_length,
     load_tokenizer,
     moe_experts,
@@ -76,6 +78,7 @@ def prepare_inputs(
     placement, ds_config = _check_setup(recipe, world_size, device_type, machine)
     backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
+    check_weights(recipe.model)  # complete weight files (the policy's and the reference's)
     check_router_aux_loss(recipe.model)  # an MoE's load-balancing loss: refused for a dense model
     _check_tensor_parallel(recipe)
     rewards = reward_specs(recipe.reward)  # parsed when the recipe was loaded

@@ -1,15 +1,26 @@
-"""Loading the policy: builtin:tiny, local HF folders (saved here, never downloaded), and path
-errors."""
+"""Loading the policy: builtin:tiny, local HF folders (saved here, never downloaded), path errors,
+and weights that are missing, cut short or garbage."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.errors import UserError
-from grpo_ds.model.loading import check_model_path, load_model, load_tokenizer, torch_dtype
+from grpo_ds.model.loading import (
+    check_model_path,
+    check_weights,
+    load_model,
+    load_tokenizer,
+    torch_dtype,
+)
 from grpo_ds.model.tiny import build_tiny_model, build_tiny_tokenizer
+from grpo_ds.run.preflight import prepare_inputs
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.json"
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +114,40 @@ def test_folder_without_tokenizer_files(tmp_path):
 
 def test_folder_without_weights(tmp_path, saved_folder):
     (tmp_path / "config.json").write_text((saved_folder / "config.json").read_text())
+    for fn in (check_weights, lambda c: load_model(c, 10, 0)):
+        with pytest.raises(UserError) as err:
+            fn(ModelConfig(path=str(tmp_path)))
+        assert err.value.where == "model.path"
+        assert err.value.what.startswith(f"{tmp_path} holds no weights (none of model.safetensors")
+
+
+def _damaged_copy(saved_folder, tmp_path, damage) -> Path:
+    folder = Path(shutil.copytree(saved_folder, tmp_path / "damaged"))
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00garbage" * 99)
+    return weights
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_weights_are_refused_before_anything_loads(tmp_path, saved_folder, damage):
+    """The failed copy of issue 51: model.safetensors cut to half, or bytes of another file. The
+    pre-load check (prepare_inputs, through check_weights) names the file; so does load_model when
+    the file is damaged after that check, instead of safetensors' SafetensorError."""
+    weights = _damaged_copy(saved_folder, tmp_path, damage)
+    problem = {
+        "truncated": f"{weights} is cut short: {weights.stat().st_size:,} of its",
+        "garbage": f"{weights} is not a safetensors file (its first 8 bytes give a header length",
+    }[damage]
+    out = tmp_path / "out"
     with pytest.raises(UserError) as err:
-        load_model(ModelConfig(path=str(tmp_path)), 10, 0)
-    assert err.value.where == "model.path" and "cannot load" in err.value.what
+        prepare_inputs(RECIPE, [f"model.path={weights.parent}", f"run.output_dir={out}"], 1, "cpu")
+    assert err.value.where == "model.path" and err.value.what.startswith(problem)
+    assert "\n" not in str(err.value) and "copy the folder again" in err.value.fix
+    assert not out.exists()  # nothing written
+    with pytest.raises(UserError) as err:
+        load_model(ModelConfig(path=str(weights.parent)), 10, 0)
+    assert err.value.where == "model.path" and err.value.what.startswith(problem)
 
 
 def test_saved_folder_round_trip(saved_folder):

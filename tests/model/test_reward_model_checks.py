@@ -1,11 +1,11 @@
 """Bad reward models are refused before anything loads (grpo_ds.model.reward_model_checks), each
 with one line naming the entry's key: a missing folder, a folder without config.json, a model
-without a sequence-classification head or with more than one label, a length setting the model
-cannot take, and a tokenizer that is missing, has no pad token, has more tokens than the model, or
-has no chat template where one is asked for. Model folders are built from configs in tmp_path
-(random weights, the builtin tokenizer built in code); nothing is downloaded. One case goes through
-the real command lines (python -m grpo_ds.train and grpo_ds.check, forked from a preloaded process):
-exit 2, one line, nothing written."""
+without a sequence-classification head or with more than one label, weights missing, cut short or
+garbage, a length setting the model cannot take, and a tokenizer that is missing, has no pad token,
+has more tokens than the model, or has no chat template where one is asked for. Model folders are
+built from configs in tmp_path (random weights, the builtin tokenizer built in code); nothing is
+downloaded. Two cases go through the real command lines (python -m grpo_ds.train and grpo_ds.check,
+forked from a preloaded process): exit 2, one line, nothing written."""
 
 import json
 import os
@@ -13,7 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import LlamaForCausalLM
+import safetensors.torch
+from transformers import LlamaForCausalLM, PreTrainedModel
 
 from grpo_ds.config.reward_specs import RewardModelSpec, parse_rewards
 from grpo_ds.errors import UserError
@@ -59,11 +60,39 @@ def test_a_good_folder_passes(good):
     check_reward_models(())
 
 
-def test_no_weight_is_read(tmp_path, good):
+def test_no_model_is_loaded(good, monkeypatch):
+    """config.json, the weights' headers and the tokenizer files are read; no weight is loaded."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", refuse)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    check_reward_models(specs([{"path": str(good)}]))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "garbage"])
+def test_weights_missing_cut_short_or_garbage(tmp_path, good, damage):
+    """The failed copy of issue 51 (model.safetensors cut to half), bytes of another file, or no
+    weights at all: refused before anything loads, naming the file."""
     folder = _copy(good, tmp_path)
-    for weights in folder.glob("*.safetensors"):
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "missing":
         weights.unlink()
-    check_reward_models(specs([{"path": str(folder)}]))  # config.json and the tokenizer files alone
+    else:
+        weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else bytes(64))
+    expected = {
+        "missing": f"{folder} holds no weights (none of model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)",
+        "truncated": f"{weights} is cut short: {len(data) // 2:,} of its {len(data):,} bytes "
+        "are there (50%; incomplete metadata, file not fully covered)",
+        "garbage": f"{weights} is not a safetensors file (its header is not JSON: Expecting "
+        "value: line 1 column 1 (char 0))",
+    }
+    err = refusal([{"path": str(folder)}])
+    assert err.where == "reward.models[0].path" and err.what == expected[damage]
+    assert "copy the folder again" in err.fix
 
 
 def test_a_missing_folder(tmp_path):

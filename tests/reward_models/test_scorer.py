@@ -1,9 +1,12 @@
 """Reward models scored under DeepSpeed (grpo_ds.reward_models.scorer) equal a plain transformers
 forward of AutoModelForSequenceClassification on the same texts (fp32, 1e-5): at world sizes 1, 2
 and 3, packed and padded, with and without offload; a reward model with its own vocabulary scores a
-policy's completions from their text."""
+policy's completions from their text; weights damaged after the pre-load checks are named in one
+line."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,6 +183,21 @@ def test_overflow_error_stops_scoring_with_one_line(folder):
         models.score_models([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist)
     assert "\n" not in str(err.value)
     assert "max_length 24" in str(err.value) and "truncate_left" in str(err.value)
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_weights_cut_short_after_the_checks_are_named_when_loading(tmp_path, folder, zero3):
+    """The pre-load checks refuse a damaged file (tests/model/test_reward_model_checks.py); one
+    damaged after them (a copy still running) is named by the load too, in one line, instead of
+    safetensors' SafetensorError."""
+    copy = Path(shutil.copytree(folder, tmp_path / "rm"))
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    spec = RewardModelSpec(path=str(copy), name="cut")
+    with pytest.raises(UserError) as err:
+        RewardModels.build([spec], ds_config(1, zero3), init_distributed(), MICRO_TOKENS)
+    assert err.value.where == "reward model 'cut'" and "\n" not in str(err.value)
+    assert err.value.what.startswith(f"{weights} is cut short: ")
 
 
 def test_tensor_parallelism_is_refused_in_one_line_when_the_recipe_loads():
