@@ -295,6 +295,41 @@ class StopRequest:
         self._ended.set()
 
 
+RUNNER_POLL_S = 0.2  # how often the first rank of a node looks whether the runner is still there
+
+
+def watch_the_runner(request: StopRequest) -> None:
+    """A one-node `deepspeed` launch: the command the user started (DeepSpeed's runner) forwards no
+    signal on one node (deepspeed/launcher/runner.py does for multi-node launches only), so a
+    SIGTERM to it alone (``kill PID``, a container runtime's stop) ends it and leaves its per-node
+    launcher (deepspeed.launcher.launch) and the ranks running. The node's first rank watches: once
+    the runner is gone (the launcher has another parent), it sends the launcher the SIGTERM the
+    runner did not forward, and the launcher forwards it to every rank, which stop after the step
+    with its checkpoint. Elsewhere (one process, a multi-node launch) nothing is watched."""
+    if not launcher.launched() or launcher.local_rank() != 0:
+        return
+    try:
+        node_launcher = psutil.Process().parent()
+        runner = node_launcher.parent() if node_launcher is not None else None
+        if runner is None or "deepspeed.launcher.launch" not in " ".join(node_launcher.cmdline()):
+            return
+        if "deepspeed" not in " ".join(runner.cmdline()):
+            return
+    except psutil.Error:
+        return
+
+    def watch() -> None:
+        while not request._ended.wait(RUNNER_POLL_S):
+            try:
+                if node_launcher.ppid() != runner.pid:  # the runner ended: the launcher is adopted
+                    node_launcher.send_signal(signal.SIGTERM)
+                    return
+            except psutil.Error:  # the launcher itself is gone: nothing to tell
+                return
+
+    threading.Thread(target=watch, name="grpo_ds-runner-watch", daemon=True).start()
+
+
 def _children() -> set[int]:
     try:
         return {p.pid for p in psutil.Process().children(recursive=True)}
@@ -345,6 +380,7 @@ def stop_on_signals(leave_process: bool = True) -> Iterator[StopRequest]:
     ).start()
     caught = [s for s in SIGNALS if s != signal.SIGINT or signal.getsignal(s) != signal.SIG_IGN]
     previous = {s: signal.signal(s, request._handle) for s in caught}
+    watch_the_runner(request)
     try:
         yield request
     # a Python caller gets a Ctrl-C back as KeyboardInterrupt, after the checkpoint

@@ -158,6 +158,18 @@ class HangingRun:
             assert logs[0] == logs[1]
 
 
+def _ranks(proc: subprocess.Popen, count: int = 2) -> list[psutil.Process]:
+    """The launch's rank processes (the launcher's children that run grpo_ds.train)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        children = _launch_process(proc).children()
+        ranks = [p for p in children if "grpo_ds.train" in " ".join(p.cmdline())]
+        if len(ranks) == count:
+            return ranks
+        time.sleep(0.1)
+    raise AssertionError(f"not {count} ranks")
+
+
 def _renamed(metrics: dict[int, dict]) -> dict[int, dict]:
     """The hanging reward's metrics under the built-in's name (it returns the same scores)."""
     return {
@@ -187,7 +199,7 @@ def _stopped_with_checkpoint(
     assert proc.returncode == code, err[-3000:]
     stopped = _logged_steps(run.run_dir)
     assert f"{how}: stopped by " in err and f" after step {stopped} of {STEPS}" in err, err[-3000:]
-    assert 3 <= stopped < STEPS  # the signal came mid-run
+    assert 3 <= stopped < STEPS, stopped  # the signal came mid-run
     assert checkpoint.latest_name(run.run_dir) == checkpoint.checkpoint_name(stopped)
     assert (
         checkpoint.verify(
@@ -253,16 +265,27 @@ def test_ctrl_c_and_a_sigterm_past_the_grace_each_stop_with_a_resumable_run(
 def test_two_ranks_stop_on_the_launchers_sigterm_and_within_the_grace_on_the_process_groups(
     tmp_path, tmp_path_factory
 ):
-    """Two ranks through the `deepspeed` launcher: (1) a SIGTERM to the launcher, as a scheduler
-    sends it, stops after the step with its checkpoint; (2) resumed, rank 0's reward hangs, and a
-    SIGTERM to the whole process group (``kill -TERM -PGID``: launcher and ranks at once) ends every
-    process within run.preempt_grace_s, naming that checkpoint; (3) resumed, the run ends with the
-    uninterrupted run's metrics and samples on both ranks."""
+    """Two ranks through the `deepspeed` launcher: (0) a SIGTERM to the `deepspeed` command alone
+    (``kill PID``, a container runtime's stop: DeepSpeed's runner forwards nothing on one node), and
+    the ranks notice it is gone and stop after the step with its checkpoint, within the grace,
+    nothing left running; (1) resumed, a SIGTERM to the launcher, as a scheduler sends it, stops
+    after the step with its checkpoint; (2) resumed, rank 0's reward hangs, and a SIGTERM to the
+    whole process group (``kill -TERM -PGID``: launcher and ranks at once) ends every process within
+    run.preempt_grace_s, naming that checkpoint; (3) resumed, the run ends with the uninterrupted
+    run's metrics and samples on both ranks."""
     reference_dir = reference_run(tmp_path_factory, 2) / "tiny_cpu"
     run = HangingRun(tmp_path, 2)
     proc = run.start()
-    launcher = _launch_process(proc)
+    ranks = _ranks(proc)
     _wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)  # the runner alone: it ends at once (143)
+    _, err = _ended(proc, GRACE_S)
+    assert _gone([r.pid for r in ranks])
+    first = _stopped_with_checkpoint(run, err, "preempted", -signal.SIGTERM, proc)
+
+    proc = run.start()
+    launcher = _launch_process(proc)
+    _wait_for(lambda: _logged_steps(run.run_dir) >= first + 1, proc)
     launcher.send_signal(signal.SIGTERM)
     _, err = _ended(proc, GRACE_S)
     # A rank exits 75; DeepSpeed's launcher, once it has been signalled itself, exits 1 whatever its
@@ -272,10 +295,7 @@ def test_two_ranks_stop_on_the_launchers_sigterm_and_within_the_grace_on_the_pro
     run.hang_next()
     proc = run.start()
     helpers = run.hanging(proc)
-    ranks = [
-        p for p in _launch_process(proc).children() if "grpo_ds.train" in " ".join(p.cmdline())
-    ]
-    assert len(ranks) == 2
+    ranks = _ranks(proc)
     # the runner, the launcher and both ranks (the reward workers have sessions)
     os.killpg(proc.pid, signal.SIGTERM)
     signalled = time.monotonic()
