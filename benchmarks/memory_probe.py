@@ -3,8 +3,9 @@
     [deepspeed --num_gpus N] benchmarks/memory_probe.py OUT_JSON RECIPE.json [section.key=value ...]
 
 A thread samples /proc/self/status (RssAnon) every 5 ms. The baseline is taken after the imports,
-before the run (the libraries); the driver's phases are marked by wrapping grpo_ds.train's phase
-functions (the rollout engine's construction, Policy.build, collect, logprob_pass, optimizer_step),
+before the run (the libraries); the driver's phases are marked by wrapping the functions that run
+them (the session's rollout engine construction, Policy.build, collect, logprob_pass,
+optimizer_step),
 so each phase's peak is known; the rest (weight sync, logging, checkpoints) counts as "start". Each
 rank writes OUT_JSON with ``.rank<r>`` appended: {"baseline_mib", "peak_mib", "phases": {phase: peak
 MiB}, "after_build_mib"} (all RssAnon, MiB). Run it with MALLOC_MMAP_THRESHOLD_=131072 so freed
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 
+import grpo_ds.session as session
 import grpo_ds.step.schedule as schedule
 import grpo_ds.step.update  # noqa: F401  (imported before the baseline, like every library the run uses)
 import grpo_ds.train as driver
@@ -69,7 +71,7 @@ def main(out: str, recipe: str, overrides: list[str]) -> None:
     sampler.wrap(schedule, "collect", "rollout")  # the colocated schedule collects each step
     sampler.wrap(driver, "logprob_pass", "logprob")
     sampler.wrap(driver, "optimizer_step", "update")
-    sampler.wrap(driver, "_rollout_engine", "rollout copy")
+    sampler.wrap(session, "_rollout_engine", "rollout copy")
     sampler.wrap(Policy, "build", "policy build")
     driver.run(recipe, overrides)
     import torch.distributed as dist

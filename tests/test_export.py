@@ -9,6 +9,7 @@ at both steps. The fast tests build fake run folders and need no DeepSpeed.
 """
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -232,9 +233,15 @@ def test_command_line_summary_and_overwrite(made, tmp_path):
 # ------------------------------------------------------------------- fake run folders, no DeepSpeed
 
 
+def _torch_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 def _fake_run(root: Path, steps=(1, 2), latest: str | None = "step_00000002") -> Path:
     """A run folder whose checkpoints hold a manifest-verified fake shard each (enough to pick and
-    verify)."""
+    verify: real PyTorch files, as verify checks their structure, of placeholder contents)."""
     run = root / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "recipe.json").write_text(json.dumps({"model": {"path": "builtin:tiny"}}))
@@ -242,9 +249,9 @@ def _fake_run(root: Path, steps=(1, 2), latest: str | None = "step_00000002") ->
         folder = run / "checkpoints" / f"step_{step:08d}"
         (folder / "ds").mkdir(parents=True)
         files = {
-            "ds/zero_pp_rank_0_mp_rank_00_model_states.pt": b"model",
+            "ds/zero_pp_rank_0_mp_rank_00_model_states.pt": _torch_bytes({"module": "fake"}),
             "trainer_state.json": b"{}",
-            "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt": b"optim",
+            "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt": _torch_bytes({"optimizer": "fake"}),
         }
         for name, data in files.items():
             (folder / name).write_bytes(data)
