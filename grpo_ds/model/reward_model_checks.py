@@ -39,24 +39,22 @@ def check_reward_model(where: str, spec: RewardModelSpec) -> None:
     """Raise UserError, at ``where``.key, for the first problem: a missing folder or one without
     config.json; not a sequence classifier, or not one label; weight files missing, cut short or of
     another format; a max_length past the model's context length (or none to be found); no
-    tokenizer files, a tokenizer that cannot be built, has no pad token, has more tokens than the
-    model's vocabulary, or no chat template where chat_template is true."""
+    tokenizer files, a tokenizer that cannot be built, has no token to pad with (pad, eos or unk),
+    has more tokens than the model's vocabulary, or no chat template where chat_template is
+    true."""
     folder = _folder(f"{where}.path", spec.path)
     config = _config(f"{where}.path", folder)
     check_model_weights(f"{where}.path", folder)
     _check_length(f"{where}.max_length", spec, folder)
     tokenizer = _tokenizer(f"{where}.path", folder)
     name = printable(spec.path)
-    if tokenizer.pad_token is None:
-        eos = (
-            f", e.g. its eos token {tokenizer.eos_token!r}"
-            if tokenizer.eos_token is not None
-            else ""
-        )
+    # scoring pads the rows of a padded micro-batch and reads each sequence at its last token, so
+    # any token pads (the scorer takes the eos or unk token where there is no pad token)
+    if tokenizer.pad_token is None and tokenizer.eos_token is None and tokenizer.unk_token is None:
         raise UserError(
             f"{where}.path",
-            f"the tokenizer in {name} has no pad token (scoring pads a batch)",
-            f'set "pad_token" in {name}/tokenizer_config.json{eos}',
+            f"the tokenizer in {name} has no pad, eos or unk token to pad a batch with",
+            f'set "pad_token" in {name}/tokenizer_config.json',
         )
     if getattr(config, "vocab_size", None) and len(tokenizer) > config.vocab_size:
         raise UserError(

@@ -172,15 +172,24 @@ def test_no_tokenizer_files(tmp_path):
     assert err.where == "reward.models[0].path" and "has no tokenizer files" in err.what
 
 
-def test_a_tokenizer_without_a_pad_token_says_how_to_set_one(tmp_path, good):
+def test_a_tokenizer_without_a_pad_token_passes_and_one_without_any_token_to_pad_with_does_not(
+    tmp_path, good
+):
+    """One rule with the scorer, which pads with the eos or unk token where there is no pad token
+    (tests/reward_models/test_scorer.py scores such a model)."""
     folder = _copy(good, tmp_path)
     _edit_json(folder / "tokenizer_config.json", lambda c: c.pop("pad_token"))
+    check_reward_models(specs([{"path": str(folder)}]))
+
+    def no_special_tokens(config: dict) -> None:
+        for key in ("eos_token", "unk_token"):
+            config.pop(key, None)
+
+    _edit_json(folder / "tokenizer_config.json", no_special_tokens)
     err = refusal([{"path": str(folder)}])
-    assert err.where == "reward.models[0].path" and "has no pad token" in err.what
-    assert (
-        err.fix
-        == f"set \"pad_token\" in {folder}/tokenizer_config.json, e.g. its eos token '<eos>'"
-    )
+    assert err.where == "reward.models[0].path"
+    assert "has no pad, eos or unk token to pad a batch with" in err.what
+    assert err.fix == f'set "pad_token" in {folder}/tokenizer_config.json'
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
