@@ -1,11 +1,11 @@
 """Bad reward models are refused before anything loads (grpo_ds.model.reward_model_checks), each
 with one line naming the entry's key: a missing folder, a folder without config.json, a model
 without a sequence-classification head or with more than one label, weights missing, cut short or
-garbage, a length setting the model cannot take, and a tokenizer that is missing, has no pad token,
-has more tokens than the model, or has no chat template where one is asked for. Model folders are
-built from configs in tmp_path (random weights, the builtin tokenizer built in code); nothing is
-downloaded. Two cases go through the real command lines (python -m grpo_ds.train and grpo_ds.check,
-forked from a preloaded process): exit 2, one line, nothing written."""
+garbage, a length setting the model cannot take, and a tokenizer that is missing, has no token to
+pad with, has more tokens than the model, or has no chat template where one is asked for. Model
+folders are built from configs in tmp_path (random weights, the builtin tokenizer built in code);
+nothing is downloaded. Two cases go through the real command lines (python -m grpo_ds.train and
+grpo_ds.check, forked from a preloaded process): exit 2, one line, nothing written."""
 
 import json
 import os
@@ -224,10 +224,15 @@ def test_preflight_runs_the_checks_and_hands_over_the_specs(good, tmp_path):
 
 @pytest.mark.slow
 def test_the_command_lines_refuse_with_one_line_and_exit_2(tmp_path, good):
-    """python -m grpo_ds.train and grpo_ds.check on a reward model whose tokenizer has no pad
-    token."""
+    """python -m grpo_ds.train and grpo_ds.check on a reward model whose tokenizer has no token to
+    pad a batch with (no pad, eos or unk token)."""
     folder = _copy(good, tmp_path)
-    _edit_json(folder / "tokenizer_config.json", lambda c: c.pop("pad_token"))
+
+    def no_special_tokens(config: dict) -> None:
+        for key in ("pad_token", "eos_token", "unk_token"):
+            config.pop(key, None)
+
+    _edit_json(folder / "tokenizer_config.json", no_special_tokens)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     models = f'reward.models=[{{"path": "{folder}"}}]'
     workdirs = [tmp_path / "train", tmp_path / "check"]
@@ -246,9 +251,8 @@ def test_the_command_lines_refuse_with_one_line_and_exit_2(tmp_path, good):
         assert finished.returncode == 2, finished.stderr
         assert "Traceback" not in finished.stderr, finished.stderr
         assert errors == [
-            f"error: reward.models[0].path: the tokenizer in {folder} has no pad token (scoring "
-            'pads a batch). set "pad_token" in '
-            f"{folder}/tokenizer_config.json, e.g. its eos token '<eos>'."
+            f"error: reward.models[0].path: the tokenizer in {folder} has no pad, eos or unk token "
+            f'to pad a batch with. set "pad_token" in {folder}/tokenizer_config.json.'
         ]
         # nothing printed, nothing written
         assert finished.stdout == "" and list(workdir.iterdir()) == []
