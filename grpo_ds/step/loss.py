@@ -170,10 +170,14 @@ def _gspo_loss(
         (mb.seq_index, terms.token_weight),
     )
     loss = (per_token * terms.token_weight).sum()
-    counted = terms.token_weight > 0
-    return loss, [
-        torch.where(counted, t.detach().float(), 0.0).sum() for t in (kl, entropy, clipped)
-    ]
+    return loss, _counted_sums(terms.token_weight, kl, entropy, clipped)
+
+
+def _counted_sums(token_weight: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``values`` (per token) summed over the tokens the loss counts (weight > 0),
+    detached, in float32."""
+    counted = token_weight > 0
+    return [torch.where(counted, t.detach().float(), 0.0).sum() for t in values]
 
 
 def _fused_head_loss(
@@ -201,11 +205,7 @@ def _fused_head_loss(
             s.backend,
             s.truncation,
         )
-        counted = terms.token_weight > 0
-        sums = [
-            torch.where(counted, t.detach().float(), 0.0).sum()
-            for t in (out.kl, out.entropy, out.clipped)
-        ]
+        sums = _counted_sums(terms.token_weight, out.kl, out.entropy, out.clipped)
         return torch.stack([out.loss.float(), *sums])
 
     packed = _forward_with_head(model, mb, head, routed)
