@@ -12,10 +12,12 @@ rank is the launcher's RANK). Nothing here imports torch.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 def launched() -> bool:
@@ -91,8 +93,36 @@ def say_on_each_rank(message: str) -> None:
     print(message if rank() == 0 else f"rank {rank()}: {message}", file=sys.stderr, flush=True)
 
 
+# a launch's master port is drawn below the kernel's ephemeral range, where no socket bound to port
+# 0 and no outgoing connection (gloo opens many) can take it between the draw and the launch's bind
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_DRAWN_PORTS = 10_000
+
+
 def free_port() -> int:
-    """A TCP port free on this host now (for a process group of one, or a test's launcher)."""
+    """A TCP port P free on this host now, with P + 1 free too (a split launch serves its bridge's
+    store at MASTER_PORT + 1): for a process group of one, or a test's launcher. Drawn at random
+    from the ports just below the ephemeral range; where that range is unknown, or no pair there
+    is free, one the kernel picks."""
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    low = max(1024, ephemeral_low - _DRAWN_PORTS)
+    draw = random.SystemRandom()
+    for _ in range(100 if ephemeral_low > low + 1 else 0):
+        port = draw.randrange(low, ephemeral_low - 1)
+        if _bindable(port) and _bindable(port + 1):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
