@@ -6,8 +6,9 @@ from grpo_ds.distributed import launcher
 
 
 def test_a_free_port_comes_with_the_next_one_free_below_the_ephemeral_range():
-    """A split launch binds MASTER_PORT and MASTER_PORT + 1 (its bridge's store), so both must be free;
-    drawn below the ephemeral range, neither can be taken meanwhile by a socket bound to port 0."""
+    """A split launch binds MASTER_PORT and MASTER_PORT + 1 (its bridge's store), so both must be
+    free; drawn below the ephemeral range, neither can be taken meanwhile by a socket bound to port
+    0."""
     ephemeral_low = int(launcher._EPHEMERAL_RANGE.read_text().split()[0])
     ports = [launcher.free_port() for _ in range(20)]
     assert len(set(ports)) > 10, ports  # drawn at random, not one fixed port
