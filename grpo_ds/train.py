@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as leaving:  # exit_on_user_error's one-line error
         code = 0 if leaving.code is None else leaving.code if isinstance(leaving.code, int) else 1
     # a launched or stopped rank leaves here (see there); else exits as before
+    launcher.record_exit(code)
     end_launched_rank(code, stopped)
     if code:
         sys.exit(code)

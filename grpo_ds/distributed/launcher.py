@@ -19,6 +19,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+# set by grpo_ds.launch for the ranks under it: the folder where each rank records its exit code,
+# and that command's pid (the ranks stop if it is killed)
+EXITS_VAR = "GRPO_DS_LAUNCH_EXITS"
+LAUNCH_PID_VAR = "GRPO_DS_LAUNCH_PID"
+
 
 def launched() -> bool:
     """Whether a launcher started this process as one rank of a job (RANK is set)."""
@@ -78,6 +83,19 @@ def as_launched(rank: int, world_size: int, local_rank: int) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def record_exit(code: int) -> None:
+    """A rank under ``python -m grpo_ds.launch`` records the code it is about to exit with, for that
+    command to return (grpo_ds/launch.py); elsewhere nothing happens. Called as soon as the code is
+    known, so that a rank killed on its way out has said it."""
+    folder = os.environ.get(EXITS_VAR)
+    if not folder or not launched():
+        return
+    try:
+        (Path(folder) / f"rank{rank()}").write_text(str(code))
+    except OSError:  # the command is gone: no one to tell
+        pass
 
 
 def say(message: str) -> None:

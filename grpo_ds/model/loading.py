@@ -26,6 +26,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -210,9 +211,7 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
             "save the tokenizer into the model folder (tokenizer.save_pretrained(folder))",
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_cfg.path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True
-        )
+        tokenizer = load_saved_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserError(
             "model.path",
@@ -229,6 +228,30 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
             )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def load_saved_tokenizer(
+    folder: str | Path, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``folder`` (local files only), of the class its tokenizer_config.json
+    names. The policy's, the reference model's and every reward model's tokenizer load here.
+
+    transformers' AutoTokenizer (checked on 5.24.0) loads the class of config.json's model_type
+    instead of the saved one when that type is on its list of hub models with a wrong tokenizer
+    class (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: qwen2, phi3 and others). Qwen2Tokenizer
+    rebuilds the saved vocabulary with its own normalizer, pre-tokenizer and decoder, so a Qwen2
+    model saved with another tokenizer reads other token ids, with no error. A config without a
+    model type skips that override; the saved class name is then resolved as AutoTokenizer resolves
+    any (tests/model/test_loading.py pins both). A folder that names no class, or one with remote
+    code (auto_map), loads as AutoTokenizer loads it: its model type is the only hint."""
+    folder = Path(folder)
+    kwargs: dict = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    saved = folder / "tokenizer_config.json"
+    if saved.is_file():
+        config = read_json_object(saved, "tokenizer_config.json", '{"tokenizer_class": "..."}')
+        if config.get("tokenizer_class") and "auto_map" not in config:
+            kwargs["config"] = PreTrainedConfig(name_or_path=str(folder))
+    return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
 def load_model(

@@ -18,7 +18,7 @@ from grpo_ds.config.parse import printable
 from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.errors import UserError, first_line
-from grpo_ds.model.loading import TOKENIZER_FILES, context_length
+from grpo_ds.model.loading import TOKENIZER_FILES, context_length, load_saved_tokenizer
 from grpo_ds.model.weight_files import check_model_weights
 
 # the architectures' suffix of a model with a classification (score) head
@@ -150,8 +150,8 @@ def _check_length(where: str, spec: RewardModelSpec, folder: Path) -> None:
 
 
 def _tokenizer(where: str, folder: Path):
-    from transformers import AutoTokenizer
-
+    """The tokenizer as the scorer loads it (grpo_ds.model.loading.load_saved_tokenizer: the class
+    the folder saved, whatever its model type)."""
     name = printable(str(folder))
     if not any((folder / file).is_file() for file in TOKENIZER_FILES):
         raise UserError(
@@ -160,7 +160,7 @@ def _tokenizer(where: str, folder: Path):
             "save the reward model's tokenizer into its folder (tokenizer.save_pretrained(folder))",
         )
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return load_saved_tokenizer(folder)
     except (OSError, ValueError, KeyError) as err:
         raise UserError(
             where,

@@ -50,7 +50,7 @@ from grpo_ds.distributed.ranks import Dist
 from grpo_ds.errors import UserError, first_line
 from grpo_ds.model.batching import pack_micro_batches
 from grpo_ds.model.engine import create_reference_engine
-from grpo_ds.model.loading import partitioned_loading
+from grpo_ds.model.loading import load_saved_tokenizer, partitioned_loading
 from grpo_ds.model.weight_files import FILE_ERRORS, FIX, model_weights_problem
 from grpo_ds.reward_models.render import render
 
@@ -299,10 +299,10 @@ def _load_model(
 
 def _load_pretrained(spec: RewardModelSpec, cfg: dict, announce: bool) -> tuple[Any, Any]:
     """(module, tokenizer) from the spec's folder (a failure in one line), each with a pad token."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+        tokenizer = load_saved_tokenizer(spec.path)
         with torch.random.fork_rng(devices=[]), partitioned_loading(cfg):
             module = AutoModelForSequenceClassification.from_pretrained(
                 spec.path, dtype=_dtype(cfg), local_files_only=True

@@ -295,17 +295,19 @@ class StopRequest:
         self._ended.set()
 
 
-RUNNER_POLL_S = 0.2  # how often the first rank of a node looks whether the runner is still there
+RUNNER_POLL_S = 0.2  # how often the first rank of a node looks whether the command is still there
 
 
-def watch_the_runner(request: StopRequest) -> None:
+def watch_the_launch(request: StopRequest) -> None:
     """A one-node `deepspeed` launch: the command the user started (DeepSpeed's runner) forwards no
     signal on one node (deepspeed/launcher/runner.py does for multi-node launches only), so a
     SIGTERM to it alone (``kill PID``, a container runtime's stop) ends it and leaves its per-node
     launcher (deepspeed.launcher.launch) and the ranks running. The node's first rank watches: once
-    the runner is gone (the launcher has another parent), it sends the launcher the SIGTERM the
-    runner did not forward, and the launcher forwards it to every rank, which stop after the step
-    with its checkpoint. Elsewhere (one process, a multi-node launch) nothing is watched."""
+    the runner is gone (the launcher has another parent), or the ``python -m grpo_ds.launch``
+    command in front of it (grpo_ds/launch.py) is, it sends every rank of the node the SIGTERM that
+    was not forwarded, and they stop after the step with its checkpoint. The ranks, not DeepSpeed's
+    launcher, which would SIGTERM every process under them (a reward function's helper too).
+    Elsewhere (one process, a multi-node launch) nothing is watched."""
     if not launcher.launched() or launcher.local_rank() != 0:
         return
     try:
@@ -315,19 +317,35 @@ def watch_the_runner(request: StopRequest) -> None:
             return
         if "deepspeed" not in " ".join(runner.cmdline()):
             return
+        front = _the_launch_command()
     except psutil.Error:
         return
+
+    def gone() -> bool:
+        return node_launcher.ppid() != runner.pid or (front is not None and not front.is_running())
 
     def watch() -> None:
         while not request._ended.wait(RUNNER_POLL_S):
             try:
-                if node_launcher.ppid() != runner.pid:  # the runner ended: the launcher is adopted
-                    node_launcher.send_signal(signal.SIGTERM)
+                if gone():
+                    for rank in node_launcher.children():
+                        rank.send_signal(signal.SIGTERM)
                     return
             except psutil.Error:  # the launcher itself is gone: nothing to tell
                 return
 
-    threading.Thread(target=watch, name="grpo_ds-runner-watch", daemon=True).start()
+    threading.Thread(target=watch, name="grpo_ds-launch-watch", daemon=True).start()
+
+
+def _the_launch_command() -> psutil.Process | None:
+    """The ``python -m grpo_ds.launch`` process this rank runs under, if any."""
+    pid = os.environ.get(launcher.LAUNCH_PID_VAR)
+    if not pid:
+        return None
+    try:
+        return psutil.Process(int(pid))
+    except (psutil.Error, ValueError):
+        return None
 
 
 def _children() -> set[int]:
@@ -354,6 +372,7 @@ def _end_children(before: set[int]) -> None:
 def _leave(code: int) -> None:
     """Exit now, from any thread, without the interpreter's teardown (which could wait on the stuck
     step)."""
+    launcher.record_exit(code)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -380,7 +399,7 @@ def stop_on_signals(leave_process: bool = True) -> Iterator[StopRequest]:
     ).start()
     caught = [s for s in SIGNALS if s != signal.SIGINT or signal.getsignal(s) != signal.SIG_IGN]
     previous = {s: signal.signal(s, request._handle) for s in caught}
-    watch_the_runner(request)
+    watch_the_launch(request)
     try:
         yield request
     # a Python caller gets a Ctrl-C back as KeyboardInterrupt, after the checkpoint

@@ -1,5 +1,6 @@
 """Loading the policy: builtin:tiny, local HF folders (saved here, never downloaded), path errors,
-and weights that are missing, cut short or garbage."""
+weights that are missing, cut short or garbage, and the tokenizer class a folder saved, whatever its
+model type."""
 
 import json
 import shutil
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer, Qwen2Config
 
 from grpo_ds.config.recipe import ModelConfig
 from grpo_ds.errors import UserError
@@ -172,6 +174,27 @@ def test_folder_tokenizer_without_pad_uses_eos(tmp_path, saved_folder):
     tok = load_tokenizer(ModelConfig(path=str(tmp_path)))
     assert tok.pad_token == "<eos>" and tok.pad_token_id == 1
     assert tok.padding_side == "left"
+
+
+def test_a_qwen2_folder_loads_the_tokenizer_class_it_saved(tmp_path):
+    """transformers' AutoTokenizer (5.x) loads Qwen2Tokenizer from any qwen2 folder, whatever class
+    it saved, and reads other ids (the first two assertions pin that cause); load_tokenizer loads
+    the saved class and reads the saved tokenizer's ids. A folder that saved Qwen2Tokenizer keeps
+    it."""
+    saved = build_tiny_tokenizer()
+    Qwen2Config(vocab_size=len(saved)).save_pretrained(tmp_path)
+    saved.save_pretrained(tmp_path)
+    text = "a b\n\tc  "
+    overridden = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert type(overridden).__name__ == "Qwen2Tokenizer"
+    assert overridden(text)["input_ids"] != saved(text)["input_ids"]
+    tok = load_tokenizer(ModelConfig(path=str(tmp_path)))
+    assert type(tok) is type(saved)
+    assert tok(text)["input_ids"] == saved(text)["input_ids"]
+    tok_cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tok_cfg["tokenizer_class"] = "Qwen2Tokenizer"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    assert type(load_tokenizer(ModelConfig(path=str(tmp_path)))).__name__ == "Qwen2Tokenizer"
 
 
 @pytest.mark.slow

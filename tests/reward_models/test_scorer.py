@@ -1,8 +1,8 @@
 """Reward models scored under DeepSpeed (grpo_ds.reward_models.scorer) equal a plain transformers
 forward of AutoModelForSequenceClassification on the same texts (fp32, 1e-5): at world sizes 1, 2
 and 3, packed and padded, with and without offload; a reward model with its own vocabulary scores a
-policy's completions from their text; weights damaged after the pre-load checks are named in one
-line."""
+policy's completions from their text; a Qwen2 reward model saved with another tokenizer scores on
+that tokenizer's ids; weights damaged after the pre-load checks are named in one line."""
 
 import json
 import shutil
@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    Qwen2Config,
+    Qwen2ForSequenceClassification,
+)
 
 from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.distributed.ranks import init_distributed
@@ -43,11 +48,11 @@ def folder(tmp_path_factory):
     return str(write_tiny_reward_model(tmp_path_factory.mktemp("rm") / "rm", seed=0))
 
 
-def reference(folder: str, spec: RewardModelSpec, samples=SAMPLES) -> list[float]:
+def reference(folder: str, spec: RewardModelSpec, samples=SAMPLES, tokenizer=None) -> list[float]:
     """The plain transformers score of each sample alone, rendered here from the rule (not by
-    grpo_ds's render)."""
+    grpo_ds's render), with ``tokenizer`` (AutoTokenizer's from the folder unless given)."""
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
     out = []
     for prompt, completion in samples:
         if spec.chat_template:
@@ -171,6 +176,38 @@ def test_a_model_and_tokenizer_without_a_pad_token_score_in_padded_rows(tmp_path
     scored = models.score_models([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist)
     got = torch.tensor(scored.scores["no_pad"])
     assert (got - torch.tensor(reference(folder, spec))).abs().max() <= TOLERANCE
+
+
+def test_a_qwen2_reward_model_saved_with_another_tokenizer_scores_on_its_ids(tmp_path):
+    """AutoTokenizer loads Qwen2Tokenizer from a qwen2 folder whatever tokenizer it saved, and that
+    one drops the character tokenizer's spaces (tests/model/test_loading.py pins the cause). The
+    scorer loads the saved class (grpo_ds.model.loading.load_saved_tokenizer): its scores are the
+    plain forward's on the saved tokenizer's ids."""
+    tokenizer = build_reward_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForSequenceClassification(config).eval()
+    folder = str(write_reward_model(tmp_path / "qwen2", model, tokenizer))
+    spec = RewardModelSpec(path=folder, name="qwen2", chat_template=False)
+    dist = init_distributed()
+    models = RewardModels.build([spec], ds_config(1, False), dist, MICRO_TOKENS)
+    scored = models.score_models([p for p, _ in SAMPLES], [c for _, c in SAMPLES], dist)
+    got = torch.tensor(scored.scores["qwen2"])
+    expected = torch.tensor(reference(folder, spec, tokenizer=tokenizer))
+    assert expected.std() > 0.05  # the model tells the texts apart
+    assert (got - expected).abs().max() <= TOLERANCE
 
 
 def test_overflow_error_stops_scoring_with_one_line(folder):
