@@ -44,7 +44,7 @@ PARTS = (
     "envs",
     "rollout",
 )
-ENTRY_POINTS = ("train", "check", "export", "plot")  # python -m grpo_ds.<name>
+ENTRY_POINTS = ("train", "launch", "check", "export", "plot")  # python -m grpo_ds.<name>
 TOP_LEVEL = (*ENTRY_POINTS, "errors", "session", "__init__")
 
 
@@ -432,7 +432,13 @@ def test_folders_are_renamed_into_place_in_one_place():
 # message for the user goes through grpo_ds.distributed.launcher.say (stderr, rank 0 only). The
 # sandbox runner is another process that must not import grpo_ds: its stderr is what it tells the
 # parent.
-PRINTS = {"grpo_ds.check", "grpo_ds.export", "grpo_ds.plot", "grpo_ds.config.reference"}
+PRINTS = {
+    "grpo_ds.check",
+    "grpo_ds.launch",
+    "grpo_ds.export",
+    "grpo_ds.plot",
+    "grpo_ds.config.reference",
+}
 PRINTS_TO_STDERR = {"grpo_ds.distributed.launcher", "grpo_ds.rewards.sandbox_runner"}
 
 
