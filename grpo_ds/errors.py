@@ -33,6 +33,14 @@ class UserError(Exception):
         return f"{self.where}: {self.what}." + (f" {fix}" if self.fix else "")
 
 
+class Relayed(UserError):
+    """A refusal another rank made and printed, raised again on this one (which does not print it a
+    second time): split placement's sides tell each other theirs before training."""
+
+    def __reduce__(self):  # stays a Relayed when rank 0 sends it to the other ranks
+        return (Relayed, (self.where, self.what, self.fix))
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (library errors can run to pages), for a one-line
     UserError."""
@@ -68,5 +76,6 @@ def exit_on_user_error() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        launcher.say(f"error: {err}")  # every rank raises the same error; one line is enough
+        if not isinstance(err, Relayed):  # another rank has printed a relayed one
+            launcher.say(f"error: {err}")  # every rank raises the same error; one line is enough
         sys.exit(EXIT_USER_ERROR)

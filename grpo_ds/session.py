@@ -24,9 +24,18 @@ import torch
 from grpo_ds.config.deepspeed import rollout_shares_policy
 from grpo_ds.config.reward_specs import reward_specs
 from grpo_ds.distributed import launcher
-from grpo_ds.distributed.bridge import Bridge, Verdict, await_verdict, publish_verdict
+from grpo_ds.distributed.bridge import (
+    Bridge,
+    Verdict,
+    await_trainer_start,
+    await_verdict,
+    meet_rollout_ranks,
+    publish_rollout_start,
+    publish_trainer_start,
+    publish_verdict,
+)
 from grpo_ds.distributed.ranks import Dist
-from grpo_ds.errors import UserError
+from grpo_ds.errors import Relayed, UserError
 from grpo_ds.model import sequence_parallel
 from grpo_ds.model.loading import load_model
 from grpo_ds.model.policy import Policy
@@ -46,11 +55,6 @@ from grpo_ds.run.prompts import PromptSampler
 from grpo_ds.step.context import StepContext
 from grpo_ds.step.schedule import Colocated, SplitTrainer
 from grpo_ds.step.update import UpdateSettings
-
-
-class Relayed(UserError):
-    """A refusal the trainer's rank 0 made and printed, raised again on a rollout rank (which does
-    not print it a second time)."""
 
 
 class Session:
@@ -80,17 +84,27 @@ class Session:
     def open_trainer(self) -> None:
         """Open a trainer rank's parts, in order (the module's docstring), or set ``finished``.
         Under split placement the rollout ranks learn from the trainer's rank 0 whether the run
-        goes on, ends (finished) or is refused, before anything loads (``Verdict``)."""
-        ctx, dist, recipe = self.ctx, self.ctx.dist, self.ctx.recipe
-        inputs = ctx.inputs
+        goes on, ends (finished) or is refused, before anything loads (``Verdict``), and again once
+        the parts are open, before training (grpo_ds.distributed.bridge)."""
         try:
             folder = self._take_run_folder()
         except UserError as err:
-            self._tell_rollout_ranks(Verdict("refused", err.where, err.what, err.fix))
+            self._tell_rollout_ranks(Verdict.refusal(err))
             raise
         self._tell_rollout_ranks(Verdict("finished" if self.finished is not None else "go"))
         if self.finished is not None:
             return
+        try:
+            self._open_trainer_parts(folder)
+        except UserError as err:
+            placement, dist = self.ctx.inputs.placement, self.ctx.dist
+            if placement.split and dist.is_main and not isinstance(err, Relayed):
+                publish_trainer_start(dist.store, Verdict.refusal(err), placement.rollout_ranks)
+            raise
+
+    def _open_trainer_parts(self, folder: run_folder.RunFolder) -> None:
+        ctx, dist, recipe = self.ctx, self.ctx.dist, self.ctx.recipe
+        inputs = ctx.inputs
         # they load the functions while the models load
         if dist.is_main and not inputs.placement.split:
             self._start_reward_pool()
@@ -100,6 +114,8 @@ class Session:
         ctx.logger = self._start_logger()
         torch.manual_seed(recipe.run.seed)
         self._open_models()
+        # a reward function that a worker cannot load is refused now, not at the first step
+        dist.decide(_rewards_ready, inputs)
         self.rank_log = ctx.run_dir / "ranks" / f"rank{dist.rank}.jsonl"
         self.rank_log.parent.mkdir(parents=True, exist_ok=True)
         policy = self.policy
@@ -114,10 +130,10 @@ class Session:
         # the order of each step's phases across ranks (grpo_ds.step.schedule): who generates, when
         # weights travel
         sampler = PromptSampler(len(inputs.prompts), recipe.run.seed, recipe.data.shuffle)
-        self.schedule = self._open_schedule(sampler)
         first_step, resumed_state, data_changed = _resume(
             folder, policy, sampler, ctx.logger, dist, self.rank_log
         )
+        self.schedule = self._open_schedule(sampler)
         self.first_step = first_step
         self.schedule.start(first_step - 1, policy, resumed_state, data_changed)
 
@@ -186,6 +202,8 @@ class Session:
         ctx, placement = self.ctx, self.ctx.inputs.placement
         if not placement.split:
             return Colocated(ctx, sampler)
+        # the rollout ranks' parts are open too, or every rank ends here
+        ctx.dist.decide(_meet_rollout_ranks, ctx.dist.store, placement.rollout_ranks)
         bridge = (
             Bridge(
                 ctx.dist.store,
@@ -207,15 +225,24 @@ class Session:
         ctx, dist, recipe = self.ctx, self.ctx.dist, self.ctx.recipe
         ctx.run_dir = run_folder.folder_path(recipe)
         verdict = await_verdict(dist.store, dist.rank)  # before anything loads
-        if verdict.kind == "refused":  # the trainer's rank 0 says it
+        if verdict.refused:  # the trainer's rank 0 says it
             raise Relayed(verdict.where, verdict.what, verdict.fix)
         if verdict.kind == "finished":
             self.finished = read_metrics(ctx.run_dir)
             return
-        if dist.is_main:
-            self._start_reward_pool()
-        torch.manual_seed(recipe.run.seed)
-        ctx.rollout = self._hold_engine(_rollout_engine(ctx.inputs, dist))
+        try:
+            if dist.is_main:
+                self._start_reward_pool()
+            torch.manual_seed(recipe.run.seed)
+            ctx.rollout = self._hold_engine(_rollout_engine(ctx.inputs, dist))
+            _rewards_ready(ctx.inputs)
+        except UserError as err:  # _generate prints it on the first rollout rank
+            publish_rollout_start(dist.store, dist.rank, Verdict.refusal(err, dist.is_main))
+            raise
+        publish_rollout_start(dist.store, dist.rank, Verdict("go"))
+        started = await_trainer_start(dist.store, dist.rank)
+        if started.refused:  # the trainer's side, or another rollout rank, refused
+            raise Relayed(started.where, started.what, started.fix)
         self.bridge = Bridge(
             dist.store,
             1 + dist.rank,
@@ -269,6 +296,22 @@ class Session:
 
 def _acquire(lock: RunLock) -> None:
     lock.acquire()
+
+
+def _rewards_ready(inputs: Inputs) -> None:
+    """The rank that scores: its reward workers have loaded the functions (or one line now)."""
+    if inputs.reward_pool is not None:
+        inputs.reward_pool.wait_ready()
+
+
+def _meet_rollout_ranks(store, rollout_ranks: int) -> None:
+    """Split placement, the trainer's rank 0 (through dist.decide: every trainer rank raises what it
+    raises): the rollout ranks' starts; a refusal among them ends the trainer's ranks too, printed
+    here where the rollout rank that made it could not."""
+    word = meet_rollout_ranks(store, rollout_ranks)
+    if word.refused:
+        error = Relayed if word.kind == "refused" else UserError
+        raise error(word.where, word.what, word.fix)
 
 
 def _rollout_engine(

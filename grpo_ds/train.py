@@ -22,13 +22,13 @@ from grpo_ds.config.recipe import Recipe
 from grpo_ds.distributed import launcher
 from grpo_ds.distributed.messages import BridgeError
 from grpo_ds.distributed.ranks import Dist, device_type, end_launched_rank, init_distributed
-from grpo_ds.errors import UserError, exit_on_user_error
+from grpo_ds.errors import Relayed, UserError, exit_on_user_error
 from grpo_ds.model import sequence_parallel
 from grpo_ds.run import output_paths
 from grpo_ds.run.host_allocator import return_large_frees
 from grpo_ds.run.preemption import Preempted, StopRequest, stop_on_signals, stop_word
 from grpo_ds.run.preflight import Inputs, prepare_inputs
-from grpo_ds.session import Relayed, Session
+from grpo_ds.session import Session
 from grpo_ds.step import evaluate, report, save
 from grpo_ds.step.advantage import add_advantages
 from grpo_ds.step.guard import NonfiniteGuard

@@ -19,7 +19,11 @@ typed (grpo_ds.distributed.messages: one codec, with a version):
 
 Before any of it, before anything loads, the trainer's rank 0 puts its ``Verdict`` in the store
 (go on, finished, or a refusal) and the rollout ranks wait for it, so that a run that ends there
-ends on every rank at once.
+ends on every rank at once. Once each side has opened its parts (models, engine, reward workers),
+and before the bridge is built, the two sides meet in the store the same way: each rollout rank
+says whether it started or refused (``publish_rollout_start``), the trainer's rank 0 waits for all
+of them and says whether training starts (``meet_rollout_ranks``), or says its own side's refusal
+(``publish_trainer_start``); a refusal on either side ends every rank with one line and exit 2.
 
 Each member takes its messages with one ``receive(kinds)``, which refuses any other kind, version
 or malformed payload with one line naming the side that sent it (BridgeError). Gloo on a CPU, NCCL
@@ -38,6 +42,7 @@ import dataclasses
 import datetime
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -73,19 +78,30 @@ VERDICT_KEY = "verdict"  # the launch's own store: no other run shares it
 class Verdict:
     """What the run does, decided by the trainer's rank 0 before any model loads, for the rollout
     ranks to do too: "go", "finished" (the run folder holds a finished run: nothing to do) or
-    "refused" (a refusal: ``where``, ``what``, ``fix`` of its UserError)."""
+    "refused" (a refusal: ``where``, ``what``, ``fix`` of its UserError; "refused-unprinted" where
+    the rank that refused has not printed it). The sides' meeting after their parts open says "go"
+    or a refusal the same way."""
 
     kind: str
     where: str = ""
     what: str = ""
     fix: str = ""
 
+    @staticmethod
+    def refusal(err: Exception, printed: bool = True) -> Verdict:
+        """A UserError's verdict; ``printed``: whether the rank that refused printed its line."""
+        return Verdict("refused" if printed else "refused-unprinted", err.where, err.what, err.fix)
+
+    @property
+    def refused(self) -> bool:
+        return self.kind.startswith("refused")
+
 
 def publish_verdict(store, verdict: Verdict, rollout_ranks: int) -> None:
     """The trainer's rank 0: the verdict into the launch's store. When the run ends here it waits
     until every rollout rank has read it (the store ends with this process)."""
     store.set(VERDICT_KEY, json.dumps(dataclasses.asdict(verdict)))
-    if verdict.kind != "go":
+    if verdict.refused or verdict.kind == "finished":
         read = [f"{VERDICT_KEY}/read/{r}" for r in range(rollout_ranks)]
         _store_wait(store, read, "the rollout ranks", "to read that the run ends")
 
@@ -96,6 +112,54 @@ def await_verdict(store, rank: int) -> Verdict:
     _store_wait(store, [VERDICT_KEY], "trainer", "to decide whether the run goes on")
     verdict = Verdict(**json.loads(store.get(VERDICT_KEY)))
     store.set(f"{VERDICT_KEY}/read/{rank}", "1")
+    return verdict
+
+
+# ---- the meeting after both sides have opened their parts
+STARTED_KEY = "started"
+MEETING_POLL_S = 0.1
+
+
+def publish_rollout_start(store, rank: int, verdict: Verdict) -> None:
+    """A rollout rank (``rank``: its place among them), its parts open or refused."""
+    store.set(f"{STARTED_KEY}/rollout/{rank}", json.dumps(dataclasses.asdict(verdict)))
+
+
+def meet_rollout_ranks(store, rollout_ranks: int) -> Verdict:
+    """The trainer's rank 0, its parts open: every rollout rank's start, then the word for them
+    (go, or the first of their refusals, which the others then read); returns that word."""
+    keys = [f"{STARTED_KEY}/rollout/{r}" for r in range(rollout_ranks)]
+    _store_wait(store, keys, "rollout ranks", "to open their parts")
+    starts = [Verdict(**json.loads(store.get(key))) for key in keys]
+    word = next((v for v in starts if v.refused), Verdict("go"))
+    publish_trainer_start(store, word, rollout_ranks)
+    return word
+
+
+def publish_trainer_start(store, verdict: Verdict, rollout_ranks: int) -> None:
+    """The trainer's rank 0: whether training starts. On a refusal it waits until each rollout rank
+    has read it or has refused itself (the store ends with this process)."""
+    store.set(f"{STARTED_KEY}/trainer", json.dumps(dataclasses.asdict(verdict)))
+    if not verdict.refused:
+        return
+    deadline = time.monotonic() + START_TIMEOUT_S
+    waiting = set(range(rollout_ranks))
+    while waiting and time.monotonic() < deadline:
+        for r in list(waiting):
+            own = f"{STARTED_KEY}/rollout/{r}"
+            if store.check([f"{STARTED_KEY}/trainer/read/{r}"]) or (
+                store.check([own]) and Verdict(**json.loads(store.get(own))).refused
+            ):
+                waiting.discard(r)
+        time.sleep(MEETING_POLL_S)
+
+
+def await_trainer_start(store, rank: int) -> Verdict:
+    """A rollout rank, its parts open: the trainer's word on whether training starts."""
+    key = f"{STARTED_KEY}/trainer"
+    _store_wait(store, [key], "trainer", "to open its parts")
+    verdict = Verdict(**json.loads(store.get(key)))
+    store.set(f"{key}/read/{rank}", "1")
     return verdict
 
 

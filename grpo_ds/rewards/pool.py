@@ -129,6 +129,13 @@ class RewardPool:
         worker.inbox.close()
         worker.outbox.close()
 
+    def wait_ready(self) -> None:
+        """Until every worker has loaded the reward functions: one that cannot (or does not within
+        START_TIMEOUT_S) is a UserError now, at start-up, rather than at the first step's call."""
+        while any(not w.ready for w in self._workers):
+            self._receive([], time.monotonic())
+            self._expire([], 0.0)
+
     def run(self, tasks: list[tuple[int, dict[str, Any]]], timeout_s: float) -> list[Any]:
         """Each task ``(function_index, kwargs)``'s returned value, or a ``Failed``, in the tasks'
         order."""
