@@ -6,12 +6,15 @@ run lock (opened first). A phase is made to end the run in step 1 in each way a 
 last step, a stop signal (preemption), a UserError and a KeyboardInterrupt.
 """
 
+import shutil
 import subprocess
 
 import pytest
 
 import grpo_ds
 import grpo_ds.train as train_module
+from benchmarks.refusals import WORKER_ONLY_FAILS
+from grpo_ds.distributed.launcher import EXITS_VAR
 from grpo_ds.errors import UserError
 from grpo_ds.rewards.pool import RewardPool
 from grpo_ds.rollout.hf import HFRolloutEngine
@@ -103,7 +106,9 @@ def test_the_rollout_ranks_end_with_the_trainers_verdict(tmp_path):
     again on a finished run ends at once on both ranks with exit 0 (the rollout rank used to wait
     10 minutes for the bridge), and a refusal the trainer's rank 0 makes before anything loads (the
     run folder holds another recipe's run) is one line and exit 2 on both, with no traceback (the
-    rollout rank used to die in the bridge's start-up with C++ frames)."""
+    rollout rank used to die in the bridge's start-up with C++ frames); and so is a refusal either
+    side makes once both have started loading (benchmarks/refusals.py launches each 5 times, on 2
+    and 3 ranks, colocated and split)."""
     args = [
         "--module",
         "grpo_ds.train",
@@ -118,13 +123,17 @@ def test_the_rollout_ranks_end_with_the_trainers_verdict(tmp_path):
         "logging.progress_bar=false",
     ]
 
+    exits = tmp_path / "exits"  # each rank's exit code, as grpo_ds.launch reads them
+
     def launch(*overrides: str) -> subprocess.CompletedProcess:
         port = free_port()
+        shutil.rmtree(exits, ignore_errors=True)
+        exits.mkdir()
         try:
             return subprocess.run(
                 launch_command(2, [*args, *overrides], port),
                 cwd=tmp_path,
-                env=clean_env(),
+                env={**clean_env(), EXITS_VAR: str(exits), "PYTHONPATH": f"{tmp_path}:{REPO}"},
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -143,3 +152,28 @@ def test_the_rollout_ranks_end_with_the_trainers_verdict(tmp_path):
     assert "Traceback" not in output and "Broken pipe" not in output, output[-3000:]
     errors = [line for line in output.splitlines() if "error: " in line]
     assert len(errors) == 1 and "holds another recipe's run" in errors[0], output[-3000:]
+
+    # refusals after the verdict, once the sides have started loading: the trainer's (LoRA adapters
+    # with no module to go on, as the policy is built) and the rollout rank's (reward functions its
+    # workers cannot import); each is one line and exit 2 on both ranks (the other side used to die
+    # in the bridge with a traceback, or exit 1 with a second line)
+    (tmp_path / "worker_only_fails.py").write_text(WORKER_ONLY_FAILS)
+    for where, extra, said in [
+        (
+            "trainer",
+            ["model.lora_rank=4", 'model.lora_target_modules=["nonexistent_proj"]'],
+            "error: model.lora_target_modules: peft cannot place the adapters",
+        ),
+        (
+            "rollout",
+            ['reward.functions=[{"name": "worker_only_fails:exact_match"}]'],
+            "rank 1: error: reward.functions: a reward worker process could not load",
+        ),
+    ]:
+        refused = launch(f"run.output_dir={tmp_path / where}", *extra)
+        output = refused.stdout + refused.stderr
+        assert refused.returncode == 2, output[-3000:]
+        assert "Traceback" not in output and "Broken pipe" not in output, output[-3000:]
+        errors = [line for line in output.splitlines() if "error: " in line]
+        assert len(errors) == 1 and errors[0].startswith(said), output[-3000:]
+        assert sorted(int(p.read_text()) for p in exits.glob("rank*")) == [2, 2], where

@@ -258,6 +258,24 @@ def test_a_function_that_does_not_load_in_a_worker_is_one_line(pools, tmp_path, 
         )
 
 
+def test_start_up_waits_for_the_workers_and_refuses_one_that_cannot_load(pools, tmp_path):
+    """RewardPool.wait_ready (the session calls it before training): returns once every worker has
+    loaded the functions, and a worker that cannot is the one-line error at start-up, not at the
+    first step's call."""
+    module = tmp_path / "never_loads.py"
+    module.write_text("raise RuntimeError('cannot load here')\n")
+    ready = pools([RewardFunctionSpec("exact_match", 1.0)], 2)
+    ready.wait_ready()
+    assert ready.run([(0, {"completions": ["4"], "answer": ["4"]})], 10) == [[1.0]]
+    sys.path.insert(0, str(tmp_path))
+    try:
+        refused = pools([RewardFunctionSpec("never_loads:f", 1.0)], 2)
+    finally:
+        sys.path.remove(str(tmp_path))
+    with pytest.raises(UserError, match="could not load the reward functions .*cannot load here"):
+        refused.wait_ready()
+
+
 def test_the_default_is_one_worker_per_usable_core_at_most_eight():
     assert worker_count(None) == min(8, len(os.sched_getaffinity(0))) and worker_count(0) == 0
     assert worker_count(3) == 3
