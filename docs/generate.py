@@ -82,7 +82,7 @@ def recipe_page() -> str:
     )
 
 
-CLIS = ("train", "check", "export", "plot")
+CLIS = ("train", "launch", "check", "export", "plot")
 
 
 def _help(name: str) -> str:

@@ -113,7 +113,7 @@ def _panel(overrides: tuple[str, ...]) -> Panel:
     tp = recipe.rollout.vllm_tensor_parallel_size if recipe.uses_vllm else 1
     engines = tuple((generating[i], generating[i + tp - 1]) for i in range(0, len(generating), tp))
     engine = f"{recipe.rollout.engine} engine" + (f"\ntensor parallel {tp}" if tp > 1 else "")
-    command = f"deepspeed --num_gpus {WORLD} --module grpo_ds.train {EXAMPLE}"
+    command = f"python -m grpo_ds.launch --num_gpus {WORLD} --module grpo_ds.train {EXAMPLE}"
     if overrides:
         command += "\n" + " ".join(overrides)
     return Panel(placement.describe(), command, roles, engines, engine, placement.trainer_ranks)

@@ -13,8 +13,9 @@ releases.
     grpo_ds.Environment, grpo_ds.StepResult, grpo_ds.EnvFactory
                                                           the multi-turn environment protocol
 
-The command lines are ``python -m grpo_ds.train | check | export | plot`` (and
-``deepspeed --module grpo_ds.train``).
+The command lines are ``python -m grpo_ds.train | launch | check | export | plot``
+(``python -m grpo_ds.launch --num_gpus N --module grpo_ds.train``: DeepSpeed's launcher, with stops
+that wait for the ranks).
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ import psutil
 from grpo_ds.distributed import launcher
 from grpo_ds.run.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
+USAGE = (
+    "usage: python -m grpo_ds.launch [the deepspeed command's arguments: --num_gpus N, --hostfile "
+    "FILE, --master_port PORT, ...] --module grpo_ds.train RECIPE.json [section.key=value ...]\n"
+    "(every argument goes to DeepSpeed's launcher unchanged: `deepspeed --help` lists them)"
+)
 FORWARDED = {
     signal.SIGTERM: signal.SIGTERM,
     signal.SIGUSR1: signal.SIGUSR1,
@@ -198,9 +203,8 @@ def _recorded(exits: Path) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
-        print(__doc__, flush=True)
-        print("DeepSpeed's runner takes these arguments:\n", flush=True)
-        return subprocess.call([sys.executable, "-m", "deepspeed.launcher.runner", "--help"])
+        print(USAGE + "\n\n" + __doc__.strip(), flush=True)
+        return 0 if args else 2
     _become_subreaper()
     with tempfile.TemporaryDirectory(prefix="grpo_ds-launch-") as folder:
         exits = Path(folder)

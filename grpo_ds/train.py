@@ -1,6 +1,6 @@
 """Train a policy with GRPO on DeepSpeed ZeRO-3: the CLI and the driver loop, top to bottom.
 
-    deepspeed --num_gpus 8 --module grpo_ds.train RECIPE.json [section.key=value ...]
+    python -m grpo_ds.launch --num_gpus 8 --module grpo_ds.train RECIPE.json [section.key=value ...]
     python -m grpo_ds.train RECIPE.json [section.key=value ...]
     grpo_ds.train("RECIPE.json", overrides={"train.steps": 10})   # returns the per-step metrics
 

@@ -321,7 +321,8 @@ def test_a_layout_split_placement_cannot_run_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         'error: rollout.placement: "split" needs at least 2 ranks (one trains, one generates); '
-        'this launch has 1. launch with deepspeed --num_gpus 2 or more, or use "colocated".'
+        "this launch has 1. launch with python -m grpo_ds.launch --num_gpus 2 or more, or use "
+        '"colocated".'
     ]
 
 

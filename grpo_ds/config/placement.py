@@ -89,7 +89,7 @@ def _check_split_ranks(recipe, world_size: int) -> None:
         raise UserError(
             "rollout.placement",
             '"split" needs at least 2 ranks (one trains, one generates); this launch has 1',
-            'launch with deepspeed --num_gpus 2 or more, or use "colocated"',
+            'launch with python -m grpo_ds.launch --num_gpus 2 or more, or use "colocated"',
         )
     if r.ranks >= world_size:
         raise UserError(

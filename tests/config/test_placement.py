@@ -79,7 +79,8 @@ def test_split_needs_two_ranks():
     err = refusal(1, placement="split")
     assert str(err) == (
         'rollout.placement: "split" needs at least 2 ranks (one trains, one generates); this '
-        'launch has 1. launch with deepspeed --num_gpus 2 or more, or use "colocated".'
+        "launch has 1. launch with python -m grpo_ds.launch --num_gpus 2 or more, or use "
+        '"colocated".'
     )
 
 
