@@ -89,9 +89,15 @@ class Launch:
     """DeepSpeed's runner under this command: the signals passed on, the ranks found and waited
     for."""
 
-    def __init__(self, args: list[str], exits: Path) -> None:
+    def __init__(self) -> None:
         self.signalled: int | None = None  # the first signal this command was sent
         self.ranks: dict[int, psutil.Process] = {}  # pid: every rank seen on this node
+        self.runner: subprocess.Popen | None = None
+
+    def start(self, args: list[str], exits: Path) -> bool:
+        """DeepSpeed's runner with ``args``, unless a signal came first (then False)."""
+        if self.signalled is not None:
+            return False
         env = {
             **os.environ,
             launcher.EXITS_VAR: str(exits),
@@ -102,6 +108,7 @@ class Launch:
             env=env,
             start_new_session=True,  # a signal to this command's group reaches this command alone
         )
+        return True
 
     def find_ranks(self) -> list[psutil.Process]:
         """The ranks under this command: every child DeepSpeed's per-node launcher has started
@@ -131,7 +138,7 @@ class Launch:
                 rank.send_signal(sent)
             except psutil.Error:
                 pass
-        if not ranks and self.runner.poll() is None:
+        if not ranks and self.runner is not None and self.runner.poll() is None:
             self.runner.send_signal(sent)
 
     def wait(self) -> int:
@@ -208,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     _become_subreaper()
     with tempfile.TemporaryDirectory(prefix="grpo_ds-launch-") as folder:
         exits = Path(folder)
-        launch = Launch(args, exits)
-        for signum in FORWARDED:
+        launch = Launch()
+        for signum in FORWARDED:  # before the runner starts: no signal may find it unwatched
             signal.signal(signum, launch.forward)
+        if not launch.start(args, exits):
+            return 128 + launch.signalled
         runner_code = launch.wait()
         return exit_code(_recorded(exits), len(launch.ranks), runner_code, launch.signalled)
 

@@ -213,6 +213,26 @@ def no_reward_failed(run: Run) -> None:
         assert record["reward_errors/helper_reward:exact_match"] == 0, record
 
 
+def stop_the_group_then_finish(run: Run, first: int) -> None:
+    """Through ``python -m grpo_ds.launch``: resumed after ``first``, a SIGTERM to the command's
+    process group a step later stops with 75 once every process under it has ended; resumed again,
+    the run ends with every step once, exit 0; and once more, at once with exit 0."""
+    proc = run.start()
+    wait_for(lambda: len(run.steps()) >= first + 1, proc)
+    watched = under(proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    took, err = ended(proc, watched)
+    assert proc.returncode == 75 and took < GRACE_S, (proc.returncode, took, err[-3000:])
+    stopped_with_checkpoint(run, err)
+
+    finished = run.run()
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert run.steps() == list(range(1, STEPS + 1))
+    no_reward_failed(run)
+    again = run.run()
+    assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_a_stop_to_the_launch_command_ends_every_rank_first_then_75_and_the_run_resumes(tmp_path):
     """Two ranks through ``python -m grpo_ds.launch``: (1) a SIGTERM to the command alone while a
@@ -233,20 +253,7 @@ def test_a_stop_to_the_launch_command_ends_every_rank_first_then_75_and_the_run_
         first = stopped_with_checkpoint(run, err)
         assert run.the_helper_saw() == "", run.the_helper_saw()
 
-        proc = run.start()
-        wait_for(lambda: len(run.steps()) >= first + 2, proc)
-        watched = under(proc)
-        os.killpg(proc.pid, signal.SIGTERM)
-        took, err = ended(proc, watched)
-        assert proc.returncode == 75 and took < GRACE_S, (proc.returncode, took, err[-3000:])
-        stopped_with_checkpoint(run, err)
-
-        finished = run.run()
-        assert finished.returncode == 0, finished.stderr[-3000:]
-        assert run.steps() == list(range(1, STEPS + 1))
-        no_reward_failed(run)
-        again = run.run()
-        assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr[-3000:]
+        stop_the_group_then_finish(run, first)
     finally:
         run.clean()
 
@@ -293,19 +300,6 @@ def test_three_ranks_split_a_sigterm_to_the_deepspeed_command_alone_stops_every_
         assert checkpoint.latest_name(run.run_dir) == checkpoint.checkpoint_name(first)
         assert run.the_helper_saw() == "", run.the_helper_saw()
 
-        proc = run.start()
-        wait_for(lambda: len(run.steps()) >= first + 1, proc)
-        watched = under(proc)
-        os.killpg(proc.pid, signal.SIGTERM)
-        took, err = ended(proc, watched)
-        assert proc.returncode == 75 and took < GRACE_S, (proc.returncode, took, err[-3000:])
-        stopped_with_checkpoint(run, err)
-
-        finished = run.run()
-        assert finished.returncode == 0, finished.stderr[-3000:]
-        assert run.steps() == list(range(1, STEPS + 1))
-        no_reward_failed(run)
-        again = run.run()
-        assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr[-3000:]
+        stop_the_group_then_finish(run, first)
     finally:
         run.clean()
