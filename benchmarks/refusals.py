@@ -147,6 +147,7 @@ def main() -> None:
                         ]
                     )
                     print(rows[-1], flush=True)
+    all_held = all(row[3] == f"{args.repeats} of {args.repeats}" for row in rows)
     body = markdown_table(
         [
             "ranks",
@@ -165,6 +166,7 @@ def main() -> None:
         "steps, 4 prompts x 4 samples); split: 1 rollout rank",
         "as expected: every rank recorded 2 with exactly one `error:` line and no traceback or C++ "
         'frames (finished: every rank 0 and one "nothing to do")',
+        f"target (every launch as expected): {'met' if all_held else 'NOT met'}",
     ]
     report("refusals", f"{args.repeats} launches each", "cpu", body, notes, args.record)
 

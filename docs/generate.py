@@ -342,6 +342,15 @@ def _seeds(block: Block) -> str:
     )
 
 
+def _refusals(block: Block) -> str:
+    rows = block.tables()[0]
+    held = [r["as expected"].split(" of ") for r in rows]
+    return (
+        f"{sum(int(h) for h, _ in held)} of {sum(int(n) for _, n in held)} launches as expected "
+        f"({len(rows)} cases: 2 and 3 ranks, colocated and split)"
+    )
+
+
 def _placement(block: Block) -> str:
     step = lambda **where: block.row(**where)["step s (median)"]  # noqa: E731
     s1 = block.row(placement="split", S="1")
@@ -537,6 +546,11 @@ QUESTIONS = (
         "Log-probs over the sampler's top-k / top-p set vs untruncated",
         _heading(r"^bench_support:"),
         lambda block: _support(block),
+    ),
+    Question(
+        "Early exits on many ranks: a refusal before training, a finished run launched again",
+        _heading(r"^refusals:"),
+        _refusals,
     ),
     # bench_vs_trl --reward-model (issue 36): its blocks say "with a reward model" (the other vs-TRL
     # rows skip them)
