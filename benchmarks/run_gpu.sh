@@ -12,16 +12,18 @@
 #      GPU memory <= TRL's
 #   2. rollout: bench_rollout --device cuda at the 0.5B shape: the hf engine eager, compiled (rollout.hf_compile)
 #      and plain generate
-#   3. kernels = sweeps, kernels, policy_loss: the fused-linear and log-prob sweeps (block sizes, warps, chunk
-#      tokens, the forward split into its parts; step "sweeps"), then bench_logprobs and bench_fused_linear with the
-#      defaults (step "kernels"; targets: log-prob forward >= 60% of copy bandwidth; fused linear full >= 1.5x
-#      eager; Liger compiled where it compiles, the block names which ran), then bench_policy_loss
+#   3. kernels = sweeps, kernels, policy_loss, support: the fused-linear and log-prob sweeps (block sizes, warps,
+#      chunk tokens, the forward split into its parts; step "sweeps"), then bench_logprobs and bench_fused_linear with
+#      the defaults (step "kernels"; targets: log-prob forward >= 60% of copy bandwidth; fused linear full >= 1.5x
+#      eager; Liger compiled where it compiles, the block names which ran), then bench_policy_loss, then
+#      bench_support (step "support": the log-prob pass over a top_k 20 + top_p 0.9 set against the untruncated one,
+#      target <= 1.3x; the truncated kernels' tests run in step 4's tests/kernels)
 #   4. pytest tests/kernels and every *_gpu.py test
 #   lean (not in the default list): bench_vs_trl, lean bf16 mode with rollout.hf_compile=off (no static KV caches,
 #      no CUDA-graph pool: 768 MiB of the 841 by which lean exceeded TRL on 2026-11-28) against TRL, 1 run each
 # The steps run in the order RUN_GPU_STEPS names them.
 #
-# The steps' limits add up to about 17 minutes. Measured on an H200 on 2026-11-27: vs-TRL's fresh processes took
+# The steps' limits add up to about 18.5 minutes. Measured on an H200 on 2026-11-27: vs-TRL's fresh processes took
 # ~72 s each (5 of its 7 runs fitted 360 s; compile and DeepSpeed's FusedAdam build included), and the rollout bench
 # did not finish in 100 s; the sweeps ~1.5 min, the kernel benchmarks ~2 and the tests ~1.5 are estimates. With
 # 15 minutes of device time a session, split it in two calls on the one warm machine (it stays warm for 30 s):
@@ -29,15 +31,17 @@
 #     RUN_GPU_STEPS="kernels 4 2 policy_loss sweeps" RUN_GPU_BUDGET_S=<what is left> bash benchmarks/run_gpu.sh
 # (the wheels are installed again in the second, in seconds). The 2026-11-28 H200 session ran exactly that (462 s,
 # then 350 s: kernels, 4 and policy_loss finished, the rollout bench did not). With the kernels' and tests' blocks
-# on record, the next session's second call is better spent on what is still open:
-#     RUN_GPU_STEPS="lean sweeps 2" RUN_GPU_BUDGET_S=<what is left> bash benchmarks/run_gpu.sh
+# on record, the next session's calls are better spent on what is still open, in this order (the truncated-support
+# kernels and their tests have never run on a GPU):
+#     RUN_GPU_STEPS="lean support 4 sweeps" RUN_GPU_BUDGET_S=520 bash benchmarks/run_gpu.sh
+#     RUN_GPU_STEPS="kernels 2 policy_loss" RUN_GPU_BUDGET_S=<what is left> bash benchmarks/run_gpu.sh
 #
 # Environment: GRPO_DS_COMMIT (the commit named in every block; the copy's own .git may be another checkout's),
 # VS_TRL_RUNS (runs per trainer, default 3), VS_TRL_LIMIT_S (default 540), HF_COMPILE (grpo_ds's
 # rollout.hf_compile in vs-TRL, default on: the candidate default this run measures), HF_COMPILE_TIMEOUT_S (its
 # rollout.hf_compile_timeout_s, default 150: a compile that stalls falls back to eager within that),
 # RUN_GPU_BUDGET_S (total seconds, default 480), RUN_GPU_STEPS (which steps, in order, default "1 2 3 4"; also
-# "sweeps", "kernels", "policy_loss": the parts of step 3; "lean"), OUT (where the log,
+# "sweeps", "kernels", "policy_loss", "support": the parts of step 3; "lean"), OUT (where the log,
 # the new RESULTS.md blocks and the per-step logs go; default benchmarks/gpu_out). Under $OUT: run_gpu.log (all
 # output), RESULTS.new.md (the blocks this run appended), summary.txt (one line a step), steps.tar.gz (per-step logs).
 set -uo pipefail
@@ -166,7 +170,12 @@ step_policy_loss() {
     run bench_policy_loss 60 python3 benchmarks/bench_policy_loss.py --device cuda --batch 256 --seq-len 8192 \
         --mode forward,backward,full --record
 }
-step_3() { step_sweeps; step_kernels; step_policy_loss; }
+# the log-prob pass over the sampler's top-k / top-p set against the untruncated one (issue "The trainer computes what
+# the sampler sampled": its GPU figure), from logits and from hidden states, forward and full; ~1 minute
+step_support() {
+    run bench_support 90 python3 benchmarks/bench_support.py --device cuda --top-k 20 --top-p 0.9 --record
+}
+step_3() { step_sweeps; step_kernels; step_policy_loss; step_support; }
 
 # ------------------------------------------------------------------------------------------ 4. GPU tests
 step_4() {
@@ -177,7 +186,7 @@ step_4() {
 
 for step in $STEPS; do
     if [[ $(type -t "step_$step") != function ]]; then
-        note "$step: no such step (steps: 1 2 3 4 sweeps kernels policy_loss lean)"
+        note "$step: no such step (steps: 1 2 3 4 sweeps kernels policy_loss support lean)"
         continue
     fi
     "step_$step"
