@@ -45,13 +45,15 @@ class RewardModelSpec:
         REQUIRED,
         "A local Hugging Face folder (relative to the working directory, as model.path) "
         "holding a sequence-classification model with one label (config.json, the weights) and its "
-        "tokenizer",
+        'tokenizer; or "builtin:digitD" (D a digit: the hand-set digit reward model, whose score '
+        "rises with the share of that digit in the text, written on first use into grpo_ds's "
+        "cache, $GRPO_DS_CACHE or ~/.cache/grpo_ds)",
         example="models/my_rm",
     )
     name: str | None = opt(
         None,
         "The name of its metrics (reward/NAME); distinct from the other reward models' "
-        "(null = the folder's name)",
+        "(null = the folder's name; a builtin's, digitD)",
         example="helpfulness",
     )
     weight: float = opt(
@@ -91,8 +93,9 @@ class RewardModelSpec:
     )
 
     def __post_init__(self):
-        if self.name is None:  # the folder's name; the spec always holds a name
-            object.__setattr__(self, "name", self.path.strip().rstrip("/").split("/")[-1])
+        if self.name is None:  # the folder's name (a builtin's: digit7); the spec always holds one
+            name = self.path.strip().rstrip("/").split("/")[-1].removeprefix("builtin:")
+            object.__setattr__(self, "name", name)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from grpo_ds.model.loading import (
     moe_experts,
 )
 from grpo_ds.model.reward_model_checks import check_reward_models
+from grpo_ds.reward_models.tiny import builtin_reward_model
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm_checks import check_vllm_setup
 from grpo_ds.run import output_paths
@@ -83,7 +84,8 @@ def prepare_inputs(
     _check_tensor_parallel(recipe)
     rewards = reward_specs(recipe.reward)  # parsed when the recipe was loaded
     reward_functions = load_reward_functions(rewards.functions)
-    check_reward_models(rewards.models)  # their folders, heads, tokenizers and lengths
+    reward_models = _builtin_models_written(rewards.models)
+    check_reward_models(reward_models)  # their folders, heads, tokenizers and lengths
     check_logging_extras(recipe.logging)
     env_factory = (
         load_env_factory(recipe.rollout.env, recipe.rollout.env_options)
@@ -112,8 +114,20 @@ def prepare_inputs(
         eval_prompts,
         identity,
         placement,
-        reward_models=rewards.models,
+        reward_models=reward_models,
     )
+
+
+def _builtin_models_written(
+    specs: tuple[RewardModelSpec, ...],
+) -> tuple[RewardModelSpec, ...]:
+    """The reward models with each ``builtin:`` path replaced by the folder it names, written on
+    first use (grpo_ds.reward_models.tiny.builtin_reward_model); the recipe keeps the name."""
+    resolved = []
+    for i, spec in enumerate(specs):
+        folder = builtin_reward_model(f"reward.models[{i}].path", spec.path)
+        resolved.append(spec if folder is None else dataclasses.replace(spec, path=str(folder)))
+    return tuple(resolved)
 
 
 def _check_setup(

@@ -3,12 +3,14 @@ combinations refused."""
 
 import configparser
 import importlib.metadata
+import re
 import subprocess
 import sys
 import types
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from grpo_ds.config import software
 from grpo_ds.config.loading import load_recipe
@@ -172,6 +174,50 @@ def test_setup_cfg_says_the_same_minimums_and_extras():
         assert package in [
             Requirement(x).name for x in extras[extra].split("\n") if x.strip() and x[0] != "#"
         ]
+
+
+RANGE = re.compile(r"\b(vllm|torch|deepspeed|peft)((?:[<>]=?[\d.]+,?)+)")
+
+
+def _prose() -> dict[str, str]:
+    """README.md and every docs page a person wrote (not the generated benchmark pages)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return {
+        str(p.relative_to(REPO)): p.read_text()
+        for p in pages
+        if not p.name.startswith("benchmarks")
+    }
+
+
+def test_the_version_ranges_in_prose_are_the_codes():
+    """Every range of vLLM, torch, deepspeed or peft written in the README and the docs is the one
+    the code or setup.cfg holds, and so are the minimums the faults page lists (a page said vLLM
+    <0.26 while the code accepted <0.34)."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    required = {
+        Requirement(line.strip()).name: str(Requirement(line.strip()).specifier)
+        for line in config["options"]["install_requires"].split("\n")
+        if line.strip()
+    }
+    expected = {
+        "vllm": software.VLLM_SPEC,
+        "torch": required["torch"],
+        "deepspeed": required["deepspeed"],
+        "peft": software.PEFT_SPEC.removeprefix("peft"),
+    }
+    seen = 0
+    for page, text in _prose().items():
+        for name, written in RANGE.findall(text):
+            written = written.rstrip(",.")
+            assert SpecifierSet(written) == SpecifierSet(expected[name]), (page, name, written)
+            seen += 1
+        listed = re.search(r"older than `setup.cfg` requires \(([^)]*)\)", text)
+        for name, version in re.findall(r"(\w+) ([\d.]+)", listed.group(1) if listed else ""):
+            assert software.MINIMUMS[name] == version, (page, name, version)
+        for version in re.findall(r"peft missing or older than ([\d.]+)", text):
+            assert f">={version}" == expected["peft"], (page, version)
+    assert seen >= 4, "the check found no range to compare"
 
 
 def test_survey_on_this_cpu_machine():

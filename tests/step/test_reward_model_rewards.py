@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import grpo_ds
 from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.reward_models.render import render_texts
-from grpo_ds.reward_models.tiny import write_digit_reward_model
+from grpo_ds.reward_models.tiny import BUILTIN_VERSION, write_digit_reward_model
 from grpo_ds.step.memory_timeline import read_rows
 from grpo_ds.step.profiling import memory_path
 from tests.launch import REPO, clean_env
@@ -85,21 +85,12 @@ def _best_score(folder) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_reward_model_recipe_learns_what_its_model_rewards(tmp_path, seed):
-    """The guide's commands from a folder holding recipes/ and ds_configs/: the one-line command
-    writes the digit model, then the recipe, whose only reward is that model, reaches >= 0.9 of the
-    best score (last-10 mean)."""
+    """The guide's command from a folder holding recipes/ and ds_configs/, as a fresh checkout has
+    them: the recipe names builtin:digit7, which the run writes into grpo_ds's cache on first use,
+    and, with that model as its only reward, reaches >= 0.9 of the best score (last-10 mean)."""
     for folder in ("recipes", "ds_configs"):
         shutil.copytree(REPO / folder, tmp_path / folder)
-    env = clean_env()
-    write = subprocess.run(
-        [sys.executable, "-m", "grpo_ds.reward_models.tiny", "models/digit7_rm"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert write.returncode == 0, write.stderr[-3000:]
+    env = {**clean_env(), "GRPO_DS_CACHE": str(tmp_path / "cache")}
     run = subprocess.run(
         [
             sys.executable,
@@ -120,7 +111,7 @@ def test_the_reward_model_recipe_learns_what_its_model_rewards(tmp_path, seed):
         json.loads(line)
         for line in (tmp_path / "runs" / "rm_tiny_cpu" / "metrics.jsonl").read_text().splitlines()
     ]
-    best = _best_score(tmp_path / "models" / "digit7_rm")
+    best = _best_score(tmp_path / "cache" / "builtin" / f"digit7_rm-v{BUILTIN_VERSION}")
     # the recipe's std makes the best completion score 1
     assert best == pytest.approx(1.0, abs=0.01)
     first = sum(m["reward_mean"] for m in lines[:10]) / 10
