@@ -14,7 +14,7 @@ recipes.
       python -m grpo_ds.reward_models.tiny FOLDER [--digit 7]
 
   or named in a recipe as ``builtin:digitD`` (``reward.models[].path``; D a digit), which
-  ``builtin_reward_model`` writes on first use into grpo_ds's cache folder (``cache_folder``).
+  grpo_ds.run.builtin_models writes on first use into grpo_ds's cache folder.
 
 How the digit model computes (hidden size 4, one layer, one head). Every token's embedding is a unit
 vector: e0 for the digit, e1 for any other token. The attention's query and key weights are zero, so
@@ -37,12 +37,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import re
-import shutil
 import string
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -50,7 +46,6 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 from grpo_ds.distributed import launcher
-from grpo_ds.errors import UserError
 
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
@@ -191,56 +186,6 @@ def write_digit_reward_model(folder: str | Path, digit: str = "7") -> Path:
     """The hand-set digit reward model with the reward tokenizer, saved in ``folder``."""
     tokenizer = build_reward_tokenizer()
     return write_reward_model(folder, build_digit_reward_model(tokenizer, digit), tokenizer)
-
-
-BUILTIN_DIGIT = re.compile(r"builtin:digit(\d)")
-# the builtin models' folders carry this: a grpo_ds whose digit model changed writes new ones
-BUILTIN_VERSION = 1
-
-
-def cache_folder() -> Path:
-    """Where grpo_ds keeps what it writes for reuse across runs: $GRPO_DS_CACHE, else grpo_ds/ under
-    $XDG_CACHE_HOME or ~/.cache."""
-    if os.environ.get("GRPO_DS_CACHE"):
-        return Path(os.environ["GRPO_DS_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "grpo_ds"
-
-
-def builtin_reward_model(where: str, path: str) -> Path | None:
-    """The folder of the builtin reward model ``path`` names (``builtin:digitD``: the digit model
-    of D), written on first use into the cache folder, whole or not at all (every rank of a node
-    may ask at once: each writes into a folder of its own and the first renames it into place);
-    None for a path that names no builtin model."""
-    if not path.startswith("builtin:"):
-        return None
-    named = BUILTIN_DIGIT.fullmatch(path)
-    if named is None:
-        raise UserError(
-            where,
-            f"unknown builtin reward model {path!r}",
-            'the builtin reward models are "builtin:digit0" to "builtin:digit9" (the digit '
-            "model: its score rises with the share of that digit in the text)",
-        )
-    digit = named.group(1)
-    folder = cache_folder() / "builtin" / f"digit{digit}_rm-v{BUILTIN_VERSION}"
-    if (folder / "config.json").is_file():
-        return folder
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        written = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-        write_digit_reward_model(written, digit)
-    except OSError as err:
-        raise UserError(
-            where,
-            f"cannot write {path} into {folder.parent} ({err.strerror or err})",
-            "set GRPO_DS_CACHE to a folder you can write in",
-        ) from None
-    try:
-        written.rename(folder)
-    except OSError:  # another rank wrote it first
-        shutil.rmtree(written, ignore_errors=True)
-    return folder
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,10 +36,10 @@ from grpo_ds.model.loading import (
     moe_experts,
 )
 from grpo_ds.model.reward_model_checks import check_reward_models
-from grpo_ds.reward_models.tiny import builtin_reward_model
 from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm_checks import check_vllm_setup
 from grpo_ds.run import output_paths
+from grpo_ds.run.builtin_models import builtin_reward_model
 from grpo_ds.run.metrics import check_logging_extras
 from grpo_ds.run.prompts import PromptRow, data_identity, load_rows, prepare_prompts
 

@@ -1,7 +1,6 @@
 """The reward models built in code (grpo_ds.reward_models.tiny): the reward tokenizer's own
 vocabulary, and the hand-set digit model whose score rises with the share of its digit, checked
-numerically against its formula, saved by the documented command and scored through the scorer;
-``builtin:digitD`` written on first use into grpo_ds's cache, whole, once."""
+numerically against its formula, saved by the documented command and scored through the scorer."""
 
 import pytest
 import torch
@@ -9,17 +8,12 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.distributed.ranks import init_distributed
-from grpo_ds.errors import UserError
-from grpo_ds.model.reward_model_checks import check_reward_model
 from grpo_ds.model.tiny import build_tiny_tokenizer
 from grpo_ds.reward_models.scorer import RewardModels
 from grpo_ds.reward_models.tiny import (
-    BUILTIN_VERSION,
     build_digit_reward_model,
     build_reward_tokenizer,
     build_tiny_reward_model,
-    builtin_reward_model,
-    cache_folder,
     digit_score,
     main,
 )
@@ -89,33 +83,3 @@ def test_the_documented_command_writes_a_folder_the_scorer_reads(tmp_path, capsy
     completions = ["3" * k + "x" * (6 - k) for k in range(7)]
     scores = models.score_models(["Say 3."] * 7, completions, dist).scores["threes"]
     assert all(b > a for a, b in zip(scores, scores[1:], strict=False))
-
-
-def test_a_builtin_digit_model_is_written_once_into_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRPO_DS_CACHE", str(tmp_path / "cache"))
-    assert cache_folder() == tmp_path / "cache"
-    folder = builtin_reward_model("reward.models[0].path", "builtin:digit3")
-    assert folder == tmp_path / "cache" / "builtin" / f"digit3_rm-v{BUILTIN_VERSION}"
-    written = (folder / "model.safetensors").stat().st_mtime_ns
-    # the pre-load checks pass on it: a whole folder, no temporary one left beside it
-    check_reward_model("reward.models[0]", RewardModelSpec(path=str(folder)))
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
-    again = builtin_reward_model("reward.models[0].path", "builtin:digit3")
-    assert again == folder and (folder / "model.safetensors").stat().st_mtime_ns == written
-
-
-def test_other_paths_are_not_builtin_and_an_unknown_builtin_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRPO_DS_CACHE", str(tmp_path / "cache"))
-    assert builtin_reward_model("w", "models/digit7_rm") is None
-    with pytest.raises(UserError) as refused:
-        builtin_reward_model("reward.models[1].path", "builtin:digits")
-    assert str(refused.value).startswith(
-        "reward.models[1].path: unknown builtin reward model 'builtin:digits'. the builtin reward "
-        'models are "builtin:digit0" to "builtin:digit9"'
-    )
-    assert "\n" not in str(refused.value) and not (tmp_path / "cache").exists()
-
-
-def test_a_builtin_models_metrics_name_is_its_own():
-    assert RewardModelSpec(path="builtin:digit7").name == "digit7"
-    assert RewardModelSpec(path="models/my_rm/").name == "my_rm"

@@ -22,7 +22,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import grpo_ds
 from grpo_ds.config.reward_specs import RewardModelSpec
 from grpo_ds.reward_models.render import render_texts
-from grpo_ds.reward_models.tiny import BUILTIN_VERSION, write_digit_reward_model
+from grpo_ds.reward_models.tiny import write_digit_reward_model
+from grpo_ds.run.builtin_models import BUILTIN_VERSION
 from grpo_ds.step.memory_timeline import read_rows
 from grpo_ds.step.profiling import memory_path
 from tests.launch import REPO, clean_env
