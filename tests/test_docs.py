@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds.config.recipe import iter_fields
+from tests import css_select
 from tests.scripts.cli_forks import run_forked
 from tests.shared_runs import docs_generate as _generate
 from tests.shared_runs import tiny_recipe_run
@@ -262,14 +263,15 @@ def test_the_ways_to_launch_have_one_source(snippet):
         )
 
 
-def test_the_docs_build_with_strict(tmp_path):
-    """mkdocs build --strict: a broken link, a missing anchor, a snippet that is not there or a
-    docstring that does not render fails the build."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> Path:
+    """mkdocs build --strict of the docs, once for this module's tests."""
     _docs_tool("mkdocs")
     _docs_tool("material")
     _docs_tool("mkdocstrings_handlers.python")
+    site = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -277,6 +279,40 @@ def test_the_docs_build_with_strict(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return site
+
+
+def test_the_docs_build_with_strict(built_site):
+    """mkdocs build --strict: a broken link, a missing anchor, a snippet that is not there or a
+    docstring that does not render fails the build."""
+    assert (built_site / "index.html").is_file()
+
+
+def test_no_code_block_of_the_built_site_is_kept_on_one_line(built_site):
+    """No rule of docs/stylesheets/extra.css that sets white-space: nowrap reaches a code block (a
+    pre > code) of any built page: one that did rendered the vLLM guide's four launch commands in a
+    list item as one line. The selectors are matched by css_select (descendant and child
+    combinators, types, classes, :not(type))."""
+    css = re.sub(
+        r"/\*.*?\*/", "", (ROOT / "docs" / "stylesheets" / "extra.css").read_text(), flags=re.S
+    )
+    nowrap = [
+        selector.strip()
+        for selectors, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css)
+        if re.search(r"white-space:\s*nowrap", body)
+        for selector in selectors.split(",")
+    ]
+    assert nowrap, "extra.css has no nowrap rule: nothing to check"
+    blocks = 0
+    for page in built_site.rglob("*.html"):
+        tree = css_select.parse(page.read_text())
+        blocks += sum(
+            1 for e in css_select.elements(tree) if e.tag == "code" and e.parent.tag == "pre"
+        )
+        for selector in nowrap:
+            hit = [e for e in css_select.select(tree, selector) if e.parent.tag == "pre"]
+            assert not hit, f"{page.relative_to(built_site)}: {selector!r} reaches a code block"
+    assert blocks > 100, blocks  # the check saw the site's code blocks
 
 
 def test_no_file_cites_a_document_outside_the_repository():
