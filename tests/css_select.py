@@ -1,8 +1,8 @@
 """Just enough CSS selector matching to ask the built docs which elements a rule of
 docs/stylesheets/extra.css reaches (tests/test_docs.py): an HTML page parsed into a tree of elements
-(the standard library's parser), and selectors made of types, classes, ``*``, ``:not(type)``, and
-the descendant and child combinators. Anything else in a selector is refused, so a rule this cannot
-read fails the test instead of matching nothing."""
+with their attributes (the standard library's parser), and selectors made of types, classes,
+``*``, ``:not(type)``, and the descendant and child combinators. Anything else in a selector is
+refused, so a rule this cannot read fails the test instead of matching nothing."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ COMPOUND = re.compile(r"^(\*|[a-z][a-z0-9]*)?((?:\.[\w-]+)*)((?::not\([a-z][a-z0
 class Element:
     tag: str
     classes: set[str]
+    attrs: dict[str, str] = field(default_factory=dict)
     parent: Element | None = None
     children: list[Element] = field(default_factory=list)
 
@@ -30,8 +31,9 @@ class _Tree(HTMLParser):
         self.open = self.root
 
     def handle_starttag(self, tag, attrs) -> None:
-        classes = set((dict(attrs).get("class") or "").split())
-        element = Element(tag, classes, self.open)
+        attributes = {name: value or "" for name, value in attrs}
+        classes = set(attributes.get("class", "").split())
+        element = Element(tag, classes, attributes, self.open)
         self.open.children.append(element)
         if tag not in VOID:
             self.open = element

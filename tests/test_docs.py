@@ -315,6 +315,20 @@ def test_no_code_block_of_the_built_site_is_kept_on_one_line(built_site):
     assert blocks > 100, blocks  # the check saw the site's code blocks
 
 
+def test_every_picture_opens_full_size(built_site):
+    """Each picture of a page is a link to the picture itself, so a reader on a phone can open it
+    at its own size (the pictures are wider than a phone's column)."""
+    pictures = 0
+    for page in built_site.rglob("*.html"):
+        for img in css_select.select(css_select.parse(page.read_text()), "article img"):
+            pictures += 1
+            link = img.parent
+            assert link.tag == "a" and link.attrs.get("href") == img.attrs.get("src"), (
+                f"{page.relative_to(built_site)}: {img.attrs.get('src')} is not a link to itself"
+            )
+    assert pictures >= 6, pictures  # the benchmarks page's three, architecture's two, placement's
+
+
 def test_no_file_cites_a_document_outside_the_repository():
     """The project's own docs hold its design; nothing points a reader at a file they do not
     have."""
