@@ -6,7 +6,8 @@ resuming one on another world size (``universal``: DeepSpeed's universal checkpo
 checkpoint's ZeRO shards joined into one state dict for the export (``consolidate``), writes that
 fail as one line (``writes``), stop signals honoured at a step boundary (``preemption``), the
 metrics it logs and reads back (``metrics``) and the curves drawn from them (``curves``), each
-rank's phases over wall time read back from its log (``timeline``), and host memory that large
-frees hand back to the system between the training passes (``host_allocator``). Rule
+rank's phases over wall time read back from its log (``timeline``), host memory that large
+frees hand back to the system between the training passes (``host_allocator``), and the builtin
+reward models written into grpo_ds's cache on first use (``builtin_models``). Rule
 (tests/test_layout.py): nothing here imports the step or the CLIs.
 """

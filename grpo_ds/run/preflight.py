@@ -122,7 +122,7 @@ def _builtin_models_written(
     specs: tuple[RewardModelSpec, ...],
 ) -> tuple[RewardModelSpec, ...]:
     """The reward models with each ``builtin:`` path replaced by the folder it names, written on
-    first use (grpo_ds.reward_models.tiny.builtin_reward_model); the recipe keeps the name."""
+    first use (grpo_ds.run.builtin_models.builtin_reward_model); the recipe keeps the name."""
     resolved = []
     for i, spec in enumerate(specs):
         folder = builtin_reward_model(f"reward.models[{i}].path", spec.path)
