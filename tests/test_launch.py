@@ -43,9 +43,10 @@ ARGS = [
 ]
 SPLIT = ['rollout.placement="split"', "rollout.ranks=1"]
 
-# exact_match, except that while the file HELPER_FLAG names exists, one call removes it and runs a
-# helper program for HELPER_S seconds, which writes the signals it receives to HELPER_FLAG.signals;
-# HELPER_FLAG.running appears once the helper runs (a stop sent then arrives mid-call)
+# exact_match, except that while the file HELPER_FLAG names exists, one call takes it (renames it
+# away: two workers may find it at once) and runs a helper program for HELPER_S seconds, which
+# writes the signals it receives to HELPER_FLAG.signals; HELPER_FLAG.running appears once the
+# helper runs (a stop sent then arrives mid-call)
 HELPER_S = 4
 HELPER_MODULE = f"""
 import os, subprocess, sys
@@ -66,11 +67,11 @@ while time.monotonic() < end:
 
 def exact_match(**kwargs):
     flag = os.environ["HELPER_FLAG"]
-    if os.path.exists(flag):
-        os.remove(flag)
-        subprocess.run(
-            [sys.executable, "-c", HELPER, flag + ".signals", flag + ".running"], check=True
-        )
+    try:  # one call takes the flag: the workers score their chunks at once
+        os.rename(flag, flag + ".taken")
+    except FileNotFoundError:
+        return _exact_match(**kwargs)
+    subprocess.run([sys.executable, "-c", HELPER, flag + ".signals", flag + ".running"], check=True)
     return _exact_match(**kwargs)
 """
 

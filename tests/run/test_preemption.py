@@ -65,7 +65,7 @@ def _launch_process(runner: subprocess.Popen) -> psutil.Process:
     raise AssertionError("no deepspeed.launcher.launch process")
 
 
-# exact_match, except that while the file HANG_FLAG names exists, one call removes it, starts a
+# exact_match, except that while the file HANG_FLAG names exists, one call takes it, starts a
 # helper program, writes "<its pid> <the helper's pid>" to HANG_FLAG.hanging and hangs: a step that
 # cannot end within the grace.
 HANG_MODULE = """
@@ -74,13 +74,15 @@ from grpo_ds.rewards.builtin import exact_match as _exact_match
 
 def exact_match(**kwargs):
     flag = os.environ["HANG_FLAG"]
-    if os.path.exists(flag):
-        os.remove(flag)
-        helper = subprocess.Popen(["sleep", "600"])
-        with open(flag + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {helper.pid}")
-        os.rename(flag + ".tmp", flag + ".hanging")
-        time.sleep(600)
+    try:  # one call takes the flag: the workers score their chunks at once
+        os.rename(flag, flag + ".taken")
+    except FileNotFoundError:
+        return _exact_match(**kwargs)
+    helper = subprocess.Popen(["sleep", "600"])
+    with open(flag + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {helper.pid}")
+    os.rename(flag + ".tmp", flag + ".hanging")
+    time.sleep(600)
     return _exact_match(**kwargs)
 """
 HANGING = ['reward.functions=[{"name": "hang_reward:exact_match"}]', "reward.timeout_s=600"]
