@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import markdown_table, report  # noqa: E402
-from grpo_ds.distributed.launcher import EXITS_VAR, free_port  # noqa: E402
+from grpo_ds.distributed.launcher import EXITS_VAR, free_port, recorded_exits  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny_cpu.json"
@@ -87,7 +87,7 @@ def launch(ranks: int, args: list[str], work: Path) -> dict:
     for leftover in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
         leftover.unlink(missing_ok=True)
     output = done.stdout + done.stderr
-    recorded = {int(p.name[4:]): int(p.read_text()) for p in exits.glob("rank*")}
+    recorded = recorded_exits(exits)
     return {
         "code": done.returncode,
         "ranks": [recorded.get(r) for r in range(ranks)],

@@ -53,10 +53,8 @@ FORWARDED = {
 # what ranks exit with when a stop ended them (in order: the most severe last)
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED, 128 + signal.SIGTERM)
 POLL_S = 0.2  # how often the ranks under this command are looked for
-LEFTOVER_WAIT_S = (
-    5.0  # after the ranks have gone: what they left behind gets this long after SIGTERM
-)
-NODE_LAUNCHER = "deepspeed.launcher.launch"
+# once the ranks have gone, what they left behind gets this long between SIGTERM and SIGKILL
+LEFTOVER_WAIT_S = 5.0
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -78,10 +76,8 @@ def exit_code(recorded: list[int], ranks_seen: int, runner_code: int, signalled:
     runner = 128 - runner_code if runner_code < 0 else runner_code
     if len(recorded) >= ranks_seen:
         return stops[-1] if stops else runner
-    if stops and signalled is not None:
-        return stops[-1]
-    if signalled is not None and not stops:
-        return 128 + signalled
+    if signalled is not None:
+        return stops[-1] if stops else 128 + signalled
     return runner or 1
 
 
@@ -120,7 +116,7 @@ class Launch:
         for process in tree:
             try:
                 parent = process.parent()
-                if parent is not None and NODE_LAUNCHER in " ".join(parent.cmdline()):
+                if parent is not None and launcher.NODE_LAUNCHER in " ".join(parent.cmdline()):
                     self.ranks.setdefault(process.pid, process)
             except psutil.Error:
                 continue
@@ -196,17 +192,6 @@ def _become_subreaper() -> None:
         pass
 
 
-def _recorded(exits: Path) -> list[int]:
-    """The codes the ranks recorded, in rank order."""
-    codes = {}
-    for path in exits.glob("rank*"):
-        try:
-            codes[int(path.name[4:])] = int(path.read_text())
-        except ValueError:
-            continue
-    return [codes[rank] for rank in sorted(codes)]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
@@ -221,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         if not launch.start(args, exits):
             return 128 + launch.signalled
         runner_code = launch.wait()
-        return exit_code(_recorded(exits), len(launch.ranks), runner_code, launch.signalled)
+        recorded = launcher.recorded_exits(exits)
+        codes = [recorded[rank] for rank in sorted(recorded)]
+        return exit_code(codes, len(launch.ranks), runner_code, launch.signalled)
 
 
 if __name__ == "__main__":

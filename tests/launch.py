@@ -2,9 +2,12 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from grpo_ds.distributed.launcher import free_port
@@ -115,3 +118,33 @@ def rank_log_records(path: Path) -> list[dict]:
         {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK_KEYS}
         for line in path.read_text().splitlines()
     ]
+
+
+def start_stoppable(command: list[str], cwd: Path, env: dict) -> subprocess.Popen:
+    """Start ``command`` in a session of its own (its pid is its process group's: a test can signal
+    the group), its stderr piped, with SIGINT's default action: a test run from a background job
+    of a non-interactive shell (CI) inherits SIGINT ignored, and the run would keep ignoring it."""
+    return subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def wait_for(
+    condition: Callable[[], bool],
+    proc: subprocess.Popen,
+    limit_s: float = 300,
+    poll_s: float = 0.002,
+) -> None:
+    """Until ``condition()`` holds; fails, with the run's stderr, if ``proc`` ends first."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert proc.poll() is None, f"the run ended first:\n{proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(poll_s)

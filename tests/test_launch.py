@@ -26,6 +26,8 @@ from tests.launch import (
     gone,
     launch_command,
     remove_shm_buffers,
+    start_stoppable,
+    wait_for,
 )
 
 TINY = str(REPO / "recipes" / "tiny_cpu.json")
@@ -138,17 +140,7 @@ class Run:
         return command if plain else [sys.executable, "-m", "grpo_ds.launch", *command[1:]]
 
     def start(self, plain: bool = False) -> subprocess.Popen:
-        """In a session of its own (its pid is its process group's), SIGINT at its default."""
-        return subprocess.Popen(
-            self.command(plain),
-            cwd=self.tmp,
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+        return start_stoppable(self.command(plain), self.tmp, self.env)
 
     def run(self) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -164,7 +156,7 @@ class Run:
         """Ask for the helper at the next reward call; return once it runs."""
         self.flag.touch()
         running = self.flag.with_name("helper.running")
-        wait_for(running.exists, proc)
+        wait_for(running.exists, proc, poll_s=0.02)
         running.unlink()
 
     def the_helper_saw(self) -> str:
@@ -173,14 +165,6 @@ class Run:
     def clean(self) -> None:
         for port in self.ports:
             remove_shm_buffers(port)
-
-
-def wait_for(condition, proc: subprocess.Popen, limit_s: float = 300) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert proc.poll() is None, f"the run ended first:\n{proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def under(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -219,7 +203,7 @@ def stop_the_group_then_finish(run: Run, first: int) -> None:
     process group a step later stops with 75 once every process under it has ended; resumed again,
     the run ends with every step once, exit 0; and once more, at once with exit 0."""
     proc = run.start()
-    wait_for(lambda: len(run.steps()) >= first + 1, proc)
+    wait_for(lambda: len(run.steps()) >= first + 1, proc, poll_s=0.02)
     watched = under(proc)
     os.killpg(proc.pid, signal.SIGTERM)
     took, err = ended(proc, watched)
@@ -245,7 +229,7 @@ def test_a_stop_to_the_launch_command_ends_every_rank_first_then_75_and_the_run_
     run = Run(tmp_path, 2)
     try:
         proc = run.start()
-        wait_for(lambda: len(run.steps()) >= 2, proc)
+        wait_for(lambda: len(run.steps()) >= 2, proc, poll_s=0.02)
         run.when_the_helper_runs(proc)
         watched = under(proc)
         proc.send_signal(signal.SIGTERM)
@@ -266,7 +250,7 @@ def test_a_reward_helper_sees_nothing_of_a_stop_under_python_m_grpo_ds_train(tmp
     75 (as under ``python -m grpo_ds.launch``, above)."""
     run = Run(tmp_path, 1)
     proc = run.start()
-    wait_for(lambda: len(run.steps()) >= 2, proc)
+    wait_for(lambda: len(run.steps()) >= 2, proc, poll_s=0.02)
     run.when_the_helper_runs(proc)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = ended(proc, [])
@@ -287,7 +271,7 @@ def test_three_ranks_split_a_sigterm_to_the_deepspeed_command_alone_stops_every_
     run = Run(tmp_path, 3, *SPLIT)
     try:
         proc = run.start(plain=True)
-        wait_for(lambda: len(run.steps()) >= 2, proc)
+        wait_for(lambda: len(run.steps()) >= 2, proc, poll_s=0.02)
         run.when_the_helper_runs(proc)
         watched = under(proc)
         signalled = time.monotonic()

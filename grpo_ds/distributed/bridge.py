@@ -100,7 +100,7 @@ class Verdict:
 def publish_verdict(store, verdict: Verdict, rollout_ranks: int) -> None:
     """The trainer's rank 0: the verdict into the launch's store. When the run ends here it waits
     until every rollout rank has read it (the store ends with this process)."""
-    store.set(VERDICT_KEY, json.dumps(dataclasses.asdict(verdict)))
+    _put(store, VERDICT_KEY, verdict)
     if verdict.refused or verdict.kind == "finished":
         read = [f"{VERDICT_KEY}/read/{r}" for r in range(rollout_ranks)]
         _store_wait(store, read, "the rollout ranks", "to read that the run ends")
@@ -109,10 +109,7 @@ def publish_verdict(store, verdict: Verdict, rollout_ranks: int) -> None:
 def await_verdict(store, rank: int) -> Verdict:
     """A rollout rank: the trainer's verdict, before it loads anything (``rank``: its place among
     the rollout ranks)."""
-    _store_wait(store, [VERDICT_KEY], "trainer", "to decide whether the run goes on")
-    verdict = Verdict(**json.loads(store.get(VERDICT_KEY)))
-    store.set(f"{VERDICT_KEY}/read/{rank}", "1")
-    return verdict
+    return _read(store, VERDICT_KEY, rank, "to decide whether the run goes on")
 
 
 # ---- the meeting after both sides have opened their parts
@@ -122,7 +119,7 @@ MEETING_POLL_S = 0.1
 
 def publish_rollout_start(store, rank: int, verdict: Verdict) -> None:
     """A rollout rank (``rank``: its place among them), its parts open or refused."""
-    store.set(f"{STARTED_KEY}/rollout/{rank}", json.dumps(dataclasses.asdict(verdict)))
+    _put(store, f"{STARTED_KEY}/rollout/{rank}", verdict)
 
 
 def meet_rollout_ranks(store, rollout_ranks: int) -> Verdict:
@@ -130,7 +127,7 @@ def meet_rollout_ranks(store, rollout_ranks: int) -> Verdict:
     (go, or the first of their refusals, which the others then read); returns that word."""
     keys = [f"{STARTED_KEY}/rollout/{r}" for r in range(rollout_ranks)]
     _store_wait(store, keys, "rollout ranks", "to open their parts")
-    starts = [Verdict(**json.loads(store.get(key))) for key in keys]
+    starts = [_get(store, key) for key in keys]
     word = next((v for v in starts if v.refused), Verdict("go"))
     publish_trainer_start(store, word, rollout_ranks)
     return word
@@ -139,7 +136,7 @@ def meet_rollout_ranks(store, rollout_ranks: int) -> Verdict:
 def publish_trainer_start(store, verdict: Verdict, rollout_ranks: int) -> None:
     """The trainer's rank 0: whether training starts. On a refusal it waits until each rollout rank
     has read it or has refused itself (the store ends with this process)."""
-    store.set(f"{STARTED_KEY}/trainer", json.dumps(dataclasses.asdict(verdict)))
+    _put(store, f"{STARTED_KEY}/trainer", verdict)
     if not verdict.refused:
         return
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -148,7 +145,7 @@ def publish_trainer_start(store, verdict: Verdict, rollout_ranks: int) -> None:
         for r in list(waiting):
             own = f"{STARTED_KEY}/rollout/{r}"
             if store.check([f"{STARTED_KEY}/trainer/read/{r}"]) or (
-                store.check([own]) and Verdict(**json.loads(store.get(own))).refused
+                store.check([own]) and _get(store, own).refused
             ):
                 waiting.discard(r)
         time.sleep(MEETING_POLL_S)
@@ -156,9 +153,22 @@ def publish_trainer_start(store, verdict: Verdict, rollout_ranks: int) -> None:
 
 def await_trainer_start(store, rank: int) -> Verdict:
     """A rollout rank, its parts open: the trainer's word on whether training starts."""
-    key = f"{STARTED_KEY}/trainer"
-    _store_wait(store, [key], "trainer", "to open its parts")
-    verdict = Verdict(**json.loads(store.get(key)))
+    return _read(store, f"{STARTED_KEY}/trainer", rank, "to open its parts")
+
+
+def _put(store, key: str, verdict: Verdict) -> None:
+    store.set(key, json.dumps(dataclasses.asdict(verdict)))
+
+
+def _get(store, key: str) -> Verdict:
+    return Verdict(**json.loads(store.get(key)))
+
+
+def _read(store, key: str, rank: int, what: str) -> Verdict:
+    """A rollout rank (``rank``: its place among them): the trainer's word under ``key``, once it
+    is there, then marked read (key/read/rank) for the trainer, which may be waiting to leave."""
+    _store_wait(store, [key], "trainer", what)
+    verdict = _get(store, key)
     store.set(f"{key}/read/{rank}", "1")
     return verdict
 

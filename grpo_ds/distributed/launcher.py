@@ -23,6 +23,8 @@ from pathlib import Path
 # and that command's pid (the ranks stop if it is killed)
 EXITS_VAR = "GRPO_DS_LAUNCH_EXITS"
 LAUNCH_PID_VAR = "GRPO_DS_LAUNCH_PID"
+# the module DeepSpeed's runner starts on each node, whose children are the node's ranks
+NODE_LAUNCHER = "deepspeed.launcher.launch"
 
 
 def launched() -> bool:
@@ -96,6 +98,17 @@ def record_exit(code: int) -> None:
         (Path(folder) / f"rank{rank()}").write_text(str(code))
     except OSError:  # the command is gone: no one to tell
         pass
+
+
+def recorded_exits(folder: Path) -> dict[int, int]:
+    """The codes the ranks recorded in ``folder`` (``record_exit``), by rank."""
+    codes = {}
+    for path in folder.glob("rank*"):
+        try:
+            codes[int(path.name.removeprefix("rank"))] = int(path.read_text())
+        except ValueError:  # a name that is not a rank's, or a write cut short
+            continue
+    return codes
 
 
 def say(message: str) -> None:

@@ -313,7 +313,7 @@ def watch_the_launch(request: StopRequest) -> None:
     try:
         node_launcher = psutil.Process().parent()
         runner = node_launcher.parent() if node_launcher is not None else None
-        if runner is None or "deepspeed.launcher.launch" not in " ".join(node_launcher.cmdline()):
+        if runner is None or launcher.NODE_LAUNCHER not in " ".join(node_launcher.cmdline()):
             return
         if "deepspeed" not in " ".join(runner.cmdline()):
             return

@@ -17,7 +17,16 @@ import pytest
 
 from grpo_ds.run import checkpoint
 from grpo_ds.run.preemption import ABANDON_LEAD_S, EXIT_PREEMPTED
-from tests.launch import REPO, clean_env, free_port, gone, launch_command, rank_log_records
+from tests.launch import (
+    REPO,
+    clean_env,
+    free_port,
+    gone,
+    launch_command,
+    rank_log_records,
+    start_stoppable,
+    wait_for,
+)
 from tests.test_resume import PORTS, _logged_steps, _metrics, reference_run
 from tests.test_resume import _remove_shm_buffers as _remove_shm_buffers  # noqa: F401 - the module's fixture
 
@@ -43,14 +52,6 @@ def _command(world: int, out: Path, *extra: str) -> list[str]:
         return [sys.executable, "-m", "grpo_ds.train", *args]
     PORTS.append(free_port())
     return launch_command(world, ["--module", "grpo_ds.train", *args], PORTS[-1])
-
-
-def _wait_for(condition, proc: subprocess.Popen, limit_s: float = 300) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert proc.poll() is None, f"the run ended first:\n{proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.002)
 
 
 def _launch_process(runner: subprocess.Popen) -> psutil.Process:
@@ -115,19 +116,7 @@ class HangingRun:
         }
 
     def start(self) -> subprocess.Popen:
-        """Start it in a session of its own, with SIGINT's default action: a test run from a
-        background job of a non-interactive shell (CI) inherits SIGINT ignored, and the run would
-        keep ignoring it."""
-        return subprocess.Popen(
-            self.command,
-            cwd=REPO,
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+        return start_stoppable(self.command, REPO, self.env)
 
     def hang_next(self) -> None:
         self.flag.touch()
@@ -136,7 +125,7 @@ class HangingRun:
         """Wait until the reward hangs (the run still going); the pids of the reward worker and its
         helper."""
         marker = self.flag.with_name("hang.hanging")
-        _wait_for(marker.exists, proc)
+        wait_for(marker.exists, proc)
         pids = [int(p) for p in marker.read_text().split()]
         marker.unlink()
         return pids
@@ -225,8 +214,8 @@ def test_ctrl_c_and_a_sigterm_past_the_grace_each_stop_with_a_resumable_run(
     reference_dir = reference_run(tmp_path_factory, 1) / "tiny_cpu"
     run = HangingRun(tmp_path, 1)
     proc = run.start()
-    _wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
-    proc.send_signal(signal.SIGINT)  # the run itself: _wait_for saw it running
+    wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
+    proc.send_signal(signal.SIGINT)  # the run itself: wait_for saw it running
     _, err = _ended(proc, TEST_GRACE_S)
     stopped = _stopped_with_checkpoint(run, err, "interrupted", 130, proc)
     assert "Traceback" not in err, err[-3000:]
@@ -279,7 +268,7 @@ def test_two_ranks_stop_on_the_launchers_sigterm_and_within_the_grace_on_the_pro
     run = HangingRun(tmp_path, 2)
     proc = run.start()
     ranks = _ranks(proc)
-    _wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
+    wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
     proc.send_signal(signal.SIGTERM)  # the runner alone: it ends at once (143)
     _, err = _ended(proc, GRACE_S)
     assert _gone([r.pid for r in ranks])
@@ -287,7 +276,7 @@ def test_two_ranks_stop_on_the_launchers_sigterm_and_within_the_grace_on_the_pro
 
     proc = run.start()
     launcher = _launch_process(proc)
-    _wait_for(lambda: _logged_steps(run.run_dir) >= first + 1, proc)
+    wait_for(lambda: _logged_steps(run.run_dir) >= first + 1, proc)
     launcher.send_signal(signal.SIGTERM)
     _, err = _ended(proc, GRACE_S)
     # A rank exits 75; DeepSpeed's launcher, once it has been signalled itself, exits 1 whatever its
@@ -363,7 +352,7 @@ def test_from_python_a_ctrl_c_raises_keyboard_interrupt_after_the_checkpoint_and
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    _wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
+    wait_for(lambda: _logged_steps(run.run_dir) >= 3, proc)
     proc.send_signal(signal.SIGINT)
     first = ""
     # other libraries print to stdout too
@@ -409,7 +398,7 @@ def test_a_sigterm_during_a_checkpoint_write_lets_the_write_finish_and_stops_the
         )
         return bool(writing)
 
-    _wait_for(being_written, proc)
+    wait_for(being_written, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
