@@ -76,9 +76,16 @@ def serve(inbox: Connection, outbox: Connection) -> None:
     _die_with_the_trainer()
     _outlast_stop_signals()
     try:
-        functions = _load(inbox.recv())
+        init = inbox.recv()
+    except (EOFError, OSError):  # the trainer was gone before the worker started: nothing to do
+        return
+    try:
+        functions = _load(init)
     except BaseException as err:  # noqa: BLE001 - a UserError, or the user's module failing in this process
-        outbox.send(("init_error", f"{type(err).__name__}: {err}"))
+        try:
+            outbox.send(("init_error", f"{type(err).__name__}: {err}"))
+        except OSError:  # the trainer is gone: no one to tell
+            pass
         return
     outbox.send(("ready", None))
     while True:
