@@ -36,8 +36,8 @@ from tests.launch import (
     launch_command,
     rank_log_records,
     remove_shm_buffers,
+    wait_for,
 )
-from tests.run.test_preemption import _wait_for
 from tests.test_resume import _logged_steps
 
 pytestmark = pytest.mark.slow
@@ -317,7 +317,7 @@ def _signal_rollout_rank(
             start_new_session=True,
         )
         rollout_rank = _rank_process(proc, 2)
-        _wait_for(held.exists, proc)
+        wait_for(held.exists, proc)
         rollout_rank.send_signal(signum)
         signalled = time.monotonic()
         if signum != signal.SIGKILL:
