@@ -65,7 +65,10 @@ class Rollouts:
     one), added to the reward functions' total. Both are None for single-turn engines (every token
     is the model's; no environment reward). ``sampler_settings[i]``: what sample i was drawn with
     (``drawn_with``), None where it was not recorded (the in-flight samples of a checkpoint written
-    before samples carried them).
+    before samples carried them). ``token_versions[i][t]``: the weight version (the optimizer step
+    whose weights; 0 the initial ones) token t of sample i was sampled with, where the engine
+    loads new weights while a sample is in flight (continuous generation,
+    grpo_ds.rollout.hf_continuous); None where a whole batch was sampled with one version.
     """
 
     prompt_ids: list[list[int]]
@@ -76,6 +79,7 @@ class Rollouts:
     loss_mask: list[list[int]] | None = None
     env_rewards: list[float] | None = None
     sampler_settings: list[SamplerSettings] | None = None
+    token_versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -140,6 +144,7 @@ class Rollouts:
             pick(self.loss_mask),
             pick(self.env_rewards),
             pick(self.sampler_settings),
+            pick(self.token_versions),
         )
 
     def response_mask(self) -> torch.Tensor:
@@ -167,6 +172,8 @@ class Rollouts:
             )
         if all(p.sampler_settings is not None for p in parts if len(p)) and len(out):
             out.sampler_settings = sum((p.sampler_settings or [] for p in parts), [])
+        if all(p.token_versions is not None for p in parts if len(p)) and len(out):
+            out.token_versions = sum((p.token_versions or [] for p in parts), [])
         return out
 
 

@@ -54,11 +54,29 @@ class RowStreams:
     def __len__(self) -> int:
         return self._high.numel()
 
-    def uniform(self, t: int) -> torch.Tensor:
-        """(rows,) float64 in [0, 1): each row's t-th number."""
+    def uniform(self, t: int | torch.Tensor) -> torch.Tensor:
+        """(rows,) float64 in [0, 1): each row's t-th number (``t``: one for every row, or (rows,)
+        int64, each row's own: rows that joined a running batch at different times)."""
         step = _mix((t * 0x9E3779B9 + 0x632BE5AB) & _LANE)
         first = _mix(self._high ^ step)
         a = _mix(first ^ self._low)  # 32 random bits
         b = _mix(a ^ self._high ^ 0x5851F42D)  # 32 more
         # (27 bits * 2**26 + 26 bits) / 2**53
         return ((a >> 5) * 67108864 + (b >> 6)).double() / 9007199254740992.0
+
+    def take(self, rows: torch.Tensor) -> RowStreams:
+        """The streams of ``rows`` (indices), in that order."""
+        return self._of(self._high[rows], self._low[rows])
+
+    @staticmethod
+    def joined(parts: Sequence[RowStreams]) -> RowStreams:
+        """The rows of ``parts``, one after the other (each part may have its own seed)."""
+        return RowStreams._of(
+            torch.cat([p._high for p in parts]), torch.cat([p._low for p in parts])
+        )
+
+    @staticmethod
+    def _of(high: torch.Tensor, low: torch.Tensor) -> RowStreams:
+        streams = RowStreams.__new__(RowStreams)
+        streams._high, streams._low = high, low
+        return streams
