@@ -68,6 +68,13 @@ def resolve_placement(recipe, world_size: int) -> Placement:
     cannot work."""
     r = recipe.rollout
     if r.placement == "colocated":
+        if r.continuous:
+            raise UserError(
+                "rollout.continuous",
+                'needs rollout.placement "split" (colocated ranks generate, then train: their '
+                "engine has nothing to keep running between steps)",
+                'set rollout.placement to "split", or rollout.continuous to false',
+            )
         if r.max_staleness:
             raise UserError(
                 "rollout.max_staleness",
@@ -78,6 +85,8 @@ def resolve_placement(recipe, world_size: int) -> Placement:
         return Placement(world_size, 0, 0)
     _check_split_ranks(recipe, world_size)
     _check_split_features(recipe)
+    if r.continuous:
+        _check_continuous(recipe)
     return Placement(world_size, r.ranks, r.max_staleness)
 
 
@@ -150,4 +159,28 @@ def _check_split_features(recipe) -> None:
             'has nothing to give back under rollout.placement "split" (the '
             "rollout ranks hold no trainer)",
             "set it to false",
+        )
+
+
+def _check_continuous(recipe) -> None:
+    """Continuous generation: what it runs with so far."""
+    r = recipe.rollout
+    if r.engine != "hf":
+        raise UserError(
+            "rollout.continuous",
+            f'runs on the hf engine only so far, not on rollout.engine "{r.engine}"',
+            'set rollout.engine to "hf", or rollout.continuous to false',
+        )
+    if r.ranks != 1:
+        raise UserError(
+            "rollout.continuous",
+            f"runs on one rollout rank so far; rollout.ranks is {r.ranks}",
+            "set rollout.ranks to 1, or rollout.continuous to false",
+        )
+    if recipe.algorithm.dynamic_sampling:
+        raise UserError(
+            "rollout.continuous",
+            "cannot run with algorithm.dynamic_sampling yet (a step's extra rounds depend on its "
+            "first round's rewards)",
+            "turn one of them off",
         )

@@ -97,6 +97,15 @@ class RolloutConfig:
         "sides take turns, the same samples and losses as colocated)",
         low=0,
     )
+    continuous: bool = opt(
+        False,
+        "split: continuous generation: the rollout engine holds the groups of several steps in "
+        "one running batch, admits a step's groups as others end and loads new weights between "
+        "two decode steps (each token records its weight version), instead of generating each "
+        "step's batch to its longest completion; a step still trains exactly its own prompts, in "
+        "order. hf engine, one rollout rank, no dynamic sampling for now; "
+        "docs/guides/placement.md",
+    )
     transfer_timeout_s: float = opt(
         600.0,
         "split: seconds a transfer between the trainer and the rollout ranks (a "

@@ -9,8 +9,9 @@ TCP store that the trainer's rank 0 serves at MASTER_PORT + 1. A third group, th
 trainer's rank 0 (bridge rank 0) and the rollout ranks (bridge ranks 1..K). What travels over it is
 typed (grpo_ds.distributed.messages: one codec, with a version):
 
-- up, from the first rollout rank to the trainer's rank 0, point to point (``send``): the rollout
-  engine's ``Layout`` at the start, then one ``Batch`` of samples per step;
+- up, from the first rollout rank to the trainer's rank 0, point to point (``send``) in a group of
+  the two alone: the rollout engine's ``Layout`` at the start, then one ``Batch`` of samples per
+  step;
 - down, from the trainer's rank 0 to every rollout rank, by broadcast (``broadcast``): ``Start``,
   then a ``GoAhead`` per step, and ``Stop`` at the end or on a preemption;
 - the weights, down, after a GoAhead that says so (``send_weights``): per bucket a ``WeightBucket``
@@ -228,6 +229,14 @@ class Bridge:
         self._group = _process_group(
             store, "bridge", rank, size, device, max(timeout_s, START_TIMEOUT_S)
         )
+        # the messages up travel in a group of their own (the trainer's rank 0 and the first
+        # rollout rank), so that a send up and a broadcast down may wait at the same time, each in
+        # a thread of its own (continuous generation: grpo_ds.distributed.mailbox)
+        self._up = (
+            _process_group(store, "bridge-up", rank, 2, device, max(timeout_s, START_TIMEOUT_S))
+            if rank in (self.TRAINER, self.ROLLOUT_LEAD)
+            else None
+        )
         # the side this member waits for
         self._peer = "rollout ranks" if rank == self.TRAINER else "trainer"
 
@@ -273,9 +282,9 @@ class Bridge:
         if not up:
             work = self._group.broadcast(tensor, self.TRAINER)
         elif self.rank == self.TRAINER:
-            work = self._group.recv([tensor], self.ROLLOUT_LEAD, tag)
+            work = self._up.recv([tensor], self.ROLLOUT_LEAD, tag)
         else:
-            work = self._group.send([tensor], self.TRAINER, tag)
+            work = self._up.send([tensor], self.TRAINER, tag)
         self._wait(work, what, start_up)
 
     # ---- weights, down

@@ -29,7 +29,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-BRIDGE_VERSION = 1  # raise it when a message's fields or the wire format change
+BRIDGE_VERSION = 2  # raise it when a message's fields or the wire format change
 MAGIC = b"grpo_ds bridge"
 _HEADER = struct.Struct(">HB")  # the version, the length of the kind's name
 

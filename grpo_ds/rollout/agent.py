@@ -103,6 +103,11 @@ class AgentRolloutEngine:
         )
         return cls(turns, tokenizer, env_factory, max_turns, max_total_tokens, batch_prompts)
 
+    def continuous(self, capacity_rows: int):
+        """None yet: the recipe check refuses rollout.continuous with this engine
+        (grpo_ds.config.placement)."""
+        raise NotImplementedError("continuous generation runs on the hf engine only so far")
+
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         return self.turns.update_weights(named_tensors)
 

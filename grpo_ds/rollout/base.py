@@ -202,9 +202,39 @@ class RolloutEngine(Protocol):
         """Copy new weights in; return how many tensors were updated."""
         ...
 
+    def continuous(self, capacity_rows: int) -> ContinuousEngine:
+        """A running batch of at most ``capacity_rows`` rows on this engine's weights, for
+        continuous generation (rollout.continuous; the recipe check refuses the engines that have
+        none)."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds (vLLM: shut its engine down); idempotent. The session calls
         it last."""
+        ...
+
+
+class ContinuousEngine(Protocol):
+    """A running batch that groups join and leave between decode steps
+    (grpo_ds.rollout.hf_continuous.ContinuousDecoder; the schedule: grpo_ds.step.continuous)."""
+
+    rows_in_flight: int
+    free_rows: int
+
+    def admit(self, request) -> None:
+        """A GroupRequest's rows join at the next step."""
+        ...
+
+    def step(self) -> list:
+        """One token for every row in flight; the FinishedGroups whose rows have all ended."""
+        ...
+
+    def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> int:
+        """New weights (optimizer step ``version``'s) between two decode steps."""
+        ...
+
+    def take_stats(self) -> tuple[int, int]:
+        """(decode steps, rows decoded over them) since the last call."""
         ...
 
 

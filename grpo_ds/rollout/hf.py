@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel
@@ -34,13 +35,16 @@ from transformers.generation import (
 )
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
+
+if TYPE_CHECKING:
+    from grpo_ds.rollout.hf_continuous import ContinuousDecoder
 from grpo_ds.rollout.hf_compile import CompiledDecode
 from grpo_ds.rollout.stop import stop_token_ids
 from grpo_ds.rollout.streams import RowStreams
 
 # Warpers that transformers would take from the model's own generation_config (a key our config
 # leaves unset is filled from it) and apply after top-p, that is after TokenSampler: refused, see
-# _check_model_warpers.
+# check_model_warpers.
 _LATE_WARPERS = {
     "min_p": None,
     "top_h": None,
@@ -112,7 +116,7 @@ def sample_tokens(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor
     return torch.searchsorted(cdf, draw, right=True).clamp_(max=cdf.shape[1] - 1)
 
 
-def _warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
+def sampling_warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
     """transformers' temperature, top-k and top-p warpers, built and ordered as generate builds them
     (GenerationMixin._get_logits_processor); none for greedy decoding."""
     if sampling.temperature <= 0:
@@ -151,7 +155,7 @@ def _generation_config(
     )
 
 
-def _check_model_warpers(model: PreTrainedModel) -> None:
+def check_model_warpers(model: PreTrainedModel) -> None:
     """Refuse a model generation_config that sets a warper grpo_ds does not apply (it samples in
     TokenSampler)."""
     own = getattr(model, "generation_config", None)
@@ -189,7 +193,7 @@ def generate_left_padded(
     if len(row_keys) != rows:
         raise ValueError(f"{len(row_keys)} row keys for {rows} rows")
     if sampling.temperature > 0:
-        _check_model_warpers(model)
+        check_model_warpers(model)
     input_ids, attention_mask = left_padded(
         [c for c in contexts for _ in range(num_return_sequences)], pad_token_id
     )
@@ -203,7 +207,7 @@ def generate_left_padded(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=config,
-            logits_processor=LogitsProcessorList([*_warpers(sampling), picker]),
+            logits_processor=LogitsProcessorList([*sampling_warpers(sampling), picker]),
             stopping_criteria=stopping_criteria,
             **cache,
         )
@@ -339,6 +343,14 @@ class HFRolloutEngine:
             result.sampler_logprobs.append(logprobs[:length])
             result.finish_reason.append("stop" if stop is not None else "length")
         return result
+
+    def continuous(self, capacity_rows: int) -> ContinuousDecoder:
+        """A running batch of at most ``capacity_rows`` rows on this engine's module
+        (rollout.continuous: grpo_ds.rollout.hf_continuous); it loads new weights itself."""
+        # here, not at the top: hf_continuous builds on this module
+        from grpo_ds.rollout.hf_continuous import ContinuousDecoder
+
+        return ContinuousDecoder(self.model, self.pad_token_id, self.stop_ids, capacity_rows)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:

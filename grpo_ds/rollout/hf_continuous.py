@@ -41,7 +41,13 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
-from grpo_ds.rollout.hf import _check_model_warpers, _warpers, eval_mode, left_padded, sample_tokens
+from grpo_ds.rollout.hf import (
+    check_model_warpers,
+    eval_mode,
+    left_padded,
+    sample_tokens,
+    sampling_warpers,
+)
 from grpo_ds.rollout.streams import RowStreams
 
 
@@ -126,7 +132,7 @@ class ContinuousDecoder:
         first = self._sampling
         if first is None:
             if request.sampling.temperature > 0:
-                _check_model_warpers(self.model)
+                check_model_warpers(self.model)
             self._sampling = request.sampling
         elif request.sampling.settings != first.settings or (
             request.sampling.max_new_tokens != first.max_new_tokens
@@ -241,7 +247,7 @@ class ContinuousDecoder:
         """Each row's token and its log-prob under the distribution it was drawn from: as
         TokenSampler (grpo_ds.rollout.hf), row b's number the t[b]-th of its stream."""
         scores = logits
-        for warper in _warpers(self._sampling):
+        for warper in sampling_warpers(self._sampling):
             scores = warper(None, scores)
         logprobs = torch.log_softmax(scores, dim=-1)
         tokens = (

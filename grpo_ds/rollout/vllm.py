@@ -286,6 +286,11 @@ class VLLMRolloutEngine:
     # -------------------------------------------------------------------------------------- weights
 
     @torch.no_grad()
+    def continuous(self, capacity_rows: int):
+        """None yet: the recipe check refuses rollout.continuous with this engine
+        (grpo_ds.config.placement)."""
+        raise NotImplementedError("continuous generation runs on the hf engine only so far")
+
     def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Load the stream into vLLM (each tensor is valid only until the next), then drop the
         cached KV."""

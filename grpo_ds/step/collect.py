@@ -34,7 +34,7 @@ def collect(step: int, ctx: StepContext, sampler: PromptSampler) -> StepBatch:
     recipe's learned reward models, held by every rank that calls this (colocated placement); None
     where none are held (no reward.models, or the rollout ranks of a split placement, whose trainer
     adds the models' scores: ``score_models_on_trainer``)."""
-    recipe, inputs, dist = ctx.recipe, ctx.inputs, ctx.dist
+    recipe = ctx.recipe
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     a = recipe.algorithm
     rounds = 1 + (a.dynamic_sampling_max_rounds if a.dynamic_sampling else 0)
@@ -47,13 +47,8 @@ def collect(step: int, ctx: StepContext, sampler: PromptSampler) -> StepBatch:
     for round_index in range(rounds):
         with Phase("rollout", times, spans):
             prompt_index, rollouts = _generate_round(step, round_index, ctx, sampler)
-        rows = [inputs.prompts[i] for i in prompt_index]
-        models = score_models(ctx, rows, rollouts, G, times, spans, model_metrics)
-        with Phase("reward", times, spans):
-            functions = dist.decide(score_functions, inputs, rows, rollouts, G)
-        result = add_model_scores(functions, models)
+        result, rewards = _score_round(ctx, prompt_index, rollouts, times, spans, model_metrics)
         scored.append(result)
-        rewards = with_env_rewards(result.total, rollouts)
         drawn.append((prompt_index, rollouts, rewards))
         informative += [
             (round_index, g) for g in range(P) if not equal_rewards(rewards[g * G : (g + 1) * G])
@@ -63,9 +58,7 @@ def collect(step: int, ctx: StepContext, sampler: PromptSampler) -> StepBatch:
 
     chosen, topped_up = _choose(len(drawn), informative, P, a.dynamic_sampling)
     samples = _select(drawn, chosen, G)
-    metrics = _reward_metrics(scored, [r for _, _, rewards in drawn for r in rewards], drawn)
-    metrics.update(model_metrics)
-    metrics["no_signal_frac"] = no_signal_fraction(samples[2], G)
+    metrics = _collect_metrics(scored, drawn, model_metrics, samples[2], G)
     if a.dynamic_sampling:
         metrics.update(
             {
@@ -78,6 +71,68 @@ def collect(step: int, ctx: StepContext, sampler: PromptSampler) -> StepBatch:
     return StepBatch(samples[0], samples[1], samples[2], metrics, times, spans=spans)
 
 
+def scored_batch(
+    ctx: StepContext, prompt_index: list[int], rollouts: Rollouts, times: dict, spans: list
+) -> StepBatch:
+    """A step's samples generated elsewhere (continuous generation: grpo_ds.step.continuous), scored
+    and described as ``collect`` scores and describes a step it generated (without dynamic
+    sampling)."""
+    model_metrics: dict = {}
+    result, rewards = _score_round(ctx, prompt_index, rollouts, times, spans, model_metrics)
+    metrics = _collect_metrics(
+        [result], [(prompt_index, rollouts, rewards)], model_metrics, rewards, ctx.group_size
+    )
+    return StepBatch(prompt_index, rollouts, rewards, metrics, times, spans=spans)
+
+
+def _score_round(
+    ctx: StepContext,
+    prompt_index: list[int],
+    rollouts: Rollouts,
+    times: dict,
+    spans: list,
+    model_metrics: dict,
+) -> tuple[RewardResult, list[float]]:
+    """One round's scores (the functions' and the models', ``times`` and ``spans`` their phases)
+    and each sample's reward (the environment's added)."""
+    rows = [ctx.inputs.prompts[i] for i in prompt_index]
+    G = ctx.group_size
+    models = score_models(ctx, rows, rollouts, G, times, spans, model_metrics)
+    with Phase("reward", times, spans):
+        functions = ctx.dist.decide(score_functions, ctx.inputs, rows, rollouts, G)
+    result = add_model_scores(functions, models)
+    return result, with_env_rewards(result.total, rollouts)
+
+
+def _collect_metrics(
+    scored: list[RewardResult],
+    drawn: list[tuple[list[int], Rollouts, list[float]]],
+    model_metrics: dict,
+    trained_rewards: list[float],
+    G: int,
+) -> dict:
+    """The reward metrics of every sample drawn in a step, the models', and the fraction of the
+    trained groups without signal."""
+    metrics = _reward_metrics(scored, [r for _, _, rewards in drawn for r in rewards], drawn)
+    metrics.update(model_metrics)
+    metrics["no_signal_frac"] = no_signal_fraction(trained_rewards, G)
+    return metrics
+
+
+def step_sampling(recipe, step: int, round_index: int = 0, first_prompt: int = 0) -> SamplingParams:
+    """What round ``round_index`` of step ``step`` samples with: the recipe's settings and the
+    step's seed; ``first_prompt``: the place in the step's batch of the first prompt generated."""
+    r = recipe.rollout
+    return SamplingParams(
+        r.max_new_tokens,
+        r.temperature,
+        r.top_p,
+        r.top_k,
+        seed=recipe.run.seed * 1_000_003 + step * 1_009 + round_index * 100_003,
+        first_prompt=first_prompt,
+    )
+
+
 def _generate_round(
     step: int, round_index: int, ctx: StepContext, sampler: PromptSampler
 ) -> tuple[list[int], Rollouts]:
@@ -87,14 +142,7 @@ def _generate_round(
     P, G = recipe.rollout.prompts_per_step, recipe.rollout.group_size
     prompt_index = dist.broadcast(sampler.next_indices(P) if dist.is_main else None)
     lo, hi = dist.dp_slice(P)
-    sampling = SamplingParams(
-        recipe.rollout.max_new_tokens,
-        recipe.rollout.temperature,
-        recipe.rollout.top_p,
-        recipe.rollout.top_k,
-        seed=recipe.run.seed * 1_000_003 + step * 1_009 + round_index * 100_003,
-        first_prompt=lo,
-    )
+    sampling = step_sampling(recipe, step, round_index, first_prompt=lo)
     mine = prompt_index[lo:hi]
     local = ctx.rollout.generate(
         [inputs.prompts[i].prompt_ids for i in mine],

@@ -52,6 +52,7 @@ from grpo_ds.run.writes import append_line
 from grpo_ds.step.batch import StepBatch
 from grpo_ds.step.collect import collect, score_models_on_trainer
 from grpo_ds.step.context import StepContext
+from grpo_ds.step.continuous import serve_continuous
 from grpo_ds.step.profiling import Phase
 
 
@@ -130,6 +131,9 @@ class SplitTrainer:
         self.sampler_settings = SamplerSettings(r.temperature, r.top_k, r.top_p)
         # a stop signal a rollout rank received, as the last batch said
         self.rollout_stop: str | None = None
+        # the rollout engine never drains (grpo_ds.step.continuous): a go-ahead does not wait for
+        # the batch before it
+        self.continuous = r.continuous
 
     # ---- the start: where the rollout ranks begin, and the weights they begin with
     def start(
@@ -185,12 +189,10 @@ class SplitTrainer:
             {"wait": idle},
             [["wait", round(time.time() - idle, 4), round(time.time(), 4)]],
         )
-        staleness = step - 1 - produced.version
         data.weight_version = produced.version
         data.metrics.update(
             {
-                "placement/staleness_mean": float(staleness),
-                "placement/staleness_max": staleness,
+                **staleness_metrics(step, produced.version, data.rollouts.token_versions),
                 "placement/rollout_busy_s": produced.busy_s,
                 "placement/rollout_idle_s": produced.idle_s,
             }
@@ -217,8 +219,9 @@ class SplitTrainer:
             self.next_go <= self.steps
             and weights_needed(self.next_go, self.staleness, self.resumed_after) <= trained
         ):
-            if self.dist.is_main and self.last_received < self.next_go - 1:
-                # the rollout ranks send step next_go-1 before they wait for this go-ahead
+            if self.dist.is_main and not self.continuous and self.last_received < self.next_go - 1:
+                # the rollout ranks send step next_go-1 before they wait for this go-ahead (a
+                # continuous engine takes it while it decodes)
                 with Phase("wait", times, spans):
                     while self.last_received < self.next_go - 1:
                         self._receive()
@@ -261,10 +264,12 @@ class SplitTrainer:
         }
 
     def stop(self, stopped: Preempted) -> None:
-        """The run stops early (preemption, ``stopped``): the batch the rollout ranks are making is
-        taken and dropped (a resume draws it again), then they stop with the same exception."""
+        """The run stops early (preemption, ``stopped``): the batches the rollout ranks are making
+        (one; under continuous generation every step with a go-ahead) are taken and dropped (a
+        resume draws them again), then they stop with the same exception."""
         if self.dist.is_main:
-            if self.last_received < self.next_go - 1:
+            # a continuous engine may be making every step it has had a go-ahead for
+            while self.last_received < self.next_go - 1:
                 self._receive()
             self.bridge.broadcast(
                 Stop(
@@ -280,6 +285,26 @@ class SplitTrainer:
         leave."""
         if self.dist.is_main:
             self.bridge.broadcast(Stop(history))
+
+
+def staleness_metrics(step: int, oldest: int, token_versions: list[list[int]] | None) -> dict:
+    """How old the weights were that step ``step``'s samples were drawn with (staleness k-1-v for a
+    token of version v): per token where the engine records versions per token (continuous
+    generation), with the spread of versions within a sample and the fraction of samples that span
+    a weight update; else every token ``oldest``'s."""
+    if token_versions is None:
+        return {
+            "placement/staleness_mean": float(step - 1 - oldest),
+            "placement/staleness_max": step - 1 - oldest,
+        }
+    versions = [v for sample in token_versions for v in sample]
+    spreads = [max(sample) - min(sample) for sample in token_versions]
+    return {
+        "placement/staleness_mean": step - 1 - sum(versions) / len(versions),
+        "placement/staleness_max": step - 1 - min(versions),
+        "placement/version_spread_max": max(spreads),
+        "placement/samples_spanning_update_frac": sum(s > 0 for s in spreads) / len(spreads),
+    }
 
 
 def _record(b: Batch) -> dict:
@@ -329,13 +354,13 @@ def serve_rollouts(
     engine, lead = ctx.rollout, ctx.dist.is_main
     if lead:  # the trainer may still be loading its model, or a checkpoint: a start-up wait
         bridge.send(Layout(engine.whole_layers))
-    sampler, version, sent_idle, expected = None, None, 0.0, (Start,)
-    while True:  # the rollout ranks' one receive loop: the start, then go-aheads until the stop
+    sampler = _start_drawing(bridge.receive(Start), ctx, rank_log)
+    if ctx.recipe.rollout.continuous:  # the engine never drains (grpo_ds.step.continuous)
+        return serve_continuous(ctx, bridge, stop, rank_log, sampler)
+    version, sent_idle = None, 0.0
+    while True:  # the rollout ranks' one receive loop: go-aheads until the stop
         waited, wall = time.perf_counter(), time.time()
-        match message := bridge.receive(*expected):
-            case Start():
-                sampler, expected = _start_drawing(message, ctx, rank_log), (GoAhead, Stop)
-                continue
+        match message := bridge.receive(GoAhead, Stop):
             case Stop(preempted=None):
                 return message.history
             case Stop(preempted=p):  # every rank leaves with the trainer's exit code

@@ -278,7 +278,7 @@ def all_steps_generate_left_padded(
     that sampler records is not used. Same signature as the one-step recorder it must equal (eager
     only: ``compiled`` must be None)."""
     assert compiled is None, "the all-steps reference generates eagerly"
-    warpers = hf.LogitsProcessorList(hf._warpers(sampling))
+    warpers = hf.LogitsProcessorList(hf.sampling_warpers(sampling))
     pick = hf.TokenSampler(
         None if sampling.temperature <= 0 else hf.RowStreams(sampling.seed, row_keys)
     )
@@ -370,7 +370,10 @@ def test_sampler_logprobs_are_recorded_after_every_warper():
     assert all(lp == 0.0 for row in out.sampler_logprobs for lp in row)
     recorded = []
     warped = hf.LogitsProcessorList(
-        [*hf._warpers(SamplingParams(8, temperature=0.5, top_k=5, top_p=0.8)), _Spy(recorded)]
+        [
+            *hf.sampling_warpers(SamplingParams(8, temperature=0.5, top_k=5, top_p=0.8)),
+            _Spy(recorded),
+        ]
     )
     logits = torch.randn(3, 40)
     warped(torch.zeros(3, 1, dtype=torch.long), logits)

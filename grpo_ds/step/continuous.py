@@ -1,0 +1,178 @@
+"""The rollout rank of a split placement under continuous generation (rollout.continuous): the
+engine never drains between steps.
+
+Batch by batch (grpo_ds.step.schedule.serve_rollouts) the rollout rank generates step j's batch
+until its longest completion ends, sends it, and only then starts step j+1: with long-tailed
+completion lengths it spends much of a step decoding a few stragglers, and new weights enter only
+between batches. Here one running batch (grpo_ds.rollout.hf_continuous) holds the groups of every
+step the trainer has let it start:
+
+- **Admission.** The go-ahead for step j (grpo_ds.step.schedule: it comes once the weights of step
+  j-1-S exist, S = rollout.max_staleness) opens step j: its prompts are drawn, as batch by batch,
+  and its groups queue in order; a group joins the running batch as soon as its G rows are free.
+  So every token of a sample trained at step k is sampled with version k-1-S or newer: the bound of
+  batch-by-batch holds per token, by admission (nothing in flight is ever thrown away).
+- **Weights in flight.** A go-ahead that brings new weights is taken between two decode steps
+  (grpo_ds.distributed.mailbox receives it while the engine decodes); the rows in flight go on with
+  the new weights, each token recording its version.
+- **Batches by step.** A step's batch goes up when its last group ends, its groups in their order
+  in the step, whatever ended first: step k trains exactly the prompts it would batch by batch, in
+  the same order (no bias towards short completions, nothing dropped). Its samples are scored here
+  (the reward functions; the trainer adds the models'), as batch by batch.
+
+At S = 0 the go-ahead of step j needs the weights after step j-1, which need step j-1's batch: the
+sides take turns as batch by batch, and the samples are the same (a sample's tokens are drawn from
+its own stream, grpo_ds.rollout.streams), the running batch refilling within a step only.
+
+What a batch reports: its steps' token versions (the trainer's staleness metrics per token:
+grpo_ds.step.schedule.SplitTrainer), and over the time since the previous batch the engine's mean
+running batch (``rollout/running_rows_mean``), its tokens per second of decoding
+(``rollout/tokens_per_s``), and the phases: rollout (decoding), sync (weights), reward, wait
+(nothing to decode).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from grpo_ds.distributed.bridge import Bridge
+from grpo_ds.distributed.mailbox import Inbox, Outbox
+from grpo_ds.distributed.messages import Batch, GoAhead, Stop
+from grpo_ds.rollout.base import Rollouts
+from grpo_ds.rollout.hf_continuous import GroupRequest
+from grpo_ds.run.preemption import Preempted, StopRequest
+from grpo_ds.run.prompts import PromptSampler
+from grpo_ds.run.writes import append_line
+from grpo_ds.step.collect import scored_batch, step_sampling
+from grpo_ds.step.context import StepContext
+
+
+@dataclass
+class _OpenStep:
+    """A step the go-ahead opened: its prompts, the sampler after drawing them, its groups done."""
+
+    prompt_index: list[int]
+    sampler: dict
+    groups: dict[int, Rollouts] = field(default_factory=dict)
+
+
+class _Phases:
+    """The rollout rank's phases since the last batch: seconds per phase and [phase, start, end]
+    spans (time.time()), one span per stretch of the same phase."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self.spans: list[list] = []
+        self._phase, self._since = None, time.time()
+
+    def enter(self, phase: str) -> None:
+        if phase == self._phase:
+            return
+        self._close(time.time())
+        self._phase = phase
+
+    def _close(self, now: float) -> None:
+        if self._phase is not None and now > self._since:
+            self.times[self._phase] = self.times.get(self._phase, 0.0) + now - self._since
+            self.spans.append([self._phase, round(self._since, 4), round(now, 4)])
+        self._since = now
+
+    def take(self) -> tuple[dict[str, float], list[list]]:
+        """The phases since the last take; the time until the next ``enter`` is the caller's to
+        count."""
+        self._close(time.time())
+        out = (self.times, self.spans)
+        self.times, self.spans, self._phase = {}, [], None
+        return out
+
+
+def serve_continuous(
+    ctx: StepContext, bridge: Bridge, stop: StopRequest, rank_log: Path, sampler: PromptSampler
+) -> list[dict]:
+    """The rollout rank's side of split placement under continuous generation, from the first
+    go-ahead to the trainer's Stop (the Start has set ``sampler`` up); returns the run's metrics
+    history the trainer sends at the end."""
+    recipe = ctx.recipe
+    P, G = recipe.rollout.prompts_per_step, ctx.group_size
+    decoder = ctx.rollout.continuous(recipe.rollout.generation_batch_prompts * G)
+    inbox, outbox = Inbox(bridge), Outbox(bridge)
+    opened: dict[int, _OpenStep] = {}
+    queued: deque[GroupRequest] = deque()
+    phases = _Phases()
+    while True:
+        idle = not decoder.rows_in_flight and not queued
+        if idle:
+            phases.enter("wait")
+        match message := inbox.poll(block=idle):
+            case Stop(preempted=None):
+                outbox.close()
+                return message.history
+            case Stop(preempted=p):  # every rank leaves with the trainer's exit code
+                outbox.close()
+                raise Preempted(p.signal_name, p.step, p.total_steps, p.checkpoint)
+            case GoAhead():
+                if message.version is not None:
+                    phases.enter("sync")
+                    decoder.load_weights(inbox.weights(), message.version)
+                indices = sampler.next_indices(P)
+                opened[message.step] = _OpenStep(indices, sampler.state_dict())
+                sampling = step_sampling(recipe, message.step)
+                queued.extend(
+                    GroupRequest(
+                        message.step,
+                        g,
+                        ctx.inputs.prompts[i].prompt_ids,
+                        G,
+                        replace(sampling, first_prompt=g),
+                    )
+                    for g, i in enumerate(indices)
+                )
+                continue
+        while queued and decoder.free_rows >= G:
+            decoder.admit(queued.popleft())
+        phases.enter("rollout")
+        for group in decoder.step():
+            opened[group.step].groups[group.group] = group.rollouts
+        while opened and len(opened[first := min(opened)].groups) == P:
+            _send(first, opened.pop(first), ctx, decoder, phases, outbox, stop, rank_log)
+        outbox.check()
+
+
+def _send(
+    step: int,
+    done: _OpenStep,
+    ctx: StepContext,
+    decoder,
+    phases: _Phases,
+    outbox: Outbox,
+    stop: StopRequest,
+    rank_log: Path,
+) -> None:
+    """Step ``step``'s batch, its groups in order, scored and queued to go up."""
+    rollouts = Rollouts.concat(done.groups[g] for g in range(len(done.groups)))
+    times, spans = phases.take()  # the scoring's own phases join them
+    data = scored_batch(ctx, done.prompt_index, rollouts, times, spans)
+    decode_steps, rows = decoder.take_stats()
+    decoding = times.get("rollout", 0.0)
+    data.metrics["rollout/running_rows_mean"] = rows / decode_steps if decode_steps else 0.0
+    data.metrics["rollout/tokens_per_s"] = rows / decoding if decoding else 0.0
+    oldest = min(v for versions in rollouts.token_versions for v in versions)
+    busy = sum(s for phase, s in data.times.items() if phase != "wait")
+    outbox.put(
+        Batch(
+            step,
+            oldest,
+            data,
+            done.sampler,
+            stop.signal_name,
+            busy,
+            data.times.get("wait", 0.0),
+            data.spans,
+        )
+    )
+    record = {"step": step, "role": "rollout", "weight_version": oldest, "phases": data.spans}
+    append_line(rank_log, json.dumps(record))
