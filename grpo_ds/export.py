@@ -14,9 +14,10 @@ never read. The export:
    before any tensor is read);
 3. consolidates the ZeRO-3 shards into one fp32 state dict with DeepSpeed's own
    ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (any world size);
-4. rebuilds the model from ``recipe.json`` (builtin:tiny, or the local HF folder's config; nothing
-   is downloaded), loads the state dict strictly (a tied ``lm_head.weight`` may be absent), casts it
-   to ``--dtype`` (default: the recipe's ``model.dtype``);
+4. rebuilds the model from ``recipe.json`` (builtin:tiny, or the local HF folder's config; a
+   Hugging Face Hub id is read from the Hugging Face cache, fetched there if missing), loads the
+   state dict strictly (a tied ``lm_head.weight`` may be absent), casts it to ``--dtype``
+   (default: the recipe's ``model.dtype``);
 5. writes ``config.json`` + ``model.safetensors``, the tokenizer and ``generation_config.json`` into
    a temporary folder beside ``--out`` and renames it into place, so ``--out`` never holds half an
    export.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 from dataclasses import dataclass
@@ -64,6 +66,7 @@ from grpo_ds.run.checkpoint import (
 )
 from grpo_ds.run.consolidate import consolidate
 from grpo_ds.run.folder import check_output_folder
+from grpo_ds.run.hub import hub_model
 
 TOKENIZER_BYTES = 16 << 20  # free space asked for the tokenizer and config files beside the weights
 
@@ -207,7 +210,7 @@ def export(
         raise UserError(
             "--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}", "pick one of them"
         )
-    _check_model_source(model_cfg, run)
+    model_cfg = _model_source(model_cfg, run)
     # cheap, and its errors (no tokenizer files) come before the hashing
     tokenizer = load_tokenizer(model_cfg)
     _check_verifies(checkpoint, run)
@@ -343,7 +346,15 @@ def _model_config(run: Path) -> tuple[ModelConfig, int]:
     return recipe.model, recipe.run.seed
 
 
-def _check_model_source(model_cfg: ModelConfig, run: Path) -> None:
+def _model_source(model_cfg: ModelConfig, run: Path) -> ModelConfig:
+    """The run's model section, checked, with a Hub id in model.path replaced by its folder in the
+    Hugging Face cache (grpo_ds.run.hub: fetched there if missing)."""
+    try:
+        folder = hub_model("model.path", model_cfg.path, model_cfg.revision, "model.revision")
+    except UserError as err:
+        raise UserError(f"{run / 'recipe.json'}: {err.where}", err.what, err.fix) from None
+    if folder is not None:
+        model_cfg = dataclasses.replace(model_cfg, path=str(folder))
     try:
         check_model_path(model_cfg)
     except UserError as err:
@@ -353,6 +364,7 @@ def _check_model_source(model_cfg: ModelConfig, run: Path) -> None:
             "the export rebuilds the model from it: run the export from the folder training ran in "
             "(a relative model.path is read from there), or restore the model folder",
         ) from None
+    return model_cfg
 
 
 def _check_out_dir(out: Path, run: Path, overwrite: bool) -> Path:

@@ -53,7 +53,16 @@ class RunConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = opt(
-        "builtin:tiny", '"builtin:tiny" (random tiny model, no download) or a local HF model folder'
+        "builtin:tiny",
+        '"builtin:tiny" (random tiny model, no download), a local HF model folder, or a Hugging '
+        'Face Hub id "owner/name" (where no local path has that name), fetched into the Hugging '
+        "Face cache once per node (docs/guides/recipes.md)",
+    )
+    revision: str | None = opt(
+        None,
+        "Hub id only: the branch, tag or commit of model.path to train (null = the "
+        "repository's default branch)",
+        example="main",
     )
     dtype: str = opt("float32", "Training dtype of the policy", choices=DTYPES)
     gradient_checkpointing: bool = opt(
@@ -111,7 +120,21 @@ class ModelConfig:
 class DataConfig:
     train: str = opt(
         "builtin:arith",
-        '"builtin:arith", a .jsonl/.json/.parquet file, or a saved HF dataset folder',
+        '"builtin:arith", a .jsonl/.json/.parquet file, a saved HF dataset folder, or a Hugging '
+        'Face Hub dataset id "owner/name" (where no local path has that name), fetched into the '
+        "Hugging Face cache once per node",
+    )
+    train_config: str | None = opt(
+        None,
+        "Hub dataset only: the configuration (subset) of data.train to read, e.g. "
+        '"main" for openai/gsm8k (null = its only or default one)',
+        example="main",
+    )
+    train_split: str = opt("train", "Hub dataset only: the split of data.train to read")
+    train_revision: str | None = opt(
+        None,
+        "Hub dataset only: the branch, tag or commit of data.train (null = the default branch)",
+        example="main",
     )
     prompt_key: str = opt("prompt", "Column holding the prompt text")
     answer_key: str = opt(
@@ -139,8 +162,20 @@ class DataConfig:
 class EvalConfig:
     data: str | None = opt(
         None,
-        "Held-out prompts scored during training, same formats and columns as data.train "
-        "(null = no evaluation)",
+        "Held-out prompts scored during training, same formats (a Hub id too) and columns as "
+        "data.train (null = no evaluation)",
+    )
+    data_config: str | None = opt(
+        None,
+        "Hub dataset only: the configuration (subset) of eval.data (null = its only or "
+        "default one)",
+        example="main",
+    )
+    data_split: str = opt("test", "Hub dataset only: the split of eval.data to read")
+    data_revision: str | None = opt(
+        None,
+        "Hub dataset only: the branch, tag or commit of eval.data (null = the default branch)",
+        example="main",
     )
     every_steps: int = opt(50, "Evaluate every this many steps and after the last step", low=1)
     max_prompts: int | None = opt(
@@ -249,6 +284,9 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # folder of the recipe file
     source_dir: str = field(default=".", compare=False, metadata={"internal": True})
+    # the Hub id model.path named before the preflight replaced it by the id's folder in the Hugging
+    # Face cache (grpo_ds.run.hub): the run reads the folder, to_dict writes the id
+    model_hub_id: str | None = field(default=None, compare=False, metadata={"internal": True})
 
     @property
     def samples_per_step(self) -> int:
@@ -296,8 +334,13 @@ class Recipe:
         return max(t.micro_batch_samples_per_gpu, t.logprob_micro_batch_samples_per_gpu)
 
     def to_dict(self) -> dict:
+        """The recipe as the user wrote it, defaults applied (the run folder's recipe.json): a Hub
+        id in model.path stays the id, not the cache folder the run reads."""
         out = dataclasses.asdict(self)
         out.pop("source_dir")
+        hub_id = out.pop("model_hub_id")
+        if hub_id is not None:
+            out["model"]["path"] = hub_id
         return out
 
 

@@ -45,15 +45,21 @@ class RewardModelSpec:
         REQUIRED,
         "A local Hugging Face folder (relative to the working directory, as model.path) "
         "holding a sequence-classification model with one label (config.json, the weights) and its "
-        'tokenizer; or "builtin:digitD" (D a digit: the hand-set digit reward model, whose score '
-        "rises with the share of that digit in the text, written on first use into grpo_ds's "
-        "cache, $GRPO_DS_CACHE or ~/.cache/grpo_ds)",
+        'tokenizer; a Hugging Face Hub id "owner/name" of such a model, fetched into the Hugging '
+        'Face cache once per node, as model.path; or "builtin:digitD" (D a digit: the hand-set '
+        "digit reward model, whose score rises with the share of that digit in the text, written "
+        "on first use into grpo_ds's cache, $GRPO_DS_CACHE or ~/.cache/grpo_ds)",
         example="models/my_rm",
+    )
+    revision: str | None = opt(
+        None,
+        "Hub id only: the branch, tag or commit of path (null = the repository's default branch)",
+        example="main",
     )
     name: str | None = opt(
         None,
         "The name of its metrics (reward/NAME); distinct from the other reward models' "
-        "(null = the folder's name; a builtin's, digitD)",
+        "(null = the folder's or the Hub repository's name; a builtin's, digitD)",
         example="helpfulness",
     )
     weight: float = opt(

@@ -1,10 +1,11 @@
 """Load the policy's tokenizer and model: "builtin:tiny" (built in code) or a local Hugging Face
 model folder.
 
-Nothing is ever downloaded (``local_files_only=True``). ``check_model_path`` runs the same path
-checks without loading anything, so a wrong path is reported before any model is loaded;
-``check_weights`` reads the weight files' headers (grpo_ds.model.weight_files), so a file cut short
-or of another format is too.
+Nothing is downloaded here (``local_files_only=True``): a model named by a Hugging Face Hub id has
+been fetched into the Hugging Face cache before (grpo_ds.run.hub), and ``model.path`` holds its
+folder there. ``check_model_path`` runs the same path checks without loading anything, so a wrong
+path is reported before any model is loaded; ``check_weights`` reads the weight files' headers
+(grpo_ds.model.weight_files), so a file cut short or of another format is too.
 
 Partitioned loading. Given a ZeRO-3 DeepSpeed config, ``load_model`` loads with transformers'
 DeepSpeed integration alive (an ``HfDeepSpeedConfig`` of the resolved config, kept for the duration
@@ -102,7 +103,7 @@ def check_model_path(model_cfg: ModelConfig) -> None:
         raise UserError(
             "model.path",
             f"{printable(path)} does not exist",
-            f'give a local HF model folder or "{BUILTIN_TINY}"',
+            f'give a local HF model folder, a Hugging Face Hub id (owner/name) or "{BUILTIN_TINY}"',
         )
     if not folder.is_dir() or not (folder / "config.json").is_file():
         raise UserError(

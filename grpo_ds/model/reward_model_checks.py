@@ -11,7 +11,7 @@ grpo_ds.check`` refuse the same folders the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from grpo_ds.config.parse import printable
@@ -29,22 +29,27 @@ _SAVE = (
 )
 
 
-def check_reward_models(specs: Sequence[RewardModelSpec]) -> None:
-    """Each reward model's folder checked (``check_reward_model``), in the recipe's order."""
+def check_reward_models(
+    specs: Sequence[RewardModelSpec], unfetched_weights: Collection[int] = ()
+) -> None:
+    """Each reward model's folder checked (``check_reward_model``), in the recipe's order; the
+    weights of the models at ``unfetched_weights`` (the dry run's Hub models, fetched without them)
+    are not."""
     for i, spec in enumerate(specs):
-        check_reward_model(f"reward.models[{i}]", spec)
+        check_reward_model(f"reward.models[{i}]", spec, weights=i not in unfetched_weights)
 
 
-def check_reward_model(where: str, spec: RewardModelSpec) -> None:
+def check_reward_model(where: str, spec: RewardModelSpec, weights: bool = True) -> None:
     """Raise UserError, at ``where``.key, for the first problem: a missing folder or one without
     config.json; not a sequence classifier, or not one label; weight files missing, cut short or of
-    another format; a max_length past the model's context length (or none to be found); no
-    tokenizer files, a tokenizer that cannot be built, has no token to pad with (pad, eos or unk),
-    has more tokens than the model's vocabulary, or no chat template where chat_template is
-    true."""
+    another format (unless not ``weights``); a max_length past the model's context length (or none
+    to be found); no tokenizer files, a tokenizer that cannot be built, has no token to pad with
+    (pad, eos or unk), has more tokens than the model's vocabulary, or no chat template where
+    chat_template is true."""
     folder = _folder(f"{where}.path", spec.path)
     config = _config(f"{where}.path", folder)
-    check_model_weights(f"{where}.path", folder)
+    if weights:
+        check_model_weights(f"{where}.path", folder)
     _check_length(f"{where}.max_length", spec, folder)
     tokenizer = _tokenizer(f"{where}.path", folder)
     name = printable(spec.path)
@@ -78,7 +83,8 @@ def _folder(where: str, path: str) -> Path:
         raise UserError(
             where,
             f"{printable(path)} does not exist",
-            "give a local folder holding a sequence-classification model and its tokenizer",
+            "give a local folder holding a sequence-classification model and its tokenizer, or "
+            "the Hugging Face Hub id of one (owner/name)",
         )
     if not folder.is_dir() or not (folder / "config.json").is_file():
         raise UserError(

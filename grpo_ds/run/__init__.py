@@ -7,7 +7,9 @@ checkpoint's ZeRO shards joined into one state dict for the export (``consolidat
 fail as one line (``writes``), stop signals honoured at a step boundary (``preemption``), the
 metrics it logs and reads back (``metrics``) and the curves drawn from them (``curves``), each
 rank's phases over wall time read back from its log (``timeline``), host memory that large
-frees hand back to the system between the training passes (``host_allocator``), and the builtin
-reward models written into grpo_ds's cache on first use (``builtin_models``). Rule
+frees hand back to the system between the training passes (``host_allocator``), the builtin
+reward models written into grpo_ds's cache on first use (``builtin_models``), and models and
+datasets named by a Hugging Face Hub id, fetched into the Hugging Face cache once per node
+(``hub``; a dataset's files and rows: ``hub_data``). Rule
 (tests/test_layout.py): nothing here imports the step or the CLIs.
 """

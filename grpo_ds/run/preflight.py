@@ -5,8 +5,10 @@ written.
 the recipe and its overrides, the DeepSpeed file, the model path, tokenizer and weight files'
 headers (grpo_ds.model.weight_files), the reward functions, the reward models' folders
 (grpo_ds.model.reward_model_checks), the agent environment, the logging extras and the dataset
-rows. What it returns (``Inputs``) is everything the run needs besides the model. A problem is one
-``UserError`` line.
+rows. A model, reward model or dataset named by a Hugging Face Hub id is fetched into the Hugging
+Face cache first, once per node (grpo_ds.run.hub); the dry run fetches no model's weights. What it
+returns (``Inputs``) is everything the run needs besides the model. A problem is one ``UserError``
+line.
 """
 
 from __future__ import annotations
@@ -40,8 +42,15 @@ from grpo_ds.rewards import RewardFunction, check_columns, load_reward_functions
 from grpo_ds.rollout.vllm_checks import check_vllm_setup
 from grpo_ds.run import output_paths
 from grpo_ds.run.builtin_models import builtin_reward_model
+from grpo_ds.run.hub import hub_model
 from grpo_ds.run.metrics import check_logging_extras
-from grpo_ds.run.prompts import PromptRow, data_identity, load_rows, prepare_prompts
+from grpo_ds.run.prompts import (
+    PromptRow,
+    data_identity,
+    data_source,
+    load_rows,
+    prepare_prompts,
+)
 
 
 @dataclass
@@ -73,19 +82,24 @@ def prepare_inputs(
 ) -> Inputs:
     """Check everything the user controls; raise UserError on the first problem. Loads no model.
     ``machine`` False (the dry run, which may plan a GPU run on another machine) skips what only the
-    machine the run uses can tell: GPUs and an importable vLLM."""
+    machine the run uses can tell: GPUs and an importable vLLM; and it fetches no weights of a model
+    named by a Hub id (its config and tokenizer only), so their files go unchecked."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
+    # first: every later check reads the model's folder (a download is kept in the cache)
+    recipe = _model_from_hub(recipe, weights=machine)
     placement, ds_config = _check_setup(recipe, world_size, device_type, machine)
     backend = _kernels_backend(recipe.kernels.backend, device_type)
     tokenizer = load_tokenizer(recipe.model)  # checks model.path first
-    check_weights(recipe.model)  # complete weight files (the policy's and the reference's)
+    if machine or recipe.model_hub_id is None:
+        check_weights(recipe.model)  # complete weight files (the policy's and the reference's)
     check_router_aux_loss(recipe.model)  # an MoE's load-balancing loss: refused for a dense model
     _check_tensor_parallel(recipe)
     rewards = reward_specs(recipe.reward)  # parsed when the recipe was loaded
     reward_functions = load_reward_functions(rewards.functions)
-    reward_models = _builtin_models_written(rewards.models)
-    check_reward_models(reward_models)  # their folders, heads, tokenizers and lengths
+    reward_models, from_hub = _reward_model_folders(rewards.models, weights=machine)
+    # their folders, heads, weights (not fetched from the Hub by the dry run), tokenizers, lengths
+    check_reward_models(reward_models, unfetched_weights=() if machine else from_hub)
     check_logging_extras(recipe.logging)
     env_factory = (
         load_env_factory(recipe.rollout.env, recipe.rollout.env_options)
@@ -101,7 +115,7 @@ def prepare_inputs(
     check_columns({key for row in prompts for key in row.columns})
     eval_prompts = _eval_prompts(recipe, tokenizer)
     _check_context_length(recipe, prompts, eval_prompts)
-    identity = data_identity(recipe.data.train, recipe.source_dir, prompts)
+    identity = data_identity(data_source(recipe.data, recipe.source_dir), prompts)
     return Inputs(
         recipe,
         ds_config,
@@ -118,17 +132,40 @@ def prepare_inputs(
     )
 
 
-def _builtin_models_written(
-    specs: tuple[RewardModelSpec, ...],
-) -> tuple[RewardModelSpec, ...]:
+def _model_from_hub(recipe: Recipe, weights: bool) -> Recipe:
+    """The recipe with a Hub id in model.path replaced by its folder in the Hugging Face cache,
+    fetched once per node (without ``weights``: its config and tokenizer only), which every reader
+    of model.path then reads; ``Recipe.to_dict`` writes the id back."""
+    if recipe.model_hub_id is not None:  # resolved already
+        return recipe
+    m = recipe.model
+    folder = hub_model("model.path", m.path, m.revision, "model.revision", weights)
+    if folder is None:
+        return recipe
+    model = dataclasses.replace(m, path=str(folder))
+    return dataclasses.replace(recipe, model=model, model_hub_id=m.path)
+
+
+def _reward_model_folders(
+    specs: tuple[RewardModelSpec, ...], weights: bool
+) -> tuple[tuple[RewardModelSpec, ...], tuple[int, ...]]:
     """The reward models with each ``builtin:`` path replaced by the folder it names, written on
-    first use (grpo_ds.run.builtin_models.builtin_reward_model); the recipe keeps the name."""
-    resolved = []
+    first use (grpo_ds.run.builtin_models.builtin_reward_model), and each Hub id by its folder in
+    the Hugging Face cache (without ``weights``: config and tokenizer only); the recipe keeps the
+    names. Also: the indices of the models fetched from the Hub."""
+    resolved, from_hub = [], []
     for i, spec in enumerate(specs):
-        folder = builtin_reward_model(f"reward.models[{i}].path", spec.path)
+        where = f"reward.models[{i}]"
+        folder = builtin_reward_model(f"{where}.path", spec.path)
+        if folder is None:
+            folder = hub_model(
+                f"{where}.path", spec.path, spec.revision, f"{where}.revision", weights
+            )
+            from_hub += [i] if folder is not None else []
         resolved.append(spec if folder is None else dataclasses.replace(spec, path=str(folder)))
-    # no builtin: the parsed specs themselves, which every reader shares
-    return specs if all(a is b for a, b in zip(resolved, specs, strict=True)) else tuple(resolved)
+    # none resolved: the parsed specs themselves, which every reader shares
+    same = all(a is b for a, b in zip(resolved, specs, strict=True))
+    return (specs if same else tuple(resolved)), tuple(from_hub)
 
 
 def _check_setup(
@@ -157,7 +194,15 @@ def _check_setup(
 def _eval_prompts(recipe: Recipe, tokenizer) -> list[PromptRow]:
     if recipe.eval.data is None:
         return []
-    cfg = dataclasses.replace(recipe.data, train=recipe.eval.data)
+    e = recipe.eval
+    # eval.data read as data.train is, with eval's Hub keys; messages name eval's keys (below)
+    cfg = dataclasses.replace(
+        recipe.data,
+        train=e.data,
+        train_config=e.data_config,
+        train_split=e.data_split,
+        train_revision=e.data_revision,
+    )
     try:
         prompts, _ = prepare_prompts(
             load_rows(cfg, recipe.source_dir), cfg, tokenizer, where=f"eval.data {recipe.eval.data}"

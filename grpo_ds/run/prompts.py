@@ -1,9 +1,10 @@
 """Prompts: load the training rows, turn them into token ids, and sample them deterministically.
 
-``load_rows`` reads ``data.train`` (a builtin dataset, a .jsonl/.json/.parquet file or a saved HF
-dataset folder) into plain dicts; ``prepare_prompts`` checks every row (prompt present, a non-empty
-string, at most ``data.max_prompt_tokens`` tokens), applies the chat template if asked, and either
-stops at the first bad row or skips and counts the bad ones; ``PromptSampler`` walks seeded
+``load_rows`` reads ``data.train`` (a builtin dataset, a .jsonl/.json/.parquet file, a saved HF
+dataset folder, or a dataset on the Hugging Face Hub named by its id: grpo_ds.run.hub_data) into
+plain dicts; ``prepare_prompts`` checks every row (prompt present, a non-empty string, at most
+``data.max_prompt_tokens`` tokens), applies the chat template if asked, and either stops at the
+first bad row or skips and counts the bad ones; ``PromptSampler`` walks seeded
 permutations epoch after epoch and can resume exactly from its ``state_dict``.
 """
 
@@ -23,6 +24,8 @@ import numpy as np
 from grpo_ds.config.parse import printable
 from grpo_ds.config.recipe import DataConfig
 from grpo_ds.errors import UserError, first_line
+from grpo_ds.run.hub import HubRepo, hub_repo
+from grpo_ds.run.hub_data import hub_rows, hub_source, read_quietly, root_cause
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,8 +49,12 @@ _SKIP_FIX = 'data.on_bad_row="skip"'
 
 def load_rows(data_cfg: DataConfig, source_dir: str = ".") -> list[dict]:
     """All rows of data.train as dicts, in file order. Relative paths are tried in the working
-    directory first, then next to the recipe file (``source_dir``)."""
+    directory first, then next to the recipe file (``source_dir``); a name that is neither, and
+    reads as "owner/name", is a Hub dataset's id."""
     spec = data_cfg.train
+    repo = _hub_dataset(data_cfg, source_dir)
+    if repo is not None:
+        return hub_rows(repo, data_cfg)
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_DATASETS:
@@ -83,6 +90,27 @@ def load_rows(data_cfg: DataConfig, source_dir: str = ".") -> list[dict]:
     return _load_file(path, "parquet" if suffix == ".parquet" else "json")
 
 
+def _hub_dataset(data_cfg: DataConfig, source_dir: str) -> HubRepo | None:
+    """data.train as a Hub dataset, or None when it names a builtin or a local path (which takes no
+    configuration or revision: refused)."""
+    repo = hub_repo(
+        "data.train",
+        data_cfg.train,
+        "dataset",
+        data_cfg.train_revision,
+        "data.train_revision",
+        source_dir,
+    )
+    if repo is None and data_cfg.train_config is not None:
+        raise UserError(
+            "data.train_config",
+            f"{data_cfg.train_config!r} picks a configuration of a Hugging Face Hub dataset, but "
+            f"data.train {printable(data_cfg.train)} is not a Hub id",
+            "set data.train_config to null for a local dataset or a builtin",
+        )
+    return repo
+
+
 def _resolve(spec: str, source_dir: str) -> Path:
     path = Path(spec).expanduser()
     candidates = [path] if path.is_absolute() else [path, Path(source_dir) / path]
@@ -94,7 +122,8 @@ def _resolve(spec: str, source_dir: str) -> Path:
         "data.train",
         f"{printable(spec)} not found (looked for {looked})",
         "give a .jsonl/.json/.parquet file or a saved HF dataset folder (relative paths are taken "
-        'from the working directory, then the recipe\'s folder), or "builtin:arith"',
+        "from the working directory, then the recipe's folder), a Hub dataset id owner/name, or "
+        '"builtin:arith"',
     )
 
 
@@ -151,25 +180,16 @@ def _blank(path: Path) -> bool:
 def _load_file(path: Path, builder: str) -> list[dict]:
     import datasets  # heavy import, only when a file is actually read
 
-    verbosity = datasets.logging.get_verbosity()
-    # it logs parse errors itself; we report them once
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    bars_were_off = datasets.utils.are_progress_bars_disabled()
-    # a bar per small file is noise (and lands on stderr before an error line)
-    datasets.disable_progress_bars()
     try:
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+        with read_quietly():
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
     # datasets/pyarrow raise many types for a malformed file; all mean "fix the file"
     except Exception as err:
         raise UserError(
             f"{path}",
-            f"cannot read it as {builder} ({first_line(_root_cause(err))})",
+            f"cannot read it as {builder} ({first_line(root_cause(err))})",
             "check that the file is valid and every row has the same column types",
         ) from None
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-        if not bars_were_off:
-            datasets.enable_progress_bars()
     return dataset.to_list()
 
 
@@ -200,13 +220,6 @@ def _load_saved_dataset(path: Path) -> list[dict]:
             )
         dataset = dataset["train"]
     return dataset.to_list()
-
-
-def _root_cause(err: BaseException) -> BaseException:
-    """datasets wraps the parser's error (which says what is wrong) in a generic one; dig it out."""
-    while err.__cause__ is not None or err.__context__ is not None:
-        err = err.__cause__ or err.__context__
-    return err
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -325,11 +338,20 @@ def _apply_template(prompt: str, tokenizer: PreTrainedTokenizerBase) -> str:
 # ----------------------------------------------------------------------------------------- sampling
 
 
-def data_identity(spec: str, source_dir: str, prompts: list[PromptRow]) -> dict:
-    """What a run trains on, recorded in its run folder (data.json) and checkpoints: the source (a
-    builtin name, or the resolved path), the number of prompts kept, and a fingerprint of their text
-    and columns in order."""
-    source = spec if spec.startswith("builtin:") else str(_resolve(spec, source_dir).resolve())
+def data_source(data_cfg: DataConfig, source_dir: str) -> str:
+    """What data.train names, for a run's data record: a builtin name, a Hub dataset's id with its
+    configuration, split and revision, or the resolved path."""
+    spec = data_cfg.train
+    repo = _hub_dataset(data_cfg, source_dir)
+    if repo is not None:
+        return hub_source(repo, data_cfg)
+    return spec if spec.startswith("builtin:") else str(_resolve(spec, source_dir).resolve())
+
+
+def data_identity(source: str, prompts: list[PromptRow]) -> dict:
+    """What a run trains on, recorded in its run folder (data.json) and checkpoints: the source
+    (``data_source``), the number of prompts kept, and a fingerprint of their text and columns in
+    order."""
     digest = hashlib.sha256()
     for row in prompts:
         digest.update(

@@ -47,6 +47,7 @@ def test_defaults_and_the_name_from_the_folder():
 def test_every_key_given():
     entry = {
         "path": "rm",
+        "revision": "v2",
         "name": "safety",
         "weight": -2,
         "chat_template": False,

@@ -123,6 +123,18 @@ def test_missing_file(tmp_path):
     assert err.value.what.startswith("nope.jsonl not found")
 
 
+def test_hub_keys_are_refused_for_a_local_dataset_or_a_builtin(tmp_path):
+    """data.train_config and data.train_revision pick a Hub dataset's configuration and revision:
+    given with a local file or a builtin they would pick nothing."""
+    path = str(write_jsonl(tmp_path / "d.jsonl", ROWS))
+    with pytest.raises(UserError) as err:
+        load_rows(DataConfig(train=path, train_config="main"))
+    assert err.value.where == "data.train_config" and "is not a Hub id" in err.value.what
+    with pytest.raises(UserError) as err:
+        load_rows(DataConfig(train="builtin:arith", train_revision="v1"))
+    assert err.value.where == "data.train_revision" and "is not a Hub id" in err.value.what
+
+
 def test_unsupported_extension_and_plain_folder(tmp_path):
     (tmp_path / "d.csv").write_text("prompt\na\n")
     with pytest.raises(UserError) as err:
@@ -301,20 +313,21 @@ def test_a_changed_dataset_continues_with_a_new_pass():
 
 
 def test_data_identity_names_what_changed(tmp_path):
-    from grpo_ds.run.prompts import PromptRow, data_changes, data_identity
+    from grpo_ds.run.prompts import PromptRow, data_changes, data_identity, data_source
 
     rows = [PromptRow(i, f"{i}+1=", [i], {"answer": str(i + 1)}) for i in range(4)]
     (tmp_path / "d.jsonl").write_text("")
-    now = data_identity("d.jsonl", str(tmp_path), rows)
+    source = data_source(DataConfig(train="d.jsonl"), str(tmp_path))
+    now = data_identity(source, rows)
     assert now["prompts"] == 4 and now["source"] == str((tmp_path / "d.jsonl").resolve())
     # the same rows: no change
-    assert data_changes(now, data_identity("d.jsonl", str(tmp_path), rows)) is None
-    assert (
-        data_changes(now, data_identity("d.jsonl", str(tmp_path), rows[:1]))
-        == "it held 4 prompts, now 1"
-    )
+    assert data_changes(now, data_identity(source, rows)) is None
+    assert data_changes(now, data_identity(source, rows[:1])) == "it held 4 prompts, now 1"
     # same length, one answer edited
     edited = rows[:3] + [PromptRow(3, "3+1=", [3], {"answer": "5"})]
-    assert "its 4 prompts differ (fingerprint" in data_changes(
-        now, data_identity("d.jsonl", str(tmp_path), edited)
+    assert "its 4 prompts differ (fingerprint" in data_changes(now, data_identity(source, edited))
+    # a Hub dataset is named by its id, configuration, split and revision (not fetched for this)
+    hub = DataConfig(train="openai/gsm8k", train_config="main", train_revision="v1")
+    assert data_source(hub, str(tmp_path)) == (
+        "openai/gsm8k on the Hugging Face Hub (config main, split train, revision v1)"
     )
