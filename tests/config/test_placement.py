@@ -143,8 +143,7 @@ def test_continuous_generation_needs_split_placement():
 @pytest.mark.parametrize(
     "keys, names",
     [
-        ({"engine": "vllm"}, "hf engine"),
-        ({"engine": "agent", "env": "calculator"}, "hf engine"),
+        ({"engine": "agent", "env": "calculator"}, "hf and vllm engines"),
         ({"ranks": 2}, "one rollout rank"),
         ({"algorithm__dynamic_sampling": True}, "dynamic_sampling"),
     ],
@@ -154,6 +153,7 @@ def test_continuous_generation_refuses_what_it_does_not_run_with_yet(keys, names
     assert err.where == "rollout.continuous" and names in str(err), str(err)
 
 
-def test_continuous_generation_on_one_hf_rollout_rank_is_accepted():
-    p = resolve_placement(recipe(placement="split", continuous=True), 2)
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_continuous_generation_on_one_rollout_rank_is_accepted(engine):
+    p = resolve_placement(recipe(placement="split", continuous=True, engine=engine), 2)
     assert p == Placement(2, 1, 0)
