@@ -59,6 +59,7 @@ def update_metrics(
         nonfinite_optimizer_steps=nonfinite,
         **stats.router_metrics(),
         response_len_mean=sum(response_lengths) / len(response_lengths),
+        response_len_max=max(response_lengths),
         stop_frac=rollouts.finish_reason.count("stop") / len(rollouts),
         optimizer_steps=len(plan.minibatches),
         padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),

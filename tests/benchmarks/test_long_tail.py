@@ -1,0 +1,77 @@
+"""benchmarks/long_tail.py's pure parts on made-up metrics: a run's summary (a batch-by-batch run's
+decode steps are its longest completion, a continuous run's its tokens over its running batch), the
+decode cost fitted back from two runs, the verdicts, and the placement model's file. No launch."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tail():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("long_tail", ROOT / "benchmarks" / "long_tail.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(ROOT / "benchmarks"))
+
+
+# a decode step costs 0.002 s + 0.0001 s a row
+A, S = 0.002, 0.0001
+
+
+def _steps(continuous: bool, rewards: list[float]) -> list[dict]:
+    mean, longest, n = 30.0, 120, 128
+    tokens = mean * n
+    decode_steps = tokens / 100 if continuous else longest
+    return [
+        {
+            "step": k + 1,
+            "time_step_s": 0.5 if continuous else 0.8,
+            "rollout_side/time_rollout_s": decode_steps * A + S * tokens,
+            "rollout_side/time_reward_s": 0.01,
+            "time_update_s": 0.2,
+            "time_logprob_s": 0.05,
+            "time_sync_s": 0.02,
+            "response_len_mean": mean,
+            "response_len_max": longest,
+            "reward_mean": r,
+            **(
+                {"rollout/running_rows_mean": 100.0, "placement/samples_spanning_update_frac": 0.3}
+                if continuous
+                else {}
+            ),
+            "placement/staleness_mean": 0.8,
+        }
+        for k, r in enumerate(rewards)
+    ]
+
+
+def test_the_decode_cost_fitted_from_the_two_modes_is_the_one_that_made_them(tail):
+    batch = tail.summarize(_steps(False, [0.5, 0.6] * 10), skip=2)
+    flowing = tail.summarize(_steps(True, [0.55, 0.6] * 10), skip=2)
+    assert batch["decode_steps"] == 120 and batch["running_rows"] == pytest.approx(32)
+    assert flowing["decode_steps"] == pytest.approx(38.4) and flowing["running_rows"] == 100
+    assert tail.fit_decode(batch, flowing) == pytest.approx((A, S))
+    file = tail.measured("hf", batch, flowing, "m", "c")
+    (one, b1), (full, b128) = file["inputs"]["t_token"]
+    assert (one, full) == (1, 128) and (b1, b128) == pytest.approx((A + S, A + 128 * S))
+    assert [r["continuous"] for r in file["runs"]] == [False, True]
+
+
+def test_the_verdicts_read_the_step_ratio_and_the_learning_within_noise(tail):
+    results = {
+        ("hf", False): tail.summarize(_steps(False, [0.5, 0.6] * 10), 2),
+        ("hf", True): tail.summarize(_steps(True, [0.5, 0.6] * 10), 2),
+        ("vllm", False): tail.summarize(_steps(False, [0.5, 0.6] * 10), 2),
+        ("vllm", True): tail.summarize(_steps(True, [0.9, 0.95] * 10), 2),
+    }
+    verdicts = tail.verdicts(results)
+    # hf: 0.5 / 0.8 = 0.625 <= 0.8, the same rewards; vllm: a reward 0.375 higher is beyond noise
+    assert [ok for _, ok in verdicts] == [True, True, True, False]
+    assert "0.625" in verdicts[0][0] and "lower is faster" in verdicts[0][0]
