@@ -201,7 +201,7 @@ def verdicts(results: dict) -> list[tuple[str, bool]]:
         noise = 2 * math.hypot(batch["reward_se"], flowing["reward_se"])
         out.append(
             (
-                f"{engine}: continuous / batch-by-batch step {ratio:.3f} (target <= {TARGET}; "
+                f"{engine}: continuous / batch-by-batch step {ratio:.3f} (target <= {TARGET}, "
                 "lower is faster)",
                 ratio <= TARGET,
             )
