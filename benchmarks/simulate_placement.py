@@ -69,7 +69,8 @@ the command line's --world/--rollout-ranks/--staleness override the last three.
              "samples_per_step": 8, "phases": {"rollout": 5.0, "reward": 0.1, "logprob": 1.0, "update": 5.5,
              "sync": 0.4}}, ...]}
 step_s is the mean of the steady steps (leave out the first ones: warm-up and the pipeline's fill,
-which the model does not see); phases are grpo_ds's phase names (StepBatch.times), for a look at
+which the model does not see); a run's own "inputs" object, optional, overrides the file's for that
+run (a measured decode cost of its own, say); phases are grpo_ds's phase names (StepBatch.times), for a look at
 which phase the model misses. Each run is predicted at its own W, K, S (and samples_per_step when
 given); the error per row is (predicted - measured) / measured step_s, and the command exits 1 when
 any is beyond +-15%.
@@ -378,6 +379,7 @@ def compare(inputs: dict, measured: dict) -> tuple[str, bool]:
     for run in measured["runs"]:
         given = {
             **inputs,
+            **run.get("inputs", {}),
             **({"samples_per_step": run["samples_per_step"]} if "samples_per_step" in run else {}),
         }
         p = predict(

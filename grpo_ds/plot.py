@@ -189,7 +189,6 @@ def make_timeline_figure(timeline: Timeline, name: str) -> Figure:
     """The Figure (Agg canvas) of ``timeline``: a lane per rank, rank 0 on top, its phases as bars
     over seconds since the earliest span drawn; ``name`` heads the title."""
     figure_class, canvas_class = _matplotlib()
-    from matplotlib import colormaps
 
     lanes, steps, available = timeline.lanes, timeline.steps, timeline.available
     running = [lane for lane in lanes if lane.running]  # continuous generation's rollout ranks
@@ -214,10 +213,25 @@ def make_timeline_figure(timeline: Timeline, name: str) -> Figure:
         )
     else:
         ax = fig.add_subplot()
+    _draw_lanes(fig, ax, lanes, timeline.origin)
+    ax.set_yticks(range(len(lanes)), [f"rank {lane.rank} ({lane.role})" for lane in lanes])
+    ax.set_ylim(len(lanes) - 0.5, -0.5)  # rank 0 on top
+    ax.grid(axis="x", alpha=0.3)
+    if running:
+        _draw_running(below, running, timeline.origin)
+        ax = below
+    ax.set_xlabel("seconds since the first span drawn (dotted: a step's first span on that rank)")
+    return fig
+
+
+def _draw_lanes(fig, ax, lanes, origin: float) -> None:
+    """A lane per rank: its phases as bars (idle hatched), a dotted line where each step starts on
+    it; the legend, one entry a phase."""
+    from matplotlib import colormaps
+
     phases = list(dict.fromkeys(s.phase for lane in lanes for s in lane.spans))
     others = [p for p in phases if p not in PHASE_COLORS and p != IDLE]
     colors = {**PHASE_COLORS, **{p: colormaps["tab20"](2 * i + 1) for i, p in enumerate(others)}}
-    origin = timeline.origin
     for y, lane in enumerate(lanes):
         for phase in phases:
             bars = [(s.start - origin, s.end - s.start) for s in lane.spans if s.phase == phase]
@@ -246,14 +260,6 @@ def make_timeline_figure(timeline: Timeline, name: str) -> Figure:
         ncols=min(len(order), 11),
         fontsize="small",
     )
-    ax.set_yticks(range(len(lanes)), [f"rank {lane.rank} ({lane.role})" for lane in lanes])
-    ax.set_ylim(len(lanes) - 0.5, -0.5)  # rank 0 on top
-    ax.grid(axis="x", alpha=0.3)
-    if running:
-        _draw_running(below, running, origin)
-        ax = below
-    ax.set_xlabel("seconds since the first span drawn (dotted: a step's first span on that rank)")
-    return fig
 
 
 def _draw_running(ax, lanes, origin: float) -> None:

@@ -180,6 +180,9 @@ def _send(
     phases, running = clocks
     rollouts = Rollouts.concat(done.groups[g] for g in range(len(done.groups)))
     times, spans = phases.take()  # the scoring's own phases join them
+    # every batch reports each phase, at 0 where it had none since the batch before (a step whose
+    # groups all ended while the step before it finished)
+    times = {"wait": 0.0, "sync": 0.0, "rollout": 0.0, **times}
     data = scored_batch(ctx, done.prompt_index, rollouts, times, spans)
     decode_steps, rows = decoder.take_stats()
     decoding = times.get("rollout", 0.0)

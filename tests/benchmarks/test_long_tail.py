@@ -1,6 +1,6 @@
 """benchmarks/long_tail.py's pure parts on made-up metrics: a run's summary (a batch-by-batch run's
-decode steps are its longest completion, a continuous run's its tokens over its running batch), the
-decode cost fitted back from two runs, the verdicts, and the placement model's file. No launch."""
+decode steps are its longest completion, a continuous run's its tokens over its running batch, each
+with its own cost of a decode step), the verdicts, and the placement model's file. No launch."""
 
 import importlib.util
 import sys
@@ -26,7 +26,7 @@ A, S = 0.002, 0.0001
 
 
 def _steps(continuous: bool, rewards: list[float]) -> list[dict]:
-    mean, longest, n = 30.0, 120, 128
+    mean, longest, n = 30.0, 120, 64
     tokens = mean * n
     decode_steps = tokens / 100 if continuous else longest
     return [
@@ -52,15 +52,18 @@ def _steps(continuous: bool, rewards: list[float]) -> list[dict]:
     ]
 
 
-def test_the_decode_cost_fitted_from_the_two_modes_is_the_one_that_made_them(tail):
+def test_each_run_is_summarized_and_measured_with_its_own_decode_cost(tail):
     batch = tail.summarize(_steps(False, [0.5, 0.6] * 10), skip=2)
     flowing = tail.summarize(_steps(True, [0.55, 0.6] * 10), skip=2)
-    assert batch["decode_steps"] == 120 and batch["running_rows"] == pytest.approx(32)
-    assert flowing["decode_steps"] == pytest.approx(38.4) and flowing["running_rows"] == 100
-    assert tail.fit_decode(batch, flowing) == pytest.approx((A, S))
+    # 64 samples of 30 tokens: batch by batch 120 decode steps of 16 rows on average, continuous
+    # 19.2 of 100
+    assert batch["decode_steps"] == 120 and batch["running_rows"] == pytest.approx(16)
+    assert flowing["decode_steps"] == pytest.approx(19.2) and flowing["running_rows"] == 100
+    assert batch["reward_last10"] == pytest.approx(0.55) and batch["step_s"] == 0.8
     file = tail.measured("hf", batch, flowing, "m", "c")
-    (one, b1), (full, b128) = file["inputs"]["t_token"]
-    assert (one, full) == (1, 128) and (b1, b128) == pytest.approx((A + S, A + 128 * S))
+    costs = [run["inputs"]["t_token"][0][1] for run in file["runs"]]
+    # a decode step: 0.002 s + 0.0001 s a row, at each run's own mean rows
+    assert costs == pytest.approx([A + S * 16, A + S * 100])
     assert [r["continuous"] for r in file["runs"]] == [False, True]
 
 
