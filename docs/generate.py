@@ -288,10 +288,10 @@ def _fused_linear(block: Block) -> str:
 
 def _long_tail(block: Block) -> str:
     ratios = [
-        f"{engine} {block.note(f'{engine}: continuous / batch-by-batch step ').split(' ')[0]}"
+        f"{engine} {block.note(f'{engine}, S=1: continuous / batch-by-batch step ').split(' ')[0]}"
         for engine in ("hf", "vllm")
     ]
-    return f"continuous / batch-by-batch step (lower is faster): {', '.join(ratios)}"
+    return f"continuous / batch-by-batch step at S=1 (lower is faster): {', '.join(ratios)}"
 
 
 def _kernel(variant: str, mode: str) -> Callable[[Block], str]:

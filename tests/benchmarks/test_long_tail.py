@@ -60,21 +60,31 @@ def test_each_run_is_summarized_and_measured_with_its_own_decode_cost(tail):
     assert batch["decode_steps"] == 120 and batch["running_rows"] == pytest.approx(16)
     assert flowing["decode_steps"] == pytest.approx(19.2) and flowing["running_rows"] == 100
     assert batch["reward_last10"] == pytest.approx(0.55) and batch["step_s"] == 0.8
-    file = tail.measured("hf", batch, flowing, "m", "c")
+    results = {("hf", c, s): flowing if c else batch for s in (1, 2) for c in (False, True)}
+    file = tail.measured("hf", results, "m", "c")
     costs = [run["inputs"]["t_token"][0][1] for run in file["runs"]]
     # a decode step: 0.002 s + 0.0001 s a row, at each run's own mean rows
-    assert costs == pytest.approx([A + S * 16, A + S * 100])
-    assert [r["continuous"] for r in file["runs"]] == [False, True]
+    assert costs == pytest.approx([A + S * 16, A + S * 100] * 2)
+    assert [(r["continuous"], r["staleness"]) for r in file["runs"]] == [
+        (False, 1),
+        (True, 1),
+        (False, 2),
+        (True, 2),
+    ]
 
 
 def test_the_verdicts_read_the_step_ratio_and_the_learning_within_noise(tail):
+    def run(continuous: bool, rewards: list[float]) -> dict:
+        return tail.summarize(_steps(continuous, rewards), 2)
+
+    same, better = [0.5, 0.6] * 10, [0.9, 0.95] * 10
     results = {
-        ("hf", False): tail.summarize(_steps(False, [0.5, 0.6] * 10), 2),
-        ("hf", True): tail.summarize(_steps(True, [0.5, 0.6] * 10), 2),
-        ("vllm", False): tail.summarize(_steps(False, [0.5, 0.6] * 10), 2),
-        ("vllm", True): tail.summarize(_steps(True, [0.9, 0.95] * 10), 2),
+        **{("hf", c, s): run(c, same) for c in (False, True) for s in (1, 2)},
+        **{("vllm", c, s): run(c, better if c else same) for c in (False, True) for s in (1, 2)},
     }
     verdicts = tail.verdicts(results)
-    # hf: 0.5 / 0.8 = 0.625 <= 0.8, the same rewards; vllm: a reward 0.375 higher is beyond noise
-    assert [ok for _, ok in verdicts] == [True, True, True, False]
+    # hf: 0.5 / 0.8 = 0.625 <= 0.8, the same rewards; vllm: a reward 0.375 higher is beyond noise;
+    # S = 2: a ratio, no verdict
+    assert [ok for _, ok in verdicts] == [True, True, None, True, False, None]
     assert "0.625" in verdicts[0][0] and "lower is faster" in verdicts[0][0]
+    assert verdicts[2][0] == "hf, S=2: continuous / batch-by-batch step 0.625"
