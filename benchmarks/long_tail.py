@@ -40,13 +40,13 @@ from pathlib import Path
 
 STOPS = "!?"  # stop tokens beside EOS: about 3% of the random policy's tokens
 STEPS, SKIP = 40, 8
-SAMPLES = 4 * 16
+SAMPLES = 2 * 16
 SHAPE = [
-    "rollout.prompts_per_step=4",
+    "rollout.prompts_per_step=2",
     "rollout.group_size=16",
     "rollout.max_new_tokens=128",
-    "train.micro_batch_samples_per_gpu=64",
-    "train.logprob_micro_batch_samples_per_gpu=64",
+    "train.micro_batch_samples_per_gpu=32",
+    "train.logprob_micro_batch_samples_per_gpu=32",
     'reward.functions=[{"name": "long_tail_rewards:first_odd"}]',
     'rollout.placement="split"',
     "rollout.ranks=1",
