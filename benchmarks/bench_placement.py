@@ -3,6 +3,7 @@ side's idle share.
 
     python benchmarks/bench_placement.py [--steps 14] [--skip 4] [--record] [key=value ...]
     python benchmarks/bench_placement.py --learns [--seeds 0,1,2] [--record] [key=value ...]
+    python benchmarks/bench_placement.py --long-tail --steps 40 --skip 8 [--record]
 
 The first form launches recipes/tiny_vllm_cpu.json three times, one after the other, through the
 vLLM environment's deepspeed launcher (``.venv-vllm/bin/deepspeed``, the CPU build of vLLM; a
@@ -27,6 +28,10 @@ Both sides' busy seconds per step are printed so the balance shows. Targets: spl
 It then writes the placement model's --measured file (benchmarks/simulate_placement.py: one run a
 row, each with its phases) with inputs derived from the colocated and S=0 runs' per-phase medians,
 and runs the model against it, printing its error per row (target: within +-15%).
+
+``--long-tail`` compares split S=1 batch by batch with split S=1 continuous generation
+(rollout.continuous) on a long tail of completion lengths, with the hf engine and with vLLM, and
+checks the placement model's continuous rows against them: benchmarks/long_tail.py.
 
 ``--learns`` runs recipes/tiny_vllm_cpu.json split with S=1 (1 trainer + 1 rollout rank, pinned one
 core each: the machine has 2 cores) for its full 260 steps per seed, through tiny_recipe_seeds'
@@ -361,9 +366,12 @@ def launch_env() -> dict[str, str]:
     }
 
 
-def launch(out: Path, name: str, overrides: list[str], port: int) -> list[dict]:
+def launch(
+    out: Path, name: str, overrides: list[str], port: int, import_path: str | None = None
+) -> list[dict]:
     """One run through the launcher; its metrics. The log goes to out/name.log, its tail printed on
-    failure."""
+    failure. ``import_path``: a folder the ranks import from besides the checkout (reward
+    modules)."""
     log = out / f"{name}.log"
     command = [
         *launcher_command(port),
@@ -374,10 +382,11 @@ def launch(out: Path, name: str, overrides: list[str], port: int) -> list[dict]:
         "checkpoint.every_steps=null",
         *overrides,
     ]
+    env = launch_env()
+    if import_path:
+        env["PYTHONPATH"] = f"{import_path}:{env['PYTHONPATH']}"
     with log.open("w") as f:
-        done = subprocess.run(
-            command, cwd=REPO, env=launch_env(), stdout=f, stderr=subprocess.STDOUT
-        )
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:
         print(log.read_text()[-4000:], file=sys.stderr)
         raise SystemExit(f"{name}: the launch failed (exit {done.returncode}); log {log}")
@@ -416,20 +425,7 @@ def bench(args: argparse.Namespace) -> None:
         measured = measured_file(runs, inputs, machine("cpu"), commit())
         path = Path(args.measured_out or Path(tmp) / "measured.json")
         path.write_text(json.dumps(measured, indent=1) + "\n")
-        model = subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "benchmarks" / "simulate_placement.py"),
-                "--measured",
-                str(path),
-            ],
-            capture_output=True,
-            text=True,
-        )
-    if model.returncode not in (0, 1):
-        raise SystemExit(f"simulate_placement failed: {model.stderr}")
-    # without its machine line (the block has it)
-    model_text = model.stdout.split("\n", 1)[1].rstrip()
+        model_text, model_ok = simulate(path)
     body = (
         table(runs)
         + "\n\nThe placement model (`benchmarks/simulate_placement.py --measured`) against these "
@@ -458,7 +454,7 @@ def bench(args: argparse.Namespace) -> None:
         f"{token_steps} token steps; per-sample train and log-prob costs from the S=0 trainer, "
         "reward and syncs as measured), step s compared: the mean of the steady steps",
         f"target (placement model: every row within +-{MODEL_TOLERANCE:.0%} of the measured step): "
-        f"{verdict(model.returncode == 0)}",
+        f"{verdict(model_ok)}",
         f"model inputs: `{json.dumps(inputs)}`",
         f"largest staleness seen at S=1: {find(runs, 'split', 1).staleness_max}",
     ]
@@ -470,6 +466,24 @@ def bench(args: argparse.Namespace) -> None:
         notes,
         args.record,
     )
+
+
+def simulate(path: Path) -> tuple[str, bool]:
+    """benchmarks/simulate_placement.py --measured ``path``: its table (without its machine line)
+    and whether every row is within its tolerance."""
+    model = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "simulate_placement.py"),
+            "--measured",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if model.returncode not in (0, 1):
+        raise SystemExit(f"simulate_placement failed: {model.stderr}")
+    return model.stdout.split("\n", 1)[1].rstrip(), model.returncode == 0
 
 
 def learns(args: argparse.Namespace) -> None:
@@ -520,6 +534,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14, help="steps a launch")
     parser.add_argument("--skip", type=int, default=4, help="first steps dropped from each run")
     parser.add_argument("--learns", action="store_true", help="split S=1 seeds, the full recipe")
+    parser.add_argument(
+        "--long-tail",
+        action="store_true",
+        help="split S=1 batch by batch vs continuous on a long tail of lengths (benchmarks/"
+        "long_tail.py; use --steps 40 --skip 8)",
+    )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument(
         "--port", type=int, default=29930, help="the launcher's master port (one more per launch)"
@@ -534,6 +554,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.learns:
         learns(args)
+    elif args.long_tail:
+        import long_tail
+
+        long_tail.run(args, launch, simulate)
     else:
         if args.skip >= args.steps:
             parser.error("--skip must be less than --steps")

@@ -7,6 +7,7 @@ phase costs.
         row is off > 15%
     python benchmarks/simulate_placement.py --published   # NeMo-RL's Llama-3.1-8B on 16 x H100,
                                                             beside the model
+    python benchmarks/simulate_placement.py --long-tail   # continuous generation at GPU scale
 
 Pure Python, no torch; ``predict(inputs, placement, world, rollout_ranks, staleness) ->
 Prediction``.
@@ -36,6 +37,15 @@ sending), X = split_sync_s:
          generating with v_{k-1} (a second weight buffer), which this schedule has not. Every S >= 1
          gives the same steady state; a deeper pipeline only absorbs step-to-step jitter, which a
          steady-state model does not see.
+  S >= 1 with continuous generation (rollout.continuous, issue 52): the rollout ranks keep one
+         running batch of R = min(capacity_rows, (S+1) x b) rows across steps, b = ceil(N / K), and
+         load v_k between two decode steps. A rank decodes a step's b x m tokens (m =
+         mean_new_tokens) in C = b x m / R x t_token(R); a step's batch is whole L x t_token(R)
+         after its admission, L its longest sample; step k+S+1 is admitted once step k has trained.
+         So step = max(C + reward + X, T + X, (L x t_token(R) + reward + T + X) / (S + 1)): the
+         side that is slower, or the pipeline's latency shared by the S+1 steps in flight.
+         Batch by batch, a generate call runs L decode steps (the longest of its b samples, from
+         ``lengths`` or longest_new_tokens, else token_steps) at b x m / L sequences on average.
 Idle fraction = time a side waits for the other / step (the transfer counts as busy on both sides):
 split S = 0 trainer G/step, rollout T/step; S >= 1 trainer (max - T)/step, rollout (max - G)/step;
 colocated, the ranks are the trainer idle while they generate and score ((gen + reward)/step) and
@@ -43,7 +53,10 @@ the rollout engine idle while they train.
 
 --inputs FILE (JSON object): samples_per_step, token_steps (decode steps per generate call:
 max_new_tokens), t_token ([[batch, s], ...]) and train_s_per_sample are required; mean_new_tokens
-(token_steps), generate_overhead_s (0), logprob_s_per_sample (0, the old/ref log-prob passes),
+(token_steps), longest_new_tokens (token_steps: a generate call's decode steps), lengths (a list of
+sample lengths, the empirical distribution: the mean and a call's expected longest sample come from
+it), capacity_rows (a step's samples a rank: the running batch of continuous generation),
+generate_overhead_s (0), logprob_s_per_sample (0, the old/ref log-prob passes),
 train_efficiency (1.0), reward_s (0), reward_side ("rollout" | "trainer"), sync_s (0), split_sync_s
 (sync_s), world (2), rollout_ranks (1) and staleness (1, the split row besides S = 0) are optional;
 the command line's --world/--rollout-ranks/--staleness override the last three.
@@ -51,14 +64,20 @@ the command line's --world/--rollout-ranks/--staleness override the last three.
 --measured FILE, as benchmarks/bench_placement.py writes it (``inputs``, optional, is used without
 --inputs):
   {"machine": "...", "commit": "...", "inputs": {...},
-   "runs": [{"placement": "colocated" | "split", "world": 2, "rollout_ranks": 0, "staleness": 0, "step_s": 12.3,
+   "runs": [{"placement": "colocated" | "split", "world": 2, "rollout_ranks": 0, "staleness": 0, "continuous": false,
+             "step_s": 12.3,
              "samples_per_step": 8, "phases": {"rollout": 5.0, "reward": 0.1, "logprob": 1.0, "update": 5.5,
              "sync": 0.4}}, ...]}
 step_s is the mean of the steady steps (leave out the first ones: warm-up and the pipeline's fill,
-which the model does not see); phases are grpo_ds's phase names (StepBatch.times), for a look at
+which the model does not see); a run's own "inputs" object, optional, overrides the file's for that
+run (a measured decode cost of its own, say); phases are grpo_ds's phase names (StepBatch.times), for a look at
 which phase the model misses. Each run is predicted at its own W, K, S (and samples_per_step when
 given); the error per row is (predicted - measured) / measured step_s, and the command exits 1 when
 any is beyond +-15%.
+
+--long-tail: continuous against batch-by-batch generation at GPU scale, for stated shapes (8 GPUs,
+split 4 + 4, S = 1, 2 and 4, 0.5B, 1.5B and 7B policies, a long-tailed length distribution): the model's
+inputs are assumptions, listed with the table; beside it the figures the anchors published.
 
 --published: NeMo-RL v0.5's GRPO on Llama-3.1-8B-Instruct, 16 x H100, BF16, Megatron-core: on policy
 (colocated) 92.8 s a step, 1,581 tokens/s/GPU; one step off (8 generation + 8 training GPUs) 64.8 s,
@@ -82,6 +101,9 @@ from pathlib import Path
 REQUIRED = ("samples_per_step", "token_steps", "t_token", "train_s_per_sample")
 DEFAULTS = {
     "mean_new_tokens": None,
+    "longest_new_tokens": None,
+    "lengths": None,
+    "capacity_rows": None,
     "generate_overhead_s": 0.0,
     "logprob_s_per_sample": 0.0,
     "train_efficiency": 1.0,
@@ -125,6 +147,18 @@ def check_inputs(raw: dict) -> dict:
             f"inputs: {missing[0]!r} is required (see the docstring of {Path(__file__).name})"
         )
     out = {**DEFAULTS, **raw}
+    lengths = out.pop("lengths")
+    if lengths is not None:  # an empirical length distribution: its mean, its tail
+        if (
+            not isinstance(lengths, list)
+            or not lengths
+            or not all(isinstance(n, (int, float)) and 0 < n <= out["token_steps"] for n in lengths)
+        ):
+            raise ValueError("inputs: lengths must be a list of sample lengths in [1, token_steps]")
+        out["mean_new_tokens"] = out["mean_new_tokens"] or sum(lengths) / len(lengths)
+        out["lengths"] = sorted(lengths)
+    else:
+        out["lengths"] = None
     out["mean_new_tokens"] = out["mean_new_tokens"] or out["token_steps"]
     out["split_sync_s"] = out["sync_s"] if out["split_sync_s"] is None else out["split_sync_s"]
     for key, value in out.items():
@@ -135,7 +169,9 @@ def check_inputs(raw: dict) -> dict:
             "train_efficiency",
             "world",
         )
-        if key not in ("t_token", "reward_side") and (
+        if value is None and key in ("longest_new_tokens", "capacity_rows"):
+            continue
+        if key not in ("t_token", "reward_side", "lengths") and (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
             or value < 0
@@ -144,6 +180,10 @@ def check_inputs(raw: dict) -> dict:
             raise ValueError(
                 f"inputs: {key} is {value!r}; it must be a number {'> 0' if above_0 else '>= 0'}"
             )
+    if (out["longest_new_tokens"] or 0) > out["token_steps"]:
+        raise ValueError(
+            f"inputs: longest_new_tokens {out['longest_new_tokens']} is more than token_steps"
+        )
     if out["mean_new_tokens"] > out["token_steps"]:
         raise ValueError(
             f"inputs: mean_new_tokens {out['mean_new_tokens']} is more than token_steps"
@@ -180,12 +220,44 @@ def t_token(points: list, batch: float) -> float:
     return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
 
 
+def longest(inp: dict, samples: int) -> float:
+    """Decode steps of a generate call of ``samples`` samples: it runs until its longest sample
+    ends. From an empirical length distribution: the expected longest of ``samples`` draws, sum over
+    lengths x of x (F(x)^n - F(x-)^n); else longest_new_tokens, else token_steps (every call reaches
+    the limit)."""
+    lengths = inp["lengths"]
+    if lengths is None:
+        return inp["longest_new_tokens"] or inp["token_steps"]
+    n, expected, below = len(lengths), 0.0, 0.0
+    for i, x in enumerate(lengths):
+        if i + 1 < n and lengths[i + 1] == x:
+            continue
+        cdf = (i + 1) / n
+        expected += x * (cdf**samples - below**samples)
+        below = cdf
+    return expected
+
+
 def generate_s(inp: dict, ranks: int) -> float:
     """One generate call on each of ``ranks`` ranks, the samples split evenly (the fullest rank sets
-    the pace)."""
+    the pace): as many decode steps as its longest sample, at the batch a decode step sees on
+    average."""
     per_rank = math.ceil(inp["samples_per_step"] / ranks)
-    active = per_rank * inp["mean_new_tokens"] / inp["token_steps"]
-    return inp["generate_overhead_s"] + inp["token_steps"] * t_token(inp["t_token"], active)
+    steps = longest(inp, per_rank)
+    active = per_rank * inp["mean_new_tokens"] / steps
+    return inp["generate_overhead_s"] + steps * t_token(inp["t_token"], active)
+
+
+def continuous_s(inp: dict, ranks: int, staleness: int) -> tuple[float, float]:
+    """Continuous generation on each of ``ranks`` ranks: (seconds to decode a step's tokens at a
+    full running batch, seconds from a step's admission until its longest sample ends). The running
+    batch holds capacity_rows rows (default: a step's samples on a rank), at most the S+1 steps
+    admitted at once."""
+    per_rank = math.ceil(inp["samples_per_step"] / ranks)
+    rows = min(inp["capacity_rows"] or per_rank, per_rank * (staleness + 1))
+    per_token_step = t_token(inp["t_token"], rows)
+    throughput = per_rank * inp["mean_new_tokens"] / rows * per_token_step
+    return throughput, longest(inp, per_rank) * per_token_step
 
 
 def train_s(inp: dict, ranks: int, per_sample: float) -> float:
@@ -194,7 +266,12 @@ def train_s(inp: dict, ranks: int, per_sample: float) -> float:
 
 
 def predict(
-    inputs: dict, placement: str, world: int, rollout_ranks: int = 0, staleness: int = 0
+    inputs: dict,
+    placement: str,
+    world: int,
+    rollout_ranks: int = 0,
+    staleness: int = 0,
+    continuous: bool = False,
 ) -> Prediction:
     """The steady-state step of ``placement`` ("colocated" or "split") on ``world`` ranks; the
     module docstring gives the formulas."""
@@ -225,9 +302,14 @@ def predict(
         phases["sync"] = inp["split_sync_s"]
         if inp["reward_side"] == "trainer":
             gen, train = gen - phases["reward"], train + phases["reward"]
-        busy = gen + train if staleness == 0 else max(gen, train)
-        step = busy + phases["sync"]
-        idle_t, idle_r = (gen, train) if staleness == 0 else (busy - train, busy - gen)
+        if continuous and staleness > 0:
+            step, idle_t, idle_r = _continuous_step(
+                inp, generators, staleness, gen - phases["rollout"], train, phases
+            )
+        else:
+            busy = gen + train if staleness == 0 else max(gen, train)
+            step = busy + phases["sync"]
+            idle_t, idle_r = (gen, train) if staleness == 0 else (busy - train, busy - gen)
     n = inp["samples_per_step"]
     return Prediction(
         placement,
@@ -240,6 +322,22 @@ def predict(
         idle_r / step,
         phases,
     )
+
+
+def _continuous_step(
+    inp: dict, ranks: int, staleness: int, reward: float, train: float, phases: dict
+) -> tuple[float, float, float]:
+    """Split S >= 1 with continuous generation: (step s, trainer idle s, rollout idle s). The
+    step is bounded by the rollout side's throughput (a step's tokens at a full running batch, its
+    reward and the weights it loads), by the trainer (train + the sync), and by the pipeline's
+    latency: step k+S+1 is admitted once step k has trained, and its batch is whole only when its
+    longest sample ends, so S+1 steps take at least latency + reward + train + sync."""
+    throughput, latency = continuous_s(inp, ranks, staleness)
+    phases["rollout"] = throughput
+    sync = phases["sync"]
+    rollout = throughput + reward + sync
+    step = max(rollout, train + sync, (latency + reward + train + sync) / (staleness + 1))
+    return step, max(0.0, step - train - sync), max(0.0, step - rollout)
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -281,6 +379,7 @@ def compare(inputs: dict, measured: dict) -> tuple[str, bool]:
     for run in measured["runs"]:
         given = {
             **inputs,
+            **run.get("inputs", {}),
             **({"samples_per_step": run["samples_per_step"]} if "samples_per_step" in run else {}),
         }
         p = predict(
@@ -289,6 +388,7 @@ def compare(inputs: dict, measured: dict) -> tuple[str, bool]:
             run["world"],
             run.get("rollout_ranks", 0),
             run.get("staleness", 0),
+            run.get("continuous", False),
         )
         error = (p.step_s - run["step_s"]) / run["step_s"]
         ok &= abs(error) <= TOLERANCE
@@ -297,7 +397,7 @@ def compare(inputs: dict, measured: dict) -> tuple[str, bool]:
         )
         rows.append(
             [
-                p.placement,
+                p.placement + (" continuous" if run.get("continuous") else ""),
                 p.world,
                 p.rollout_ranks,
                 p.staleness,
@@ -428,6 +528,100 @@ def published() -> str:
     return "\n".join(lines)
 
 
+# --long-tail: continuous against batch-by-batch generation on 8 GPUs, split 4 + 4, S = 1. Every
+# input is an assumption, stated in LONG_TAIL_ASSUMED; the anchors' figures come from
+# github.com/Tencent-Hunyuan/UniRL/issues/94 (which quotes verl's).
+LONG_TAIL_SAMPLES, LONG_TAIL_CAP, LONG_TAIL_PROMPT = 2048, 8192, 200
+LONG_TAIL_ASSUMED = [
+    "8 H100-class GPUs: rollout.ranks 4 (one vLLM engine each), 4 ZeRO-3 trainer ranks",
+    f"{LONG_TAIL_SAMPLES:,} samples a step (128 prompts x 16), max_new_tokens {LONG_TAIL_CAP:,}, "
+    f"{LONG_TAIL_PROMPT} prompt tokens",
+    "completion lengths: log-normal, median 1,000 tokens, sigma 0.9 (mean ~1,500; ~1% at the "
+    "cap), as 400 quantiles",
+    "t_token(b) = 3 ms + 2 x params bytes / 3.35 TB/s + b x 6e-5 s x params / 8.03e9 (the "
+    "--published inputs' 7 ms and 0.06 ms a sequence at 8B, scaled by size)",
+    "train and log-prob costs: 6 x params x tokens x 4/3 and 2 x 2 x params x tokens at 40% of "
+    "989 TFLOP/s; reward 1 s on the rollout side; sync: 2 x params bytes at 25 GB/s",
+]
+LONG_TAIL_ANCHORS = [
+    "verl (as quoted in UniRL#94): one step off, overlap alone, +23% (FSDP2) / +40% (Megatron); "
+    "fully async with partial rollout, 2.35-2.67x",
+    "UniRL#94: async overlap alone gave no measurable speedup on its generate-dominated step; a "
+    "straggler decodes at ~1/10 of saturated throughput",
+]
+
+
+def long_tail_lengths(count: int = 400) -> list[float]:
+    from statistics import NormalDist
+
+    normal = NormalDist(math.log(1000), 0.9)
+    return [
+        min(LONG_TAIL_CAP, max(1.0, math.exp(normal.inv_cdf((i + 0.5) / count))))
+        for i in range(count)
+    ]
+
+
+def long_tail_inputs(params: float) -> dict:
+    lengths = long_tail_lengths()
+    tokens = LONG_TAIL_PROMPT + sum(lengths) / len(lengths)
+    flops = 989e12 * 0.40
+    floor = 3e-3 + 2 * params / 3.35e12
+    per_sequence = 6e-5 * params / 8.03e9
+    return {
+        "samples_per_step": LONG_TAIL_SAMPLES,
+        "token_steps": LONG_TAIL_CAP,
+        "lengths": lengths,
+        "t_token": [[1, floor + per_sequence], [1024, floor + 1024 * per_sequence]],
+        "train_s_per_sample": 6 * params * tokens * 4 / 3 / flops,
+        "logprob_s_per_sample": 2 * 2 * params * tokens / flops,
+        "reward_s": 1.0,
+        "sync_s": 2 * params / 25e9,
+        "world": 8,
+        "rollout_ranks": 4,
+    }
+
+
+def _long_tail_row(name: str, staleness: int, batch: Prediction, flowing: Prediction) -> list:
+    return [
+        name,
+        staleness,
+        batch.step_s,
+        flowing.step_s,
+        f"{flowing.step_s / batch.step_s:.2f}",
+        f"{batch.trainer_idle:.0%}",
+        f"{flowing.trainer_idle:.0%}",
+    ]
+
+
+def long_tail() -> str:
+    rows = []
+    for name, params in (("0.5B", 0.49e9), ("1.5B", 1.54e9), ("7B", 7.6e9)):
+        inputs = long_tail_inputs(params)
+        for staleness in (1, 2, 4):
+            batch = predict(inputs, "split", 8, 4, staleness)
+            flowing = predict(inputs, "split", 8, 4, staleness, continuous=True)
+            rows.append(_long_tail_row(name, staleness, batch, flowing))
+    header = [
+        "policy",
+        "S",
+        "batch-by-batch step s",
+        "continuous step s",
+        "continuous / batch",
+        "trainer idle, batch",
+        "trainer idle, continuous",
+    ]
+    return "\n".join(
+        [
+            table(rows, header),
+            "",
+            "assumed (no input measured or fitted):",
+            *(f"- {a}" for a in LONG_TAIL_ASSUMED),
+            "the anchors' figures (other systems, other shapes):",
+            *(f"- {a}" for a in LONG_TAIL_ANCHORS),
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -446,10 +640,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--published", action="store_true", help="the published GPU setup beside the model"
     )
+    parser.add_argument(
+        "--long-tail",
+        action="store_true",
+        help="continuous vs batch-by-batch generation at stated GPU shapes",
+    )
     args = parser.parse_args(argv)
     try:
         if args.published:
             print(published())
+            return 0
+        if args.long_tail:
+            print(long_tail())
             return 0
         measured = json.loads(args.measured.read_text()) if args.measured else None
         raw = json.loads(args.inputs.read_text()) if args.inputs else (measured or {}).get("inputs")

@@ -54,6 +54,7 @@ DPI = 100
 MEMORY_INCHES = (12.0, 3.6)  # width, height of a memory panel
 # width, height of one rank's lane, room for the title, axis and legend
 TIMELINE_INCHES = (12.0, 0.6, 1.6)
+RUNNING_INCHES = 1.8  # the running batch's panel under the lanes (continuous generation)
 # the loop's phases in its order, each a colour of its own; any other phase gets a light one of
 # tab20's
 PHASE_COLORS = {
@@ -188,11 +189,12 @@ def make_timeline_figure(timeline: Timeline, name: str) -> Figure:
     """The Figure (Agg canvas) of ``timeline``: a lane per rank, rank 0 on top, its phases as bars
     over seconds since the earliest span drawn; ``name`` heads the title."""
     figure_class, canvas_class = _matplotlib()
-    from matplotlib import colormaps
 
     lanes, steps, available = timeline.lanes, timeline.steps, timeline.available
+    running = [lane for lane in lanes if lane.running]  # continuous generation's rollout ranks
+    lanes_inches = TIMELINE_INCHES[1] * len(lanes) + TIMELINE_INCHES[2]
     fig = figure_class(
-        figsize=(TIMELINE_INCHES[0], TIMELINE_INCHES[1] * len(lanes) + TIMELINE_INCHES[2]),
+        figsize=(TIMELINE_INCHES[0], lanes_inches + (RUNNING_INCHES if running else 0.0)),
         dpi=DPI,
         layout="constrained",
     )
@@ -205,11 +207,31 @@ def make_timeline_figure(timeline: Timeline, name: str) -> Figure:
             f"{len(available)}; --steps FIRST:LAST for others)"
         )
     fig.suptitle(f"{name}: phases per rank over wall time, {shown}")
-    ax = fig.add_subplot()
+    if running:
+        ax, below = fig.subplots(
+            2, 1, sharex=True, height_ratios=[lanes_inches - TIMELINE_INCHES[2], RUNNING_INCHES]
+        )
+    else:
+        ax = fig.add_subplot()
+    _draw_lanes(fig, ax, lanes, timeline.origin)
+    ax.set_yticks(range(len(lanes)), [f"rank {lane.rank} ({lane.role})" for lane in lanes])
+    ax.set_ylim(len(lanes) - 0.5, -0.5)  # rank 0 on top
+    ax.grid(axis="x", alpha=0.3)
+    if running:
+        _draw_running(below, running, timeline.origin)
+        ax = below
+    ax.set_xlabel("seconds since the first span drawn (dotted: a step's first span on that rank)")
+    return fig
+
+
+def _draw_lanes(fig, ax, lanes, origin: float) -> None:
+    """A lane per rank: its phases as bars (idle hatched), a dotted line where each step starts on
+    it; the legend, one entry a phase."""
+    from matplotlib import colormaps
+
     phases = list(dict.fromkeys(s.phase for lane in lanes for s in lane.spans))
     others = [p for p in phases if p not in PHASE_COLORS and p != IDLE]
     colors = {**PHASE_COLORS, **{p: colormaps["tab20"](2 * i + 1) for i, p in enumerate(others)}}
-    origin = timeline.origin
     for y, lane in enumerate(lanes):
         for phase in phases:
             bars = [(s.start - origin, s.end - s.start) for s in lane.spans if s.phase == phase]
@@ -238,11 +260,21 @@ def make_timeline_figure(timeline: Timeline, name: str) -> Figure:
         ncols=min(len(order), 11),
         fontsize="small",
     )
-    ax.set_yticks(range(len(lanes)), [f"rank {lane.rank} ({lane.role})" for lane in lanes])
-    ax.set_ylim(len(lanes) - 0.5, -0.5)  # rank 0 on top
-    ax.set_xlabel("seconds since the first span drawn (dotted: a step's first span on that rank)")
-    ax.grid(axis="x", alpha=0.3)
-    return fig
+
+
+def _draw_running(ax, lanes, origin: float) -> None:
+    """Continuous generation's running batch over time, a line per rollout rank."""
+    for lane in lanes:
+        ax.plot(
+            [t - origin for t, _ in lane.running],
+            [rows for _, rows in lane.running],
+            drawstyle="steps-post",
+            label=f"rank {lane.rank}",
+        )
+    ax.set_ylabel("rows in flight")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower right")
 
 
 def plot_timeline(

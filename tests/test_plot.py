@@ -12,6 +12,7 @@ import pytest
 from grpo_ds.errors import UserError
 from grpo_ds.plot import (
     PANEL_INCHES,
+    RUNNING_INCHES,
     TIMELINE_INCHES,
     TITLE_INCHES,
     Panel,
@@ -353,3 +354,23 @@ def test_timeline_title_says_when_it_draws_the_last_20(tmp_path):
         "demo: phases per rank over wall time, steps 6-25 (the last 20 of 25; --steps "
         "FIRST:LAST for others)"
     )
+
+
+def test_a_continuous_runs_timeline_draws_the_running_batch_under_the_lanes(tmp_path):
+    run = write_logs(tmp_path / "run")
+    log = run / "ranks" / "rank2.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for line in lines:
+        if line.get("phases") and line.get("role") == "rollout":
+            start = line["phases"][0][1]
+            line["running_rows"] = [[start, 8], [start + 1, 16], [start + 2, 4]]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    fig = make_timeline_figure(read_timeline(run), "demo")
+    lanes, below = fig.axes
+    assert [t.get_text() for t in lanes.get_yticklabels()][-1] == "rank 2 (rollout)"
+    (line,) = below.get_lines()
+    assert line.get_label() == "rank 2" and list(line.get_ydata()) == [8, 16, 4, 8, 16, 4]
+    assert below.get_ylabel() == "rows in flight" and below.get_xlabel().startswith("seconds")
+    out = plot_timeline(run)
+    height = matplotlib_image.imread(out).shape[0]
+    assert height == round((3 * TIMELINE_INCHES[1] + TIMELINE_INCHES[2] + RUNNING_INCHES) * 100)

@@ -165,11 +165,12 @@ def _check_split_features(recipe) -> None:
 def _check_continuous(recipe) -> None:
     """Continuous generation: what it runs with so far."""
     r = recipe.rollout
-    if r.engine != "hf":
+    if r.engine not in ("hf", "vllm"):
         raise UserError(
             "rollout.continuous",
-            f'runs on the hf engine only so far, not on rollout.engine "{r.engine}"',
-            'set rollout.engine to "hf", or rollout.continuous to false',
+            f'runs on the hf and vllm engines so far, not on rollout.engine "{r.engine}" '
+            "(multi-turn episodes)",
+            'set rollout.engine to "hf" or "vllm", or rollout.continuous to false',
         )
     if r.ranks != 1:
         raise UserError(

@@ -48,7 +48,8 @@ from transformers.generation import StoppingCriteria, StoppingCriteriaList
 from grpo_ds.envs.base import EnvFactory, Environment, StepResult
 from grpo_ds.errors import first_line
 from grpo_ds.rollout.base import Rollouts, SamplingParams, Turn, TurnSampler
-from grpo_ds.rollout.hf import HFRolloutEngine, eval_mode, generate_left_padded
+from grpo_ds.rollout.hf import HFRolloutEngine, generate_left_padded
+from grpo_ds.rollout.hf_sampling import eval_mode
 
 
 class AgentRolloutEngine:

@@ -19,8 +19,6 @@ vocabulary entry.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel
@@ -29,31 +27,20 @@ from transformers.generation import (
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteriaList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
-
-if TYPE_CHECKING:
-    from grpo_ds.rollout.hf_continuous import ContinuousDecoder
 from grpo_ds.rollout.hf_compile import CompiledDecode
+from grpo_ds.rollout.hf_continuous import ContinuousDecoder
+from grpo_ds.rollout.hf_sampling import (
+    check_model_warpers,
+    eval_mode,
+    left_padded,
+    sample_tokens,
+    sampling_warpers,
+)
 from grpo_ds.rollout.stop import stop_token_ids
 from grpo_ds.rollout.streams import RowStreams
-
-# Warpers that transformers would take from the model's own generation_config (a key our config
-# leaves unset is filled from it) and apply after top-p, that is after TokenSampler: refused, see
-# check_model_warpers.
-_LATE_WARPERS = {
-    "min_p": None,
-    "top_h": None,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "watermarking_config": None,
-    "renormalize_logits": False,
-}  # key: its off value
 
 
 class TokenSampler(LogitsProcessor):
@@ -106,31 +93,6 @@ class TokenSampler(LogitsProcessor):
         return torch.stack(self._taken[:steps], dim=1)
 
 
-def sample_tokens(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """(B, V) log-probabilities and (B,) uniform numbers in [0, 1) -> (B, 1) one token per row drawn
-    from them, by inverse transform sampling: the first token whose cumulative probability (float64)
-    exceeds the row's number scaled to the row's total. A token of probability 0 (a warper's -inf)
-    adds nothing to the cumulative sum, so it is never drawn."""
-    cdf = logprobs.double().exp_().cumsum_(dim=-1)  # (B, V)
-    draw = uniform.to(device=cdf.device, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, draw, right=True).clamp_(max=cdf.shape[1] - 1)
-
-
-def sampling_warpers(sampling: SamplingParams) -> list[LogitsProcessor]:
-    """transformers' temperature, top-k and top-p warpers, built and ordered as generate builds them
-    (GenerationMixin._get_logits_processor); none for greedy decoding."""
-    if sampling.temperature <= 0:
-        return []
-    warpers: list[LogitsProcessor] = []
-    if sampling.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(sampling.temperature))
-    if sampling.top_k != 0:
-        warpers.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
-    if sampling.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
-    return warpers
-
-
 def _generation_config(
     max_new_tokens: int,
     pad_token_id: int,
@@ -153,20 +115,6 @@ def _generation_config(
         use_cache=True,
         compile_config=compile_config,
     )
-
-
-def check_model_warpers(model: PreTrainedModel) -> None:
-    """Refuse a model generation_config that sets a warper grpo_ds does not apply (it samples in
-    TokenSampler)."""
-    own = getattr(model, "generation_config", None)
-    for key, off in _LATE_WARPERS.items():
-        value = getattr(own, key, off)
-        if value is not None and value != off:
-            raise ValueError(
-                f"the model's generation_config sets {key}={value!r}; grpo_ds samples with the "
-                "recipe's temperature, top_p and top_k only (and records the log-probs of that "
-                f"distribution): remove {key} from generation_config.json or set it to {off!r}"
-            )
 
 
 def generate_left_padded(
@@ -235,32 +183,6 @@ def _token_sampler(
     return TokenSampler(
         None if sampling.temperature <= 0 else RowStreams(sampling.seed, row_keys, device)
     )
-
-
-def left_padded(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both (B, longest context) on the CPU: each context right-aligned
-    after pads."""
-    width = max(len(c) for c in contexts)
-    input_ids = torch.tensor(
-        [[pad_token_id] * (width - len(c)) + list(c) for c in contexts], dtype=torch.long
-    )
-    attention_mask = torch.tensor(
-        [[0] * (width - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long
-    )
-    return input_ids, attention_mask
-
-
-@contextmanager
-def eval_mode(model: torch.nn.Module):
-    """``model`` in eval mode for the duration (no dropout, no activation checkpointing, the KV
-    cache on), then back in the mode it was in: the policy's own module, when the engine shares it,
-    goes on training."""
-    training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(training)
 
 
 class HFRolloutEngine:
@@ -347,9 +269,6 @@ class HFRolloutEngine:
     def continuous(self, capacity_rows: int) -> ContinuousDecoder:
         """A running batch of at most ``capacity_rows`` rows on this engine's module
         (rollout.continuous: grpo_ds.rollout.hf_continuous); it loads new weights itself."""
-        # here, not at the top: hf_continuous builds on this module
-        from grpo_ds.rollout.hf_continuous import ContinuousDecoder
-
         return ContinuousDecoder(self.model, self.pad_token_id, self.stop_ids, capacity_rows)
 
     @torch.no_grad()

@@ -41,7 +41,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from grpo_ds.rollout.base import Rollouts, SamplingParams
-from grpo_ds.rollout.hf import (
+from grpo_ds.rollout.hf_sampling import (
     check_model_warpers,
     eval_mode,
     left_padded,
@@ -205,7 +205,7 @@ class ContinuousDecoder:
                 use_cache=True,
                 **{self._cache_key: self._cache},
             )
-            parts.append((out.logits[:, -1].float(), _layers(self._cache), mask))
+            parts.append((out.logits[:, -1].float(), self._cache, mask))
         if self._joining:
             input_ids, mask = left_padded([r.context for r in self._joining], self.pad_token_id)
             input_ids, mask = input_ids.to(self.device), mask.to(self.device)
@@ -219,21 +219,22 @@ class ContinuousDecoder:
                 logits_to_keep=1,
                 **{self._cache_key: cache},
             )
-            parts.append((out.logits[:, -1].float(), _layers(cache), mask))
+            parts.append((out.logits[:, -1].float(), cache, mask))
             joined = RowStreams.joined([self._stream(r) for r in self._joining])
             self._streams = (
                 joined if self._streams is None else RowStreams.joined([self._streams, joined])
             )
             self._running, self._joining = self._running + self._joining, []
+        if len(parts) == 1:  # the running rows alone, or the joining ones alone: no copy
+            logits, self._cache, self._mask = parts[0]
+            return logits
         width = max(mask.shape[1] for *_, mask in parts)
         self._mask = torch.cat([_left_pad(mask, width) for *_, mask in parts])
+        layers = [_layers(cache) for _, cache, _ in parts]
         self._cache = DynamicCache(
             [
-                (
-                    torch.cat([_left_pad(layers[i][0], width) for _, layers, _ in parts]),
-                    torch.cat([_left_pad(layers[i][1], width) for _, layers, _ in parts]),
-                )
-                for i in range(len(parts[0][1]))
+                tuple(torch.cat([_left_pad(part[i][j], width) for part in layers]) for j in (0, 1))
+                for i in range(len(layers[0]))
             ]
         )
         return torch.cat([logits for logits, *_ in parts])

@@ -1,12 +1,13 @@
 """Random numbers keyed by sample, so that a sample does not depend on the batch it was drawn in.
 
-The hf engine draws one uniform number per row and decode step (grpo_ds.rollout.hf.sample_tokens).
-Drawn from torch's global generator, those numbers follow the batch: the same prompt got other
-samples on 2 ranks than on 1, and a run could not continue on another world size as if it had run
-there. Here a row's number at step t is a hash of (the row's key, t), where the key comes from the
-call's seed and the sample's place in the step's batch (``SamplingParams.first_prompt``): the same
-sample gets the same numbers however the step's prompts are spread over ranks and generate calls.
-vLLM gets the same property from one seed per request (grpo_ds.rollout.vllm).
+The hf engine draws one uniform number per row and decode step
+(grpo_ds.rollout.hf_sampling.sample_tokens). Drawn from torch's global generator, those numbers
+follow the batch: the same prompt got other samples on 2 ranks than on 1, and a run could not
+continue on another world size as if it had run there. Here a row's number at step t is a hash of
+(the row's key, t), where the key comes from the call's seed and the sample's place in the step's
+batch (``SamplingParams.first_prompt``): the same sample gets the same numbers however the step's
+prompts are spread over ranks and generate calls. vLLM gets the same property from one seed per
+request (grpo_ds.rollout.vllm).
 
 The hash is counter-based and runs on the device in int64 tensors: 32-bit lanes mixed by xor-shifts
 and multiplications by odd constants below 2**31 (products stay below 2**63, so nothing overflows),

@@ -70,6 +70,7 @@ from grpo_ds.rollout import vllm_shm
 from grpo_ds.rollout.base import Rollouts, SamplingParams, Turn
 from grpo_ds.rollout.stop import folder_generation_config, stop_token_ids
 from grpo_ds.rollout.vllm_checks import sleep_mode_available, weight_sync_path
+from grpo_ds.rollout.vllm_continuous import VLLMContinuous
 from grpo_ds.rollout.vllm_requests import (
     VLLMSettings,
     llm_kwargs,
@@ -285,15 +286,18 @@ class VLLMRolloutEngine:
 
     # -------------------------------------------------------------------------------------- weights
 
-    @torch.no_grad()
-    def continuous(self, capacity_rows: int):
-        """None yet: the recipe check refuses rollout.continuous with this engine
-        (grpo_ds.config.placement)."""
-        raise NotImplementedError("continuous generation runs on the hf engine only so far")
+    def continuous(self, capacity_rows: int) -> VLLMContinuous:
+        """A running batch of at most ``capacity_rows`` sample requests on this engine's vLLM
+        engine (rollout.continuous: grpo_ds.rollout.vllm_continuous)."""
+        return VLLMContinuous(self, capacity_rows)
 
-    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+    @torch.no_grad()
+    def update_weights(
+        self, named_tensors: Iterator[tuple[str, torch.Tensor]], recompute_running: bool = False
+    ) -> int:
         """Load the stream into vLLM (each tensor is valid only until the next), then drop the
-        cached KV."""
+        cached KV; ``recompute_running``: requests are in flight (continuous generation), and vLLM
+        preempts them to recompute theirs too (grpo_ds.rollout.vllm_continuous)."""
         self.wake(("weights",))
         count = [0]
 
@@ -323,7 +327,7 @@ class VLLMRolloutEngine:
                     model.load_weights(weights=[(name, tensor)])
 
             self.llm.apply_model(load)  # one worker per process under the external launcher
-        self.llm.reset_prefix_cache()
+        self.llm.reset_prefix_cache(reset_running_requests=recompute_running)
         return count[0]
 
 

@@ -5,7 +5,8 @@ Every rank appends one JSON object a step to ``RUN_DIR/ranks/rank<r>.jsonl``; a 
 carries the rank's ``role`` ("colocated", "trainer" or "rollout") and ``phases``, the wall-clock
 spans of the phases it ran for that step: ``[[name, start, end], ...]`` in ``time.time()`` seconds.
 A rollout rank's record for step k holds what it ran to produce step k's samples, so under staleness
-its spans for step k come before the trainer's.
+its spans for step k come before the trainer's; under continuous generation it also holds the
+running batch since its previous record (``running_rows``: [time, rows in flight] pairs).
 
 The file is read the way a crash or a resume leaves it: unreadable lines (a torn last line), lines
 without ``phases`` and malformed spans are skipped, and when a step appears more than once the last
@@ -48,6 +49,8 @@ class Lane:
     rank: int
     role: str
     spans: tuple[Span, ...]
+    # continuous generation's running batch over time: (time.time(), rows), in time order
+    running: tuple[tuple[float, int], ...] = ()
 
     @property
     def window_s(self) -> float:
@@ -132,10 +135,12 @@ def read_timeline(run_dir: str | Path, steps: tuple[int, int] | None = None) -> 
     for rank, by_step in records.items():
         drawn = [by_step[s] for s in chosen if s in by_step]
         spans = sorted(
-            (span for _, span_list in drawn for span in span_list), key=lambda s: (s.start, s.end)
+            (span for _, span_list, _ in drawn for span in span_list),
+            key=lambda s: (s.start, s.end),
         )
+        running = sorted(point for *_, points in drawn for point in points)
         if spans:
-            lanes.append(Lane(rank, drawn[-1][0], tuple(spans)))
+            lanes.append(Lane(rank, drawn[-1][0], tuple(spans), tuple(running)))
     return Timeline(tuple(lanes), tuple(chosen), tuple(available))
 
 
@@ -150,9 +155,10 @@ def format_table(timeline: Timeline) -> str:
     return "\n".join(lines)
 
 
-def _step_records(path: Path) -> dict[int, tuple[str, list[Span]]]:
-    """step -> (role, spans) of one rank's log; the last record of a repeated step wins."""
-    out: dict[int, tuple[str, list[Span]]] = {}
+def _step_records(path: Path) -> dict[int, tuple[str, list[Span], list[tuple[float, int]]]]:
+    """step -> (role, spans, running batch) of one rank's log; the last record of a repeated step
+    wins."""
+    out: dict[int, tuple[str, list[Span], list[tuple[float, int]]]] = {}
     for line in path.read_text(errors="replace").splitlines():
         try:
             record = json.loads(line)
@@ -166,23 +172,26 @@ def _step_records(path: Path) -> dict[int, tuple[str, list[Span]]]:
         spans = [
             Span(p[0], step, float(p[1]), float(p[2])) for p in record["phases"] if _is_span(p)
         ]
+        running = [
+            (float(p[0]), int(p[1]))
+            for p in record.get("running_rows", [])
+            if isinstance(p, list) and len(p) == 2 and all(_is_number(x) for x in p)
+        ]
         if spans:
             out.pop(step, None)
-            out[step] = (str(record.get("role", "?")), spans)
+            out[step] = (str(record.get("role", "?")), spans, running)
     return out
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_span(entry) -> bool:
     if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
         return False
     times = entry[1:]
-    return (
-        all(
-            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-            for t in times
-        )
-        and times[0] <= times[1]
-    )
+    return all(_is_number(t) for t in times) and times[0] <= times[1]
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:

@@ -28,7 +28,8 @@ What a batch reports: its steps' token versions (the trainer's staleness metrics
 grpo_ds.step.schedule.SplitTrainer), and over the time since the previous batch the engine's mean
 running batch (``rollout/running_rows_mean``), its tokens per second of decoding
 (``rollout/tokens_per_s``), and the phases: rollout (decoding), sync (weights), reward, wait
-(nothing to decode).
+(nothing to decode). The rank log's record of a batch holds its phase spans and the running batch
+over time (``running_rows``: [time, rows] every 0.2 s of decoding), which the timeline draws.
 """
 
 from __future__ import annotations
@@ -90,6 +91,27 @@ class _Phases:
         return out
 
 
+class _Running:
+    """The running batch over time: [time.time(), rows in flight] at most every EVERY_S seconds of
+    decoding, for the timeline (grpo_ds.plot --timeline)."""
+
+    EVERY_S = 0.2
+
+    def __init__(self) -> None:
+        self._samples: list[list] = []
+        self._last = 0.0
+
+    def sample(self, rows: int) -> None:
+        now = time.time()
+        if now - self._last >= self.EVERY_S:
+            self._samples.append([round(now, 3), rows])
+            self._last = now
+
+    def take(self) -> list[list]:
+        out, self._samples = self._samples, []
+        return out
+
+
 def serve_continuous(
     ctx: StepContext, bridge: Bridge, stop: StopRequest, rank_log: Path, sampler: PromptSampler
 ) -> list[dict]:
@@ -102,7 +124,7 @@ def serve_continuous(
     inbox, outbox = Inbox(bridge), Outbox(bridge)
     opened: dict[int, _OpenStep] = {}
     queued: deque[GroupRequest] = deque()
-    phases = _Phases()
+    phases, running = _Phases(), _Running()
     while True:
         idle = not decoder.rows_in_flight and not queued
         if idle:
@@ -135,10 +157,11 @@ def serve_continuous(
         while queued and decoder.free_rows >= G:
             decoder.admit(queued.popleft())
         phases.enter("rollout")
+        running.sample(decoder.rows_in_flight)
         for group in decoder.step():
             opened[group.step].groups[group.group] = group.rollouts
         while opened and len(opened[first := min(opened)].groups) == P:
-            _send(first, opened.pop(first), ctx, decoder, phases, outbox, stop, rank_log)
+            _send(first, opened.pop(first), ctx, decoder, (phases, running), outbox, stop, rank_log)
         outbox.check()
 
 
@@ -147,14 +170,19 @@ def _send(
     done: _OpenStep,
     ctx: StepContext,
     decoder,
-    phases: _Phases,
+    clocks: tuple[_Phases, _Running],
     outbox: Outbox,
     stop: StopRequest,
     rank_log: Path,
 ) -> None:
-    """Step ``step``'s batch, its groups in order, scored and queued to go up."""
+    """Step ``step``'s batch, its groups in order, scored and queued to go up; the rank log's
+    record of it carries the phases and the running batch since the last one."""
+    phases, running = clocks
     rollouts = Rollouts.concat(done.groups[g] for g in range(len(done.groups)))
     times, spans = phases.take()  # the scoring's own phases join them
+    # every batch reports each phase, at 0 where it had none since the batch before (a step whose
+    # groups all ended while the step before it finished)
+    times = {"wait": 0.0, "sync": 0.0, "rollout": 0.0, **times}
     data = scored_batch(ctx, done.prompt_index, rollouts, times, spans)
     decode_steps, rows = decoder.take_stats()
     decoding = times.get("rollout", 0.0)
@@ -174,5 +202,11 @@ def _send(
             data.spans,
         )
     )
-    record = {"step": step, "role": "rollout", "weight_version": oldest, "phases": data.spans}
+    record = {
+        "step": step,
+        "role": "rollout",
+        "weight_version": oldest,
+        "phases": data.spans,
+        "running_rows": running.take(),
+    }
     append_line(rank_log, json.dumps(record))

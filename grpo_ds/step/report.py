@@ -59,12 +59,17 @@ def update_metrics(
         nonfinite_optimizer_steps=nonfinite,
         **stats.router_metrics(),
         response_len_mean=sum(response_lengths) / len(response_lengths),
+        response_len_max=max(response_lengths),
         stop_frac=rollouts.finish_reason.count("stop") / len(rollouts),
         optimizer_steps=len(plan.minibatches),
         padding_micro_batches=sum(m.padding_micro_batches() for m in plan.minibatches),
         token_imbalance=max(token_imbalance(m, sequence_tokens) for m in plan.minibatches),
         tokens_per_s=stats.sequence_tokens / times["update"],
-        generated_tokens_per_s=sum(response_lengths) / generating["rollout"],
+        # continuous generation decodes several steps at once: a batch may come with no decoding
+        # of its own since the one before (its rollout/tokens_per_s is the engine's rate)
+        generated_tokens_per_s=sum(response_lengths) / generating["rollout"]
+        if generating.get("rollout")
+        else math.nan,
         time_step_s=sum(times.values()),
         **{f"time_{k}_s": v for k, v in times.items()},
         **({f"rollout_side/time_{k}_s": v for k, v in side["times"].items()} if side else {}),

@@ -209,6 +209,11 @@ class SplitTrainer:
         steps): those were sampled with weights older than step's, which a checkpoint of this step
         no longer holds, so it must hold the batches."""
         self._go_ahead(step, policy, times, spans)
+        # under continuous generation a batch may wait for its last straggler while later steps'
+        # groups decode: the next step waits for its own batch only (a checkpoint holds the batches
+        # received so far, and a resume draws the others again)
+        if self.continuous:
+            return
         if self.dist.is_main and self.last_received < min(step + self.staleness, self.steps):
             with Phase("wait", times, spans):
                 while self.last_received < min(step + self.staleness, self.steps):

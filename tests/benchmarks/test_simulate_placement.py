@@ -182,3 +182,50 @@ def test_published_marks_every_input_and_shows_the_published_figures(sim):
     )
     text = sim.published()
     assert "92.8" in text and "64.8" in text and "1581" in text and "2478" in text
+
+
+# ---- long tails and continuous generation (issue 52)
+
+
+def test_a_generate_call_runs_as_long_as_its_expected_longest_sample(sim):
+    # lengths 1, 2, 3, 4 equally likely: the longest of 2 draws is x with F(x)^2 - F(x-1)^2
+    given = {**INPUTS, "lengths": [4, 1, 3, 2]}
+    assert sim.longest(sim.check_inputs(given), 2) == pytest.approx(
+        1 * 1 / 16 + 2 * 3 / 16 + 3 * 5 / 16 + 4 * 7 / 16
+    )
+    assert sim.longest(sim.check_inputs({**INPUTS, "longest_new_tokens": 6}), 8) == 6
+    assert sim.longest(sim.check_inputs(INPUTS), 8) == 10  # token_steps
+    # batch by batch on one rank, lengths 2 (7 in 8) or 10: the longest of 8 draws is 10 unless all
+    # are 2, ~7.25 decode steps on average, at 8 x 3 / 7.25 = 3.3 sequences (0.1 s a step)
+    tail = {**INPUTS, "lengths": [2] * 7 + [10]}
+    expected = 2 * (7 / 8) ** 8 + 10 * (1 - (7 / 8) ** 8)
+    assert sim.longest(sim.check_inputs(tail), 8) == pytest.approx(expected)
+    p = sim.predict(tail, "split", 2, 1, 0)
+    assert p.phases["rollout"] == pytest.approx(0.5 + expected * 0.1)
+
+
+def test_continuous_generation_is_the_slower_side_or_the_pipelines_latency(sim):
+    given = {**INPUTS, "mean_new_tokens": 2.5, "longest_new_tokens": 10, "capacity_rows": 8}
+    p = sim.predict(given, "split", 3, 1, 1, continuous=True)
+    # 8 rows at 0.2 s: a step's 8 x 2.5 tokens take 20 / 8 = 2.5 decode steps, 0.5 s; + reward 0.3
+    # + X 0.4 = 1.2. Trainer: 5 + 0.4. Latency: 10 x 0.2 + 0.3 + 5 + 0.4 = 7.7, over S + 1 = 2
+    assert p.phases["rollout"] == pytest.approx(0.5)
+    assert p.step_s == pytest.approx(max(1.2, 5.4, 7.7 / 2))
+    # at S = 3 the trainer is the floor; at S = 0 continuous is batch by batch
+    assert sim.predict(given, "split", 3, 1, 3, continuous=True).step_s == pytest.approx(5.4)
+    assert (
+        sim.predict(given, "split", 3, 1, 0, continuous=True).step_s
+        == sim.predict(given, "split", 3, 1, 0).step_s
+    )
+
+
+def test_lengths_must_be_sample_lengths_within_the_limit(sim):
+    for bad in ([], [0], [11], "long"):
+        with pytest.raises(ValueError, match="lengths"):
+            sim.check_inputs({**INPUTS, "lengths": bad})
+
+
+def test_the_long_tail_table_states_its_assumptions_and_the_anchors(sim):
+    text = sim.long_tail()
+    assert "assumed (no input measured or fitted)" in text and "UniRL#94" in text
+    assert sum(line.startswith(("0.5B", "1.5B", "7B")) for line in text.splitlines()) == 9

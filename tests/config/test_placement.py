@@ -130,3 +130,30 @@ def test_split_refuses_vllm_sleep_mode():
     assert err.where == "rollout.vllm_sleep_mode" and err.fix == "set it to false"
     # the hf engine ignores the key, so it is no reason to refuse
     assert resolve_placement(recipe(placement="split", vllm_sleep_mode=True), 3).split
+
+
+# ------------------------------------------------------------------------- continuous generation
+
+
+def test_continuous_generation_needs_split_placement():
+    err = refusal(2, continuous=True)
+    assert err.where == "rollout.continuous" and "split" in err.what
+
+
+@pytest.mark.parametrize(
+    "keys, names",
+    [
+        ({"engine": "agent", "env": "calculator"}, "hf and vllm engines"),
+        ({"ranks": 2}, "one rollout rank"),
+        ({"algorithm__dynamic_sampling": True}, "dynamic_sampling"),
+    ],
+)
+def test_continuous_generation_refuses_what_it_does_not_run_with_yet(keys, names):
+    err = refusal(3, placement="split", continuous=True, **keys)
+    assert err.where == "rollout.continuous" and names in str(err), str(err)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_continuous_generation_on_one_rollout_rank_is_accepted(engine):
+    p = resolve_placement(recipe(placement="split", continuous=True, engine=engine), 2)
+    assert p == Placement(2, 1, 0)

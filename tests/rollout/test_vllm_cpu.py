@@ -146,10 +146,10 @@ def assert_synced(report: dict) -> None:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
-    """One process checks all three (one vLLM start instead of two): the weight sync, agent turns
-    and LoRA's sync."""
+    """One process checks all four (one process instead of four): the weight sync, agent turns,
+    LoRA's sync and continuous generation."""
     out = tmp_path_factory.mktemp("one_rank") / "check.json"
-    run_venv([CHECK, out, "sync", "agent", "lora"])
+    run_venv([CHECK, out, "sync", "agent", "lora", "continuous"])
     (report,) = reports(out, 1)
     return report
 
@@ -168,6 +168,21 @@ def test_lora_syncs_the_merged_adapted_layers_and_what_completes_vllms_fused_lay
     lora = one_rank["lora"]
     assert max(lora["fixed_gap"]) <= GAP, lora
     assert lora["whole_layers"]["qkv_proj"] == ["q_proj", "k_proj", "v_proj"], lora
+
+
+def test_continuous_generation_draws_the_batch_engines_samples_and_loads_weights_in_flight(
+    one_rank,
+):
+    """grpo_ds.rollout.vllm_continuous: two steps' groups in a running batch of 2 groups draw the
+    samples of one generate call per step; new weights loaded with a group 4 tokens in reach its
+    next token (the requests in flight recomputed), each token recording its version."""
+    c = one_rank["continuous"]
+    assert c["same_samples"] and c["logprob_gap"] <= GAP, c
+    assert c["most_rows"] == 8 and len(c["lengths"]) > 1, c
+    assert c["versions"] == [[0] * 4 + [1] * (len(v) - 4) for v in c["versions"]], c
+    assert any(len(v) > 4 for v in c["versions"]), c  # a sample spans the two versions
+    # the tokens after the update have the trainer's new log-probs, those before do not
+    assert c["new_version_gap"] <= GAP < 100 * GAP < c["old_version_gap"], c
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -289,6 +304,35 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     whole = tmp_path_factory.mktemp("whole")
     run_venv(["-m", "grpo_ds.train", RECIPE, f"run.output_dir={whole}", *SHORT])
     return metrics(whole / "tiny_vllm_cpu")
+
+
+def test_continuous_generation_at_staleness_zero_equals_the_colocated_run(tmp_path, uninterrupted):
+    """1 trainer rank + 1 rollout rank whose vLLM engine generates continuously
+    (rollout.continuous), its running batch 2 groups of the step's 4: at staleness 0 the samples,
+    losses and metrics of the one-rank colocated run, every step on-policy."""
+    launch_venv(
+        2,
+        [
+            "--module",
+            "grpo_ds.train",
+            RECIPE,
+            f"run.output_dir={tmp_path}",
+            *SHORT,
+            'rollout.placement="split"',
+            "rollout.continuous=true",
+            "rollout.generation_batch_prompts=2",
+        ],
+    )
+    got = metrics(tmp_path / "tiny_vllm_cpu")
+    assert len(got) == len(uninterrupted)
+    for mine, theirs in zip(got, uninterrupted, strict=True):
+        for key, value in theirs.items():
+            assert mine[key] == (
+                pytest.approx(value, abs=1e-5, rel=1e-5) if isinstance(value, float) else value
+            ), key
+        assert mine["sampler_logprob_gap_max"] <= GAP and mine["placement/staleness_max"] == 0
+        assert mine["placement/samples_spanning_update_frac"] == 0.0
+        assert 0 < mine["rollout/running_rows_mean"] <= 16
 
 
 def _stop_once_logged(cmd: list[str], folder: Path, steps: int, stop: signal.Signals) -> int:

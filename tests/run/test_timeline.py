@@ -149,3 +149,22 @@ def test_a_folder_without_phases_is_one_line(tmp_path):
         UserError, match=r'ranks: has no step records with "phases" .*grpo_ds.train writes them'
     ):
         read_timeline(run)
+
+
+def test_a_continuous_rollout_ranks_running_batch_is_read_with_the_steps_drawn(tmp_path):
+    run = write_logs(tmp_path / "run", range(1, 4))
+    log = run / "ranks" / "rank2.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for line in lines:  # each step's record: the running batch since the record before
+        if line.get("phases") and line.get("role") == "rollout":
+            at = T0 + 10 * line["step"]
+            line["running_rows"] = [[at, 16], [at + 0.25, 12], ["bad", 3], [at + 0.5, True]]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    timeline = read_timeline(run, (2, 3))
+    assert timeline.lanes[2].running == (
+        (T0 + 20, 16),
+        (T0 + 20.25, 12),
+        (T0 + 30, 16),
+        (T0 + 30.25, 12),
+    )
+    assert timeline.lanes[0].running == ()  # a trainer rank's log has none

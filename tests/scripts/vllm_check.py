@@ -15,6 +15,10 @@ plus the overrides) and writes OUT_JSON.rank<r>:
   with log-prob 0.
 - lora: a LoRA policy (adapters on q_proj and v_proj, so vLLM's fused qkv needs k_proj beside them),
   synced after each of 2 optimizer steps: vLLM against the trainer's merged model.
+- continuous: continuous generation (grpo_ds.rollout.vllm_continuous): two steps' groups in a
+  running batch of 2 groups against the batch-by-batch engine's samples; then new weights loaded
+  while a group is in flight: the tokens sampled after it against the trainer's new log-probs, and
+  their versions.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 # this checkout's grpo_ds, whatever is installed
@@ -38,6 +43,7 @@ from grpo_ds.model.loading import load_model, load_tokenizer  # noqa: E402
 from grpo_ds.model.policy import Policy  # noqa: E402
 from grpo_ds.rollout.agent import AgentRolloutEngine  # noqa: E402
 from grpo_ds.rollout.base import SamplingParams  # noqa: E402
+from grpo_ds.rollout.hf_continuous import GroupRequest  # noqa: E402
 from grpo_ds.rollout.vllm import VLLMRolloutEngine, VLLMSettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -169,6 +175,68 @@ def check_agent(report: dict, policy, rollout, tokenizer, recipe) -> None:
     }
 
 
+def check_continuous(report: dict, policy, rollout, tokenizer) -> None:
+    sync(policy, rollout)
+    G = 4
+    prompts = [tokenizer.encode(p) for p in ("5+7=", "21+3=", "9*9=", "1", "12-5=")]
+    steps = {s: SamplingParams(12, temperature=TEMPERATURE, seed=40 + s) for s in (1, 2)}
+    expected = {s: rollout.generate(prompts, G, params) for s, params in steps.items()}
+    decoder = rollout.continuous(2 * G)
+    queued = [
+        GroupRequest(s, g, prompts[g], G, replace(steps[s], first_prompt=g))
+        for g in range(len(prompts))
+        for s in steps
+    ]
+    got, most = {}, 0
+    while queued or decoder.rows_in_flight:
+        while queued and decoder.free_rows >= G:
+            decoder.admit(queued.pop(0))
+        most = max(most, decoder.rows_in_flight)
+        for group in decoder.step():
+            got[(group.step, group.group)] = group.rollouts
+    same, gaps = True, []
+    for s, batch in expected.items():
+        for g in range(len(prompts)):
+            rows = range(g * G, (g + 1) * G)
+            group = got[(s, g)]
+            same &= group.response_ids == [batch.response_ids[i] for i in rows]
+            gaps += [
+                abs(a - b)
+                for i, mine in zip(rows, group.sampler_logprobs, strict=True)
+                for a, b in zip(mine, batch.sampler_logprobs[i], strict=False)
+            ]
+    # new weights while one group is 4 tokens in
+    decoder = rollout.continuous(2 * G)
+    prompt = tokenizer.encode("5+7=")
+    decoder.admit(GroupRequest(3, 0, prompt, G, SamplingParams(16, TEMPERATURE, seed=7)))
+    done = []
+    for _ in range(4):
+        done += decoder.step()
+    optimizer_step(policy, tokenizer, seed=123)
+    decoder.load_weights(policy.rollout_weights(BUCKET, rollout.whole_layers), version=1)
+    while decoder.rows_in_flight:
+        done += decoder.step()
+    out = done[0].rollouts
+    new_gap, old_gap = 0.0, []
+    for i in range(len(out)):
+        versions = torch.tensor(out.token_versions[i])
+        trainer = trainer_logprobs(policy, prompt + out.response_ids[i], len(prompt))
+        gap = (torch.tensor(out.sampler_logprobs[i]) - trainer).abs()
+        if (versions == 1).any():
+            new_gap = max(new_gap, gap[versions == 1].max().item())
+        if (versions == 0).any():
+            old_gap.append(gap[versions == 0].max().item())
+    report["continuous"] = {
+        "same_samples": same,
+        "logprob_gap": max(gaps),
+        "most_rows": most,
+        "lengths": sorted({len(r) for b in got.values() for r in b.response_ids}),
+        "versions": out.token_versions,
+        "new_version_gap": new_gap,
+        "old_version_gap": max(old_gap),
+    }
+
+
 def main() -> None:
     # the deepspeed launcher adds it
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
@@ -188,6 +256,9 @@ def main() -> None:
         if "agent" in modes:
             sync(policy, rollout)
             check_agent(report, policy, rollout, tokenizer, recipe)
+    if "continuous" in modes:
+        recipe, dist, tokenizer, rollout, policy = build(overrides)
+        check_continuous(report, policy, rollout, tokenizer)
     if "lora" in modes:
         lora = {
             **overrides,
