@@ -29,7 +29,8 @@ grpo_ds.step.schedule.SplitTrainer), and over the time since the previous batch 
 running batch (``rollout/running_rows_mean``), its tokens per second of decoding
 (``rollout/tokens_per_s``), and the phases: rollout (decoding), sync (weights), reward, wait
 (nothing to decode). The rank log's record of a batch holds its phase spans and the running batch
-over time (``running_rows``: [time, rows] every 0.2 s of decoding), which the timeline draws.
+over time (``running_rows``: [time, rows] every 0.02 s of decoding, at most 64 a batch), which the
+timeline draws.
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ class _Phases:
 
 class _Running:
     """The running batch over time: [time.time(), rows in flight] at most every EVERY_S seconds of
-    decoding, for the timeline (grpo_ds.plot --timeline)."""
+    decoding, at most MOST of them a batch (evenly thinned), for the timeline (grpo_ds.plot
+    --timeline)."""
 
-    EVERY_S = 0.2
+    EVERY_S, MOST = 0.02, 64
 
     def __init__(self) -> None:
         self._samples: list[list] = []
@@ -109,6 +111,8 @@ class _Running:
 
     def take(self) -> list[list]:
         out, self._samples = self._samples, []
+        if len(out) > self.MOST:
+            out = [out[round(i * (len(out) - 1) / (self.MOST - 1))] for i in range(self.MOST)]
         return out
 
 
