@@ -53,7 +53,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -997,8 +996,7 @@ TINY_OVERRIDES = (
 TINY_FILES = ("metrics.jsonl", "recipe.json", "profile/rank0.memory.csv")
 
 
-@dataclass(frozen=True)
-class TimelineRun:
+class TimelineRun(NamedTuple):
     """A split placement run of the tiny recipe whose rank logs a timeline picture is drawn from,
     kept in docs/img/<folder>/."""
 
