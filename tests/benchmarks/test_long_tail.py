@@ -25,8 +25,9 @@ def tail():
 A, S = 0.002, 0.0001
 
 
-def _steps(continuous: bool, rewards: list[float]) -> list[dict]:
-    mean, longest, n = 30.0, 120, 64
+def _steps(continuous: bool, rewards: list[float], n: int) -> list[dict]:
+    """A run's metrics: ``n`` samples a step of 30 tokens on average, the longest 120."""
+    mean, longest = 30.0, 120
     tokens = mean * n
     decode_steps = tokens / 100 if continuous else longest
     return [
@@ -53,18 +54,19 @@ def _steps(continuous: bool, rewards: list[float]) -> list[dict]:
 
 
 def test_each_run_is_summarized_and_measured_with_its_own_decode_cost(tail):
-    batch = tail.summarize(_steps(False, [0.5, 0.6] * 10), skip=2)
-    flowing = tail.summarize(_steps(True, [0.55, 0.6] * 10), skip=2)
-    # 64 samples of 30 tokens: batch by batch 120 decode steps of 16 rows on average, continuous
-    # 19.2 of 100
-    assert batch["decode_steps"] == 120 and batch["running_rows"] == pytest.approx(16)
-    assert flowing["decode_steps"] == pytest.approx(19.2) and flowing["running_rows"] == 100
+    n = tail.SAMPLES
+    batch = tail.summarize(_steps(False, [0.5, 0.6] * 10, n), skip=2)
+    flowing = tail.summarize(_steps(True, [0.55, 0.6] * 10, n), skip=2)
+    # n samples of 30 tokens: batch by batch 120 decode steps of n x 30 / 120 rows on average,
+    # continuous n x 30 / 100 decode steps of 100
+    assert batch["decode_steps"] == 120 and batch["running_rows"] == pytest.approx(n / 4)
+    assert flowing["decode_steps"] == pytest.approx(n * 0.3) and flowing["running_rows"] == 100
     assert batch["reward_last10"] == pytest.approx(0.55) and batch["step_s"] == 0.8
     results = {("hf", c, s): flowing if c else batch for s in (1, 2) for c in (False, True)}
     file = tail.measured("hf", results, "m", "c")
     costs = [run["inputs"]["t_token"][0][1] for run in file["runs"]]
     # a decode step: 0.002 s + 0.0001 s a row, at each run's own mean rows
-    assert costs == pytest.approx([A + S * 16, A + S * 100] * 2)
+    assert costs == pytest.approx([A + S * n / 4, A + S * 100] * 2)
     assert [(r["continuous"], r["staleness"]) for r in file["runs"]] == [
         (False, 1),
         (True, 1),
@@ -75,7 +77,7 @@ def test_each_run_is_summarized_and_measured_with_its_own_decode_cost(tail):
 
 def test_the_verdicts_read_the_step_ratio_and_the_learning_within_noise(tail):
     def run(continuous: bool, rewards: list[float]) -> dict:
-        return tail.summarize(_steps(continuous, rewards), 2)
+        return tail.summarize(_steps(continuous, rewards, tail.SAMPLES), 2)
 
     same, better = [0.5, 0.6] * 10, [0.9, 0.95] * 10
     results = {
