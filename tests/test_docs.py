@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ds.config.recipe import iter_fields
+from grpo_ds.config.reference import key_anchor
 from tests import css_select
 from tests.scripts.cli_forks import run_forked
 from tests.shared_runs import docs_generate as _generate
@@ -47,7 +48,7 @@ def _schema_keys() -> list[str]:
 
 # The reference gives each key a definition: the key alone on a line, in backticks, then its meaning
 # after ":   ".
-_DEFINED_KEY = re.compile(r"^`([A-Za-z_][\w.]*)`\n:   \S", flags=re.MULTILINE)
+_DEFINED_KEY = re.compile(r"^`([A-Za-z_][\w.]*)`(?:\{#[\w.]+\})?\n:   \S", flags=re.MULTILINE)
 
 
 def _defined_keys() -> list[str]:
@@ -327,6 +328,33 @@ def test_every_picture_opens_full_size(built_site):
                 f"{page.relative_to(built_site)}: {img.attrs.get('src')} is not a link to itself"
             )
     assert pictures >= 6, pictures  # the benchmarks page's three, architecture's two, placement's
+
+
+def test_every_recipe_key_has_an_id_on_the_reference_page(built_site):
+    """Guides link a key to its definition: recipe.md#rollout.max_staleness."""
+    page = css_select.parse((built_site / "reference" / "recipe" / "index.html").read_text())
+    ids = {element.attrs.get("id") for element in css_select.select(page, "dt code")}
+    missing = [key for key in _schema_keys() if key_anchor(key) not in ids]
+    assert not missing and len(_schema_keys()) > 100, missing
+
+
+def test_every_guides_key_list_links_each_key_to_its_definition():
+    """A guide's first paragraph names the keys it relies on: each links to the reference's id for
+    it (a key left unlinked, or linked to the page alone, fails)."""
+    lists = 0
+    for page in sorted((ROOT / "docs" / "guides").glob("*.md")):
+        found = re.search(
+            r"relies on the keys(.*?)\(\[recipe reference\]", page.read_text(), flags=re.S
+        )
+        if not found:
+            continue
+        lists += 1
+        text = found.group(1)
+        bare = re.findall(r"(?<!\[)`([a-z_]+\.[\w.\[\]]+)`(?!\])", text)
+        linked = re.findall(r"\[`([^`]+)`\]\(\.\./reference/recipe\.md#([\w.]+)\)", text)
+        assert not bare, f"{page.name}: keys without a link: {bare}"
+        assert linked and all(anchor == key_anchor(key) for key, anchor in linked), page.name
+    assert lists >= 8, lists
 
 
 def test_no_file_cites_a_document_outside_the_repository():

@@ -66,7 +66,7 @@ def definitions() -> str:
     """Markdown (with the def_list extension): a ``## `section``` heading per section, then per
     key::
 
-        `section.key`
+        `section.key`{#section.key}
         :   Its meaning
 
             type · default `value` · allowed values
@@ -109,7 +109,19 @@ def _definition(key: str, f: dataclasses.Field) -> list[str]:
         default = "required"
     allowed = _allowed(f.metadata)
     facts = [_type_name(f.type), default] + ([allowed] if allowed else [])
-    return ["", f"`{key}`", f":   {_escape(f.metadata['doc'])}", "", "    " + " · ".join(facts)]
+    return [
+        "",
+        f"`{key}`{{#{key_anchor(key)}}}",
+        f":   {_escape(f.metadata['doc'])}",
+        "",
+        "    " + " · ".join(facts),
+    ]
+
+
+def key_anchor(key: str) -> str:
+    """The id of a key's definition on the reference page, which guides link to
+    (docs/reference/recipe.md#rollout.max_staleness): the key, an entry's ``[]`` left out."""
+    return key.replace("[]", "")
 
 
 if __name__ == "__main__":
