@@ -638,22 +638,76 @@ def _target_cell(targets: tuple[Target, ...]) -> str:
     )
 
 
+def _measured_cell(block: Block) -> str:
+    """Where and when a block was measured: its date, linked to it on the archive page, its machine
+    and its commit."""
+    commit = (block.field("commit") or "?").split(" ")[0]
+    date = re.search(r"\((\d{4}-\d\d-\d\d)[^)]*\)\s*$", block.heading)
+    link = f"[#{block.index}{', ' + date.group(1) if date else ''}]({ARCHIVE}#{block.anchor})"
+    return f"{link}, {_escape(short_machine(block.field('machine')))}, `{commit}`"
+
+
 def summary_table(rows: list[Row]) -> str:
-    """The summary: question, latest figure, target, and where and when (the block's date, linked to
-    it on the archive page, its machine and its commit)."""
-    lines = ["| question | latest figure | target | measured |", "|---|---|---|---|"]
+    """The summary: question, latest figure, and where and when it was measured."""
+    lines = ["| question | latest figure | measured |", "|---|---|---|"]
     for row in rows:
         block = row.block
         if block is None:
-            lines.append(f"| {row.question.title} | not measured yet | - | - |")
+            lines.append(f"| {row.question.title} | not measured yet | - |")
             continue
         figure = row.figure if row.unreadable is None else f"**unreadable block**: {row.unreadable}"
-        commit = (block.field("commit") or "?").split(" ")[0]
-        date = re.search(r"\((\d{4}-\d\d-\d\d)[^)]*\)\s*$", block.heading)
-        link = f"[#{block.index}{', ' + date.group(1) if date else ''}]({ARCHIVE}#{block.anchor})"
+        lines.append(f"| {row.question.title} | {_escape(figure)} | {_measured_cell(block)} |")
+    return "\n".join(lines) + "\n"
+
+
+def targets_table(rows: list[Row]) -> str:
+    """The verdicts: each measured question's targets, met or NOT met, from its latest block."""
+    lines = ["| question | targets | measured |", "|---|---|---|"]
+    for row in rows:
+        if row.block is not None:
+            lines.append(
+                f"| {row.question.title} | {_escape(_target_cell(row.targets))} | "
+                f"{_measured_cell(row.block)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+# the questions against TRL, whose latest figures the page's top draws and writes as "N x faster"
+VS_TRL = (
+    "Speed and memory vs TRL, CPU, tiny model",
+    "Speed and memory vs TRL, CPU, vocabulary 151,936",
+    "Speed and memory vs TRL, GPU, 0.5 B",
+    "Reward models",
+)
+_VS_TRL_FIGURE = re.compile(r"step time ([\d.]+)x, peak memory ([\d.]+)x")
+
+
+def vs_trl(rows: list[Row]) -> list[tuple[Row, float, float]]:
+    """(row, grpo_ds / TRL step time, grpo_ds / TRL peak memory) of each measured question against
+    TRL."""
+    out = []
+    for row in rows:
+        found = _VS_TRL_FIGURE.search(row.figure) if row.question.title in VS_TRL else None
+        if row.block is not None and found:
+            out.append((row, float(found.group(1)), float(found.group(2))))
+    return out
+
+
+def times(ratio: float, less: str, more: str) -> str:
+    """A grpo_ds / TRL ratio in words: 0.5 -> "2.0x faster", 1.43 -> "1.43x slower"."""
+    return f"{1 / ratio:.1f}x {less}" if ratio <= 1 else f"{ratio:.2f}x {more}"
+
+
+def vs_trl_table(rows: list[Row]) -> str:
+    lines = [
+        "| setting | speed (step time) | peak memory | measured |",
+        "|---|---|---|---|",
+    ]
+    for row, step, memory in vs_trl(rows):
         lines.append(
-            f"| {row.question.title} | {_escape(figure)} | {_escape(_target_cell(row.targets))} | "
-            f"{link}, {_escape(short_machine(block.field('machine')))}, `{commit}` |"
+            f"| {row.question.title.removeprefix('Speed and memory vs TRL, ')} | "
+            f"{times(step, 'faster', 'slower')} | {times(memory, 'less memory', 'more memory')} | "
+            f"{_measured_cell(row.block)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -668,13 +722,27 @@ def benchmarks_page() -> str:
     unread = [r for r in rows if r.unreadable]
     parts = [
         f"{GENERATED}\n# Benchmarks\n\nWhere grpo_ds stands against TRL, eager PyTorch and "
-        "Liger-Kernel today, one row per question. A row shows the **latest block** that answers "
-        "its question in benchmarks/RESULTS.md (the last one a benchmark's `--record` appended; "
-        "nothing here is typed by hand): its headline figure, the targets the block states, met or "
-        f"NOT met, and where it was measured: the block (linked to it in the [archive]({ARCHIVE}), "
-        f"which holds all {len(found)} blocks with their "
-        "commands and tables), the machine and the commit.\n\n",
+        "Liger-Kernel today. Every figure comes from the **latest block** that answers its "
+        "question in benchmarks/RESULTS.md (the last one a benchmark's `--record` appended; "
+        f"nothing here is typed by hand), linked to it in the [archive]({ARCHIVE}), which holds "
+        f"all {len(found)} blocks with their commands and tables.\n\n"
+        "## Against TRL\n\n"
+        "[![Step time and peak memory of grpo_ds over TRL's](img/vs_trl.png)](img/vs_trl.png)\n\n"
+        + vs_trl_table(rows)
+        + "\nThe same task, model, reward and settings in both, on the machine named; the bars are "
+        "grpo_ds's step time and peak memory over TRL's GRPOTrainer's (**below 1 is better**: "
+        "faster, less memory), the table says the same in words. Each setting's conditions and "
+        "its reward curves are in its block.\n\n"
+        "## Every question\n\nOne row per question: its latest figure and where it was "
+        "measured. How to read a ratio: `grpo_ds / TRL: step time 0.66x` and `peak memory 0.91x` "
+        "are grpo_ds's over TRL's (lower is better); `Nx eager` and `Nx Liger` are speedups over "
+        "them (higher is better); `N of eager's memory` and `mem / liger` are shares (lower is "
+        "better); `continuous / batch-by-batch step` is a ratio of step times (lower is "
+        "faster).\n\n",
         summary_table(rows),
+        "\n## Targets\n\nThe targets each latest block states, met or NOT met (a block states "
+        "them in its notes; the archive has its reasons).\n\n",
+        targets_table(rows),
     ]
     if unread:
         parts.append(
@@ -1097,6 +1165,44 @@ def draw_reward_vs_trl() -> Figure:
     return fig
 
 
+def _vs_trl_rows() -> list[tuple[Row, float, float]]:
+    return vs_trl(summary(blocks(RESULTS.read_text())[1])[0])
+
+
+def draw_vs_trl() -> Figure:
+    """grpo_ds's step time and peak memory over TRL's, a pair of bars per measured setting, from
+    the latest block of each question against TRL."""
+    measured = _vs_trl_rows()
+    figure_class, canvas_class = _figure_class()
+    fig = figure_class(figsize=(7.2, 0.9 + 0.75 * len(measured)), dpi=100, layout="constrained")
+    canvas_class(fig)
+    ax = fig.add_subplot()
+    labels = [
+        f"{row.question.title.removeprefix('Speed and memory vs TRL, ')}\n"
+        f"{short_machine(row.block.field('machine'))}"
+        for row, _, _ in measured
+    ]
+    y = range(len(measured))
+    for offset, (name, values) in zip(
+        (-0.18, 0.18),
+        (
+            ("step time", [step for _, step, _ in measured]),
+            ("peak memory", [memory for _, _, memory in measured]),
+        ),
+        strict=True,
+    ):
+        bars = ax.barh([i + offset for i in y], values, height=0.34, label=name)
+        ax.bar_label(bars, fmt="%.2fx", padding=3, fontsize="small")
+    ax.axvline(1.0, color="0.3", linewidth=1)
+    ax.set_yticks(list(y), labels, fontsize="small")
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(1.2, 1.15 * max(max(v[1], v[2]) for v in measured)))
+    ax.set_xlabel("grpo_ds / TRL (below 1: grpo_ds faster, or leaner)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+    return fig
+
+
 def draw_tiny_curves() -> Figure:
     from grpo_ds.plot import make_figure
 
@@ -1292,6 +1398,9 @@ def _architecture_sources() -> bytes:
 
 
 PICTURES: dict[str, Picture] = {
+    "vs_trl.png": Picture(
+        draw_vs_trl, lambda: "".join(row.block.text for row, _, _ in _vs_trl_rows()).encode()
+    ),
     "reward_vs_trl.png": Picture(
         draw_reward_vs_trl,
         lambda: [b for b in blocks(RESULTS.read_text())[1] if QUESTIONS[0].asks(b.heading)][

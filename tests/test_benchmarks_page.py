@@ -76,15 +76,21 @@ def test_the_summary_shows_the_latest_block_per_question_and_its_verdicts(genera
         ("grpo_ds ahead: memory", True),
     ]
     table = generate.summary_table(list(rows.values()))
-    line = next(
-        x for x in table.splitlines() if x.startswith("| Speed and memory vs TRL, CPU, tiny model")
+    targets = generate.targets_table(list(rows.values()))
+    line, verdicts = (
+        next(
+            x for x in t.splitlines() if x.startswith("| Speed and memory vs TRL, CPU, tiny model")
+        )
+        for t in (table, targets)
     )
-    assert (
-        "**NOT met**: grpo_ds ahead: time per step" in line
-        and "`bbbbbbb`" in line
-        and "AMD EPYC, 2 cores" in line
-    )
+    assert "`bbbbbbb`" in line and "AMD EPYC, 2 cores" in line and "NOT met" not in line
+    assert "**NOT met**: grpo_ds ahead: time per step" in verdicts and "`bbbbbbb`" in verdicts
     assert "0.50x" not in table  # the older block is in the archive only
+    # the top of the page: the ratio in words, lower being better
+    (measured,) = generate.vs_trl(list(rows.values()))
+    assert measured[1:] == (1.20, 0.91)
+    top = generate.vs_trl_table(list(rows.values()))
+    assert "| CPU, tiny model | 1.20x slower | 1.1x less memory |" in top
     rows, _, _ = _rows(generate, NEW, OLD)  # the order appended decides, not the order of the dates
     assert rows["Speed and memory vs TRL, CPU, tiny model"].block.heading.endswith(
         "(2026-11-01 10:00 UTC)"
@@ -295,3 +301,9 @@ def test_a_picture_drawn_by_another_matplotlib_is_named_not_failed(generate, mon
     found, unchecked = generate.stale_pictures()
     assert not found
     assert len(unchecked) == len(generate.PICTURES) and "pixels are not compared" in unchecked[0]
+
+
+def test_a_ratio_in_words_says_which_way_is_better(generate):
+    assert generate.times(0.45, "faster", "slower") == "2.2x faster"
+    assert generate.times(1.43, "less memory", "more memory") == "1.43x more memory"
+    assert generate.times(1.0, "faster", "slower") == "1.0x faster"
