@@ -327,7 +327,10 @@ class VLLMRolloutEngine:
                     model.load_weights(weights=[(name, tensor)])
 
             self.llm.apply_model(load)  # one worker per process under the external launcher
-        self.llm.reset_prefix_cache(reset_running_requests=recompute_running)
+        if recompute_running:
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+        else:
+            self.llm.reset_prefix_cache()
         return count[0]
 
 

@@ -28,12 +28,14 @@ uninterrupted stream would have drawn; a sample of one version is.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from grpo_ds.errors import UserError
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.hf_continuous import FinishedGroup, GroupRequest
 from grpo_ds.rollout.vllm_requests import request_seeds, sampling_kwargs
@@ -57,6 +59,7 @@ class VLLMContinuous:
         from vllm.sampling_params import RequestOutputKind  # vLLM is there: the engine runs
 
         self._engine, self._llm = engine, engine.llm.llm_engine
+        _check_recompute(self._llm)
         self._delta = RequestOutputKind.DELTA
         self.capacity_rows, self.version = capacity_rows, version
         self._samples: dict[str, _Sample] = {}  # request id -> its sample, until it ends
@@ -149,3 +152,17 @@ class VLLMContinuous:
             token_versions=[s.versions for s in samples],
         ).drawn_with(request.sampling.settings)
         return [FinishedGroup(request.step, request.group, rollouts)]
+
+
+def _check_recompute(llm_engine) -> None:
+    """The installed vLLM can preempt and recompute its running requests when weights change
+    (``reset_prefix_cache(reset_running_requests=True)``), or continuous generation is refused."""
+    import vllm
+
+    if "reset_running_requests" not in inspect.signature(llm_engine.reset_prefix_cache).parameters:
+        raise UserError(
+            "rollout.continuous",
+            f"needs a vLLM that recomputes running requests when the weights change "
+            f"(reset_prefix_cache(reset_running_requests=...)); vLLM {vllm.__version__} has none",
+            "install a newer vLLM (0.32 has it), or set rollout.continuous to false",
+        )
