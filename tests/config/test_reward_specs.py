@@ -158,7 +158,9 @@ def test_a_bad_entry_stops_the_recipe_load():
 def _entry_definitions(text: str) -> dict[str, tuple[str, str]]:
     """`reward.models[].key` -> (its meaning, its facts line) from the reference's definitions."""
     found = re.findall(
-        r"^`reward\.models\[\]\.(\w+)`\n:   (.+)\n\n    (.+)$", text, flags=re.MULTILINE
+        r"^`reward\.models\[\]\.(\w+)`\{#reward\.models\.\w+\}\n:   (.+)\n\n    (.+)$",
+        text,
+        flags=re.MULTILINE,
     )
     return {key: (meaning, facts) for key, meaning, facts in found}
 
@@ -183,7 +185,7 @@ def test_the_reference_documents_every_entry_key_with_its_type_default_and_range
     assert documented["offload"][1] == f"bool · default `{json.dumps(RewardModelSpec.offload)}`"
     # after the reward section's own keys, before the next section
     assert (
-        page.index("`reward.models`\n")
+        page.index("`reward.models`{#reward.models}\n")
         < page.index("### `reward.models[]`")
         < page.index("## `algorithm`")
     )
