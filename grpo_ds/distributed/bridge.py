@@ -279,12 +279,15 @@ class Bridge:
     ) -> None:
         """``tensor`` up (from the first rollout rank to the trainer's rank 0, point to point, with
         ``tag``) or down (broadcast from the trainer's rank 0 to every rollout rank)."""
-        if not up:
-            work = self._group.broadcast(tensor, self.TRAINER)
-        elif self.rank == self.TRAINER:
-            work = self._up.recv([tensor], self.ROLLOUT_LEAD, tag)
-        else:
-            work = self._up.send([tensor], self.TRAINER, tag)
+        try:  # a peer already gone fails the transfer as it is posted, not only in its wait
+            if not up:
+                work = self._group.broadcast(tensor, self.TRAINER)
+            elif self.rank == self.TRAINER:
+                work = self._up.recv([tensor], self.ROLLOUT_LEAD, tag)
+            else:
+                work = self._up.send([tensor], self.TRAINER, tag)
+        except RuntimeError as err:
+            raise self._gone(err, what) from None
         self._wait(work, what, start_up)
 
     # ---- weights, down
@@ -340,10 +343,13 @@ class Bridge:
                     else f"rollout.transfer_timeout_s = {limit:g} s"
                 )
                 raise Stalled(f"the {self._peer} stalled: no {what} within {within}") from None
-            raise Stalled(
-                f"the {self._peer} went away while this side waited for {what} "
-                f"({str(err).splitlines()[0]})"
-            ) from None
+            raise self._gone(err, what) from None
+
+    def _gone(self, err: RuntimeError, what: str) -> Stalled:
+        return Stalled(
+            f"the {self._peer} went away while this side waited for {what} "
+            f"({str(err).splitlines()[0]})"
+        )
 
 
 def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

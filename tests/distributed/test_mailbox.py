@@ -129,3 +129,32 @@ def test_a_peer_that_dies_mid_update_ends_the_others_wait_at_once_in_one_line(di
     assert "\n" not in said
     peer = "the trainer" if dies == "trainer" else "the rollout ranks"
     assert said.startswith(f"{peer} went away while this side waited for weights"), said
+
+
+def _join_and_leave(rank: int, port: int, ready) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    Bridge(open_store(rank == 0, 30), rank, 2, torch.device("cpu"), 30)
+    ready.set()
+    os._exit(0)
+
+
+def test_a_transfer_posted_after_the_peer_died_is_one_line_too(monkeypatch):
+    """The trainer asks for a batch from a rollout process that is already gone: gloo fails the
+    receive as it is posted (not in its wait), and that too is the one line naming the side."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    child = context.Process(target=_join_and_leave, args=(1, port, ready))
+    child.start()
+    os.environ.update(MASTER_PORT=str(port))
+    bridge = Bridge(open_store(True, 30), 0, 2, torch.device("cpu"), 30)
+    ready.wait(30)
+    child.join(TIMEOUT_S)
+    time.sleep(0.5)  # the connection's close has reached this side
+    with pytest.raises(Stalled) as info:
+        bridge.receive(Batch)
+    said = str(info.value)
+    assert "\n" not in said and said.startswith(
+        "the rollout ranks went away while this side waited for batch of samples"
+    ), said
