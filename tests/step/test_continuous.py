@@ -13,11 +13,7 @@ engine, on the CPU.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -25,17 +21,16 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_ds.run.preemption import EXIT_PREEMPTED
-from tests.launch import REPO, rank_log_records, remove_shm_buffers, wait_for
+from tests.launch import REPO, rank_log_records
 from tests.step.test_schedule import (
     ENV,
     HELD,
     REWARDS,
     SPLIT_KEYS,
-    _command,
     _metrics,
     _ok,
-    _rank_process,
     _run,
+    _signal_rollout_rank,
     _steady,
     _trainer_log,
 )
@@ -120,43 +115,9 @@ def test_continuous_at_staleness_zero_trains_what_colocated_trains(tmp_path):
 
 
 def _held_launch(out: Path, held_after: int, local_rank: int, signum: int):
-    """The staleness-1 continuous run in ``out``, its rollout rank's reward held (REWARDS) once
-    ``held_after`` steps are logged; ``signum`` to rank ``local_rank`` while held, then the hold is
-    let go (a SIGKILLed rollout rank stays held). Returns the launch (ended), its stderr and the
-    seconds it took to end after the signal."""
-    hold = out / "hold"
-    held = hold.with_name("hold.held")
-    hold.write_text(
-        json.dumps({"metrics": str(out / "tiny_cpu" / "metrics.jsonl"), "after_steps": held_after})
-    )
-    cmd, port = _command(2, out, *S1)
-    proc = None
-    try:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env={**ENV, "HOLD": str(hold)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        rank = _rank_process(proc, local_rank)
-        wait_for(held.exists, proc)
-        rank.send_signal(signum)
-        signalled = time.monotonic()
-        if signum != signal.SIGKILL:
-            hold.unlink()
-        _, err = proc.communicate(timeout=120)
-        took = time.monotonic() - signalled
-    finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        hold.unlink(missing_ok=True)
-        held.unlink(missing_ok=True)
-        remove_shm_buffers(port)
-    return proc, err, took
+    """The staleness-1 continuous run in ``out`` (1 trainer + 1 rollout rank), held and signalled
+    as test_schedule's fault tests are (``_signal_rollout_rank``)."""
+    return _signal_rollout_rank(out, held_after, signum, 2, local_rank, tuple(S1))
 
 
 def test_continuous_at_staleness_one_stops_and_resumes_training_every_step_once(tmp_path):

@@ -293,18 +293,24 @@ def _same_as_reference(run_dir: Path, reference: Path) -> None:
 
 
 def _signal_rollout_rank(
-    out: Path, held_after: int, signum: int
+    out: Path,
+    held_after: int,
+    signum: int,
+    ranks: int = 3,
+    local_rank: int = 2,
+    args: tuple[str, ...] = (*STALENESS_ONE, *HELD),
 ) -> tuple[subprocess.Popen, str, float]:
-    """The staleness-1 run in ``out``, its rollout rank's reward held (REWARDS) once ``held_after``
-    steps are logged; ``signum`` to the rollout rank while it is held. A SIGTERM's run is then let
-    go on to its stop; a SIGKILLed rank stays held. Returns the launch (ended), its stderr and the
-    seconds it took to end after the signal."""
+    """The run of ``args`` on ``ranks`` ranks in ``out`` (by default the staleness-1 run), its
+    rollout rank's reward held (REWARDS) once ``held_after`` steps are logged; ``signum`` to rank
+    ``local_rank`` (by default the rollout rank) while it is held. The hold is then let go, except
+    after a SIGKILL (that rank stays held). Returns the launch (ended), its stderr and the seconds
+    it took to end after the signal."""
     hold = out / "hold"
     held = hold.with_name("hold.held")
     hold.write_text(
         json.dumps({"metrics": str(out / "tiny_cpu" / "metrics.jsonl"), "after_steps": held_after})
     )
-    cmd, port = _command(3, out, *STALENESS_ONE, *HELD)
+    cmd, port = _command(ranks, out, *args)
     proc = None
     try:
         proc = subprocess.Popen(
@@ -316,9 +322,9 @@ def _signal_rollout_rank(
             text=True,
             start_new_session=True,
         )
-        rollout_rank = _rank_process(proc, 2)
+        signalled_rank = _rank_process(proc, local_rank)
         wait_for(held.exists, proc)
-        rollout_rank.send_signal(signum)
+        signalled_rank.send_signal(signum)
         signalled = time.monotonic()
         if signum != signal.SIGKILL:
             hold.unlink()
