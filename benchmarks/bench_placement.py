@@ -3,7 +3,7 @@ side's idle share.
 
     python benchmarks/bench_placement.py [--steps 14] [--skip 4] [--record] [key=value ...]
     python benchmarks/bench_placement.py --learns [--seeds 0,1,2] [--record] [key=value ...]
-    python benchmarks/bench_placement.py --long-tail --steps 40 --skip 8 [--record]
+    python benchmarks/bench_placement.py --long-tail --steps 100 --skip 10 [--record]
 
 The first form launches recipes/tiny_vllm_cpu.json three times, one after the other, through the
 vLLM environment's deepspeed launcher (``.venv-vllm/bin/deepspeed``, the CPU build of vLLM; a
@@ -538,7 +538,7 @@ def main() -> None:
         "--long-tail",
         action="store_true",
         help="split S=1 batch by batch vs continuous on a long tail of lengths (benchmarks/"
-        "long_tail.py; use --steps 40 --skip 8)",
+        "long_tail.py; use --steps 100 --skip 10)",
     )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument(

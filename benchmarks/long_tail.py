@@ -1,7 +1,7 @@
 """Continuous against batch-by-batch generation on a long tail of completion lengths (issue 52): the
 long-tail case of benchmarks/bench_placement.py.
 
-    python benchmarks/bench_placement.py --long-tail [--steps 40] [--skip 8] [--record]
+    python benchmarks/bench_placement.py --long-tail --steps 100 --skip 10 [--record]
 
 Eight launches, one after the other, through the vLLM environment's deepspeed launcher with 2 ranks
 pinned one core each (as bench_placement's other cases): split placement, 1 trainer rank + 1
@@ -26,8 +26,13 @@ learning. The hf engine's two modes decode with different loops (transformers' g
 grpo_ds's own running batch, which costs less a decode step), so its ratio holds both effects;
 vLLM's two modes decode with the same engine, and its ratio is the refill's alone. Then the
 placement model (benchmarks/simulate_placement.py --measured) predicts each run's step from its
-measured costs (a decode step's, flat in the rows as a tiny model's is on a CPU; the completion
-lengths; training, reward and sync): its target, every row within +-15%.
+measured costs (a decode step's: batch by batch one figure, continuous a + b x rows fitted over the
+run's batches; the completion lengths, a geometric tail with the measured mean; training, reward,
+sync and weight load), simulating the continuous runs step by step: its target, every row within
++-15%.
+
+Run it with --steps 100 --skip 10: a continuous run's step comes in bursts and its lengths are
+random, so 30 steps' mean moves by 10% from one launch to the next.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ import tempfile
 from pathlib import Path
 
 STOPS = "!?"  # stop tokens beside EOS: about 3% of the random policy's tokens
-STEPS, SKIP = 40, 8
+STEPS, SKIP = 100, 10
 SAMPLES = 2 * 16
+LIMIT = 128  # rollout.max_new_tokens
 SHAPE = [
     "rollout.prompts_per_step=2",
     "rollout.group_size=16",
-    "rollout.max_new_tokens=128",
+    f"rollout.max_new_tokens={LIMIT}",
     "train.micro_batch_samples_per_gpu=32",
     "train.logprob_micro_batch_samples_per_gpu=32",
     'reward.functions=[{"name": "long_tail_rewards:first_odd"}]',
@@ -102,6 +108,7 @@ def summarize(metrics: list[dict], skip: int) -> dict:
         # batch by batch: one generate call a step, as many decode steps as its longest sample
         "decode_steps": tokens / running if running else mean("response_len_max"),
         "running_rows": running or tokens / mean("response_len_max"),
+        "decode_cost": decode_cost(steps) if running else None,
         "mean_len": mean("response_len_mean"),
         "longest_len": mean("response_len_max"),
         "spanning": mean("placement/samples_spanning_update_frac"),
@@ -111,23 +118,63 @@ def summarize(metrics: list[dict], skip: int) -> dict:
         "update_s": statistics.median(m["time_update_s"] for m in steps),
         "logprob_s": statistics.median(m.get("time_logprob_s", 0.0) for m in steps),
         "sync_s": statistics.median(m.get("time_sync_s", 0.0) for m in steps),
+        "load_s": statistics.median(m.get("rollout_side/time_sync_s", 0.0) for m in steps),
         "reward_s": statistics.median(m["rollout_side/time_reward_s"] for m in steps),
     }
 
 
+def decode_cost(steps: list[dict]) -> tuple[float, float] | None:
+    """A continuous run's cost of a decode step as a + b x its rows, in seconds: least squares
+    over its batches' decoding seconds against their decode steps n and row-steps r (from
+    rollout/tokens_per_s = r / seconds and rollout/running_rows_mean = r / n): d = a n + b r. None
+    when the batches do not pin both down (every batch at one running batch)."""
+    points = []
+    for m in steps:
+        seconds, rows = m["rollout_side/time_rollout_s"], m.get("rollout/running_rows_mean", 0.0)
+        if seconds > 0 and rows > 0:
+            row_steps = m["rollout/tokens_per_s"] * seconds
+            points.append((row_steps / rows, row_steps, seconds))
+    nn = sum(n * n for n, _, _ in points)
+    nr = sum(n * r for n, r, _ in points)
+    rr = sum(r * r for _, r, _ in points)
+    nd = sum(n * d for n, _, d in points)
+    rd = sum(r * d for _, r, d in points)
+    det = nn * rr - nr * nr
+    if len(points) < 3 or det <= 1e-12 * nn * rr:
+        return None
+    a, b = (nd * rr - rd * nr) / det, (rd * nn - nd * nr) / det
+    return (a, b) if a > 0 and b >= 0 else None
+
+
+def geometric_lengths(mean: float, limit: int, count: int = 400) -> list[int]:
+    """``count`` quantiles of the completion lengths of a policy that stops each token with one
+    probability p, cut at ``limit`` (the long-tail policy's stop tokens): p is the one whose
+    mean length, (1 - (1 - p)^limit) / p, is ``mean``."""
+    low, high = 1e-9, 1.0
+    for _ in range(100):  # the mean falls as p rises
+        p = (low + high) / 2
+        low, high = (p, high) if (1 - (1 - p) ** limit) / p > mean else (low, p)
+    return [
+        min(limit, max(1, math.ceil(math.log(1 - (i + 0.5) / count) / math.log(1 - p))))
+        for i in range(count)
+    ]
+
+
 def measured(engine: str, results: dict, machine: str, commit: str) -> dict:
     """simulate_placement's --measured file for one engine's runs. What the model takes as
-    measured: each run's cost of a decode step (its decode seconds over its decode steps: flat in
-    the rows, as a tiny model's decode step is on a CPU; the hf engine's two modes decode with two
-    loops, transformers' generate and grpo_ds's own), the mean and longest completion, the training,
-    reward and sync costs; what it predicts: each run's step."""
+    measured: each run's cost of a decode step (batch by batch: its decode seconds over its decode
+    steps, one figure; continuous: a + b x rows from its batches, decode_cost), the completion
+    lengths (a geometric tail cut at max_new_tokens with the engine's measured mean), the training,
+    reward, sync and weight-load costs; what it predicts: each run's step."""
     mine = {key: r for key, r in results.items() if key[0] == engine}
     first = mine[(engine, False, 1)]
+    mean_len = statistics.fmean(r["mean_len"] for r in mine.values())
     inputs = {
         "samples_per_step": SAMPLES,
-        "token_steps": 128,
-        "mean_new_tokens": statistics.fmean(r["mean_len"] for r in mine.values()),
+        "token_steps": LIMIT,
+        "mean_new_tokens": mean_len,
         "longest_new_tokens": statistics.fmean(r["longest_len"] for r in mine.values()),
+        "lengths": geometric_lengths(mean_len, LIMIT),
         "t_token": [[1, first["decode_s"] / first["decode_steps"]]],
         "train_s_per_sample": first["update_s"] / SAMPLES,
         "logprob_s_per_sample": first["logprob_s"] / SAMPLES,
@@ -136,21 +183,34 @@ def measured(engine: str, results: dict, machine: str, commit: str) -> dict:
         "world": 2,
         "rollout_ranks": 1,
     }
-    runs = [
-        {
-            "placement": "split",
-            "world": 2,
-            "rollout_ranks": 1,
-            "staleness": staleness,
-            "continuous": continuous,
-            "step_s": r["step_s"],
-            "samples_per_step": SAMPLES,
-            "inputs": {"t_token": [[1, r["decode_s"] / r["decode_steps"]]]},
-            "phases": {"rollout": r["decode_s"], "reward": r["reward_s"], "sync": r["sync_s"]},
-        }
-        for (_, continuous, staleness), r in mine.items()
-    ]
-    return {"machine": f"{machine} ({engine})", "commit": commit, "inputs": inputs, "runs": runs}
+    return {
+        "machine": f"{machine} ({engine})",
+        "commit": commit,
+        "inputs": inputs,
+        "runs": [
+            _measured_run(continuous, staleness, r)
+            for (_, continuous, staleness), r in mine.items()
+        ],
+    }
+
+
+def _measured_run(continuous: bool, staleness: int, r: dict) -> dict:
+    if r["decode_cost"] is None:
+        cost = [[1, r["decode_s"] / r["decode_steps"]]]
+    else:
+        a, b = r["decode_cost"]
+        cost = [[1, a + b], [SAMPLES * (staleness + 1), a + b * SAMPLES * (staleness + 1)]]
+    return {
+        "placement": "split",
+        "world": 2,
+        "rollout_ranks": 1,
+        "staleness": staleness,
+        "continuous": continuous,
+        "step_s": r["step_s"],
+        "samples_per_step": SAMPLES,
+        "inputs": {"t_token": cost, "weight_load_s": r["load_s"]},
+        "phases": {"rollout": r["decode_s"], "reward": r["reward_s"], "sync": r["sync_s"]},
+    }
 
 
 def table(results: dict) -> str:
@@ -261,9 +321,10 @@ def run(args, launch, simulate) -> None:
         "seconds between two batches; running rows: rows decoded per decode step (batch by batch: "
         "the step's tokens / its longest completion)",
         *(text if ok is None else f"{text}: {verdict(ok)}" for text, ok in verdicts(results)),
-        "placement model: each run's cost of a decode step, its completion lengths, training, "
-        "reward and sync costs as measured (benchmarks/long_tail.py measured()); the step, which "
-        "the pipeline sets, predicted; target (every row within +-15% of the measured mean step): "
+        "placement model: each run's cost of a decode step (continuous: a + b x rows over its "
+        "batches), its completion lengths (a geometric tail with the measured mean), training, "
+        "reward, sync and weight-load costs as measured (benchmarks/long_tail.py measured()); the "
+        "step, which the pipeline sets, predicted (continuous: simulated step by step); target (every row within +-15% of the measured mean step): "
         f"{verdict(model_ok)}",
     ]
     report(

@@ -37,13 +37,18 @@ sending), X = split_sync_s:
          generating with v_{k-1} (a second weight buffer), which this schedule has not. Every S >= 1
          gives the same steady state; a deeper pipeline only absorbs step-to-step jitter, which a
          steady-state model does not see.
-  S >= 1 with continuous generation (rollout.continuous, issue 52): the rollout ranks keep one
-         running batch of R = min(capacity_rows, (S+1) x b) rows across steps, b = ceil(N / K), and
-         load v_k between two decode steps. A rank decodes a step's b x m tokens (m =
-         mean_new_tokens) in C = b x m / R x t_token(R); a step's batch is whole L x t_token(R)
-         after its admission, L its longest sample; step k+S+1 is admitted once step k has trained.
-         So step = max(C + reward + X, T + X, (L x t_token(R) + reward + T + X) / (S + 1)): the
-         side that is slower, or the pipeline's latency shared by the S+1 steps in flight.
+  S >= 1 with continuous generation (rollout.continuous, issue 52): simulated step by step, not
+         a formula (simulate_continuous), as the pipeline's fill and drain depend on the lengths
+         drawn. Each rollout rank keeps one running batch of up to capacity_rows rows (default:
+         every row of the S+1 steps it may hold, (S+1) x ceil(N / K)); a decode step costs
+         t_token(rows running) and every running row gains a token; a row leaves at its length,
+         drawn (seeded) from ``lengths``; a step's share on a rank is done when its last row
+         leaves, then scored (reward). The trainer trains step k (T) once every rank's share has
+         come, then sends v_k (X); the rank takes it between two decode steps, loading it in
+         weight_load_s (hf: the copy and the KV recompute), with the go-ahead of step k+S+1, whose
+         rows join as rows free up. The step is the trainer's mean over steps 21..200; the
+         trainer's idle is its wait for a batch, the rollout's its wait for a go-ahead with nothing
+         running.
          Batch by batch, a generate call runs L decode steps (the longest of its b samples, from
          ``lengths`` or longest_new_tokens, else token_steps) at b x m / L sequences on average.
 Idle fraction = time a side waits for the other / step (the transfer counts as busy on both sides):
@@ -55,8 +60,9 @@ the rollout engine idle while they train.
 max_new_tokens), t_token ([[batch, s], ...]) and train_s_per_sample are required; mean_new_tokens
 (token_steps), longest_new_tokens (token_steps: a generate call's decode steps), lengths (a list of
 sample lengths, the empirical distribution: the mean and a call's expected longest sample come from
-it), capacity_rows (a step's samples a rank: the running batch of continuous generation),
-generate_overhead_s (0), logprob_s_per_sample (0, the old/ref log-prob passes),
+it), capacity_rows (the running batch of continuous generation; default every row of the steps in
+flight), weight_load_s (0: a rollout rank's seconds to take new weights between two decode steps,
+continuous), generate_overhead_s (0), logprob_s_per_sample (0, the old/ref log-prob passes),
 train_efficiency (1.0), reward_s (0), reward_side ("rollout" | "trainer"), sync_s (0), split_sync_s
 (sync_s), world (2), rollout_ranks (1) and staleness (1, the split row besides S = 0) are optional;
 the command line's --world/--rollout-ranks/--staleness override the last three.
@@ -92,8 +98,10 @@ times.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
+import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +112,7 @@ DEFAULTS = {
     "longest_new_tokens": None,
     "lengths": None,
     "capacity_rows": None,
+    "weight_load_s": 0.0,
     "generate_overhead_s": 0.0,
     "logprob_s_per_sample": 0.0,
     "train_efficiency": 1.0,
@@ -248,18 +257,6 @@ def generate_s(inp: dict, ranks: int) -> float:
     return inp["generate_overhead_s"] + steps * t_token(inp["t_token"], active)
 
 
-def continuous_s(inp: dict, ranks: int, staleness: int) -> tuple[float, float]:
-    """Continuous generation on each of ``ranks`` ranks: (seconds to decode a step's tokens at a
-    full running batch, seconds from a step's admission until its longest sample ends). The running
-    batch holds capacity_rows rows (default: a step's samples on a rank), at most the S+1 steps
-    admitted at once."""
-    per_rank = math.ceil(inp["samples_per_step"] / ranks)
-    rows = min(inp["capacity_rows"] or per_rank, per_rank * (staleness + 1))
-    per_token_step = t_token(inp["t_token"], rows)
-    throughput = per_rank * inp["mean_new_tokens"] / rows * per_token_step
-    return throughput, longest(inp, per_rank) * per_token_step
-
-
 def train_s(inp: dict, ranks: int, per_sample: float) -> float:
     efficiency = inp["train_efficiency"] if ranks > 1 else 1.0
     return inp["samples_per_step"] * per_sample / (ranks * efficiency)
@@ -327,17 +324,145 @@ def predict(
 def _continuous_step(
     inp: dict, ranks: int, staleness: int, reward: float, train: float, phases: dict
 ) -> tuple[float, float, float]:
-    """Split S >= 1 with continuous generation: (step s, trainer idle s, rollout idle s). The
-    step is bounded by the rollout side's throughput (a step's tokens at a full running batch, its
-    reward and the weights it loads), by the trainer (train + the sync), and by the pipeline's
-    latency: step k+S+1 is admitted once step k has trained, and its batch is whole only when its
-    longest sample ends, so S+1 steps take at least latency + reward + train + sync."""
-    throughput, latency = continuous_s(inp, ranks, staleness)
-    phases["rollout"] = throughput
-    sync = phases["sync"]
-    rollout = throughput + reward + sync
-    step = max(rollout, train + sync, (latency + reward + train + sync) / (staleness + 1))
-    return step, max(0.0, step - train - sync), max(0.0, step - rollout)
+    """Split S >= 1 with continuous generation: (step s, trainer idle s, rollout idle s), from
+    ``simulate_continuous``."""
+    run = simulate_continuous(inp, ranks, staleness, reward, train, phases["sync"])
+    phases["rollout"] = run.decode_s
+    return run.step_s, run.trainer_idle_s, run.rollout_idle_s
+
+
+@dataclass(frozen=True)
+class ContinuousRun:
+    step_s: float  # the trainer's mean step over the steady steps
+    decode_s: float  # a rollout rank's decoding seconds a step
+    rows_mean: float  # rows a decode step decodes, on average
+    trainer_idle_s: float  # the trainer's wait for a batch, a step
+    rollout_idle_s: float  # a rollout rank's wait for a go-ahead, a step
+
+
+class _Engine:
+    """One rollout rank's running batch, event by event: rows decode one token a decode step (its
+    cost t_token(rows)), a row leaves after its drawn length, a step's share is done when its last
+    row leaves (then scored: ``reward`` s), and an opened step's rows join while there is room."""
+
+    def __init__(self, inp: dict, per_rank: int, capacity: int, reward: float, draw) -> None:
+        self.inp, self.per_rank, self.capacity, self.reward = inp, per_rank, capacity, reward
+        self.draw, self.clock, self.decoded = draw, 0.0, 0
+        self.ends: list[tuple[int, int]] = []  # heap of (decode step it ends after, step)
+        self.left: dict[int, int] = {}  # step -> its rows still running or waiting
+        self.waiting: list[int] = []  # steps opened, rows not all admitted: [step, rows to admit]
+        self.done: dict[int, float] = {}  # step -> when its share was scored
+        self.decode_s = self.idle_s = self.row_steps = 0.0
+
+    def open(self, step: int, at: float, load_s: float) -> None:
+        """The go-ahead of ``step`` (new weights, loaded in ``load_s``) reaches the engine at
+        ``at``; taken at the next decode step's boundary."""
+        if not self.ends:
+            self.idle_s += max(0.0, at - self.clock)
+        self.clock = max(self.clock, at) + load_s
+        self.left[step] = self.per_rank
+        self.waiting.append([step, self.per_rank])
+        self._admit()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.ends) < self.capacity:
+            step_rows = self.waiting[0]
+            n = min(step_rows[1], self.capacity - len(self.ends))
+            for _ in range(n):
+                heapq.heappush(self.ends, (self.decoded + self.draw(), step_rows[0]))
+            step_rows[1] -= n
+            if not step_rows[1]:
+                self.waiting.pop(0)
+
+    def run_until(self, at: float, step: int | None = None) -> None:
+        """Decode whole decode steps while one starts before ``at`` (or, given ``step``, until that
+        step's share is scored)."""
+        while self.ends and self.clock < at and step not in self.done:
+            rows, next_end = len(self.ends), self.ends[0][0]
+            cost = t_token(self.inp["t_token"], rows)
+            steps = next_end - self.decoded
+            if at < math.inf and cost > 0:
+                steps = min(steps, max(1, math.ceil((at - self.clock) / cost)))
+            self.clock += steps * cost
+            self.decode_s += steps * cost
+            self.row_steps += steps * rows
+            self.decoded += steps
+            while self.ends and self.ends[0][0] <= self.decoded:
+                _, ended = heapq.heappop(self.ends)
+                self.left[ended] -= 1
+                if not self.left[ended]:
+                    self.clock += self.reward
+                    self.done[ended] = self.clock
+            self._admit()
+
+
+def simulate_continuous(
+    inp: dict,
+    ranks: int,
+    staleness: int,
+    reward: float,
+    train: float,
+    sync: float,
+    steps: int = 200,
+    skip: int = 20,
+    seed: int = 0,
+) -> ContinuousRun:
+    """Continuous generation on ``ranks`` rollout ranks, step by step. Each rank keeps a running
+    batch of up to capacity_rows rows (default: every row of the S+1 steps it may hold); the
+    go-ahead of step j comes with the weights of step j-1-S, once the trainer has trained it and
+    sent them (``sync`` s) and the rank loads them between two decode steps (weight_load_s); a
+    step's rows draw their lengths from ``lengths`` (seeded) and join as there is room; the trainer
+    trains step j (``train`` s) once every rank's share of it is scored. The step: the trainer's
+    mean over steps ``skip``..``steps``."""
+    if inp["lengths"] is None:
+        raise ValueError("inputs: continuous generation needs lengths (a length distribution)")
+    rng = random.Random(seed)
+    lengths = inp["lengths"]
+    per_rank = math.ceil(inp["samples_per_step"] / ranks)
+    capacity = int(inp["capacity_rows"] or per_rank * (staleness + 1))
+    engines = [
+        _Engine(inp, per_rank, capacity, reward, lambda: round(rng.choice(lengths)))
+        for _ in range(ranks)
+    ]
+    for step in range(1, staleness + 2):  # version 0's go-aheads
+        for engine in engines:
+            engine.open(step, 0.0, 0.0)
+    trained, waited, at_skip = [0.0], 0.0, (0.0, 0.0, 0.0, 0)
+    for step in range(1, steps + 1):
+        for engine in engines:
+            engine.run_until(math.inf, step)
+            if step not in engine.done:
+                raise ValueError(f"the model's engine stalled before step {step}")
+        arrived = max(engine.done[step] for engine in engines)
+        if step > skip:
+            waited += max(0.0, arrived - trained[-1])
+        trained.append(max(arrived, trained[-1]) + train + sync)
+        for engine in engines:  # weights of `step`: the go-ahead of step + S + 1
+            engine.run_until(trained[-1])
+            engine.open(step + staleness + 1, trained[-1], inp["weight_load_s"])
+        if step == skip:
+            at_skip = _totals(engines)
+    steady = steps - skip
+    decode, idle, row_steps, decoded = (
+        end - start for end, start in zip(_totals(engines), at_skip, strict=True)
+    )
+    return ContinuousRun(
+        (trained[-1] - trained[skip]) / steady,
+        decode / ranks / steady,
+        row_steps / max(decoded, 1),
+        waited / steady,
+        idle / ranks / steady,
+    )
+
+
+def _totals(engines: list[_Engine]) -> tuple[float, float, float, int]:
+    """The engines' decoding s, idle s, row-steps and decode steps so far, summed."""
+    return (
+        sum(e.decode_s for e in engines),
+        sum(e.idle_s for e in engines),
+        sum(e.row_steps for e in engines),
+        sum(e.decoded for e in engines),
+    )
 
 
 def table(rows: list[list], header: list[str]) -> str:

@@ -43,7 +43,11 @@ def _steps(continuous: bool, rewards: list[float], n: int) -> list[dict]:
             "response_len_max": longest,
             "reward_mean": r,
             **(
-                {"rollout/running_rows_mean": 100.0, "placement/samples_spanning_update_frac": 0.3}
+                {
+                    "rollout/running_rows_mean": 100.0,
+                    "rollout/tokens_per_s": tokens / (decode_steps * A + S * tokens),
+                    "placement/samples_spanning_update_frac": 0.3,
+                }
                 if continuous
                 else {}
             ),
@@ -73,6 +77,25 @@ def test_each_run_is_summarized_and_measured_with_its_own_decode_cost(tail):
         (False, 2),
         (True, 2),
     ]
+
+
+def test_a_continuous_run_s_decode_cost_is_fitted_over_its_batches(tail):
+    # batches at 4 to 40 rows of 50 decode steps each, a decode step 0.002 s + 0.0001 s a row: the
+    # fit finds both; every batch at one running batch cannot tell them apart
+    batches = [
+        {
+            "rollout_side/time_rollout_s": 50 * (A + S * rows),
+            "rollout/running_rows_mean": float(rows),
+            "rollout/tokens_per_s": 50 * rows / (50 * (A + S * rows)),
+        }
+        for rows in (4, 10, 25, 40)
+    ]
+    assert tail.decode_cost(batches) == pytest.approx((A, S))
+    assert tail.decode_cost([batches[0]] * 4) is None
+    # the lengths: a geometric tail with the measured mean, cut at the limit
+    lengths = tail.geometric_lengths(30.0, 128, count=4000)
+    assert sum(lengths) / len(lengths) == pytest.approx(30.0, rel=0.02)
+    assert max(lengths) == 128 and min(lengths) == 1
 
 
 def test_the_verdicts_read_the_step_ratio_and_the_learning_within_noise(tail):

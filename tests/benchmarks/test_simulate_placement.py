@@ -204,19 +204,37 @@ def test_a_generate_call_runs_as_long_as_its_expected_longest_sample(sim):
     assert p.phases["rollout"] == pytest.approx(0.5 + expected * 0.1)
 
 
-def test_continuous_generation_is_the_slower_side_or_the_pipelines_latency(sim):
-    given = {**INPUTS, "mean_new_tokens": 2.5, "longest_new_tokens": 10, "capacity_rows": 8}
+def test_continuous_generation_is_simulated_step_by_step(sim):
+    # one rollout rank, 8 rows a step of 8 tokens each, a decode step 0.125 s at any batch, scoring
+    # 0.25 s; two trainer ranks: T = 8 x 0.0625 / 2 = 0.25 and X = 0.25
+    given = {
+        **INPUTS,
+        "lengths": [8],
+        "t_token": [[1, 0.125]],
+        "train_s_per_sample": 0.0625,
+        "logprob_s_per_sample": 0.0,
+        "reward_s": 0.25,
+        "split_sync_s": 0.25,
+    }
     p = sim.predict(given, "split", 3, 1, 1, continuous=True)
-    # 8 rows at 0.2 s: a step's 8 x 2.5 tokens take 20 / 8 = 2.5 decode steps, 0.5 s; + reward 0.3
-    # + X 0.4 = 1.2. Trainer: 5 + 0.4. Latency: 10 x 0.2 + 0.3 + 5 + 0.4 = 7.7, over S + 1 = 2
-    assert p.phases["rollout"] == pytest.approx(0.5)
-    assert p.step_s == pytest.approx(max(1.2, 5.4, 7.7 / 2))
-    # at S = 3 the trainer is the floor; at S = 0 continuous is batch by batch
-    assert sim.predict(given, "split", 3, 1, 3, continuous=True).step_s == pytest.approx(5.4)
+    # S = 1: steps 1 and 2 run together and end at 1.0 (scored 1.25, 1.5); the trainer's v_1 comes
+    # at 1.75, step 3 starts then; v_2 at 2.25, step 4 joins step 3 halfway (4 of its 8 tokens).
+    # Step 3 ends at 2.75 (scored 3.0), step 4 at 3.5 (scored 3.75), the trainer's v_3 at 3.5 and v_4
+    # at 4.25: from then on two steps each 2.0 s, 1.0 s a step (where the formula of S + 1 steps
+    # sharing latency + reward + T + X would say 0.875: the two scorings are both in the way)
+    assert p.step_s == pytest.approx(1.0)
+    assert p.rollout_idle == pytest.approx(0.0)
+    assert p.trainer_idle == pytest.approx(0.5)  # it waits 0.5 s of each 1.0 for a batch
+    # a slow trainer is the floor: T = 8 x 1.25 / 2 = 5, + X
+    slow = {**given, "train_s_per_sample": 1.0, "logprob_s_per_sample": 0.25}
+    assert sim.predict(slow, "split", 3, 1, 1, continuous=True).step_s == pytest.approx(5.25)
+    # at S = 0 continuous is batch by batch
     assert (
         sim.predict(given, "split", 3, 1, 0, continuous=True).step_s
         == sim.predict(given, "split", 3, 1, 0).step_s
     )
+    with pytest.raises(ValueError, match="needs lengths"):
+        sim.predict(INPUTS, "split", 3, 1, 1, continuous=True)
 
 
 def test_lengths_must_be_sample_lengths_within_the_limit(sim):
