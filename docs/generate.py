@@ -352,6 +352,18 @@ def _seeds(block: Block) -> str:
     )
 
 
+def _every_tiny(block: Block) -> str:
+    rows = block.tables()[0]
+    worst = min(rows, key=lambda r: float(r["reward, last 10 (worst seed)"]))
+    slowest = max(rows, key=lambda r: float(r["training s (longest seed)"]))
+    met = sum(r["target"] == "met" for r in rows)
+    return (
+        f"{met} of {len(rows)} recipes met; worst seed's last-10 reward "
+        f"{worst['reward, last 10 (worst seed)']} ({worst['recipe']}), longest training "
+        f"{slowest['training s (longest seed)']} s ({slowest['recipe']})"
+    )
+
+
 def _refusals(block: Block) -> str:
     rows = block.tables()[0]
     held = [r["as expected"].split(" of ") for r in rows]
@@ -491,17 +503,9 @@ QUESTIONS = (
         _seeds,
     ),
     Question(
-        "Tiny recipe learns with vLLM (tiny_vllm_cpu.json)",
-        _heading(r"^tiny_recipe_seeds: tiny_vllm_cpu\.json, seeds"),
-        _seeds,
-    ),
-    Question(
-        "Tiny multi-turn recipe learns",
-        _heading(r"^tiny_recipe_seeds: multiturn_tiny_cpu\.json"),
-        _seeds,
-    ),
-    Question(
-        "Tiny LoRA recipe learns", _heading(r"^tiny_recipe_seeds: lora_tiny_cpu\.json"), _seeds
+        "Every tiny recipe learns (tiny, DAPO, LoRA, multi-turn, reward model, vLLM, split)",
+        _heading(r"^tiny_recipe_seeds: every tiny recipe"),
+        _every_tiny,
     ),
     Question(
         "End to end on a GPU, 0.5 B",

@@ -316,6 +316,33 @@ def test_no_code_block_of_the_built_site_is_kept_on_one_line(built_site):
     assert blocks > 100, blocks  # the check saw the site's code blocks
 
 
+def test_every_code_block_of_the_built_site_wraps_its_long_lines(built_site):
+    """A rule of docs/stylesheets/extra.css that sets white-space: pre-wrap reaches every code block
+    (pre > code) of every built page, so a line longer than the column wraps inside it instead of
+    running past its edge (checked on the built HTML and the stylesheet, not in a browser); and the
+    table of contents sits in the navigation (toc.integrate), which gives the text column the
+    right-hand sidebar's width."""
+    css = re.sub(
+        r"/\*.*?\*/", "", (ROOT / "docs" / "stylesheets" / "extra.css").read_text(), flags=re.S
+    )
+    wrapping = [
+        selector.strip()
+        for selectors, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css)
+        if re.search(r"white-space:\s*pre-wrap", body)
+        for selector in selectors.split(",")
+    ]
+    blocks = 0
+    for page in built_site.rglob("*.html"):
+        tree = css_select.parse(page.read_text())
+        reached = {id(e) for selector in wrapping for e in css_select.select(tree, selector)}
+        for e in css_select.elements(tree):
+            if e.tag == "code" and e.parent.tag == "pre":
+                blocks += 1
+                assert id(e) in reached, f"{page.relative_to(built_site)}: a code block does not wrap"
+    assert blocks > 100, blocks  # the check saw the site's code blocks
+    assert "toc.integrate" in (ROOT / "mkdocs.yml").read_text()
+
+
 def test_every_picture_opens_full_size(built_site):
     """Each picture of a page is a link to the picture itself, so a reader on a phone can open it
     at its own size (the pictures are wider than a phone's column)."""
