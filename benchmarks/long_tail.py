@@ -324,7 +324,8 @@ def run(args, launch, simulate) -> None:
         "placement model: each run's cost of a decode step (continuous: a + b x rows over its "
         "batches), its completion lengths (a geometric tail with the measured mean), training, "
         "reward, sync and weight-load costs as measured (benchmarks/long_tail.py measured()); the "
-        "step, which the pipeline sets, predicted (continuous: simulated step by step); target (every row within +-15% of the measured mean step): "
+        "step, which the pipeline sets, predicted (continuous: simulated step by step); target "
+        "(every row within +-15% of the measured mean step): "
         f"{verdict(model_ok)}",
     ]
     report(

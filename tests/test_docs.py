@@ -338,7 +338,9 @@ def test_every_code_block_of_the_built_site_wraps_its_long_lines(built_site):
         for e in css_select.elements(tree):
             if e.tag == "code" and e.parent.tag == "pre":
                 blocks += 1
-                assert id(e) in reached, f"{page.relative_to(built_site)}: a code block does not wrap"
+                assert id(e) in reached, (
+                    f"{page.relative_to(built_site)}: a code block does not wrap"
+                )
     assert blocks > 100, blocks  # the check saw the site's code blocks
     assert "toc.integrate" in (ROOT / "mkdocs.yml").read_text()
 

@@ -219,9 +219,9 @@ def test_continuous_generation_is_simulated_step_by_step(sim):
     p = sim.predict(given, "split", 3, 1, 1, continuous=True)
     # S = 1: steps 1 and 2 run together and end at 1.0 (scored 1.25, 1.5); the trainer's v_1 comes
     # at 1.75, step 3 starts then; v_2 at 2.25, step 4 joins step 3 halfway (4 of its 8 tokens).
-    # Step 3 ends at 2.75 (scored 3.0), step 4 at 3.5 (scored 3.75), the trainer's v_3 at 3.5 and v_4
-    # at 4.25: from then on two steps each 2.0 s, 1.0 s a step (where the formula of S + 1 steps
-    # sharing latency + reward + T + X would say 0.875: the two scorings are both in the way)
+    # Step 3 ends at 2.75 (scored 3.0), step 4 at 3.5 (scored 3.75), the trainer's v_3 at 3.5 and
+    # v_4 at 4.25: from then on two steps each 2.0 s, 1.0 s a step (where the formula of S + 1
+    # steps sharing latency + reward + T + X would say 0.875: the two scorings are both in the way)
     assert p.step_s == pytest.approx(1.0)
     assert p.rollout_idle == pytest.approx(0.0)
     assert p.trainer_idle == pytest.approx(0.5)  # it waits 0.5 s of each 1.0 for a batch
