@@ -72,7 +72,9 @@ class FinishedGroup:
 
 
 @dataclass
-class _Row:
+class DrawnSample:
+    """One sample of a group in flight: its tokens so far, their log-probs and weight versions."""
+
     request: GroupRequest
     sample: int  # k within the group
     ids: list[int] = field(default_factory=list)
@@ -83,6 +85,38 @@ class _Row:
     @property
     def context(self) -> list[int]:
         return list(self.request.prompt_ids) + self.ids
+
+
+class GroupsInFlight:
+    """The groups a running batch holds (both engines'), each until its last sample ends."""
+
+    def __init__(self) -> None:
+        self._samples: dict[tuple[int, int], list[DrawnSample]] = {}
+
+    def admit(self, request: GroupRequest, free_rows: int) -> list[DrawnSample]:
+        """``request``'s samples, with room for them (``free_rows``) or ValueError."""
+        if request.size > free_rows:
+            raise ValueError(f"{request.size} rows admitted with {free_rows} free")
+        samples = [DrawnSample(request, k) for k in range(request.size)]
+        self._samples[(request.step, request.group)] = samples
+        return samples
+
+    def ended(self, sample: DrawnSample) -> list[FinishedGroup]:
+        """``sample`` has ended: its group, as Rollouts in sample order, if it was the last."""
+        request = sample.request
+        key = (request.step, request.group)
+        samples = self._samples[key]
+        if any(s.finish is None for s in samples):
+            return []
+        del self._samples[key]
+        rollouts = Rollouts(
+            [list(request.prompt_ids) for _ in samples],
+            [s.ids for s in samples],
+            [s.logprobs for s in samples],
+            [s.finish for s in samples],
+            token_versions=[s.versions for s in samples],
+        ).drawn_with(request.sampling.settings)
+        return [FinishedGroup(request.step, request.group, rollouts)]
 
 
 class ContinuousDecoder:
@@ -105,13 +139,14 @@ class ContinuousDecoder:
         self._cache_key = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
-        self._running: list[_Row] = []  # the cache's rows, in its order
-        self._joining: list[_Row] = []  # prefilled at the next step (admitted, or new weights)
+        self._running: list[DrawnSample] = []  # the cache's rows, in its order
+        self._joining: list[
+            DrawnSample
+        ] = []  # prefilled at the next step (admitted, or new weights)
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # (running rows, cache length) 1 = a real token
         self._streams: RowStreams | None = None  # the running rows', in the cache's order
-        self._left: dict[tuple[int, int], int] = {}  # (step, group) -> its rows not yet ended
-        self._rows: dict[tuple[int, int], list[_Row]] = {}
+        self._groups = GroupsInFlight()
         self._sampling: SamplingParams | None = None
         # since the last ``take_stats``: decode steps, rows decoded (tokens picked) over them
         self._stats = [0, 0]
@@ -127,8 +162,6 @@ class ContinuousDecoder:
 
     def admit(self, request: GroupRequest) -> None:
         """``request``'s rows join the batch at the next step (the caller leaves room for them)."""
-        if request.size > self.free_rows:
-            raise ValueError(f"{request.size} rows admitted with {self.free_rows} free")
         first = self._sampling
         if first is None:
             if request.sampling.temperature > 0:
@@ -138,10 +171,7 @@ class ContinuousDecoder:
             request.sampling.max_new_tokens != first.max_new_tokens
         ):
             raise ValueError("every group of a running batch is sampled with the same settings")
-        key = (request.step, request.group)
-        rows = [_Row(request, k) for k in range(request.size)]
-        self._rows[key], self._left[key] = rows, request.size
-        self._joining += rows
+        self._joining += self._groups.admit(request, self.free_rows)
 
     # ---- weights
     @torch.no_grad()
@@ -182,7 +212,7 @@ class ContinuousDecoder:
             elif len(row.ids) >= self._sampling.max_new_tokens:
                 row.finish = "length"
             if row.finish is not None:
-                finished += self._ended(row)
+                finished += self._groups.ended(row)
         self._prune()
         return finished
 
@@ -239,7 +269,7 @@ class ContinuousDecoder:
         )
         return torch.cat([logits for logits, *_ in parts])
 
-    def _stream(self, row: _Row) -> RowStreams:
+    def _stream(self, row: DrawnSample) -> RowStreams:
         request = row.request
         key = request.sampling.first_prompt * request.size + row.sample
         return RowStreams(request.sampling.seed, [key], self.device)
@@ -257,22 +287,6 @@ class ContinuousDecoder:
             else sample_tokens(logprobs, self._streams.uniform(t))
         )
         return tokens.squeeze(-1).cpu(), logprobs.gather(-1, tokens).squeeze(-1).cpu()
-
-    def _ended(self, row: _Row) -> list[FinishedGroup]:
-        key = (row.request.step, row.request.group)
-        self._left[key] -= 1
-        if self._left[key]:
-            return []
-        del self._left[key]
-        rows = self._rows.pop(key)
-        rollouts = Rollouts(
-            [list(r.request.prompt_ids) for r in rows],
-            [r.ids for r in rows],
-            [r.logprobs for r in rows],
-            [r.finish for r in rows],
-            token_versions=[r.versions for r in rows],
-        ).drawn_with(row.request.sampling.settings)
-        return [FinishedGroup(row.request.step, row.request.group, rollouts)]
 
     def _prune(self) -> None:
         """Rows that ended leave the cache; so do the columns no running row uses."""

@@ -31,24 +31,17 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from grpo_ds.errors import UserError
-from grpo_ds.rollout.base import Rollouts
-from grpo_ds.rollout.hf_continuous import FinishedGroup, GroupRequest
+from grpo_ds.rollout.hf_continuous import (
+    DrawnSample,
+    FinishedGroup,
+    GroupRequest,
+    GroupsInFlight,
+)
 from grpo_ds.rollout.vllm_requests import request_seeds, sampling_kwargs
-
-
-@dataclass
-class _Sample:
-    request: GroupRequest
-    sample: int  # k within the group
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish: str | None = None
 
 
 class VLLMContinuous:
@@ -62,8 +55,8 @@ class VLLMContinuous:
         _check_recompute(self._llm)
         self._delta = RequestOutputKind.DELTA
         self.capacity_rows, self.version = capacity_rows, version
-        self._samples: dict[str, _Sample] = {}  # request id -> its sample, until it ends
-        self._left: dict[tuple[int, int], list[_Sample]] = {}  # (step, group) -> its samples
+        self._samples: dict[str, DrawnSample] = {}  # request id -> its sample, until it ends
+        self._groups = GroupsInFlight()
         self._ids = itertools.count()
         self._stats = [0, 0]  # since the last take_stats: engine steps, tokens picked
 
@@ -77,15 +70,11 @@ class VLLMContinuous:
 
     def admit(self, request: GroupRequest) -> None:
         """``request``'s samples, one vLLM request each, join vLLM's waiting queue."""
-        if request.size > self.free_rows:
-            raise ValueError(f"{request.size} rows admitted with {self.free_rows} free")
         import vllm
 
         sampling = request.sampling
         (seed,) = request_seeds(sampling.seed, [sampling.first_prompt], request.size)
-        samples = [_Sample(request, k) for k in range(request.size)]
-        self._left[(request.step, request.group)] = samples
-        for sample in samples:
+        for sample in self._groups.admit(request, self.free_rows):
             kwargs = sampling_kwargs(sampling, 1, self._engine.stop_ids, seed + sample.sample)
             params = vllm.SamplingParams(**kwargs, detokenize=False, output_kind=self._delta)
             request_id = f"grpo_ds-{next(self._ids)}"
@@ -129,29 +118,13 @@ class VLLMContinuous:
                     raise RuntimeError(f"vLLM finished a sample with {completion.finish_reason!r}")
                 sample.finish = completion.finish_reason
                 del self._samples[output.request_id]
-                finished += self._ended(sample)
+                finished += self._groups.ended(sample)
         return finished
 
     def take_stats(self) -> tuple[int, int]:
         """(engine steps, tokens picked over them) since the last call."""
         stats, self._stats = tuple(self._stats), [0, 0]
         return stats
-
-    def _ended(self, sample: _Sample) -> list[FinishedGroup]:
-        request = sample.request
-        key = (request.step, request.group)
-        samples = self._left[key]
-        if any(s.finish is None for s in samples):
-            return []
-        del self._left[key]
-        rollouts = Rollouts(
-            [list(request.prompt_ids) for _ in samples],
-            [s.ids for s in samples],
-            [s.logprobs for s in samples],
-            [s.finish for s in samples],
-            token_versions=[s.versions for s in samples],
-        ).drawn_with(request.sampling.settings)
-        return [FinishedGroup(request.step, request.group, rollouts)]
 
 
 def _check_recompute(llm_engine) -> None:
