@@ -249,6 +249,7 @@ class Session:
             ctx.inputs.placement.rollout_ranks + 1,
             dist.device,
             recipe.rollout.transfer_timeout_s,
+            shares=recipe.rollout.continuous,
         )
         self.rank_log = ctx.run_dir / "ranks" / f"rank{dist.launch_rank}.jsonl"
         self.stop.track(ctx.run_dir, None)

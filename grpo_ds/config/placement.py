@@ -172,11 +172,19 @@ def _check_continuous(recipe) -> None:
             "(multi-turn episodes)",
             'set rollout.engine to "hf" or "vllm", or rollout.continuous to false',
         )
-    if r.ranks != 1:
+    if r.engine == "vllm" and r.vllm_tensor_parallel_size > 1:
         raise UserError(
             "rollout.continuous",
-            f"runs on one rollout rank so far; rollout.ranks is {r.ranks}",
-            "set rollout.ranks to 1, or rollout.continuous to false",
+            "runs one vLLM engine per rollout rank so far; rollout.vllm_tensor_parallel_size is "
+            f"{r.vllm_tensor_parallel_size}",
+            "set rollout.vllm_tensor_parallel_size to 1, or rollout.continuous to false",
+        )
+    if r.prompts_per_step < r.ranks:
+        raise UserError(
+            "rollout.continuous",
+            f"gives each rollout rank its own prompts of every step: rollout.prompts_per_step "
+            f"{r.prompts_per_step} is fewer than rollout.ranks {r.ranks}",
+            "raise rollout.prompts_per_step, or lower rollout.ranks",
         )
     if recipe.algorithm.dynamic_sampling:
         raise UserError(

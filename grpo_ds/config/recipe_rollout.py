@@ -103,7 +103,8 @@ class RolloutConfig:
         "one running batch, admits a step's groups as others end and loads new weights between "
         "two decode steps (each token records its weight version), instead of generating each "
         "step's batch to its longest completion; a step still trains exactly its own prompts, in "
-        "order. hf and vllm engines, one rollout rank, no dynamic sampling for now; "
+        "order. hf and vllm engines (one engine per rollout rank: each decodes its own groups of "
+        "every step), no dynamic sampling for now; "
         "docs/guides/placement.md",
     )
     transfer_timeout_s: float = opt(

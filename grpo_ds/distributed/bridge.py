@@ -16,7 +16,11 @@ typed (grpo_ds.distributed.messages: one codec, with a version):
   then a ``GoAhead`` per step, and ``Stop`` at the end or on a preemption;
 - the weights, down, after a GoAhead that says so (``send_weights``): per bucket a ``WeightBucket``
   naming its tensors, then the bucket as one flat buffer of raw bytes (one bucket alive), and a
-  ``WeightsEnd`` after the last.
+  ``WeightsEnd`` after the last;
+- sideways, under continuous generation on several rollout ranks (``send_share``,
+  ``receive_share``): each rollout rank after the first sends its ended groups of a step (a
+  ``Share``) to the first, which puts the step's batch together, point to point in a group of the
+  two alone.
 
 Before any of it, before anything loads, the trainer's rank 0 puts its ``Verdict`` in the store
 (go on, finished, or a refusal) and the rollout ranks wait for it, so that a run that ends there
@@ -224,7 +228,15 @@ class Bridge:
 
     TRAINER, ROLLOUT_LEAD = 0, 1
 
-    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store,
+        rank: int,
+        size: int,
+        device: torch.device,
+        timeout_s: float,
+        shares: bool = False,
+    ) -> None:
         self.rank, self.size, self.device, self.timeout_s = rank, size, device, timeout_s
         self._group = _process_group(
             store, "bridge", rank, size, device, max(timeout_s, START_TIMEOUT_S)
@@ -239,6 +251,21 @@ class Bridge:
         )
         # the side this member waits for
         self._peer = "rollout ranks" if rank == self.TRAINER else "trainer"
+        # ``shares`` (continuous generation on several rollout ranks): each rollout rank after the
+        # first sends its shares of a step to the first, in a group of the two alone (the first is
+        # its member 0), so that the first receives from each in a thread of its own
+        self._shares: dict[int, object] = {}
+        if shares and rank >= self.ROLLOUT_LEAD:
+            lead = rank == self.ROLLOUT_LEAD
+            for peer in range(self.ROLLOUT_LEAD + 1, size) if lead else [rank]:
+                self._shares[peer] = _process_group(
+                    store,
+                    f"bridge-share-{peer}",
+                    0 if lead else 1,
+                    2,
+                    device,
+                    max(timeout_s, START_TIMEOUT_S),
+                )
 
     # ---- messages
     def send(self, message: Message) -> None:
@@ -267,6 +294,34 @@ class Bridge:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self._carry(payload, up, what, start_up, tag=1)
         return decode(payload.cpu().numpy().tobytes(), f"the {self._peer}", kinds)
+
+    def send_share(self, message: Message) -> None:
+        """A rollout rank after the first: ``message`` (a Share) to the first rollout rank."""
+        group, name = self._shares[self.rank], "first rollout rank"
+        data = torch.frombuffer(bytearray(encode(message)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        for tag, tensor in enumerate((size, data)):
+            self._pair(lambda t=tensor, tag=tag: group.send([t], 0, tag), message.WHAT, name)
+
+    def receive_share(self, peer: int, *kinds: type) -> Message:
+        """The first rollout rank: the next message from bridge rank ``peer`` (a rollout rank after
+        the first), one of ``kinds``."""
+        group, name = self._shares[peer], f"rollout rank {peer - 1}"
+        what = messages.what(kinds)
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._pair(lambda: group.recv([size], 1, 0), what, name)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._pair(lambda: group.recv([payload], 1, 1), what, name)
+        return decode(payload.cpu().numpy().tobytes(), f"the {name}", kinds)
+
+    def _pair(self, post, what: str, peer: str) -> None:
+        """One transfer between two rollout ranks (``post`` starts it), waited for as any other,
+        a failure naming ``peer``."""
+        try:
+            work = post()
+        except RuntimeError as err:
+            raise self._gone(err, what, peer) from None
+        self._wait(work, what, False, peer)
 
     def _send_bytes(self, payload: bytes, kind: type, up: bool) -> None:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
@@ -330,8 +385,9 @@ class Bridge:
                 yield name, part.view(dtype).view(shape)
 
     # ---- waiting, with the side named
-    def _wait(self, work, what: str, start_up: bool) -> None:
+    def _wait(self, work, what: str, start_up: bool, peer: str | None = None) -> None:
         limit = START_TIMEOUT_S if start_up else self.timeout_s
+        peer = peer or self._peer
         try:
             work.wait(datetime.timedelta(seconds=limit))
         except RuntimeError as err:
@@ -342,12 +398,12 @@ class Bridge:
                     if start_up
                     else f"rollout.transfer_timeout_s = {limit:g} s"
                 )
-                raise Stalled(f"the {self._peer} stalled: no {what} within {within}") from None
-            raise self._gone(err, what) from None
+                raise Stalled(f"the {peer} stalled: no {what} within {within}") from None
+            raise self._gone(err, what, peer) from None
 
-    def _gone(self, err: RuntimeError, what: str) -> Stalled:
+    def _gone(self, err: RuntimeError, what: str, peer: str | None = None) -> Stalled:
         return Stalled(
-            f"the {self._peer} went away while this side waited for {what} "
+            f"the {peer or self._peer} went away while this side waited for {what} "
             f"({str(err).splitlines()[0]})"
         )
 

@@ -6,6 +6,8 @@ below; the weights' tensors travel beside them, as raw buffers. Who sends what:
     rollout ranks -> trainer:  Layout (once, at the start), then one Batch per step
     trainer -> rollout ranks:  Start (once), then GoAhead per step (each with new weights or not:
                                WeightBucket... WeightsEnd), and Stop (the end, or a preemption)
+    other rollout ranks -> the first (continuous generation on several rollout ranks): one Share
+                               per step, and a last Share of no step after the Stop
 
 Wire format of one message (``encode``; ``decode`` reverses it):
 
@@ -29,7 +31,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-BRIDGE_VERSION = 2  # raise it when a message's fields or the wire format change
+BRIDGE_VERSION = 3  # raise it when a message's fields or the wire format change
 MAGIC = b"grpo_ds bridge"
 _HEADER = struct.Struct(">HB")  # the version, the length of the kind's name
 
@@ -99,6 +101,23 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class Share:
+    """A rollout rank after the first -> the first rollout rank, under continuous generation: its
+    groups of step ``step``, all ended (the first rollout rank puts the step's batch together);
+    ``step`` None: it sends no more."""
+
+    WHAT: ClassVar[str] = "share of a batch"
+    START_UP: ClassVar[bool] = False
+
+    step: int | None
+    rank: int  # the sender's place among the rollout ranks (its groups follow those before it)
+    rollouts: Any = None  # grpo_ds.rollout.base.Rollouts of its groups, in order (opaque)
+    decode_steps: int = 0  # its decode steps since its previous share
+    rows: int = 0  # the rows it decoded over them (tokens picked)
+    decode_s: float = 0.0  # its seconds of decoding over them
+
+
+@dataclass(frozen=True)
 class Preemption:
     """The trainer's grpo_ds.run.preemption.Preempted, field by field: every rollout rank raises the
     same, and leaves with its exit code."""
@@ -140,7 +159,7 @@ class WeightsEnd:
     START_UP: ClassVar[bool] = False
 
 
-Message = Layout | Start | GoAhead | Batch | Stop | WeightBucket | WeightsEnd
+Message = Layout | Start | GoAhead | Batch | Share | Stop | WeightBucket | WeightsEnd
 KINDS: dict[str, type] = {kind.__name__: kind for kind in typing.get_args(Message)}
 _FIELDS = {kind: [f.name for f in dataclasses.fields(kind)] for kind in KINDS.values()}
 _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}

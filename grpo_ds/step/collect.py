@@ -76,9 +76,12 @@ def scored_batch(
 ) -> StepBatch:
     """A step's samples generated elsewhere (continuous generation: grpo_ds.step.continuous), scored
     and described as ``collect`` scores and describes a step it generated (without dynamic
-    sampling)."""
+    sampling). The first rollout rank calls it alone: the reward functions run here, with no
+    collective over the rollout ranks (which hold no reward models: the trainer adds theirs)."""
     model_metrics: dict = {}
-    result, rewards = _score_round(ctx, prompt_index, rollouts, times, spans, model_metrics)
+    result, rewards = _score_round(
+        ctx, prompt_index, rollouts, times, spans, model_metrics, alone=True
+    )
     metrics = _collect_metrics(
         [result], [(prompt_index, rollouts, rewards)], model_metrics, rewards, ctx.group_size
     )
@@ -92,14 +95,17 @@ def _score_round(
     times: dict,
     spans: list,
     model_metrics: dict,
+    alone: bool = False,
 ) -> tuple[RewardResult, list[float]]:
     """One round's scores (the functions' and the models', ``times`` and ``spans`` their phases)
-    and each sample's reward (the environment's added)."""
+    and each sample's reward (the environment's added); ``alone``: this rank scores by itself
+    (else rank 0 scores with the functions and every rank gets the scores)."""
     rows = [ctx.inputs.prompts[i] for i in prompt_index]
     G = ctx.group_size
-    models = score_models(ctx, rows, rollouts, G, times, spans, model_metrics)
+    models = [] if alone else score_models(ctx, rows, rollouts, G, times, spans, model_metrics)
     with Phase("reward", times, spans):
-        functions = ctx.dist.decide(score_functions, ctx.inputs, rows, rollouts, G)
+        args = (ctx.inputs, rows, rollouts, G)
+        functions = score_functions(*args) if alone else ctx.dist.decide(score_functions, *args)
     result = add_model_scores(functions, models)
     return result, with_env_rewards(result.total, rollouts)
 

@@ -20,6 +20,13 @@ step the trainer has let it start:
   the same order (no bias towards short completions, nothing dropped). Its samples are scored here
   (the reward functions; the trainer adds the models'), as batch by batch.
 
+- **Several rollout ranks.** Each decodes its own slice of every step's groups (the slice batch by
+  batch would give it: a sample's stream is keyed by its place in the step, so it is the same
+  sample on any rank) in a running batch of its own; every rank draws the step's prompts from the
+  same sampler state. The others send their groups of a step to the first as a Share when their
+  last group of it ends (grpo_ds.distributed.mailbox), and the first sends the step's batch up
+  once its own groups and every share have come.
+
 At S = 0 the go-ahead of step j needs the weights after step j-1, which need step j-1's batch: the
 sides take turns as batch by batch, and the samples are the same (a sample's tokens are drawn from
 its own stream, grpo_ds.rollout.streams), the running batch refilling within a step only.
@@ -43,7 +50,7 @@ from pathlib import Path
 
 from grpo_ds.distributed.bridge import Bridge
 from grpo_ds.distributed.mailbox import Inbox, Outbox
-from grpo_ds.distributed.messages import Batch, GoAhead, Stop
+from grpo_ds.distributed.messages import Batch, GoAhead, Share, Stop
 from grpo_ds.rollout.base import Rollouts
 from grpo_ds.rollout.hf_continuous import GroupRequest
 from grpo_ds.run.preemption import Preempted, StopRequest
@@ -59,7 +66,12 @@ class _OpenStep:
 
     prompt_index: list[int]
     sampler: dict
-    groups: dict[int, Rollouts] = field(default_factory=dict)
+    groups: dict[int, Rollouts] = field(default_factory=dict)  # this rank's, by place in the step
+    shares: list[Share] = field(default_factory=list)  # the other rollout ranks' (the first's)
+
+    def done(self, mine: int, peers: int) -> bool:
+        """Whether this rank's ``mine`` groups have ended and ``peers`` shares have come."""
+        return len(self.groups) == mine and len(self.shares) == peers
 
 
 class _Phases:
@@ -121,42 +133,49 @@ def serve_continuous(
 ) -> list[dict]:
     """The rollout rank's side of split placement under continuous generation, from the first
     go-ahead to the trainer's Stop (the Start has set ``sampler`` up); returns the run's metrics
-    history the trainer sends at the end."""
-    recipe = ctx.recipe
+    history the trainer sends at the end. With several rollout ranks each decodes its own slice of
+    every step's groups, and the first puts each step's batch together from its own and the
+    others' shares."""
+    recipe, dist = ctx.recipe, ctx.dist
     P, G = recipe.rollout.prompts_per_step, ctx.group_size
+    lo, hi = dist.dp_slice(P)  # this rank's groups of every step
     decoder = ctx.rollout.continuous(recipe.rollout.generation_batch_prompts * G)
-    inbox, outbox = Inbox(bridge), Outbox(bridge)
+    peers = tuple(range(Bridge.ROLLOUT_LEAD + 1, 1 + dist.dp_size)) if dist.is_main else ()
+    inbox = Inbox(bridge, peers)
+    outbox = Outbox(bridge.send if dist.is_main else bridge.send_share)
     opened: dict[int, _OpenStep] = {}
+    early: dict[int, list[Share]] = {}  # shares whose go-ahead this rank has not polled yet
     queued: deque[GroupRequest] = deque()
     phases, running = _Phases(), _Running()
     while True:
+        while opened and opened[first := min(opened)].done(hi - lo, len(peers)):
+            done, clocks = opened.pop(first), (phases, running)
+            if dist.is_main:
+                _send(first, done, ctx, decoder, clocks, outbox, stop, rank_log)
+            else:
+                _send_share(first, dist.dp_rank, done, decoder, clocks, outbox, rank_log)
+        outbox.check()
         idle = not decoder.rows_in_flight and not queued
         if idle:
             phases.enter("wait")
         match message := inbox.poll(block=idle):
-            case Stop(preempted=None):
-                outbox.close()
-                return message.history
-            case Stop(preempted=p):  # every rank leaves with the trainer's exit code
-                outbox.close()
+            case Stop():
+                _leave(inbox, outbox, dist.dp_rank, bridge.timeout_s)
+                if message.preempted is None:
+                    return message.history
+                p = message.preempted  # every rank leaves with the trainer's exit code
                 raise Preempted(p.signal_name, p.step, p.total_steps, p.checkpoint)
             case GoAhead():
                 if message.version is not None:
                     phases.enter("sync")
                     decoder.load_weights(inbox.weights(), message.version)
-                indices = sampler.next_indices(P)
-                opened[message.step] = _OpenStep(indices, sampler.state_dict())
-                sampling = step_sampling(recipe, message.step)
-                queued.extend(
-                    GroupRequest(
-                        message.step,
-                        g,
-                        ctx.inputs.prompts[i].prompt_ids,
-                        G,
-                        replace(sampling, first_prompt=g),
-                    )
-                    for g, i in enumerate(indices)
-                )
+                opened[message.step], requests = _opened(message.step, ctx, sampler, (lo, hi))
+                opened[message.step].shares += early.pop(message.step, [])
+                queued.extend(requests)
+                continue
+            case Share():  # it may overtake its go-ahead (each comes in a thread of its own)
+                step = opened.get(message.step)
+                (step.shares if step else early.setdefault(message.step, [])).append(message)
                 continue
         while queued and decoder.free_rows >= G:
             decoder.admit(queued.popleft())
@@ -164,9 +183,58 @@ def serve_continuous(
         running.sample(decoder.rows_in_flight)
         for group in decoder.step():
             opened[group.step].groups[group.group] = group.rollouts
-        while opened and len(opened[first := min(opened)].groups) == P:
-            _send(first, opened.pop(first), ctx, decoder, (phases, running), outbox, stop, rank_log)
-        outbox.check()
+
+
+def _opened(
+    step: int, ctx: StepContext, sampler: PromptSampler, mine: tuple[int, int]
+) -> tuple[_OpenStep, list[GroupRequest]]:
+    """Step ``step`` opened by its go-ahead: its prompts, drawn as batch by batch (every rollout
+    rank draws the same), and the requests of this rank's groups ``mine`` = [lo, hi)."""
+    P, G = ctx.recipe.rollout.prompts_per_step, ctx.group_size
+    indices = sampler.next_indices(P)
+    sampling = step_sampling(ctx.recipe, step)
+    requests = [
+        GroupRequest(
+            step, g, ctx.inputs.prompts[indices[g]].prompt_ids, G, replace(sampling, first_prompt=g)
+        )
+        for g in range(*mine)
+    ]
+    return _OpenStep(indices, sampler.state_dict()), requests
+
+
+def _leave(inbox: Inbox, outbox: Outbox, rank: int, timeout_s: float) -> None:
+    """At the Stop: the other rollout ranks send their last share, the first waits for them."""
+    if rank:
+        outbox.put(Share(None, rank))
+    outbox.close()
+    inbox.close(timeout_s)
+
+
+def _send_share(
+    step: int,
+    rank: int,
+    done: _OpenStep,
+    decoder,
+    clocks: tuple[_Phases, _Running],
+    outbox: Outbox,
+    rank_log: Path,
+) -> None:
+    """A rollout rank after the first: its groups of step ``step``, in order, to the first; its
+    rank log's record of them."""
+    phases, running = clocks
+    rollouts = Rollouts.concat(done.groups[g] for g in sorted(done.groups))
+    times, spans = phases.take()
+    decode_steps, rows = decoder.take_stats()
+    outbox.put(Share(step, rank, rollouts, decode_steps, rows, times.get("rollout", 0.0)))
+    oldest = min(v for versions in rollouts.token_versions for v in versions)
+    record = {
+        "step": step,
+        "role": "rollout",
+        "weight_version": oldest,
+        "phases": spans,
+        "running_rows": running.take(),
+    }
+    append_line(rank_log, json.dumps(record))
 
 
 def _send(
@@ -182,16 +250,27 @@ def _send(
     """Step ``step``'s batch, its groups in order, scored and queued to go up; the rank log's
     record of it carries the phases and the running batch since the last one."""
     phases, running = clocks
-    rollouts = Rollouts.concat(done.groups[g] for g in range(len(done.groups)))
+    shares = sorted(done.shares, key=lambda share: share.rank)
+    rollouts = Rollouts.concat(
+        [*(done.groups[g] for g in sorted(done.groups)), *(share.rollouts for share in shares)]
+    )
     times, spans = phases.take()  # the scoring's own phases join them
     # every batch reports each phase, at 0 where it had none since the batch before (a step whose
     # groups all ended while the step before it finished)
     times = {"wait": 0.0, "sync": 0.0, "rollout": 0.0, **times}
+    decoding = times["rollout"]
     data = scored_batch(ctx, done.prompt_index, rollouts, times, spans)
     decode_steps, rows = decoder.take_stats()
-    decoding = times.get("rollout", 0.0)
-    data.metrics["rollout/running_rows_mean"] = rows / decode_steps if decode_steps else 0.0
-    data.metrics["rollout/tokens_per_s"] = rows / decoding if decoding else 0.0
+    # over the rollout ranks: the mean running batch of a rank, and their tokens a second together
+    steps_all = decode_steps + sum(share.decode_steps for share in shares)
+    data.metrics["rollout/running_rows_mean"] = (
+        (rows + sum(share.rows for share in shares)) / steps_all if steps_all else 0.0
+    )
+    data.metrics["rollout/tokens_per_s"] = sum(
+        n / seconds
+        for n, seconds in [(rows, decoding), *((s.rows, s.decode_s) for s in shares)]
+        if seconds
+    )
     oldest = min(v for versions in rollouts.token_versions for v in versions)
     busy = sum(s for phase, s in data.times.items() if phase != "wait")
     outbox.put(

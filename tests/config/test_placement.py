@@ -144,7 +144,11 @@ def test_continuous_generation_needs_split_placement():
     "keys, names",
     [
         ({"engine": "agent", "env": "calculator"}, "hf and vllm engines"),
-        ({"ranks": 2}, "one rollout rank"),
+        (
+            {"engine": "vllm", "ranks": 2, "vllm_tensor_parallel_size": 2},
+            "one vLLM engine per rollout rank",
+        ),
+        ({"ranks": 2, "prompts_per_step": 1}, "fewer than rollout.ranks 2"),
         ({"algorithm__dynamic_sampling": True}, "dynamic_sampling"),
     ],
 )
@@ -154,6 +158,8 @@ def test_continuous_generation_refuses_what_it_does_not_run_with_yet(keys, names
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_continuous_generation_on_one_rollout_rank_is_accepted(engine):
+def test_continuous_generation_on_one_rollout_rank_or_several_is_accepted(engine):
     p = resolve_placement(recipe(placement="split", continuous=True, engine=engine), 2)
     assert p == Placement(2, 1, 0)
+    several = recipe(placement="split", continuous=True, engine=engine, ranks=2)
+    assert resolve_placement(several, 3) == Placement(3, 2, 0)

@@ -36,6 +36,7 @@ from grpo_ds.distributed.messages import (
     GoAhead,
     Layout,
     Preemption,
+    Share,
     Start,
     Stop,
     WeightBucket,
@@ -63,6 +64,8 @@ EXAMPLES = [
         [["rollout", 1.0, 2.0], ["send", 2.0, 2.5]],
     ),
     Batch(1, 0, None, {}),
+    Share(3, 1, {"rollouts": "opaque to the bridge"}, 12, 96, 0.25),
+    Share(None, 2),
     Stop([{"step": 1, "loss": 0.5}]),
     Stop([], Preemption("SIGTERM", 3, 6, "/run/checkpoints/step_3")),
     Stop([], Preemption("SIGUSR1", 2, 6, None)),
@@ -165,14 +168,17 @@ def test_a_message_of_another_kind_is_refused_naming_both_kinds():
 # --------------------------------------------------------------------------------- a real bridge
 
 
-def _bridge(size: int, timeout_s: float = TIMEOUT_S) -> list[Bridge]:
+def _bridge(size: int, timeout_s: float = TIMEOUT_S, shares: bool = False) -> list[Bridge]:
     """The ``size`` members of one bridge (the trainer's rank 0, then the rollout ranks): each joins
-    the group in a thread, as the ranks of a launch do in their processes."""
+    the group in a thread, as the ranks of a launch do in their processes (``shares``: the rollout
+    ranks' groups of continuous generation too)."""
     store = torch.distributed.HashStore()
+
+    def member(rank: int) -> Bridge:
+        return Bridge(store, rank, size, torch.device("cpu"), timeout_s, shares=shares)
+
     with ThreadPoolExecutor(size) as pool:
-        return list(
-            pool.map(lambda r: Bridge(store, r, size, torch.device("cpu"), timeout_s), range(size))
-        )
+        return list(pool.map(member, range(size)))
 
 
 def _together(*sides) -> list[Any]:

@@ -15,7 +15,7 @@ import torch
 
 from grpo_ds.distributed.bridge import Bridge, Stalled, open_store
 from grpo_ds.distributed.mailbox import Inbox, Outbox
-from grpo_ds.distributed.messages import Batch, GoAhead, Stop, WeightBucket
+from grpo_ds.distributed.messages import Batch, GoAhead, Share, Stop, WeightBucket
 from tests.distributed.test_bridge import TIMEOUT_S, _bits, _bridge, _together, _weights
 from tests.launch import free_port
 
@@ -32,7 +32,7 @@ def test_a_go_ahead_and_its_weights_arrive_while_the_loop_is_busy_and_a_batch_go
         return got
 
     def rollout_side():
-        inbox, outbox = Inbox(lead), Outbox(lead)
+        inbox, outbox = Inbox(lead), Outbox(lead.send)
         outbox.put(Batch(1, 0, None, {}))  # goes up in its thread
         time.sleep(0.2)  # decoding: the go-ahead waits in the queue
         message = inbox.poll(block=True)
@@ -47,6 +47,49 @@ def test_a_go_ahead_and_its_weights_arrive_while_the_loop_is_busy_and_a_batch_go
     assert [n for n, _ in taken] == list(weights)
     assert all(_bits(t) == _bits(weights[n]) for n, t in taken)
     assert stop == Stop([{"step": 1}]) and nothing is None
+
+
+def test_the_other_rollout_ranks_shares_reach_the_first_while_the_trainer_broadcasts():
+    trainer, lead, *others = _bridge(4, shares=True)
+
+    def trainer_side():
+        trainer.broadcast(GoAhead(1, None))
+        trainer.broadcast(Stop([]))
+
+    def other_side(member: Bridge, rank: int):
+        inbox, outbox = Inbox(member), Outbox(member.send_share)
+        assert inbox.poll(block=True) == GoAhead(1, None)
+        outbox.put(Share(1, rank, [rank], 5, 10, 0.5))  # goes in its thread
+        assert inbox.poll(block=True) == Stop([])
+        outbox.put(Share(None, rank))  # its last
+        outbox.close()
+
+    def lead_side():
+        inbox = Inbox(lead, peers=(2, 3))
+        got = [inbox.poll(block=True) for _ in range(4)]  # the go-ahead, 2 shares, the stop
+        inbox.close(TIMEOUT_S)  # every other rank sent its last share
+        return got, inbox.poll(block=False)
+
+    _, (got, nothing), *_ = _together(
+        trainer_side,
+        lead_side,
+        *(lambda m=m, r=r: other_side(m, r) for r, m in enumerate(others, 1)),
+    )
+    # the go-ahead first of the trainer's; a share may come before it (the other rank took the
+    # broadcast at the same moment), which the decode loop keeps for the step
+    trainers = [m for m in got if not isinstance(m, Share)]
+    assert trainers == [GoAhead(1, None), Stop([])]
+    assert sorted((m.rank, m.rollouts) for m in got if isinstance(m, Share)) == [(1, [1]), (2, [2])]
+    assert nothing is None  # the last shares end the lead's threads, not its queue
+
+
+def test_a_rollout_rank_whose_share_never_comes_stalls_the_first_in_one_line():
+    trainer, lead, other = _bridge(3, timeout_s=0.3, shares=True)
+    with pytest.raises(Stalled) as info:  # what the lead's share thread raises at its next poll
+        lead.receive_share(2, Share)
+    assert str(info.value) == (
+        "the rollout rank 1 stalled: no share of a batch within rollout.transfer_timeout_s = 0.3 s"
+    )
 
 
 def test_weights_that_stop_coming_mid_update_stall_the_rollout_side_in_one_line():

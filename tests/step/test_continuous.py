@@ -1,10 +1,11 @@
 """Continuous generation under split placement through the real `deepspeed` launcher
-(grpo_ds/step/continuous.py, grpo_ds/rollout/hf_continuous.py): 1 trainer rank + 1 rollout rank, hf
-engine, on the CPU.
+(grpo_ds/step/continuous.py, grpo_ds/rollout/hf_continuous.py): 1 trainer rank + 1 rollout rank (and
+2 at staleness 0), hf engine, on the CPU.
 
 - exact at staleness 0: the run trains what the colocated run trains (the same samples, every metric
   within 1e-5 over 12 steps) while its running batch (16 rows for a step's 32) refills within each
-  step;
+  step; the same with two rollout ranks, each decoding its 2 groups of a step in 8 rows, the first
+  putting the step's batch together from both;
 - staleness 1: samples span weight updates (per-token versions, the staleness bound per token);
   a SIGTERM to the trainer stops every rank after a step with a checkpoint (exit 75) while the
   rollout rank has sequences in flight, a SIGKILLed rollout rank ends the job with one line naming
@@ -74,10 +75,31 @@ def _close(got: list[dict], expected: list[dict]) -> None:
                 assert mine[key] == value, key
 
 
-def test_continuous_at_staleness_zero_trains_what_colocated_trains(tmp_path):
-    _ok(_run(1, tmp_path / "colocated", "train.steps=12", *CONTINUOUS[1:]))
-    _ok(_run(2, tmp_path / "split", *SPLIT_KEYS, "train.steps=12", *CONTINUOUS))
-    colocated, continuous = tmp_path / "colocated" / "tiny_cpu", tmp_path / "split" / "tiny_cpu"
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory) -> Path:
+    """The colocated run the staleness-0 runs train the same as (one rank)."""
+    out = tmp_path_factory.mktemp("colocated")
+    _ok(_run(1, out, "train.steps=12", *CONTINUOUS[1:]))
+    return out / "tiny_cpu"
+
+
+# (rollout ranks, running-batch capacity in rows): one rollout rank holds 2 groups of a step's 4;
+# two hold 2 groups each, and run 1 at a time, so each rank's batch refills within the step too
+LAYOUTS = [(1, 16), (2, 8)]
+
+
+@pytest.mark.parametrize("rollout_ranks, capacity", LAYOUTS)
+def test_continuous_at_staleness_zero_trains_what_colocated_trains(
+    tmp_path, colocated, rollout_ranks, capacity
+):
+    layout = [
+        'rollout.placement="split"',
+        f"rollout.ranks={rollout_ranks}",
+        *CONTINUOUS[:2],
+        f"rollout.generation_batch_prompts={capacity // 8}",
+    ]
+    _ok(_run(1 + rollout_ranks, tmp_path / "split", *layout, "train.steps=12"))
+    continuous = tmp_path / "split" / "tiny_cpu"
     got, expected = _metrics(continuous), _metrics(colocated)
     assert sum(m["grad_norm"] > 0 for m in expected) >= 6  # the weights move
     _close(
@@ -105,13 +127,16 @@ def test_continuous_at_staleness_zero_trains_what_colocated_trains(tmp_path):
     for m in got:
         assert m["placement/staleness_max"] == 0 and m["placement/version_spread_max"] == 0
         assert m["placement/samples_spanning_update_frac"] == 0.0
-        # the batch refilled: more than one group of 8 ran at a time, never more than 16 rows
-        assert 8 < m["rollout/running_rows_mean"] <= 16, m["rollout/running_rows_mean"]
+        # the batch refilled: more than one group of 8 ran at a time on a rank, never more than its
+        # capacity (two rollout ranks: one group at a time, a second joining as the first ends)
+        low = 8 if rollout_ranks == 1 else 0
+        assert low < m["rollout/running_rows_mean"] <= capacity, m["rollout/running_rows_mean"]
         assert m["rollout/tokens_per_s"] > 0
-    assert [
-        (r["step"], r["weight_version"])
-        for r in rank_log_records(continuous / "ranks" / "rank1.jsonl")
-    ] == [(k, k - 1) for k in range(1, 13)]
+    for rank in range(1, 1 + rollout_ranks):  # every rollout rank decoded its share of every step
+        records = rank_log_records(continuous / "ranks" / f"rank{rank}.jsonl")
+        assert [(r["step"], r["weight_version"]) for r in records] == [
+            (k, k - 1) for k in range(1, 13)
+        ]
 
 
 def _held_launch(out: Path, held_after: int, local_rank: int, signum: int):
