@@ -59,7 +59,12 @@ TINY = [
         "split",
         "recipes/tiny_cpu.json",
         "split",
-        ('rollout.placement="split"', "rollout.ranks=1", "rollout.max_staleness=1"),
+        (
+            'rollout.placement="split"',
+            "rollout.ranks=1",
+            "rollout.max_staleness=1",
+            "algorithm.rollout_is_cap=2",
+        ),
     ),
 ]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -158,15 +163,29 @@ def run_all(seeds: list[int], record: bool) -> None:
         for tiny in TINY:
             command, env = launch_command(tiny.launch)
             finals, trains = [], []
-            for seed in seeds:
-                print(f"  {tiny.name}, seed {seed} ...", file=sys.stderr, flush=True)
-                out = Path(tmp) / tiny.name.replace(" ", "_")
-                metrics, wall = run_seed(
-                    command, tiny.recipe, seed, str(out), list(tiny.overrides), env
+            try:
+                for seed in seeds:
+                    print(f"  {tiny.name}, seed {seed} ...", file=sys.stderr, flush=True)
+                    out = Path(tmp) / tiny.name.replace(" ", "_")
+                    metrics, wall = run_seed(
+                        command, tiny.recipe, seed, str(out), list(tiny.overrides), env
+                    )
+                    _, final, train = seed_row(seed, metrics, wall)
+                    finals.append(final)
+                    trains.append(train)
+            except subprocess.CalledProcessError as err:  # a row that says so; the others run
+                verdicts.append(False)
+                rows.append(
+                    [
+                        tiny.name,
+                        " ".join([tiny.recipe, *tiny.overrides]),
+                        "-",
+                        "-",
+                        "-",
+                        f"failed (exit {err.returncode}, seed {seed})",
+                    ]
                 )
-                _, final, train = seed_row(seed, metrics, wall)
-                finals.append(final)
-                trains.append(train)
+                continue
             met = min(finals) >= TARGET and max(trains) < TRAINING_S
             verdicts.append(met)
             rows.append(
