@@ -508,6 +508,11 @@ QUESTIONS = (
         _every_tiny,
     ),
     Question(
+        "One tiny recipe on its own (tiny_recipe_seeds.py --recipe; the latest such run)",
+        _heading(r"^tiny_recipe_seeds: (?!every tiny recipe|tiny_cpu\.json)"),
+        lambda block: f"{block.heading.split(': ', 1)[1].split(',')[0]}: {_seeds(block)}",
+    ),
+    Question(
         "End to end on a GPU, 0.5 B",
         _heading(r"^grpo_ds end to end:"),
         _first_note("after the first step (median): "),
