@@ -289,20 +289,26 @@ def test_the_docs_build_with_strict(built_site):
     assert (built_site / "index.html").is_file()
 
 
+def _selectors_setting(declaration: str) -> list[str]:
+    """The selectors of docs/stylesheets/extra.css's rules whose body matches ``declaration`` (a
+    regular expression), comments left out."""
+    css = re.sub(
+        r"/\*.*?\*/", "", (ROOT / "docs" / "stylesheets" / "extra.css").read_text(), flags=re.S
+    )
+    return [
+        selector.strip()
+        for selectors, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css)
+        if re.search(declaration, body)
+        for selector in selectors.split(",")
+    ]
+
+
 def test_no_code_block_of_the_built_site_is_kept_on_one_line(built_site):
     """No rule of docs/stylesheets/extra.css that sets white-space: nowrap reaches a code block (a
     pre > code) of any built page: one that did rendered the vLLM guide's four launch commands in a
     list item as one line. The selectors are matched by css_select (descendant and child
     combinators, types, classes, :not(type))."""
-    css = re.sub(
-        r"/\*.*?\*/", "", (ROOT / "docs" / "stylesheets" / "extra.css").read_text(), flags=re.S
-    )
-    nowrap = [
-        selector.strip()
-        for selectors, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css)
-        if re.search(r"white-space:\s*nowrap", body)
-        for selector in selectors.split(",")
-    ]
+    nowrap = _selectors_setting(r"white-space:\s*nowrap")
     assert nowrap, "extra.css has no nowrap rule: nothing to check"
     blocks = 0
     for page in built_site.rglob("*.html"):
@@ -322,15 +328,7 @@ def test_every_code_block_of_the_built_site_wraps_its_long_lines(built_site):
     running past its edge (checked on the built HTML and the stylesheet, not in a browser); and the
     table of contents sits in the navigation (toc.integrate), which gives the text column the
     right-hand sidebar's width."""
-    css = re.sub(
-        r"/\*.*?\*/", "", (ROOT / "docs" / "stylesheets" / "extra.css").read_text(), flags=re.S
-    )
-    wrapping = [
-        selector.strip()
-        for selectors, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css)
-        if re.search(r"white-space:\s*pre-wrap", body)
-        for selector in selectors.split(",")
-    ]
+    wrapping = _selectors_setting(r"white-space:\s*pre-wrap")
     blocks = 0
     for page in built_site.rglob("*.html"):
         tree = css_select.parse(page.read_text())
