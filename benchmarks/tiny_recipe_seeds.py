@@ -15,7 +15,8 @@ included), and the last steps' entropy and no_signal_frac.
 page says to, seed by seed, and writes one row a recipe: the worst and mean last-10 reward over the
 seeds, the longest training, and the verdict against the same target. The vLLM recipe runs in the
 vLLM CPU build's environment (.venv-vllm, as bash .ci/vllm-venv makes it); the split one through
-python -m grpo_ds.launch on 2 CPU ranks (1 trainer + 1 rollout rank, rollout.max_staleness 1).
+python -m grpo_ds.launch on 2 CPU ranks (1 trainer + 1 rollout rank, rollout.max_staleness 1,
+lr 7e-4 for 300 steps).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ TINY = [
             "rollout.ranks=1",
             "rollout.max_staleness=1",
             "algorithm.rollout_is_cap=2",
+            # staleness 1 at the recipe's lr 1e-3 collapses after ~250 steps (docs/guides/
+            # placement.md, "Staleness and the learning rate")
+            "train.lr=0.0007",
+            "train.steps=300",
         ),
     ),
 ]

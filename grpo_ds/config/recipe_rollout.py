@@ -180,6 +180,20 @@ class RolloutConfig:
     vllm_dtype: str | None = opt(
         None, "vllm: dtype of vLLM's weights and activations (null = model.dtype)", choices=DTYPES
     )
+    vllm_max_num_seqs: int | None = opt(
+        None,
+        "vllm: most sequences vLLM schedules in one engine step (its max_num_seqs; null = "
+        "vLLM's default, 256 on a CPU). A step whose prompts x group_size is above it is "
+        "generated in waves; raising it to the step's samples (with "
+        "vllm_max_num_batched_tokens) lets many short completions go in one wave",
+        low=1,
+    )
+    vllm_max_num_batched_tokens: int | None = opt(
+        None,
+        "vllm: most tokens vLLM computes in one engine step, prompts' prefill included (its "
+        "max_num_batched_tokens; null = vLLM's default, 4096 on a CPU)",
+        low=1,
+    )
 
 
 @dataclass(frozen=True)

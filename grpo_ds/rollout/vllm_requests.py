@@ -32,6 +32,9 @@ class VLLMSettings:
     trust_remote_code: bool
     enforce_eager: bool = False
     kv_cache_gib: float | None = None
+    # vLLM's scheduler limits per engine step; None = vLLM's defaults
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
 
     @staticmethod
     def from_recipe(recipe) -> VLLMSettings:
@@ -47,6 +50,8 @@ class VLLMSettings:
             recipe.model.trust_remote_code,
             r.vllm_enforce_eager,
             r.vllm_kv_cache_gib,
+            r.vllm_max_num_seqs,
+            r.vllm_max_num_batched_tokens,
         )
 
 
@@ -73,6 +78,9 @@ def llm_kwargs(
     }
     if settings.kv_cache_gib is not None and not on_cpu:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(settings, key) is not None:
+            kwargs[key] = getattr(settings, key)
     return kwargs
 
 

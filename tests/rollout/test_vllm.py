@@ -269,6 +269,21 @@ def test_llm_arguments_colocate_and_return_processed_logprobs():
     )
     # an env var there
     assert "kv_cache_memory_bytes" not in llm_kwargs(sized, "/m", 0, on_cpu=True, sleep=False)
+    # vLLM's scheduler limits: its defaults unless the recipe names them
+    assert not {"max_num_seqs", "max_num_batched_tokens"} & set(gpu)
+    waves = VLLMSettings.from_recipe(
+        load_recipe(
+            {
+                "rollout": {
+                    "engine": "vllm",
+                    "vllm_max_num_seqs": 1600,
+                    "vllm_max_num_batched_tokens": 32768,
+                }
+            }
+        )
+    )
+    cpu = llm_kwargs(waves, "/m", 0, on_cpu=True, sleep=False)
+    assert (cpu["max_num_seqs"], cpu["max_num_batched_tokens"]) == (1600, 32768)
     assert (
         VLLMSettings.from_recipe(
             load_recipe(
