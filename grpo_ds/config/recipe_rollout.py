@@ -191,7 +191,8 @@ class RolloutConfig:
     vllm_max_num_batched_tokens: int | None = opt(
         None,
         "vllm: most tokens vLLM computes in one engine step, prompts' prefill included (its "
-        "max_num_batched_tokens; null = vLLM's default, 4096 on a CPU)",
+        "max_num_batched_tokens; null = vLLM's default, 4096 on a CPU); at least "
+        "vllm_max_num_seqs",
         low=1,
     )
 

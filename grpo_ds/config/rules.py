@@ -219,8 +219,10 @@ def _validate_sequence_parallel(recipe: Recipe) -> None:
 
 
 def _validate_vllm(recipe: Recipe) -> None:
-    """rollout.vllm_max_model_len must hold the longest sequence. The vllm_* keys are ignored by the
-    other engines (so one recipe can compare engines with a rollout.engine override); the
+    """rollout.vllm_max_model_len must hold the longest sequence, and vllm_max_num_batched_tokens
+    as many tokens as vllm_max_num_seqs has sequences (where both are set). The vllm_* keys are
+    ignored by the other engines (so one recipe can compare engines with a rollout.engine
+    override); the
     tensor-parallel size is checked against the world size at start-up
     (grpo_ds.rollout.vllm_checks.check_vllm_setup)."""
     r = recipe.rollout
@@ -232,6 +234,14 @@ def _validate_vllm(recipe: Recipe) -> None:
             f"{longest} (data.max_prompt_tokens {recipe.data.max_prompt_tokens} + "
             f"rollout.max_new_tokens {r.max_new_tokens})",
             f"raise it to at least {longest}, or null",
+        )
+    seqs, tokens = r.vllm_max_num_seqs, r.vllm_max_num_batched_tokens
+    if recipe.uses_vllm and seqs is not None and tokens is not None and tokens < seqs:
+        raise UserError(  # vLLM's own rule, which it would say once the model had loaded
+            "rollout.vllm_max_num_batched_tokens",
+            f"{tokens} is less than rollout.vllm_max_num_seqs {seqs}: vLLM computes at least one "
+            "token of every sequence it schedules in an engine step",
+            f"raise it to at least {seqs}, or lower vllm_max_num_seqs",
         )
 
 

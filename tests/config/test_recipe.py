@@ -565,3 +565,25 @@ def test_dr_grpo_with_a_scale_is_a_contradiction():
         UserError, match='algorithm.scale_rewards: "group" contradicts advantage "dr_grpo"'
     ):
         load_recipe({"algorithm": {"advantage": "dr_grpo", "scale_rewards": "group"}})
+
+
+def test_vllm_scheduler_limits_are_checked_before_vllm_sees_them():
+    """vLLM's own rule (batched tokens >= sequences an engine step), said before any model loads;
+    the other engines ignore the keys."""
+    err = error_of(
+        {"rollout": {"engine": "vllm"}},
+        ["rollout.vllm_max_num_seqs=2048", "rollout.vllm_max_num_batched_tokens=1024"],
+    )
+    assert err.where == "rollout.vllm_max_num_batched_tokens"
+    assert "1024 is less than rollout.vllm_max_num_seqs 2048" in err.what
+    assert "at least 2048" in err.fix
+    for engine, tokens in (("vllm", 2048), ("hf", 1024)):
+        load_recipe(
+            {
+                "rollout": {
+                    "engine": engine,
+                    "vllm_max_num_seqs": 2048,
+                    "vllm_max_num_batched_tokens": tokens,
+                }
+            }
+        )
