@@ -222,8 +222,7 @@ def _validate_vllm(recipe: Recipe) -> None:
     """rollout.vllm_max_model_len must hold the longest sequence, and vllm_max_num_batched_tokens
     as many tokens as vllm_max_num_seqs has sequences (where both are set). The vllm_* keys are
     ignored by the other engines (so one recipe can compare engines with a rollout.engine
-    override); the
-    tensor-parallel size is checked against the world size at start-up
+    override); the tensor-parallel size is checked against the world size at start-up
     (grpo_ds.rollout.vllm_checks.check_vllm_setup)."""
     r = recipe.rollout
     longest = recipe.data.max_prompt_tokens + r.max_new_tokens
